@@ -1,0 +1,31 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Each installs what it
+# needs into .venv first (idempotent: a stamp file records the install).
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.kvwarm-installed
+# CPU build of torch for CI and tests; GPU users install their own torch before `pip install kvwarm`.
+TORCH  ?= torch==2.13.0
+
+.PHONY: demo test install bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[pipeline,test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m prefill.demo --store file://$(CURDIR)/.kvwarm-demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/store_bench.py
+
+clean:
+	rm -rf .kvwarm-demo .pytest_cache
