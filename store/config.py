@@ -1,0 +1,242 @@
+"""The one configuration file of kvwarm, validated with pydantic.
+
+Operators coming from the SageMaker KV-reuse write-up find its keys under
+``kv_cache`` (``reuse_strategy``, ``similarity_threshold``, ``max_shared_instances``,
+``compression``). Files may be YAML, JSON or TOML; ``docs/config.md`` documents every
+key. A bad value raises :class:`store.errors.ConfigError` naming the key, the value
+and what is allowed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+
+from store.errors import ConfigError
+from store.precision import Precision
+from store.tenant import PUBLIC, Tenant, check_tenant_name
+
+#: environment variable naming the config file when none is passed
+CONFIG_ENV = "KVWARM_CONFIG"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class KvCacheConfig(_Section):
+    """What is cached and how. ``reuse_strategy`` never allows serving KV across prefixes."""
+
+    reuse_strategy: Literal["exact_prefix", "similarity"] = Field(
+        "exact_prefix",
+        description="Serving always reuses KV for an exact token prefix only. 'similarity' makes mining "
+        "group near-duplicate prompts (MinHash LSH) to find their shared prefix; it never hands a "
+        "request KV computed for different tokens.",
+    )
+    similarity_threshold: float = Field(0.85, ge=0.5, le=1.0, description="Jaccard threshold of the LSH used in mining.")
+    max_shared_instances: int = Field(
+        8, ge=1, le=1024,
+        description="Serving processes on one node that may attach to the node's shared snapshot pool at once.",
+    )
+    compression: Literal["fp8", "bf16", "fp16"] = "fp8"
+    scale_granularity: Literal["head", "head_group"] = "head"
+    group_tokens: int = Field(0, ge=0)
+    keep_layers: tuple[int, ...] = Field((), description="Layers stored unquantised when compression is fp8.")
+    keep_dtype: Literal["bf16", "fp16"] = "bf16"
+    block_size: int = Field(256, ge=1, le=65536)
+    ttl_hours: float = Field(4.0, gt=0)
+    ttl_min_hours: float = Field(2.0, gt=0)
+    ttl_max_hours: float = Field(6.0, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "KvCacheConfig":
+        if self.ttl_min_hours > self.ttl_max_hours:
+            raise ValueError(
+                f"ttl_min_hours ({self.ttl_min_hours}) must not exceed ttl_max_hours ({self.ttl_max_hours})"
+            )
+        if not self.ttl_min_hours <= self.ttl_hours <= self.ttl_max_hours:
+            raise ValueError(
+                f"ttl_hours = {self.ttl_hours} is outside the policy bounds "
+                f"[{self.ttl_min_hours}, {self.ttl_max_hours}] (ttl_min_hours, ttl_max_hours)"
+            )
+        if self.scale_granularity == "head_group" and self.group_tokens < 1:
+            raise ValueError("scale_granularity = 'head_group' needs group_tokens >= 1")
+        return self
+
+    def precision(self) -> Precision:
+        """The storage precision these settings describe."""
+        return Precision(
+            compression=self.compression,
+            granularity=self.scale_granularity,
+            group_tokens=self.group_tokens,
+            keep_layers=tuple(self.keep_layers),
+            keep_dtype=self.keep_dtype,
+        )
+
+    def ttl_seconds(self, hours: float | None = None) -> float:
+        """A TTL in seconds, the default one or ``hours`` checked against the policy bounds."""
+        h = self.ttl_hours if hours is None else hours
+        if not self.ttl_min_hours <= h <= self.ttl_max_hours:
+            raise ConfigError(
+                f"ttl = {h} h is outside the policy bounds [{self.ttl_min_hours}, {self.ttl_max_hours}] h"
+            )
+        return h * 3600.0
+
+
+class S3Config(_Section):
+    """How to reach the S3 tier (any S3-compatible endpoint)."""
+
+    endpoint_url: Optional[str] = None
+    access_key_env: Optional[str] = Field(None, description="Env var holding the access key (else boto's chain).")
+    secret_key_env: Optional[str] = None
+    region: str = "us-east-1"
+    connect_timeout_s: float = Field(3.0, gt=0)
+    read_timeout_s: float = Field(10.0, gt=0)
+    op_timeout_s: float = Field(30.0, gt=0, description="Hard ceiling on any one S3 call, retries included.")
+    retries: int = Field(2, ge=0, le=10)
+
+
+class StoreConfig(_Section):
+    """Where snapshots live and how much room they may take."""
+
+    url: str = Field(
+        "file://~/.cache/kvwarm",
+        description="Tiers, fastest first, comma-separated: 'file:///var/cache/kvwarm' alone, or "
+        "'file:///var/cache/kvwarm,s3://bucket/prefix'. An s3:// URL alone adds the default local tier.",
+    )
+    nvme_cap: ByteSize = Field(ByteSize(64 << 30), description="Hard ceiling of the local tier, e.g. '64GiB'.")
+    recency_flush_s: float = Field(5.0, ge=0, description="How often a reader records its accesses (LRU).")
+    evict_to_fraction: float = Field(0.9, gt=0, le=1.0, description="Eviction frees down to this fraction of the cap.")
+    s3: S3Config = S3Config()
+
+
+class TenantConfig(_Section):
+    """Where a tenant's secrets come from (never the secrets themselves)."""
+
+    secret_env: Optional[str] = Field(None, description="Env var holding the tenant's salt secret.")
+    encryption_key_env: Optional[str] = Field(
+        None, description="Env var holding a hex 32-byte AES-GCM key: S3 objects are encrypted at rest."
+    )
+
+
+class KvwarmConfig(_Section):
+    """The whole system's configuration."""
+
+    kv_cache: KvCacheConfig = KvCacheConfig()
+    store: StoreConfig = StoreConfig()
+    tenants: dict[str, TenantConfig] = {}
+
+    @model_validator(mode="after")
+    def _check_tenants(self) -> "KvwarmConfig":
+        for name, tc in self.tenants.items():
+            check_tenant_name(name)
+            if name == PUBLIC and tc.secret_env:
+                raise ValueError("tenants.public cannot have a secret_env: the public salt is well known")
+        return self
+
+    def tenant(self, name: str, environ: Optional[dict[str, str]] = None) -> Tenant:
+        """Credentials for ``name`` from the environment variables the config names.
+
+        Raises:
+            ConfigError: a named variable is unset or the encryption key is malformed.
+        """
+        env = os.environ if environ is None else environ
+        tc = self.tenants.get(name, TenantConfig())
+        secret = _env(env, tc.secret_env, f"tenants.{name}.secret_env") if tc.secret_env else None
+        key = None
+        if tc.encryption_key_env:
+            raw = _env(env, tc.encryption_key_env, f"tenants.{name}.encryption_key_env")
+            try:
+                key = bytes.fromhex(raw)
+            except ValueError:
+                key = b""
+            if len(key) != 32:
+                raise ConfigError(
+                    f"tenants.{name}.encryption_key_env: ${tc.encryption_key_env} must hold 64 hex characters (32 bytes)"
+                )
+        return Tenant.derive(name, secret, key)
+
+
+def _env(env: Any, var: str, key: str) -> str:
+    value = env.get(var)
+    if not value:
+        raise ConfigError(f"{key}: environment variable ${var} is not set; export it or remove the key")
+    return value
+
+
+def _format_errors(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid kvwarm configuration ({source}):"]
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        value = err.get("input")
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            parent = _section_for(err["loc"][:-1])
+            allowed = ", ".join(parent.model_fields) if parent else "see docs/config.md"
+            msg = f"unknown key; allowed keys here: {allowed}"
+        shown = repr(value) if not isinstance(value, dict) else "{...}"
+        lines.append(f"  {loc} = {shown}: {msg}")
+    return "\n".join(lines)
+
+
+def _section_for(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] = KvwarmConfig
+    for part in loc:
+        if part not in model.model_fields:
+            return TenantConfig if model is KvwarmConfig and part != "tenants" else None
+        ann = model.model_fields[part].annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        elif part == "tenants":
+            return TenantConfig if len(loc) > 1 else None
+        else:
+            return None
+    return model
+
+
+def parse_config(data: dict[str, Any] | None, *, source: str = "<dict>") -> KvwarmConfig:
+    """Validate a config mapping.
+
+    Raises:
+        ConfigError: with one line per bad key: ``key = value: what is allowed``.
+    """
+    try:
+        return KvwarmConfig.model_validate(data or {})
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, source)) from None
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> KvwarmConfig:
+    """Load the config from ``path``, else ``$KVWARM_CONFIG``, else the defaults.
+
+    YAML (``.yaml``/``.yml``), JSON (``.json``) and TOML (``.toml``) are accepted.
+
+    Raises:
+        ConfigError: the file is missing, unparsable, or has invalid values.
+    """
+    path = path or os.environ.get(CONFIG_ENV)
+    if not path:
+        return KvwarmConfig()
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist (from {'--config' if path else CONFIG_ENV})")
+    text = p.read_text(encoding="utf-8")
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text)
+        elif p.suffix == ".json":
+            data = json.loads(text)
+        elif p.suffix == ".toml":
+            data = tomllib.loads(text)
+        else:
+            raise ConfigError(f"config file {str(p)!r}: unknown extension; use .yaml, .yml, .json or .toml")
+    except (yaml.YAMLError, json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"config file {str(p)!r} cannot be parsed: {exc}") from None
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a mapping at the top level")
+    return parse_config(data, source=str(p))

@@ -1,0 +1,416 @@
+"""The NVMe tier: a local directory, memory-mapped reads, a hard byte cap with LRU.
+
+Layout under the root::
+
+    objects/<tenant>/<kk>/<key>.kvw   snapshots (immutable; readers map them)
+    tmp/<key>.<pid>.<rand>.tmp         writes in progress (renamed into objects/)
+    quarantine/<tenant>__<key>.<ts>.kvw (+ .reason.json)   corrupt files kept for inspection
+    meta/index.sqlite                  sizes, expiry, last access, in-flight reservations
+
+Readers never touch the index on the hot path: they map the file and note the access
+in memory; accesses are written to the index at most every ``recency_flush_s``.
+Writers reserve room in the index (one SQLite transaction) *before* writing, so the
+bytes on disk never exceed the cap, even with several processes writing at once.
+The index can always be rebuilt from the files (``reconcile``).
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import sqlite3
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import pyarrow as pa
+
+from store.errors import SnapshotError, StoreFull
+from store.snapshot import EncodedSnapshot, read_header, write_snapshot
+from store.tier import SUFFIX, Entry, Tier
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    name TEXT PRIMARY KEY,
+    size INTEGER NOT NULL,
+    last_access REAL NOT NULL,
+    expires REAL NOT NULL,
+    state TEXT NOT NULL,          -- 'pending' (reserved, being written) or 'ready'
+    pid INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS entries_lru ON entries(state, last_access);
+"""
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host."""
+    try:
+        os.kill(pid, 0)
+    except OSError as exc:
+        return exc.errno == errno.EPERM
+    return True
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def encoded_size(data: EncodedSnapshot | bytes | pa.Buffer) -> int:
+    """Exact size of the file ``data`` becomes, computed without writing it."""
+    if isinstance(data, EncodedSnapshot):
+        mock = pa.MockOutputStream()
+        write_snapshot(mock, data)
+        return mock.size()
+    return len(data)
+
+
+def _header_expiry(path: Path, *, default: float) -> float:
+    """A snapshot's expiry from its header; ``default`` (expire now) when unreadable:
+    GC then verifies it and quarantines it if it is corrupt."""
+    try:
+        with pa.memory_map(str(path), "r") as mm:
+            return read_header(mm).expires_at
+    except (SnapshotError, OSError):
+        return default
+
+
+class LocalTier(Tier):
+    """A directory on local disk. See the module docstring for layout and guarantees.
+
+    Args:
+        root: the directory (created if missing).
+        cap_bytes: hard ceiling on bytes held (snapshots plus writes in flight).
+        recency_flush_s: how often accesses are written to the index.
+        evict_to_fraction: when full, evict down to this fraction of the cap.
+        clock: time source (tests inject one).
+    """
+
+    kind = "nvme"
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        cap_bytes: int,
+        recency_flush_s: float = 5.0,
+        evict_to_fraction: float = 0.9,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if cap_bytes <= 0:
+            raise ValueError(f"cap_bytes must be positive, got {cap_bytes}")
+        self.root = Path(root).expanduser().resolve()
+        self.url = f"file://{self.root}"
+        self.cap_bytes = int(cap_bytes)
+        self.recency_flush_s = recency_flush_s
+        self.evict_to_fraction = evict_to_fraction
+        self.clock = clock
+        self.objects = self.root / "objects"
+        self.tmp = self.root / "tmp"
+        self.quarantine_dir = self.root / "quarantine"
+        for d in (self.objects, self.tmp, self.quarantine_dir, self.root / "meta"):
+            d.mkdir(parents=True, exist_ok=True)
+        self._db_path = self.root / "meta" / "index.sqlite"
+        fresh = not self._db_path.exists()
+        self._local = threading.local()
+        self._touches: dict[str, float] = {}
+        self._touch_lock = threading.Lock()
+        self._last_flush = self.clock()
+        self._db()  # creates the schema
+        if fresh:
+            self.reconcile()
+
+    # -- index ---------------------------------------------------------------
+    def _db(self) -> sqlite3.Connection:
+        db = getattr(self._local, "db", None)
+        if db is None:
+            db = sqlite3.connect(self._db_path, timeout=60, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(_SCHEMA)
+            self._local.db = db
+        return db
+
+    @contextmanager
+    def _txn(self) -> Iterator[sqlite3.Connection]:
+        db = self._db()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            yield db
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        db.execute("COMMIT")
+
+    def path(self, name: str) -> Path:
+        return self.objects / name
+
+    def usage(self) -> int:
+        """Bytes reserved in the index (ready snapshots plus writes in flight)."""
+        return int(self._db().execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0])
+
+    def disk_usage(self) -> int:
+        """Bytes actually on disk in objects/ and tmp/ (what the cap bounds)."""
+        total = 0
+        for base in (self.objects, self.tmp):
+            for dirpath, _, files in os.walk(base):
+                for f in files:
+                    try:
+                        total += os.stat(os.path.join(dirpath, f)).st_size
+                    except FileNotFoundError:
+                        pass
+        return total
+
+    # -- reads ---------------------------------------------------------------
+    def read(self, name: str) -> pa.MemoryMappedFile | None:
+        try:
+            mm = pa.memory_map(str(self.path(name)), "r")
+        except FileNotFoundError:
+            return None
+        self.touch(name)
+        return mm
+
+    def touch(self, name: str) -> None:
+        now = self.clock()
+        with self._touch_lock:
+            self._touches[name] = now
+            due = now - self._last_flush >= self.recency_flush_s
+        if due:
+            with self._txn() as db:
+                self._flush_touches(db)
+
+    def _flush_touches(self, db: sqlite3.Connection) -> None:
+        with self._touch_lock:
+            touches, self._touches = self._touches, {}
+            self._last_flush = self.clock()
+        if touches:
+            db.executemany(
+                "UPDATE entries SET last_access = MAX(last_access, ?) WHERE name = ?",
+                [(t, n) for n, t in touches.items()],
+            )
+
+    def exists(self, name: str) -> bool:
+        return self.path(name).is_file()
+
+    def probe(self, names: Sequence[str]) -> int:
+        n = 0
+        for name in names:
+            if not self.path(name).is_file():
+                break
+            n += 1
+        return n
+
+    # -- writes --------------------------------------------------------------
+    def write(self, name: str, data: EncodedSnapshot | bytes | pa.Buffer, *, expires_at: float) -> bool:
+        size = encoded_size(data)
+        pid = os.getpid()
+        final = self.path(name)
+        with self._txn() as db:
+            row = db.execute("SELECT state, pid FROM entries WHERE name = ?", (name,)).fetchone()
+            if row is not None:
+                state, owner = row
+                if state == "ready" and final.is_file():
+                    return False
+                if state == "pending" and owner != pid and pid_alive(owner):
+                    return False  # another process is writing the same immutable snapshot
+                db.execute("DELETE FROM entries WHERE name = ?", (name,))
+            elif final.is_file():
+                # On disk but not indexed (index rebuilt, or an earlier crash): index it.
+                db.execute(
+                    "INSERT INTO entries VALUES (?, ?, ?, ?, 'ready', ?)",
+                    (name, final.stat().st_size, self.clock(), expires_at, pid),
+                )
+                return False
+            self._make_room(db, size)
+            db.execute(
+                "INSERT INTO entries VALUES (?, ?, ?, ?, 'pending', ?)",
+                (name, size, self.clock(), expires_at, pid),
+            )
+        tmp = self.tmp / f"{final.stem}.{pid}.{secrets.token_hex(4)}.tmp"
+        try:
+            with open(tmp, "wb") as f:
+                if isinstance(data, EncodedSnapshot):
+                    write_snapshot(f, data)
+                else:
+                    f.write(memoryview(data))
+                f.flush()
+                os.fsync(f.fileno())
+            final.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(tmp, final)
+            _fsync_dir(final.parent)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            with self._txn() as db:
+                db.execute("DELETE FROM entries WHERE name = ? AND pid = ? AND state = 'pending'", (name, pid))
+            raise
+        with self._txn() as db:
+            db.execute("UPDATE entries SET state = 'ready' WHERE name = ? AND pid = ?", (name, pid))
+        return True
+
+    def _make_room(self, db: sqlite3.Connection, size: int) -> list[str]:
+        if size > self.cap_bytes:
+            raise StoreFull(
+                f"a {size}-byte snapshot cannot fit under the local tier's cap of {self.cap_bytes} bytes; "
+                "raise store.nvme_cap or use a smaller block_size"
+            )
+        used = int(db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0])
+        if used + size <= self.cap_bytes:
+            return []
+        self._flush_touches(db)
+        goal = self.cap_bytes * self.evict_to_fraction - size
+        if goal < 0:
+            goal = self.cap_bytes - size
+        evicted: list[str] = []
+        for name, esize, state, owner in db.execute(
+            "SELECT name, size, state, pid FROM entries ORDER BY (expires <= ?) DESC, last_access ASC",
+            (self.clock(),),
+        ).fetchall():
+            if used <= goal:
+                break
+            if state == "pending" and pid_alive(owner):
+                continue
+            if state == "ready":
+                self.path(name).unlink(missing_ok=True)
+            db.execute("DELETE FROM entries WHERE name = ?", (name,))
+            used -= esize
+            evicted.append(name)
+        if used + size > self.cap_bytes:
+            raise StoreFull(
+                f"local tier full: {used} of {self.cap_bytes} bytes are held by writes in flight; retry later"
+            )
+        return evicted
+
+    def delete(self, name: str) -> bool:
+        with self._txn() as db:
+            db.execute("DELETE FROM entries WHERE name = ?", (name,))
+        try:
+            self.path(name).unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    # -- metadata area -------------------------------------------------------
+    def _meta_path(self, name: str) -> Path:
+        if name.startswith("/") or ".." in name.split("/"):
+            raise ValueError(f"invalid metadata name {name!r}")
+        return self.root / "meta" / name
+
+    def get_meta(self, name: str) -> bytes | None:
+        try:
+            return self._meta_path(name).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def put_meta(self, name: str, data: bytes) -> None:
+        path = self._meta_path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+
+    # -- listing, quarantine, housekeeping -----------------------------------
+    def entries(self, prefix: str = "") -> Iterator[Entry]:
+        top = prefix.split("/")[0] if prefix else ""
+        base = self.objects / top if top else self.objects
+        for dirpath, _, files in os.walk(base):
+            for f in sorted(files):
+                if not f.endswith(SUFFIX):
+                    continue
+                full = Path(dirpath) / f
+                name = full.relative_to(self.objects).as_posix()
+                if not name.startswith(prefix):
+                    continue
+                try:
+                    st = full.stat()
+                except FileNotFoundError:
+                    continue
+                yield Entry(name, st.st_size, st.st_mtime)
+
+    def quarantine(self, name: str, reason: str) -> str | None:
+        src = self.path(name)
+        stamp = f"{self.clock():.6f}"
+        dst = self.quarantine_dir / f"{name.replace('/', '__')}.{stamp}{SUFFIX}"
+        try:
+            os.replace(src, dst)
+        except FileNotFoundError:
+            return None
+        note = {"name": name, "reason": reason, "at": float(stamp)}
+        dst.with_suffix(".reason.json").write_text(json.dumps(note, indent=1))
+        with self._txn() as db:
+            db.execute("DELETE FROM entries WHERE name = ?", (name,))
+        return str(dst)
+
+    def quarantined(self) -> list[Entry]:
+        out = []
+        for f in sorted(self.quarantine_dir.glob(f"*{SUFFIX}")):
+            st = f.stat()
+            out.append(Entry(f.name, st.st_size, st.st_mtime))
+        return out
+
+    def stale_temp_files(self, now: float, max_age_s: float = 3600.0) -> list[Path]:
+        """Temp files whose writer is dead (pid in the name) or that are older than ``max_age_s``."""
+        out = []
+        for f in self.tmp.glob("*.tmp"):
+            try:
+                pid = int(f.name.split(".")[-3])
+            except (ValueError, IndexError):
+                pid = -1
+            try:
+                age = now - f.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            if pid <= 0 or not pid_alive(pid) or age > max_age_s:
+                out.append(f)
+        return out
+
+    def reconcile(self) -> dict[str, int]:
+        """Make the index agree with the files: drop rows of missing files and dead
+        reservations, index unindexed files. Returns counts of each fix."""
+        now = self.clock()
+        on_disk = {e.name: e for e in self.entries()}
+        fixes = {"dropped": 0, "indexed": 0, "marked_ready": 0}
+        with self._txn() as db:
+            for name, state, owner in db.execute("SELECT name, state, pid FROM entries").fetchall():
+                if name in on_disk:
+                    if state == "pending" and not pid_alive(owner):
+                        db.execute("UPDATE entries SET state = 'ready' WHERE name = ?", (name,))
+                        fixes["marked_ready"] += 1
+                elif state == "ready" or not pid_alive(owner):
+                    db.execute("DELETE FROM entries WHERE name = ?", (name,))
+                    fixes["dropped"] += 1
+            known = {r[0] for r in db.execute("SELECT name FROM entries")}
+            for name, e in on_disk.items():
+                if name not in known:
+                    expires = _header_expiry(self.path(name), default=now)
+                    db.execute("INSERT INTO entries VALUES (?, ?, ?, ?, 'ready', 0)", (name, e.size, e.mtime, expires))
+                    fixes["indexed"] += 1
+        return fixes
+
+    def set_expiry(self, name: str, expires_at: float) -> None:
+        """Record a snapshot's expiry in the index (from its header, during GC)."""
+        with self._txn() as db:
+            db.execute("UPDATE entries SET expires = ? WHERE name = ?", (expires_at, name))
+
+    def lru_order(self) -> list[str]:
+        """Names from least to most recently used (after flushing this process's accesses)."""
+        with self._txn() as db:
+            self._flush_touches(db)
+        return [r[0] for r in self._db().execute("SELECT name FROM entries WHERE state='ready' ORDER BY last_access")]
+
+    def close(self) -> None:
+        with self._txn() as db:
+            self._flush_touches(db)
+        db = getattr(self._local, "db", None)
+        if db is not None:
+            db.close()
+            self._local.db = None

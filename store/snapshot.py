@@ -1,0 +1,265 @@
+"""Snapshot files: build one from per-layer KV, write it, map it back zero-copy.
+
+A snapshot holds the KV of one block (``block_size`` tokens, every layer). On disk it
+is an uncompressed Arrow IPC file: the header (JSON) and its checksum live in the
+schema metadata; the payload is one record batch per part (``k.<layer>``,
+``v.<layer>``, ``k_scale.<layer>``, ``v_scale.<layer>``), each a single ``uint8``
+column whose data buffer maps straight into numpy and torch with no copy.
+See ``docs/format.md`` for the layout and the one-block-per-file trade-off.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import BinaryIO, Sequence
+
+import numpy as np
+import pyarrow as pa
+import torch
+import xxhash
+
+from store.errors import SnapshotCorrupt
+from store.header import Layout, Part, SnapshotHeader
+from store.keys import Block, KeyRoot, root_key, tokens_digest
+from store.precision import STORAGE_DTYPES, Precision, dequantize, quantize, relative_error
+
+_META_HEADER = b"kvwarm.header"
+_META_CHECKSUM = b"kvwarm.header_xxh3"
+_SCHEMA_FIELD = "payload"
+
+
+@dataclass(frozen=True)
+class EncodedSnapshot:
+    """A snapshot ready to write: its header and one byte buffer per part, in order."""
+
+    header: SnapshotHeader
+    buffers: tuple[np.ndarray, ...]
+
+    @property
+    def key(self) -> str:
+        return self.header.key
+
+
+def _bytes_of(t: torch.Tensor) -> np.ndarray:
+    return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+
+
+def build_snapshot(
+    *,
+    root: KeyRoot,
+    block: Block,
+    tenant: str,
+    kv: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    precision: Precision,
+    created_at: float,
+    ttl_s: float,
+) -> EncodedSnapshot:
+    """Quantise one block's KV and describe it.
+
+    Args:
+        root: the key root the block's key was computed from (must match ``precision``).
+        block: the block (key, parent, tokens) from :func:`store.keys.block_chain`.
+        tenant: tenant name recorded in the header (its salt is in ``root``).
+        kv: per layer ``(K, V)``, each ``[kv_heads, block_size, head_dim]`` in the
+            model's dtype.
+        precision: storage precision; the measured relative error per layer is recorded.
+        created_at: unix seconds.
+        ttl_s: lifetime in seconds; ``expires_at = created_at + ttl_s``.
+
+    Raises:
+        ValueError: shapes disagree with each other or with the block, or ``root``
+            was keyed for another precision.
+    """
+    if root.kv_dtype != precision.kv_dtype or root.quant_scheme != precision.scheme_id():
+        raise ValueError("root was keyed for another precision: build the KeyRoot from this Precision")
+    if not kv:
+        raise ValueError("kv must hold at least one layer")
+    heads, tokens, dim = kv[0][0].shape
+    if tokens != root.block_size or len(block.tokens) != root.block_size:
+        raise ValueError(f"a snapshot holds exactly one block of {root.block_size} tokens, got {tokens}")
+    layout = Layout(num_layers=len(kv), num_kv_heads=heads, head_dim=dim, block_size=tokens)
+    parts: list[Part] = []
+    buffers: list[np.ndarray] = []
+    errors: dict[str, list[float]] = {"k_rel_l2": [], "v_rel_l2": []}
+
+    def add(name: str, dtype: str, tensor: torch.Tensor) -> None:
+        raw = _bytes_of(tensor)
+        parts.append(Part(name, dtype, tuple(tensor.shape), int(raw.nbytes), xxhash.xxh3_64_hexdigest(raw)))
+        buffers.append(raw)
+
+    for layer, (k, v) in enumerate(kv):
+        for name, x in (("k", k), ("v", v)):
+            if tuple(x.shape) != (heads, tokens, dim):
+                raise ValueError(f"layer {layer} {name.upper()} has shape {tuple(x.shape)}, expected {(heads, tokens, dim)}")
+            stored, scale = quantize(x, precision, layer)
+            back = dequantize(stored, scale, torch.float32, precision.group_tokens)
+            errors[f"{name}_rel_l2"].append(relative_error(x, back))
+            add(f"{name}.{layer}", precision.layer_dtype(layer), stored)
+            if scale is not None:
+                add(f"{name}_scale.{layer}", "fp32", scale)
+    header = SnapshotHeader(
+        key=block.key,
+        parent_key=block.parent,
+        root_key=root_key(root),
+        tenant=tenant,
+        salt_id=root.salt_id,
+        token_ids=tuple(block.tokens),
+        tokens_sha256=tokens_digest(block.tokens),
+        model_fingerprint=root.model_fingerprint,
+        tokenizer_fingerprint=root.tokenizer_fingerprint,
+        chat_template_hash=root.chat_template_hash,
+        adapter_hash=root.adapter_hash,
+        kv_dtype=root.kv_dtype,
+        quant_scheme=root.quant_scheme,
+        layout=layout,
+        precision=precision,
+        parts=tuple(parts),
+        created_at=float(created_at),
+        expires_at=float(created_at) + float(ttl_s),
+        quant_error=errors,
+        format_version=root.format_version,
+    )
+    return EncodedSnapshot(header, tuple(buffers))
+
+
+def _schema(header: SnapshotHeader) -> pa.Schema:
+    raw = header.to_json()
+    return pa.schema(
+        [(_SCHEMA_FIELD, pa.uint8())],
+        metadata={_META_HEADER: raw, _META_CHECKSUM: SnapshotHeader.checksum(raw).encode()},
+    )
+
+
+def write_snapshot(sink: BinaryIO | pa.NativeFile, snap: EncodedSnapshot) -> None:
+    """Write ``snap`` as an Arrow IPC file to an open binary sink (no copy of the payload)."""
+    schema = _schema(snap.header)
+    with pa.ipc.new_file(sink, schema) as writer:
+        for buf in snap.buffers:
+            arr = pa.Array.from_buffers(pa.uint8(), len(buf), [None, pa.py_buffer(buf)])
+            writer.write_batch(pa.record_batch([arr], schema=schema))
+
+
+def snapshot_bytes(snap: EncodedSnapshot) -> bytes:
+    """The file's bytes in memory (for object stores)."""
+    sink = pa.BufferOutputStream()
+    write_snapshot(sink, snap)
+    return sink.getvalue().to_pybytes()
+
+
+class Snapshot:
+    """A snapshot opened for reading: header plus zero-copy views of its parts.
+
+    The views are read-only and stay valid while this object (which holds the
+    mapping) is alive.
+    """
+
+    def __init__(self, header: SnapshotHeader, parts: dict[str, pa.Buffer], source: object, location: str) -> None:
+        self.header = header
+        self.location = location
+        self._parts = parts
+        self._source = source  # keeps the memory map alive
+
+    def array(self, name: str) -> np.ndarray:
+        """The raw bytes of one part as a read-only ``uint8`` array (no copy)."""
+        return np.frombuffer(self._parts[name], dtype=np.uint8)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One part as a torch tensor in its stored dtype and shape (no copy)."""
+        part = next(p for p in self.header.parts if p.name == name)
+        with warnings.catch_warnings():
+            # The mapping is read-only by design; torch warns that it cannot write to it.
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(self.array(name))
+        return t.view(STORAGE_DTYPES[part.dtype]).view(part.shape)
+
+    def layer(self, layer: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s ``(K, V)``, dequantised to ``dtype``, each ``[kv_heads, tokens, head_dim]``."""
+        out = []
+        g = self.header.precision.group_tokens
+        for name in ("k", "v"):
+            scale_name = f"{name}_scale.{layer}"
+            scale = self.tensor(scale_name) if scale_name in self._parts else None
+            out.append(dequantize(self.tensor(f"{name}.{layer}"), scale, dtype, g))
+        return out[0], out[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.header.payload_nbytes
+
+    def close(self) -> None:
+        """Drop the views and the mapping (views taken earlier must not be used after)."""
+        self._parts = {}
+        close = getattr(self._source, "close", None)
+        if close is not None:
+            close()
+
+
+def _open(source: pa.Buffer | pa.NativeFile, location: str) -> tuple[pa.ipc.RecordBatchFileReader, SnapshotHeader, bytes]:
+    try:
+        reader = pa.ipc.open_file(source)
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+        raise SnapshotCorrupt(f"unreadable snapshot: {exc}", location=location) from None
+    meta = reader.schema.metadata or {}
+    raw = meta.get(_META_HEADER)
+    if raw is None or SnapshotHeader.checksum(raw) != meta.get(_META_CHECKSUM, b"").decode(errors="replace"):
+        raise SnapshotCorrupt("header checksum mismatch or header missing", location=location)
+    return reader, SnapshotHeader.from_json(raw, location=location), raw
+
+
+def read_header(source: pa.Buffer | pa.NativeFile, *, location: str = "") -> SnapshotHeader:
+    """Only the header (checksummed), without touching the payload."""
+    return _open(source, location)[1]
+
+
+def read_snapshot(source: pa.Buffer | pa.NativeFile, *, location: str = "", verify_payload: bool = True,
+                  full: bool = False) -> Snapshot:
+    """Open a snapshot from a memory map or an in-memory buffer.
+
+    Args:
+        source: ``pa.memory_map(path)`` (zero-copy) or a ``pa.Buffer``.
+        location: where it came from, for error messages.
+        verify_payload: check every part's checksum (xxh3, ~9 GB/s).
+        full: also check the schema copy at the start of the file and the
+            key/token consistency (what ``prefill store verify`` and GC do).
+
+    Raises:
+        SnapshotCorrupt: damaged bytes anywhere we read.
+        UnknownFormatVersion: written by a format this reader does not know.
+        SnapshotMismatch: (``full``) the key is not the hash of its own contents.
+    """
+    try:
+        reader, header, raw = _open(source, location)
+        if reader.num_record_batches != len(header.parts):
+            raise SnapshotCorrupt("payload part count differs from header", location=location)
+        parts: dict[str, pa.Buffer] = {}
+        for i, part in enumerate(header.parts):
+            col = reader.get_batch(i).column(0)
+            buf = col.buffers()[1]
+            if buf is None or len(col) != part.nbytes:
+                raise SnapshotCorrupt(f"part {part.name} has the wrong size", location=location)
+            buf = buf.slice(col.offset, part.nbytes)
+            if verify_payload and xxhash.xxh3_64_hexdigest(memoryview(buf)) != part.xxh3:
+                raise SnapshotCorrupt(f"payload checksum mismatch in part {part.name}", location=location)
+            parts[part.name] = buf
+        if full:
+            _check_leading_schema(source, raw, location)
+            header.check_consistent(location=location)
+    except (pa.ArrowInvalid, pa.ArrowIOError, OSError, UnicodeDecodeError, KeyError) as exc:
+        raise SnapshotCorrupt(f"unreadable snapshot: {exc}", location=location) from None
+    return Snapshot(header, parts, source, location)
+
+
+def _check_leading_schema(source: pa.Buffer | pa.NativeFile, raw: bytes, location: str) -> None:
+    """The IPC file repeats the schema at its start; both copies must agree."""
+    if isinstance(source, pa.Buffer):
+        buf = source
+    else:
+        # Arrow IPC: 8-byte file magic, then 0xFFFFFFFF and the schema message's length.
+        prefix = source.read_at(16, 0)
+        length = int.from_bytes(prefix[12:16], "little", signed=True)
+        if length <= 0 or length > source.size():
+            raise SnapshotCorrupt("leading schema length is invalid", location=location)
+        buf = pa.py_buffer(source.read_at(16 + length, 0))
+    stream = pa.ipc.open_stream(pa.BufferReader(buf.slice(8)))
+    if (stream.schema.metadata or {}).get(_META_HEADER) != raw:
+        raise SnapshotCorrupt("the two header copies in the file differ", location=location)
