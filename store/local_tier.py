@@ -396,6 +396,24 @@ class LocalTier(Tier):
                     fixes["indexed"] += 1
         return fixes
 
+    def remove_expired(self, now: float) -> list[Entry]:
+        """Delete every snapshot whose recorded expiry is at or before ``now``."""
+        removed = []
+        with self._txn() as db:
+            rows = db.execute(
+                "SELECT name, size FROM entries WHERE state = 'ready' AND expires <= ?", (now,)
+            ).fetchall()
+            for name, size in rows:
+                self.path(name).unlink(missing_ok=True)
+                db.execute("DELETE FROM entries WHERE name = ?", (name,))
+                removed.append(Entry(name, size, now))
+        return removed
+
+    def trim(self) -> list[str]:
+        """Evict in LRU order until usage is under the cap (after the cap was lowered)."""
+        with self._txn() as db:
+            return self._make_room(db, 0)
+
     def set_expiry(self, name: str, expires_at: float) -> None:
         """Record a snapshot's expiry in the index (from its header, during GC)."""
         with self._txn() as db:

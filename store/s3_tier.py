@@ -13,8 +13,10 @@ import asyncio
 import os
 from typing import Any, Coroutine, Iterator, Sequence, TypeVar
 
+import aiohttp
 import pyarrow as pa
 import s3fs
+from botocore.exceptions import BotoCoreError, ClientError
 from fsspec.asyn import sync
 
 from store.config import S3Config
@@ -66,10 +68,10 @@ class S3Tier(Tier):
                 "read_timeout": options.read_timeout_s,
                 "retries": {"max_attempts": options.retries + 1, "mode": "standard"},
             },
-            retries=options.retries + 1,
             skip_instance_cache=True,
             use_listings_cache=False,
         )
+        self.fs.retries = options.retries + 1  # s3fs's own retry loop around botocore's
         if create_bucket:
             self._call(self._ensure_bucket(), "create bucket")
 
@@ -90,9 +92,7 @@ class S3Tier(Tier):
                 f"S3 tier {self.url} ({self.options.endpoint_url or 'AWS'}): {what} did not finish within "
                 f"{self.options.op_timeout_s:g} s (store.s3.op_timeout_s); is the endpoint up?"
             ) from exc
-        except OSError as exc:
-            raise StoreUnavailable(f"S3 tier {self.url}: {what} failed: {exc}") from exc
-        except Exception as exc:  # botocore/aiohttp errors have no common base we can name
+        except (OSError, BotoCoreError, ClientError, aiohttp.ClientError) as exc:
             raise StoreUnavailable(f"S3 tier {self.url}: {what} failed: {type(exc).__name__}: {exc}") from exc
 
     def _path(self, name: str) -> str:
