@@ -129,11 +129,20 @@ class S3Tier(Tier):
         return n
 
     def delete(self, name: str) -> bool:
+        path = self._path(name)
+
+        async def head_then_rm() -> bool:
+            # S3 answers DELETE of a missing key with 204 like any other, so ask first:
+            # the contract (and GC's count) needs to know whether it was there.
+            if not await self.fs._exists(path):
+                return False
+            await self.fs._rm_file(path)
+            return True
+
         try:
-            self._call(self.fs._rm_file(self._path(name)), f"DELETE {name}")
+            return self._call(head_then_rm(), f"DELETE {name}")
         except FileNotFoundError:
             return False
-        return True
 
     def entries(self, prefix: str = "") -> Iterator[Entry]:
         root = self._path(prefix.split("/")[0]) if prefix else self.base

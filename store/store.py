@@ -30,7 +30,8 @@ from store.errors import (
 )
 from store.keys import Block, KeyRoot, check_key
 from store.local_tier import LocalTier
-from store.snapshot import EncodedSnapshot, Snapshot, read_snapshot, snapshot_bytes
+from store.header import SnapshotHeader
+from store.snapshot import EncodedSnapshot, Snapshot, read_header, read_snapshot, snapshot_bytes
 from store.stats import StoreStats
 from store.tenant import PUBLIC, PUBLIC_TENANT, Tenant
 from store.tier import Entry, Tier, object_name
@@ -227,8 +228,7 @@ class Store:
                 continue
             location = tier.describe(name)
             try:
-                if isinstance(src, pa.Buffer) and is_sealed(memoryview(src)):
-                    src = pa.py_buffer(unseal(tenant.encryption_key if ns == tenant.name else None, name, memoryview(src), location=location))
+                src = self._plaintext(tenant, ns, name, src, location)
                 snap = read_snapshot(src, location=location)
                 snap.header.check_matches(block, root, location=location)
             except SnapshotError as exc:
@@ -246,6 +246,14 @@ class Store:
         if error is not None:
             raise error
         return None
+
+    @staticmethod
+    def _plaintext(tenant: Tenant, ns: str, name: str, src: pa.Buffer | pa.NativeFile, location: str) -> pa.Buffer | pa.NativeFile:
+        """Decrypt an object sealed for this tenant (public objects are never sealed)."""
+        if isinstance(src, pa.Buffer) and is_sealed(memoryview(src)):
+            key = tenant.encryption_key if ns == tenant.name else None
+            return pa.py_buffer(unseal(key, name, memoryview(src), location=location))
+        return src
 
     def _bad(self, tier: Tier, name: str, exc: SnapshotError) -> SnapshotError:
         kind = "mismatched" if isinstance(exc, SnapshotMismatch) else "corrupt"
@@ -292,6 +300,29 @@ class Store:
                 where.append(tier.kind)
                 merged[key] = (size, where)
         return [Listed(k, s, tuple(w)) for k, (s, w) in sorted(merged.items())]
+
+    def stat(self, tenant: Tenant, key: str, namespace: str | None = None) -> tuple[SnapshotHeader, list[str]] | None:
+        """The header of a snapshot and the tiers holding it, or ``None`` if no tier has it.
+
+        Reads only the header (checksummed) from the fastest tier that holds it.
+        """
+        ns = namespace or tenant.name
+        if ns not in (tenant.name, PUBLIC):
+            raise self._refuse(tenant, f"stat in namespace {ns!r}")
+        name = object_name(ns, check_key(key))
+        header: SnapshotHeader | None = None
+        where: list[str] = []
+        for i, tier in enumerate(self.tiers):
+            self._guard(tenant, ns, "stat in", i)
+            if not tier.exists(name):
+                continue
+            where.append(tier.kind)
+            if header is None:
+                src = tier.read(name)
+                if src is not None:
+                    src = self._plaintext(tenant, ns, name, src, tier.describe(name))
+                    header = read_header(src, location=tier.describe(name))
+        return (header, where) if header is not None else None
 
     def delete(self, tenant: Tenant, key: str, namespace: str | None = None) -> int:
         """Remove a snapshot from every tier; returns how many tiers held it."""

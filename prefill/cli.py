@@ -1,0 +1,44 @@
+"""The ``prefill`` command line: the operator's entry point to kvwarm.
+
+    prefill store ...   inspect and maintain a snapshot store (see ``prefill store -h``)
+    prefill demo        write a snapshot from a tiny model and read it back
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Sequence
+
+from store.cli import add_store_commands
+from store.errors import ConfigError, StoreError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="prefill", description="kvwarm: ahead-of-time KV-cache prewarming")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_store_commands(sub)
+    from prefill.demo import add_demo_command
+
+    add_demo_command(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI; returns the exit status (0 ok, 1 a check failed, 2 bad input)."""
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except (ConfigError, ValueError) as exc:
+        print(f"prefill: error: {exc}", file=sys.stderr)
+        return 2
+    except StoreError as exc:
+        print(f"prefill: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""``prefill store ...``: operate a snapshot store by hand.
+
+    prefill store ls     --tenant T [--namespace public] [--long]
+    prefill store stat   KEY --tenant T [--namespace public]
+    prefill store verify [--namespace NS] [--no-quarantine]   (exit 1 when anything is bad)
+    prefill store gc     [--verify]
+    prefill store rm     KEY --tenant T [--namespace public]
+
+The store and tenants' secrets come from the config file (``--config`` or
+``$KVWARM_CONFIG``); ``--store`` overrides ``store.url``.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from typing import Any
+
+from store.config import KvwarmConfig, load_config
+from store.errors import StoreError
+from store.maintenance import gc, verify
+from store.store import Store
+
+
+def add_store_commands(sub: Any) -> None:
+    """Register ``store`` and its subcommands on an argparse subparsers object."""
+    p = sub.add_parser("store", help="inspect and maintain a snapshot store")
+    p.add_argument("--config", help="config file (default: $KVWARM_CONFIG, else built-in defaults)")
+    p.add_argument("--store", help="store URL, overriding store.url (file:///path[,s3://bucket/prefix])")
+    ss = p.add_subparsers(dest="store_cmd", required=True, metavar="{ls,stat,verify,gc,rm}")
+
+    ls = ss.add_parser("ls", help="list a tenant's snapshots")
+    ls.add_argument("--tenant", required=True)
+    ls.add_argument("--namespace", help="'public' to list shared prefixes (default: the tenant's own)")
+    ls.add_argument("--long", action="store_true", help="also read each header: tokens, model, expiry")
+
+    st = ss.add_parser("stat", help="show one snapshot's header")
+    st.add_argument("key")
+    st.add_argument("--tenant", required=True)
+    st.add_argument("--namespace")
+
+    ve = ss.add_parser("verify", help="check every snapshot; exit 1 and list what is corrupt")
+    ve.add_argument("--namespace", help="only this namespace")
+    ve.add_argument("--no-quarantine", action="store_true", help="report only; leave bad files in place")
+
+    g = ss.add_parser("gc", help="remove expired, over-cap and crash leftovers; quarantine corrupt")
+    g.add_argument("--verify", action="store_true", help="also verify every snapshot (reads everything)")
+
+    rm = ss.add_parser("rm", help="delete a snapshot from every tier")
+    rm.add_argument("key")
+    rm.add_argument("--tenant", required=True)
+    rm.add_argument("--namespace")
+    p.set_defaults(func=run_store_command)
+
+
+def _iso(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _tenants(config: KvwarmConfig) -> dict[str, Any]:
+    """Credentials of every configured tenant whose secrets are available (for verify/gc)."""
+    out = {}
+    for name in config.tenants:
+        try:
+            out[name] = config.tenant(name)
+        except StoreError:
+            continue
+    return out
+
+
+def run_store_command(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    store = Store.open(args.store, config)
+    try:
+        return _dispatch(args, config, store)
+    finally:
+        store.close()
+
+
+def _dispatch(args: argparse.Namespace, config: KvwarmConfig, store: Store) -> int:
+    out = sys.stdout
+    if args.store_cmd == "ls":
+        tenant = config.tenant(args.tenant)
+        rows = store.list(tenant, args.namespace)
+        for row in rows:
+            line = f"{row.key}  {row.size:>12}  {','.join(row.tiers)}"
+            if args.long:
+                found = store.stat(tenant, row.key, args.namespace)
+                if found:
+                    h = found[0]
+                    line += f"  tokens={len(h.token_ids)} model={h.model_fingerprint} expires={_iso(h.expires_at)}"
+            print(line, file=out)
+        print(f"{len(rows)} snapshot(s), {sum(r.size for r in rows)} bytes", file=out)
+        return 0
+    if args.store_cmd == "stat":
+        found = store.stat(config.tenant(args.tenant), args.key, args.namespace)
+        if found is None:
+            print(f"no snapshot {args.key} for tenant {args.tenant}", file=sys.stderr)
+            return 1
+        h, tiers = found
+        info = {
+            "key": h.key, "parent_key": h.parent_key, "tenant": h.tenant, "tiers": tiers,
+            "tokens": len(h.token_ids), "model": h.model_fingerprint, "tokenizer": h.tokenizer_fingerprint,
+            "layout": h.layout.__dict__, "kv_dtype": h.kv_dtype, "quant_scheme": h.quant_scheme,
+            "created": _iso(h.created_at), "expires": _iso(h.expires_at),
+            "expired": h.expired(store.clock()), "payload_bytes": h.payload_nbytes,
+            "quant_error_max": {k: max(v) if v else 0.0 for k, v in h.quant_error.items()},
+            "format_version": h.format_version,
+        }
+        print(json.dumps(info, indent=2), file=out)
+        return 0
+    if args.store_cmd == "verify":
+        report = verify(store, namespace=args.namespace, tenants=_tenants(config), quarantine=not args.no_quarantine)
+        for location, reason in report.bad:
+            print(f"CORRUPT {location}: {reason}", file=out)
+        for where in report.quarantined:
+            print(f"quarantined -> {where}", file=out)
+        print(
+            f"checked {report.checked}: {report.ok} ok, {len(report.bad)} bad, "
+            f"{report.skipped_encrypted} encrypted without a key (skipped)",
+            file=out,
+        )
+        return 0 if report.clean else 1
+    if args.store_cmd == "gc":
+        report = gc(store, ttl_max_s=config.kv_cache.ttl_max_hours * 3600, verify_all=args.verify,
+                    tenants=_tenants(config))
+        print(json.dumps(report.as_dict(), indent=2), file=out)
+        return 1 if report.verify is not None and not report.verify.clean else 0
+    if args.store_cmd == "rm":
+        n = store.delete(config.tenant(args.tenant), args.key, args.namespace)
+        print(f"removed from {n} tier(s)", file=out)
+        return 0 if n else 1
+    raise AssertionError(args.store_cmd)
