@@ -1,0 +1,47 @@
+"""The product card's layout rules: packages, one-way dependencies, a light serving path."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("flows", "forecasting", "prefill", "store")
+# What each package may import from the others (dependencies point one way).
+ALLOWED = {"store": set(), "forecasting": {"store"}, "prefill": {"store", "forecasting"}, "flows": set(PACKAGES)}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module.split(".")[0])
+    return out
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_dependencies_point_one_way(package: str) -> None:
+    for path in (REPO / package).rglob("*.py"):
+        used = _imports(path) & set(PACKAGES) - {package}
+        assert used <= ALLOWED[package], f"{path.relative_to(REPO)} imports {sorted(used - ALLOWED[package])}"
+
+
+def test_serving_path_imports_only_store_and_its_light_deps() -> None:
+    code = (
+        "import sys; import store.store, store.snapshot, store.keys, store.local_tier;"
+        "heavy = [m for m in ('prefect', 'statsmodels', 'transformers', 'datasketch', 'flows', 'prefill', 'forecasting', 's3fs')"
+        " if m in sys.modules]; print(','.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"serving path pulled in: {out.stdout.strip()}"
+
+
+def test_console_script_is_declared() -> None:
+    text = (REPO / "pyproject.toml").read_text()
+    assert 'name = "kvwarm"' in text and 'prefill = "prefill.cli:main"' in text
