@@ -219,6 +219,15 @@ class LocalTier(Tier):
                     return False
                 if state == "pending" and owner != pid and pid_alive(owner):
                     return False  # another process is writing the same immutable snapshot
+                if state == "pending" and owner != pid:  # its writer died
+                    if final.is_file():
+                        # It died after the rename: the file is complete; adopt it.
+                        db.execute(
+                            "UPDATE entries SET state = 'ready', size = ? WHERE name = ?",
+                            (final.stat().st_size, name),
+                        )
+                        return False
+                    self._unlink_temp_files(name, owner)
                 db.execute("DELETE FROM entries WHERE name = ?", (name,))
             elif final.is_file():
                 # On disk but not indexed (index rebuilt, or an earlier crash): index it.
@@ -250,7 +259,12 @@ class LocalTier(Tier):
                 db.execute("DELETE FROM entries WHERE name = ? AND pid = ? AND state = 'pending'", (name, pid))
             raise
         with self._txn() as db:
-            db.execute("UPDATE entries SET state = 'ready' WHERE name = ? AND pid = ?", (name, pid))
+            # INSERT OR REPLACE, not UPDATE: a delete() racing this write may have removed
+            # the reservation, and the renamed file must still be counted against the cap.
+            db.execute(
+                "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, 'ready', ?)",
+                (name, size, self.clock(), expires_at, pid),
+            )
         return True
 
     def _make_room(self, db: sqlite3.Connection, size: int) -> list[str]:
@@ -273,10 +287,13 @@ class LocalTier(Tier):
         ).fetchall():
             if used <= goal:
                 break
-            if state == "pending" and pid_alive(owner):
-                continue
-            if state == "ready":
-                self.path(name).unlink(missing_ok=True)
+            if state == "pending":
+                if pid_alive(owner):
+                    continue
+                # A dead writer's reservation: free the bytes it left (its temp file, or
+                # the complete file if it died after the rename), not just its row.
+                self._unlink_temp_files(name, owner)
+            self.path(name).unlink(missing_ok=True)
             db.execute("DELETE FROM entries WHERE name = ?", (name,))
             used -= esize
             evicted.append(name)
@@ -285,6 +302,11 @@ class LocalTier(Tier):
                 f"local tier full: {used} of {self.cap_bytes} bytes are held by writes in flight; retry later"
             )
         return evicted
+
+    def _unlink_temp_files(self, name: str, owner: int) -> None:
+        """Remove the temp files writer ``owner`` left for ``name`` (named ``<key>.<pid>.<rand>.tmp``)."""
+        for f in self.tmp.glob(f"{self.path(name).stem}.{owner}.*.tmp"):
+            f.unlink(missing_ok=True)
 
     def delete(self, name: str) -> bool:
         with self._txn() as db:
@@ -339,7 +361,8 @@ class LocalTier(Tier):
     def quarantine(self, name: str, reason: str) -> str | None:
         src = self.path(name)
         stamp = f"{self.clock():.6f}"
-        dst = self.quarantine_dir / f"{name.replace('/', '__')}.{stamp}{SUFFIX}"
+        # The random part keeps earlier evidence when the same name goes bad twice at one instant.
+        dst = self.quarantine_dir / f"{name.replace('/', '__')}.{stamp}.{secrets.token_hex(4)}{SUFFIX}"
         try:
             os.replace(src, dst)
         except FileNotFoundError:
@@ -358,9 +381,10 @@ class LocalTier(Tier):
         return out
 
     def stale_temp_files(self, now: float, max_age_s: float = 3600.0) -> list[Path]:
-        """Temp files whose writer is dead (pid in the name) or that are older than ``max_age_s``."""
+        """Temp files (snapshot writes in tmp/, metadata writes in meta/) whose writer is
+        dead (pid in the name) or that are older than ``max_age_s``."""
         out = []
-        for f in self.tmp.glob("*.tmp"):
+        for f in [*self.tmp.glob("*.tmp"), *(self.root / "meta").rglob(".*.tmp")]:
             try:
                 pid = int(f.name.split(".")[-3])
             except (ValueError, IndexError):
@@ -383,7 +407,10 @@ class LocalTier(Tier):
             for name, state, owner in db.execute("SELECT name, state, pid FROM entries").fetchall():
                 if name in on_disk:
                     if state == "pending" and not pid_alive(owner):
-                        db.execute("UPDATE entries SET state = 'ready' WHERE name = ?", (name,))
+                        # The size is the file's: the row may be a later writer's reservation.
+                        db.execute(
+                            "UPDATE entries SET state = 'ready', size = ? WHERE name = ?", (on_disk[name].size, name)
+                        )
                         fixes["marked_ready"] += 1
                 elif state == "ready" or not pid_alive(owner):
                     db.execute("DELETE FROM entries WHERE name = ?", (name,))

@@ -18,7 +18,7 @@ import pyarrow as pa
 import torch
 import xxhash
 
-from store.errors import SnapshotCorrupt
+from store.errors import SnapshotCorrupt, SnapshotError
 from store.header import Layout, Part, SnapshotHeader
 from store.keys import Block, KeyRoot, root_key, tokens_digest
 from store.precision import STORAGE_DTYPES, Precision, dequantize, quantize, relative_error
@@ -26,6 +26,10 @@ from store.precision import STORAGE_DTYPES, Precision, dequantize, quantize, rel
 _META_HEADER = b"kvwarm.header"
 _META_CHECKSUM = b"kvwarm.header_xxh3"
 _SCHEMA_FIELD = "payload"
+# What a damaged file can make pyarrow (or our parsing of what it returns) raise.
+# All of it means "corrupt"; none of it may escape untyped into the serving path.
+_DAMAGE = (pa.ArrowException, OSError, UnicodeDecodeError, KeyError, IndexError, ValueError, TypeError,
+           NotImplementedError, OverflowError)
 
 
 @dataclass(frozen=True)
@@ -197,9 +201,9 @@ class Snapshot:
 def _open(source: pa.Buffer | pa.NativeFile, location: str) -> tuple[pa.ipc.RecordBatchFileReader, SnapshotHeader, bytes]:
     try:
         reader = pa.ipc.open_file(source)
-    except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as exc:
+        meta = reader.schema.metadata or {}
+    except _DAMAGE as exc:
         raise SnapshotCorrupt(f"unreadable snapshot: {exc}", location=location) from None
-    meta = reader.schema.metadata or {}
     raw = meta.get(_META_HEADER)
     if raw is None or SnapshotHeader.checksum(raw) != meta.get(_META_CHECKSUM, b"").decode(errors="replace"):
         raise SnapshotCorrupt("header checksum mismatch or header missing", location=location)
@@ -244,7 +248,9 @@ def read_snapshot(source: pa.Buffer | pa.NativeFile, *, location: str = "", veri
         if full:
             _check_leading_schema(source, raw, location)
             header.check_consistent(location=location)
-    except (pa.ArrowInvalid, pa.ArrowIOError, OSError, UnicodeDecodeError, KeyError) as exc:
+    except SnapshotError:
+        raise
+    except _DAMAGE as exc:
         raise SnapshotCorrupt(f"unreadable snapshot: {exc}", location=location) from None
     return Snapshot(header, parts, source, location)
 
