@@ -15,14 +15,11 @@ The index can always be rebuilt from the files (``reconcile``).
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import secrets
 import sqlite3
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
@@ -31,28 +28,7 @@ import pyarrow as pa
 from store.errors import SnapshotError, StoreFull
 from store.snapshot import EncodedSnapshot, read_header, write_snapshot
 from store.tier import SUFFIX, Entry, Tier
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS entries (
-    name TEXT PRIMARY KEY,
-    size INTEGER NOT NULL,
-    last_access REAL NOT NULL,
-    expires REAL NOT NULL,
-    state TEXT NOT NULL,          -- 'pending' (reserved, being written) or 'ready'
-    pid INTEGER NOT NULL
-);
-CREATE INDEX IF NOT EXISTS entries_lru ON entries(state, last_access);
-"""
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this host."""
-    try:
-        os.kill(pid, 0)
-    except OSError as exc:
-        return exc.errno == errno.EPERM
-    return True
-
+from store.tier_index import TierIndex, pid_alive
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -116,44 +92,16 @@ class LocalTier(Tier):
         self.quarantine_dir = self.root / "quarantine"
         for d in (self.objects, self.tmp, self.quarantine_dir, self.root / "meta"):
             d.mkdir(parents=True, exist_ok=True)
-        self._db_path = self.root / "meta" / "index.sqlite"
-        fresh = not self._db_path.exists()
-        self._local = threading.local()
-        self._touches: dict[str, float] = {}
-        self._touch_lock = threading.Lock()
-        self._last_flush = self.clock()
-        self._db()  # creates the schema
-        if fresh:
+        self.index = TierIndex(self.root / "meta" / "index.sqlite", clock=clock, flush_s=recency_flush_s)
+        if self.index.fresh:
             self.reconcile()
-
-    # -- index ---------------------------------------------------------------
-    def _db(self) -> sqlite3.Connection:
-        db = getattr(self._local, "db", None)
-        if db is None:
-            db = sqlite3.connect(self._db_path, timeout=60, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.executescript(_SCHEMA)
-            self._local.db = db
-        return db
-
-    @contextmanager
-    def _txn(self) -> Iterator[sqlite3.Connection]:
-        db = self._db()
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            yield db
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
 
     def path(self, name: str) -> Path:
         return self.objects / name
 
     def usage(self) -> int:
         """Bytes reserved in the index (ready snapshots plus writes in flight)."""
-        return int(self._db().execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0])
+        return self.index.usage()
 
     def disk_usage(self) -> int:
         """Bytes actually on disk in objects/ and tmp/ (what the cap bounds)."""
@@ -177,23 +125,7 @@ class LocalTier(Tier):
         return mm
 
     def touch(self, name: str) -> None:
-        now = self.clock()
-        with self._touch_lock:
-            self._touches[name] = now
-            due = now - self._last_flush >= self.recency_flush_s
-        if due:
-            with self._txn() as db:
-                self._flush_touches(db)
-
-    def _flush_touches(self, db: sqlite3.Connection) -> None:
-        with self._touch_lock:
-            touches, self._touches = self._touches, {}
-            self._last_flush = self.clock()
-        if touches:
-            db.executemany(
-                "UPDATE entries SET last_access = MAX(last_access, ?) WHERE name = ?",
-                [(t, n) for n, t in touches.items()],
-            )
+        self.index.note_access(name)
 
     def exists(self, name: str) -> bool:
         return self.path(name).is_file()
@@ -211,7 +143,7 @@ class LocalTier(Tier):
         size = encoded_size(data)
         pid = os.getpid()
         final = self.path(name)
-        with self._txn() as db:
+        with self.index.txn() as db:
             row = db.execute("SELECT state, pid FROM entries WHERE name = ?", (name,)).fetchone()
             if row is not None:
                 state, owner = row
@@ -255,10 +187,10 @@ class LocalTier(Tier):
             _fsync_dir(final.parent)
         except BaseException:
             tmp.unlink(missing_ok=True)
-            with self._txn() as db:
+            with self.index.txn() as db:
                 db.execute("DELETE FROM entries WHERE name = ? AND pid = ? AND state = 'pending'", (name, pid))
             raise
-        with self._txn() as db:
+        with self.index.txn() as db:
             # INSERT OR REPLACE, not UPDATE: a delete() racing this write may have removed
             # the reservation, and the renamed file must still be counted against the cap.
             db.execute(
@@ -276,7 +208,7 @@ class LocalTier(Tier):
         used = int(db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0])
         if used + size <= self.cap_bytes:
             return []
-        self._flush_touches(db)
+        self.index.flush(db)
         goal = self.cap_bytes * self.evict_to_fraction - size
         if goal < 0:
             goal = self.cap_bytes - size
@@ -309,7 +241,7 @@ class LocalTier(Tier):
             f.unlink(missing_ok=True)
 
     def delete(self, name: str) -> bool:
-        with self._txn() as db:
+        with self.index.txn() as db:
             db.execute("DELETE FROM entries WHERE name = ?", (name,))
         try:
             self.path(name).unlink()
@@ -369,7 +301,7 @@ class LocalTier(Tier):
             return None
         note = {"name": name, "reason": reason, "at": float(stamp)}
         dst.with_suffix(".reason.json").write_text(json.dumps(note, indent=1))
-        with self._txn() as db:
+        with self.index.txn() as db:
             db.execute("DELETE FROM entries WHERE name = ?", (name,))
         return str(dst)
 
@@ -403,7 +335,7 @@ class LocalTier(Tier):
         now = self.clock()
         on_disk = {e.name: e for e in self.entries()}
         fixes = {"dropped": 0, "indexed": 0, "marked_ready": 0}
-        with self._txn() as db:
+        with self.index.txn() as db:
             for name, state, owner in db.execute("SELECT name, state, pid FROM entries").fetchall():
                 if name in on_disk:
                     if state == "pending" and not pid_alive(owner):
@@ -426,7 +358,7 @@ class LocalTier(Tier):
     def remove_expired(self, now: float) -> list[Entry]:
         """Delete every snapshot whose recorded expiry is at or before ``now``."""
         removed = []
-        with self._txn() as db:
+        with self.index.txn() as db:
             rows = db.execute(
                 "SELECT name, size FROM entries WHERE state = 'ready' AND expires <= ?", (now,)
             ).fetchall()
@@ -438,24 +370,19 @@ class LocalTier(Tier):
 
     def trim(self) -> list[str]:
         """Evict in LRU order until usage is under the cap (after the cap was lowered)."""
-        with self._txn() as db:
+        with self.index.txn() as db:
             return self._make_room(db, 0)
 
     def set_expiry(self, name: str, expires_at: float) -> None:
         """Record a snapshot's expiry in the index (from its header, during GC)."""
-        with self._txn() as db:
+        with self.index.txn() as db:
             db.execute("UPDATE entries SET expires = ? WHERE name = ?", (expires_at, name))
 
     def lru_order(self) -> list[str]:
         """Names from least to most recently used (after flushing this process's accesses)."""
-        with self._txn() as db:
-            self._flush_touches(db)
-        return [r[0] for r in self._db().execute("SELECT name FROM entries WHERE state='ready' ORDER BY last_access")]
+        with self.index.txn() as db:
+            self.index.flush(db)
+        return [r[0] for r in self.index.db().execute("SELECT name FROM entries WHERE state='ready' ORDER BY last_access")]
 
     def close(self) -> None:
-        with self._txn() as db:
-            self._flush_touches(db)
-        db = getattr(self._local, "db", None)
-        if db is not None:
-            db.close()
-            self._local.db = None
+        self.index.close()
