@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import secrets
+import time
 from typing import Any, Coroutine, Iterator, Sequence, TypeVar
 
 import aiohttp
@@ -168,7 +170,9 @@ class S3Tier(Tier):
         self._call(self.fs._pipe_file(f"{self.base}/{META}/{name}", data), f"PUT meta {name}")
 
     def quarantine(self, name: str, reason: str) -> str | None:
-        dst = f"{self.base}/{QUARANTINE}/{name.replace('/', '__')}"
+        # Named like the local tier's (time and a random part), so a later quarantine of
+        # the same name (a rewritten object gone bad again) never overwrites the evidence.
+        dst = f"{self.base}/{QUARANTINE}/{name.replace('/', '__')}.{time.time():.6f}.{secrets.token_hex(4)}{SUFFIX}"
         try:
             self._call(self.fs._copy(self._path(name), dst), f"COPY {name} to quarantine")
         except FileNotFoundError:

@@ -27,6 +27,7 @@ from store.errors import (
     StoreFull,
     StoreUnavailable,
     TenantAccessDenied,
+    UnknownFormatVersion,
 )
 from store.keys import Block, KeyRoot, check_key
 from store.local_tier import LocalTier
@@ -168,6 +169,10 @@ class Store:
             raise self._refuse(tenant, f"write a snapshot labelled for tenant {snap.header.tenant!r}")
         name = object_name(ns, snap.key)
         wrote = False
+        for i in range(len(self.tiers)):
+            # Every tier's owner is checked before anything is written: a refused writer
+            # must not claim a fresh node's local namespace on its way to being refused.
+            self._guard(tenant, ns, "write to", i)
         for i, tier in enumerate(self.tiers):
             self._claim(tenant, ns, i)
             if isinstance(tier, LocalTier):
@@ -258,7 +263,14 @@ class Store:
         return src
 
     def _bad(self, tier: Tier, name: str, exc: SnapshotError) -> SnapshotError:
-        kind = "mismatched" if isinstance(exc, SnapshotMismatch) else "corrupt"
+        if isinstance(exc, SnapshotMismatch):
+            kind = "mismatched"
+        elif isinstance(exc, SnapshotCorrupt):
+            kind = "corrupt"
+        elif isinstance(exc, UnknownFormatVersion):
+            kind = "unknown_version"
+        else:  # sound but not readable here: encrypted for a key this node lacks
+            kind = "undecryptable"
         self.stats.incr(kind)
         if isinstance(exc, (SnapshotCorrupt, SnapshotMismatch)):
             where = tier.quarantine(name, f"{type(exc).__name__}: {exc}")

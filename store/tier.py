@@ -62,8 +62,11 @@ class Tier(ABC):
 
     @abstractmethod
     def write(self, name: str, data: EncodedSnapshot | bytes | pa.Buffer, *, expires_at: float) -> bool:
-        """Store atomically. Returns ``False`` when the object already exists (or is
-        being written by another live process), ``True`` when this call wrote it."""
+        """Store atomically. Returns ``False`` when the tier knows the object already
+        exists (or is being written by another live process), ``True`` when this call
+        wrote it. Tiers without a cheap existence check (S3) may replace the object with
+        the same immutable content and return ``True``; callers check :meth:`exists`
+        first when a write is expensive."""
 
     @abstractmethod
     def exists(self, name: str) -> bool:

@@ -57,7 +57,10 @@ class SeaweedFS:
             f"-master.port={ports[0]}", f"-master.port.grpc={ports[1]}",
             f"-volume.port={ports[2]}", f"-volume.port.grpc={ports[3]}",
             f"-filer.port={ports[4]}", f"-filer.port.grpc={ports[5]}", f"-s3.port.grpc={ports[6]}",
-            "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-volume.max=20", "-master.volumeSizeLimitMB=256",
+            "-ip=127.0.0.1", "-ip.bind=127.0.0.1", "-volume.max=0", "-master.volumeSizeLimitMB=256",
+            # The S3 gateway also opens Iceberg (8181) and Lance (9101) listeners on fixed
+            # ports by default: a second server on the machine would die at start.
+            "-s3.port.iceberg=0", "-s3.port.lance=0",
         ]
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait_ready()
