@@ -12,7 +12,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import pyarrow as pa
 
@@ -38,6 +38,7 @@ from store.tenant import PUBLIC, PUBLIC_TENANT, Tenant
 from store.tier import Entry, Tier, object_name
 
 log = logging.getLogger("kvwarm.store")
+T = TypeVar("T")
 DEFAULT_LOCAL = "file://~/.cache/kvwarm"
 
 
@@ -186,6 +187,17 @@ class Store:
         return wrote
 
     # -- reads ---------------------------------------------------------------
+    def _ask(self, tenant: Tenant, ns: str, what: str, i: int, call: Callable[[Tier], T]) -> T | StoreUnavailable:
+        """Check the caller may ``what`` in tier ``i``, then call it. An unreachable tier
+        is counted and logged, and its error returned (not raised): the next tier may answer."""
+        try:
+            self._guard(tenant, ns, what, i)
+            return call(self.tiers[i])
+        except StoreUnavailable as exc:
+            self.stats.incr("unavailable")
+            log.warning("%s", exc)
+            return exc
+
     def probe(self, tenant: Tenant, blocks: Sequence[Block], root: KeyRoot) -> Probe:
         """How many leading ``blocks`` exist in the longest-holding tier (existence only:
         :meth:`get` validates each one). One round trip per tier at most."""
@@ -195,12 +207,8 @@ class Store:
         names = [object_name(ns, b.key) for b in blocks]
         best = Probe(0, None)
         for i, tier in enumerate(self.tiers):
-            try:
-                self._guard(tenant, ns, "probe", i)
-                n = tier.probe(names)
-            except StoreUnavailable as exc:
-                self.stats.incr("unavailable")
-                log.warning("%s", exc)
+            n = self._ask(tenant, ns, "probe", i, lambda t: t.probe(names))
+            if isinstance(n, StoreUnavailable):
                 continue
             if n > best.count:
                 best = Probe(n, tier.kind)
@@ -221,13 +229,9 @@ class Store:
         now = self.clock() if now is None else now
         error: StoreError | None = None
         for i, tier in enumerate(self.tiers):
-            try:
-                self._guard(tenant, ns, "read", i)
-                src = tier.read(name)
-            except StoreUnavailable as exc:
-                self.stats.incr("unavailable")
-                log.warning("%s", exc)
-                error = error or exc
+            src = self._ask(tenant, ns, "read", i, lambda t: t.read(name))
+            if isinstance(src, StoreUnavailable):
+                error = error or src
                 continue
             if src is None:
                 continue
