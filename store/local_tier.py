@@ -41,9 +41,7 @@ def _fsync_dir(path: Path) -> None:
 def encoded_size(data: EncodedSnapshot | bytes | pa.Buffer) -> int:
     """Exact size of the file ``data`` becomes, computed without writing it."""
     if isinstance(data, EncodedSnapshot):
-        mock = pa.MockOutputStream()
-        write_snapshot(mock, data)
-        return mock.size()
+        return data.file_size
     return len(data)
 
 
@@ -177,7 +175,12 @@ class LocalTier(Tier):
         try:
             with open(tmp, "wb") as f:
                 if isinstance(data, EncodedSnapshot):
-                    write_snapshot(f, data)
+                    # Arrow's buffer gathers the IPC framing (a few small writes per part) so
+                    # that only the payload buffers, unbuffered, cross into Python's file.
+                    # detach() flushes and leaves `f` open (closing the stream would close it).
+                    sink = pa.BufferedOutputStream(pa.PythonFile(f, mode="w"), buffer_size=1 << 16)
+                    write_snapshot(sink, data)
+                    sink.detach()
                 else:
                     f.write(memoryview(data))
                 f.flush()

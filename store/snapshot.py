@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 from typing import BinaryIO, Sequence
 
 import numpy as np
@@ -42,6 +43,30 @@ class EncodedSnapshot:
     @property
     def key(self) -> str:
         return self.header.key
+
+    # Built once per snapshot and reused by every write of it (the local tier sizes it,
+    # then writes it; the S3 tier serialises it again): the header JSON alone is ~0.5 ms
+    # and each part's Arrow wrappers ~5 us.
+    @cached_property
+    def schema(self) -> pa.Schema:
+        """The Arrow schema, whose metadata carries the header and its checksum."""
+        return _schema(self.header)
+
+    @cached_property
+    def batches(self) -> tuple[pa.RecordBatch, ...]:
+        """One single-column ``uint8`` record batch per part, viewing the buffers (no copy)."""
+        schema = self.schema
+        return tuple(
+            pa.record_batch([pa.Array.from_buffers(pa.uint8(), len(buf), [None, pa.py_buffer(buf)])], schema=schema)
+            for buf in self.buffers
+        )
+
+    @cached_property
+    def file_size(self) -> int:
+        """Exact size in bytes of the file this snapshot becomes (computed without writing it)."""
+        mock = pa.MockOutputStream()
+        write_snapshot(mock, self)
+        return mock.size()
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
@@ -136,18 +161,34 @@ def _schema(header: SnapshotHeader) -> pa.Schema:
 
 def write_snapshot(sink: BinaryIO | pa.NativeFile, snap: EncodedSnapshot) -> None:
     """Write ``snap`` as an Arrow IPC file to an open binary sink (no copy of the payload)."""
-    schema = _schema(snap.header)
-    with pa.ipc.new_file(sink, schema) as writer:
-        for buf in snap.buffers:
-            arr = pa.Array.from_buffers(pa.uint8(), len(buf), [None, pa.py_buffer(buf)])
-            writer.write_batch(pa.record_batch([arr], schema=schema))
+    with pa.ipc.new_file(sink, snap.schema) as writer:
+        for batch in snap.batches:
+            writer.write_batch(batch)
+
+
+class _Pieces:
+    """A write-only file that keeps what it is given (small ``bytes`` of IPC framing, and
+    zero-copy ``pa.Buffer`` views of the payload) for one final join."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        self.pieces: list[object] = []
+
+    def write(self, data: object) -> int:
+        self.pieces.append(data)
+        return len(data)  # type: ignore[arg-type]
+
+    def flush(self) -> None:
+        pass
 
 
 def snapshot_bytes(snap: EncodedSnapshot) -> bytes:
-    """The file's bytes in memory (for object stores)."""
-    sink = pa.BufferOutputStream()
-    write_snapshot(sink, snap)
-    return sink.getvalue().to_pybytes()
+    """The file's bytes in memory (for object stores): one allocation and one copy of the
+    payload, and ``bytes``, which botocore sends without another copy (not so ``bytearray``)."""
+    sink = _Pieces()
+    write_snapshot(pa.PythonFile(sink, mode="w"), snap)
+    return b"".join(sink.pieces)  # type: ignore[arg-type]
 
 
 class Snapshot:
