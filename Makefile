@@ -11,7 +11,6 @@ TORCH  ?= torch==2.13.0
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[pipeline,test]"
 	touch $(STAMP)

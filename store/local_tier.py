@@ -186,8 +186,9 @@ class LocalTier(Tier):
                 f.flush()
                 os.fsync(f.fileno())
             final.parent.mkdir(parents=True, exist_ok=True)
+            # NOTE: no directory fsync. Readers see the rename atomically either way; after
+            # a power loss a lost rename is only a miss, and the temp file is GC's.
             os.replace(tmp, final)
-            _fsync_dir(final.parent)
         except BaseException:
             tmp.unlink(missing_ok=True)
             with self.index.txn() as db:

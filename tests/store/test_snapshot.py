@@ -133,3 +133,4 @@ def test_build_refuses_inconsistent_input() -> None:
     bad = [kv[0], (kv[1][0][:, :8], kv[1][1])]
     with pytest.raises(ValueError, match="layer 1 K has shape"):
         build_snapshot(root=root, block=block, tenant="acme", kv=bad, precision=Precision(), created_at=0, ttl_s=1)
+
