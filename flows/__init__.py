@@ -1,0 +1,1 @@
+"""Prefect flows and deployments (arrives with the flows issue). Nothing imports this package."""

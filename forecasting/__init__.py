@@ -1,0 +1,1 @@
+"""Mining request logs and forecasting prefix demand (arrives with the forecasting issue)."""
