@@ -254,20 +254,6 @@ def page_cache_dropper() -> Callable[[], None] | None:
 
 
 # -- S3 tier ------------------------------------------------------------------
-def start_seaweedfs(cls, attempts: int = 3):
-    """Start SeaweedFS, retrying: on a machine shared with test runs a start can fail for
-    reasons of the moment (a port taken between choosing it and binding it)."""
-    for attempt in range(1, attempts + 1):
-        try:
-            return cls().start()
-        except RuntimeError as exc:
-            if attempt == attempts:
-                raise
-            print(f"SeaweedFS did not start ({exc}); retrying in 5 s", file=sys.stderr, flush=True)
-            time.sleep(5)
-    raise AssertionError("unreachable")
-
-
 def bench_s3_put(tier, fs, snap: EncodedSnapshot, blob: bytes, reps: int) -> Pair:
     def ours() -> float:
         name, data = fresh_name("p"), uncached(snap)
@@ -399,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print("starting SeaweedFS on 127.0.0.1 ...", flush=True)
             t0 = time.perf_counter()
-            weed = start_seaweedfs(SeaweedFS)
+            weed = SeaweedFS().start()
             os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
             os.environ["KVWARM_BENCH_S3_KEY"] = os.environ["KVWARM_BENCH_S3_SECRET"] = "bench"
             options = S3Config(endpoint_url=weed.endpoint, access_key_env="KVWARM_BENCH_S3_KEY",

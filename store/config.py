@@ -185,17 +185,16 @@ def _format_errors(exc: ValidationError, source: str) -> str:
 
 
 def _section_for(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    """The model whose keys are allowed at ``loc`` (for "allowed keys here" messages)."""
+    if loc[:1] == ("tenants",):
+        return TenantConfig if len(loc) == 2 else None
     model: type[BaseModel] = KvwarmConfig
     for part in loc:
-        if part not in model.model_fields:
-            return TenantConfig if model is KvwarmConfig and part != "tenants" else None
-        ann = model.model_fields[part].annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            model = ann
-        elif part == "tenants":
-            return TenantConfig if len(loc) > 1 else None
-        else:
+        field = model.model_fields.get(part)
+        ann = field.annotation if field is not None else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
             return None
+        model = ann
     return model
 
 

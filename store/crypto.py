@@ -13,6 +13,8 @@ from __future__ import annotations
 import hashlib
 import os
 
+import pyarrow as pa
+
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
@@ -70,3 +72,10 @@ def unseal(key: bytes | None, name: str, blob: bytes | memoryview, *, location: 
         return AESGCM(key).decrypt(nonce, blob[start + _KEY_ID + _NONCE :], name.encode())
     except InvalidTag:
         raise SnapshotCorrupt("encrypted object failed authentication", location=location) from None
+
+
+def plaintext(src: pa.Buffer | pa.NativeFile, key: bytes | None, name: str, *, location: str = "") -> pa.Buffer | pa.NativeFile:
+    """``src`` as read from a tier, decrypted if it is a sealed object (see :func:`unseal`)."""
+    if isinstance(src, pa.Buffer) and is_sealed(memoryview(src)):
+        return pa.py_buffer(unseal(key, name, memoryview(src), location=location))
+    return src

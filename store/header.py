@@ -8,6 +8,7 @@ lifetimes, measured quantisation error, and a checksum per payload part.
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
@@ -21,17 +22,16 @@ from store.precision import Precision
 FORMAT_NAME = "kvwarm-kv-snapshot"
 
 
-_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+@functools.cache
+def _field_names(cls: type) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(cls))
 
 
 def _fields_of(obj: Any) -> dict[str, Any]:
     """A dataclass instance as a shallow dict of its fields (``json.dumps`` default hook)."""
-    names = _FIELD_NAMES.get(type(obj))
-    if names is None:
-        if not is_dataclass(obj) or isinstance(obj, type):
-            raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
-        names = _FIELD_NAMES[type(obj)] = tuple(f.name for f in fields(obj))
-    return {name: getattr(obj, name) for name in names}
+    if not is_dataclass(obj) or isinstance(obj, type):
+        raise TypeError(f"{type(obj).__name__} is not JSON serialisable")
+    return {name: getattr(obj, name) for name in _field_names(type(obj))}
 
 
 @dataclass(frozen=True)

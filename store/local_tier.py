@@ -82,7 +82,6 @@ class LocalTier(Tier):
         self.root = Path(root).expanduser().resolve()
         self.url = f"file://{self.root}"
         self.cap_bytes = int(cap_bytes)
-        self.recency_flush_s = recency_flush_s
         self.evict_to_fraction = evict_to_fraction
         self.clock = clock
         self.objects = self.root / "objects"

@@ -17,7 +17,7 @@ from typing import Callable, Sequence, TypeVar
 import pyarrow as pa
 
 from store.config import KvwarmConfig, StoreConfig, load_config
-from store.crypto import is_sealed, seal, unseal
+from store.crypto import plaintext, seal
 from store.errors import (
     ConfigError,
     SnapshotCorrupt,
@@ -261,10 +261,7 @@ class Store:
     @staticmethod
     def _plaintext(tenant: Tenant, ns: str, name: str, src: pa.Buffer | pa.NativeFile, location: str) -> pa.Buffer | pa.NativeFile:
         """Decrypt an object sealed for this tenant (public objects are never sealed)."""
-        if isinstance(src, pa.Buffer) and is_sealed(memoryview(src)):
-            key = tenant.encryption_key if ns == tenant.name else None
-            return pa.py_buffer(unseal(key, name, memoryview(src), location=location))
-        return src
+        return plaintext(src, tenant.encryption_key if ns == tenant.name else None, name, location=location)
 
     def _bad(self, tier: Tier, name: str, exc: SnapshotError) -> SnapshotError:
         if isinstance(exc, SnapshotMismatch):

@@ -49,7 +49,24 @@ class SeaweedFS:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "SeaweedFS":
+    def start(self, attempts: int = 3) -> "SeaweedFS":
+        """Start the server and wait until it answers S3 calls.
+
+        Retries with fresh ports: on a shared machine a port can be taken between
+        choosing it and the server binding it.
+        """
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start_once()
+            except RuntimeError:
+                if attempt == attempts:
+                    raise
+                self.port = free_port()
+                time.sleep(1)
+        raise AssertionError("unreachable")
+
+    def _start_once(self) -> "SeaweedFS":
+        self.dir.mkdir(parents=True, exist_ok=True)  # a failed attempt's stop() removes it
         ports = [free_port() for _ in range(7)]
         log = open(self.dir / "weed.log", "wb")
         cmd = [
