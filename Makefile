@@ -24,6 +24,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
+	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) bench/store_bench.py
 
 clean:

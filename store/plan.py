@@ -1,0 +1,207 @@
+"""The prewarm plan file: what forecasting decides, prefill computes and loaders retain.
+
+The plan is the contract between the three: ``forecasting`` writes it, the prefill job
+reads it to know what to compute, and the serving-side loader reads it for prefetch and
+forecast-informed retention. It lives in ``store`` because ``store`` imports nothing
+else and all three may import it. The format is documented in ``docs/plan.md``.
+
+A plan is a JSON object (``*.json``) or a Parquet table of entries with the plan's
+own fields in the schema metadata (``*.parquet``)::
+
+    {"kvwarm_plan": 1, "created_at": 1764400000.0, "block_size": 256,
+     "model": "kvwarm-tiny", "window": {"start": ..., "end": ...},
+     "entries": [{"tenant": "acme", "text": "You are...", "ttl_s": 14400, "score": 3.2,
+                  "expected_hits": 41.0, "family": "f-12", "prefix_id": "ab12..."}]}
+
+Each entry names a prefix either as ``token_ids`` or as ``text`` (tokenised by the
+prefill job with the model's tokenizer, through the chat template when ``chat`` is
+true). Entries are in priority order: the prefill job computes them in order and stops
+at its deadline, so the most valuable prefixes are done first.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+from store.errors import ConfigError
+
+PLAN_VERSION = 1
+
+
+class PlanError(ConfigError):
+    """A plan file is missing, unreadable or names something invalid."""
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    """One prefix to prewarm for one tenant."""
+
+    tenant: str
+    token_ids: tuple[int, ...] | None = None
+    text: str | None = None
+    chat: bool = False
+    ttl_s: float | None = None
+    score: float = 0.0
+    expected_hits: float = 0.0
+    family: str | None = None
+    prefix_id: str | None = None
+
+    def __post_init__(self) -> None:
+        where = f"plan entry for tenant {self.tenant!r}"
+        if not isinstance(self.tenant, str) or not self.tenant:
+            raise PlanError(f"plan entry: 'tenant' must be a non-empty string, got {self.tenant!r}")
+        if (self.token_ids is None) == (self.text is None):
+            raise PlanError(f"{where}: give exactly one of 'token_ids' or 'text'")
+        if self.token_ids is not None:
+            ids = tuple(self.token_ids)
+            if not ids or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+                raise PlanError(f"{where}: 'token_ids' must be a non-empty list of non-negative integers")
+            object.__setattr__(self, "token_ids", ids)
+        if self.text is not None and (not isinstance(self.text, str) or not self.text):
+            raise PlanError(f"{where}: 'text' must be a non-empty string")
+        if self.ttl_s is not None and not (isinstance(self.ttl_s, (int, float)) and self.ttl_s > 0 and math.isfinite(self.ttl_s)):
+            raise PlanError(f"{where}: 'ttl_s' must be a positive number of seconds, got {self.ttl_s!r}")
+        for name in ("score", "expected_hits"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise PlanError(f"{where}: {name!r} must be a finite number, got {v!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        if self.token_ids is not None:
+            d["token_ids"] = list(self.token_ids)
+        return {k: v for k, v in d.items() if v is not None and not (k == "chat" and v is False)}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A prewarm plan: entries in priority order, plus when and for what model."""
+
+    entries: tuple[PlanEntry, ...]
+    created_at: float = 0.0
+    block_size: int | None = None
+    model: str | None = None
+    window_start: float | None = None
+    window_end: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "entries", tuple(self.entries))
+        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size <= 0):
+            raise PlanError(f"plan: 'block_size' must be a positive integer, got {self.block_size!r}")
+        if self.window_start is not None and self.window_end is not None and self.window_end <= self.window_start:
+            raise PlanError(f"plan: window end {self.window_end} is not after its start {self.window_start}")
+
+    def for_tenant(self, tenant: str) -> list[PlanEntry]:
+        return [e for e in self.entries if e.tenant == tenant]
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"kvwarm_plan": PLAN_VERSION, "created_at": self.created_at}
+        if self.block_size is not None:
+            out["block_size"] = self.block_size
+        if self.model is not None:
+            out["model"] = self.model
+        if self.window_start is not None or self.window_end is not None:
+            out["window"] = {"start": self.window_start, "end": self.window_end}
+        if self.extra:
+            out["extra"] = self.extra
+        out["entries"] = [e.to_json() for e in self.entries]
+        return out
+
+
+_ENTRY_FIELDS = {f for f in PlanEntry.__dataclass_fields__}
+
+
+def parse_plan(doc: Any, source: str = "plan") -> Plan:
+    """Validate a decoded plan document; errors name the entry and the field."""
+    if isinstance(doc, list):  # a bare list of entries is accepted (the simplest hand-written plan)
+        doc = {"kvwarm_plan": PLAN_VERSION, "entries": doc}
+    if not isinstance(doc, dict):
+        raise PlanError(f"{source}: a plan is a JSON object with 'entries', got {type(doc).__name__}")
+    version = doc.get("kvwarm_plan", PLAN_VERSION)
+    if version != PLAN_VERSION:
+        raise PlanError(f"{source}: plan version {version!r} is not supported (this kvwarm reads version {PLAN_VERSION})")
+    unknown = set(doc) - {"kvwarm_plan", "created_at", "block_size", "model", "window", "extra", "entries"}
+    if unknown:
+        raise PlanError(f"{source}: unknown plan field(s) {sorted(unknown)}")
+    raw = doc.get("entries")
+    if not isinstance(raw, list):
+        raise PlanError(f"{source}: 'entries' must be a list")
+    entries = []
+    for i, e in enumerate(raw):
+        if not isinstance(e, dict):
+            raise PlanError(f"{source}: entry {i} must be an object, got {type(e).__name__}")
+        bad = set(e) - _ENTRY_FIELDS
+        if bad:
+            raise PlanError(f"{source}: entry {i} has unknown field(s) {sorted(bad)}; allowed: {sorted(_ENTRY_FIELDS)}")
+        try:
+            entries.append(PlanEntry(**e))
+        except PlanError as exc:
+            raise PlanError(f"{source}: entry {i}: {exc}") from None
+    window = doc.get("window") or {}
+    if not isinstance(window, dict):
+        raise PlanError(f"{source}: 'window' must be an object with 'start' and 'end'")
+    return Plan(entries=tuple(entries), created_at=float(doc.get("created_at", 0.0)),
+                block_size=doc.get("block_size"), model=doc.get("model"),
+                window_start=window.get("start"), window_end=window.get("end"), extra=doc.get("extra") or {})
+
+
+def read_plan(path: str | os.PathLike[str]) -> Plan:
+    """Read a plan from ``*.json`` or ``*.parquet``."""
+    p = Path(path)
+    if not p.exists():
+        raise PlanError(f"plan file {str(p)!r} does not exist")
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            table = pq.read_table(p)
+        except Exception as exc:  # noqa: BLE001 - any reader error is a bad file
+            raise PlanError(f"plan file {str(p)!r} is not a readable Parquet file: {exc}") from None
+        meta = json.loads((table.schema.metadata or {}).get(b"kvwarm_plan", b"{}"))
+        rows = [{k: v for k, v in r.items() if v is not None} for r in table.to_pylist()]
+        return parse_plan({**meta, "entries": rows}, str(p))
+    try:
+        doc = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise PlanError(f"plan file {str(p)!r} is not valid JSON: {exc}") from None
+    return parse_plan(doc, str(p))
+
+
+def write_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
+    """Write a plan atomically (temp file + rename) as JSON or Parquet, by suffix."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".plan-", dir=p.parent)
+    try:
+        if p.suffix == ".parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            doc = plan.to_json()
+            rows = doc.pop("entries")
+            cols = {name: [r.get(name) for r in rows] for name in PlanEntry.__dataclass_fields__}
+            table = pa.table(cols) if rows else pa.table({"tenant": pa.array([], pa.string())})
+            table = table.replace_schema_metadata({"kvwarm_plan": json.dumps(doc)})
+            os.close(fd)
+            pq.write_table(table, tmp)
+        else:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(plan.to_json(), f, indent=1)
+        os.replace(tmp, p)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return p
+
+
+def plan_from_prefixes(tenant: str, prefixes: Iterable[Sequence[int] | str], **kw: Any) -> Plan:
+    """A plan naming ``prefixes`` (token-id lists or texts) for one tenant, in the given order."""
+    entries = [PlanEntry(tenant=tenant, text=p) if isinstance(p, str) else PlanEntry(tenant=tenant, token_ids=tuple(p))
+               for p in prefixes]
+    return Plan(entries=tuple(entries), **kw)
