@@ -1,0 +1,1 @@
+"""Tests of the forecasting package (mining, forecasting, planning, replay)."""
