@@ -1,0 +1,140 @@
+"""``prefill simulate``: replay a request trace against prefix caches and report what kvwarm saves.
+
+    prefill simulate --trace conversation_trace.jsonl --capacity-blocks 16384 \\
+        --scenario restart --at 50% [--policy lru,lru+kvwarm,...] [--plots DIR] [--json]
+
+Prints a table (or, with ``--json``, one JSON object) with each policy's token hit rate,
+hit rate excluding the shared root block, first-minute hit rate, minutes to recover,
+prefill tokens and TTFT saved, and warm-up precision/recall. See docs/simulate.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from forecasting.replay import BlockIndex, PredictorConfig
+from forecasting.simulate import (
+    SCENARIOS,
+    STEADY_POLICIES,
+    WARMUP_POLICIES,
+    CostModel,
+    Policy,
+    Scenario,
+    plot,
+    simulate,
+)
+from forecasting.traces import FORMATS, TraceError, read_trace
+
+#: KV bytes per token assumed by ``--capacity-bytes``: an 8B GQA model (32 layers,
+#: 8 KV heads of 128) stored in FP8: 2 * 32 * 8 * 128 * 1 byte.
+DEFAULT_KV_BYTES_PER_TOKEN = 65536
+
+
+def add_simulate_command(sub: Any) -> None:
+    """Register ``simulate`` on an argparse subparsers object (``func(args) -> exit code``)."""
+    p = sub.add_parser("simulate", help="what-if replay of a trace: prewarming and retention vs reactive caches",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trace", required=True, help="trace file (Mooncake JSONL, or kvwarm JSONL/Parquet)")
+    p.add_argument("--format", choices=FORMATS, default="mooncake", help="trace format (default: mooncake)")
+    p.add_argument("--block-size", type=int, help="tokens per block for kvwarm logs (default 256)")
+    p.add_argument("--tenant", default="mooncake", help="tenant name given to Mooncake requests")
+    cap = p.add_mutually_exclusive_group(required=True)
+    cap.add_argument("--capacity-blocks", type=int, help="cache capacity in blocks")
+    cap.add_argument("--capacity-bytes", type=float,
+                     help="cache capacity in bytes (blocks = bytes / (block tokens * --kv-bytes-per-token))")
+    p.add_argument("--kv-bytes-per-token", type=int, default=DEFAULT_KV_BYTES_PER_TOKEN,
+                   help=f"KV bytes per token for --capacity-bytes (default {DEFAULT_KV_BYTES_PER_TOKEN}: 8B model, FP8)")
+    p.add_argument("--scenario", choices=SCENARIOS, default="steady", help="steady, restart or scale-out")
+    p.add_argument("--at", default="50%", help="event time: seconds from the trace start, or a percentage (50%%)")
+    p.add_argument("--window", type=float, default=600.0, help="evaluation window after the event, s (default 600)")
+    p.add_argument("--share", type=float, default=0.25, help="traffic share of the new replica (scale-out)")
+    p.add_argument("--seed", type=int, default=0, help="routing seed (scale-out)")
+    p.add_argument("--lookback", type=float, default=1800.0, help="history the naive prewarm counts, s (default 1800)")
+    p.add_argument("--recovery", type=float, default=0.9,
+                   help="recovered once a minute reaches this fraction of the no-event hit rate (default 0.9)")
+    p.add_argument("--policy", action="append",
+                   help="eviction[+prewarm], repeatable or comma-separated: lru, retention, belady; prewarms "
+                        "naive, kvwarm, oracle (default: all that apply to the scenario)")
+    p.add_argument("--horizon", type=float, default=PredictorConfig.horizon_s,
+                   help="reuse horizon of the predictor, s (default %(default)s)")
+    p.add_argument("--tau", type=float, default=PredictorConfig.tau_s,
+                   help="recency scale of retention priorities, s (default %(default)s)")
+    p.add_argument("--s-per-token", type=float, default=CostModel.s_per_token,
+                   help="prefill seconds per token, linear term (default %(default)s)")
+    p.add_argument("--s-per-token-pair", type=float, default=CostModel.s_per_token_pair,
+                   help="prefill seconds per attention token pair, quadratic term (default %(default)s)")
+    p.add_argument("--plots", help="directory to write a PNG of per-minute hit rates to")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.set_defaults(func=run_simulate)
+
+
+def _event_time(text: str, duration_s: float) -> float:
+    text = str(text).strip()
+    try:
+        if text.endswith("%"):
+            return float(text[:-1]) / 100.0 * duration_s
+        return float(text)
+    except ValueError:
+        raise ValueError(f"--at must be seconds (900) or a percentage of the trace (50%), got {text!r}") from None
+
+
+def _policies(args: argparse.Namespace) -> list[Policy]:
+    if not args.policy:
+        return [Policy.parse(p) for p in (STEADY_POLICIES if args.scenario == "steady" else WARMUP_POLICIES)]
+    return [Policy.parse(p) for group in args.policy for p in group.split(",") if p.strip()]
+
+
+def _check_plotting() -> None:
+    """Fail before the replay, not after it, when --plots cannot be honoured."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise RuntimeError("--plots needs matplotlib: pip install 'kvwarm[pipeline]' (or matplotlib)") from None
+
+
+def run_simulate(args: argparse.Namespace) -> int:
+    """Run ``prefill simulate``; returns 0, or 2 on a bad trace or argument (message on stderr)."""
+    try:
+        if args.plots:
+            _check_plotting()
+        trace = read_trace(args.trace, args.format, block_size=args.block_size, tenant=args.tenant)
+        if args.capacity_blocks is not None:
+            capacity = args.capacity_blocks
+        else:
+            if args.kv_bytes_per_token < 1:
+                raise ValueError("--kv-bytes-per-token must be positive")
+            capacity = int(args.capacity_bytes // (trace.block_tokens * args.kv_bytes_per_token))
+        if capacity < 1:
+            raise ValueError(f"the capacity holds no block ({trace.block_tokens} tokens x "
+                             f"{args.kv_bytes_per_token} bytes each); give a larger capacity")
+        scenario = Scenario(args.scenario, _event_time(args.at, trace.duration_s), args.window, args.share,
+                            args.seed, args.lookback, recovery_fraction=args.recovery)
+        predictor = PredictorConfig(horizon_s=args.horizon, tau_s=args.tau)
+        cost = CostModel(args.s_per_token, args.s_per_token_pair)
+        result = simulate(BlockIndex.build(trace), capacity, scenario, _policies(args), predictor=predictor,
+                          cost=cost)
+        plot_path = None
+        if args.plots:
+            plot_path = plot(result, Path(args.plots) / f"simulate-{args.scenario}-{capacity}.png")
+    except (TraceError, ValueError, RuntimeError) as exc:
+        print(f"prefill simulate: error: {exc}", file=sys.stderr)
+        return 2
+    out = result.to_json()
+    out["trace"] = {"path": str(args.trace), "format": args.format, "requests": len(trace),
+                    "blocks": trace.n_blocks, "duration_s": trace.duration_s}
+    if plot_path is not None:
+        out["plot"] = str(plot_path)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    sc = result.scenario
+    event = "" if sc.kind == "steady" else f" at {sc.at_s:g} s, window {sc.window_s:g} s"
+    print(f"{args.trace}: {len(trace)} requests, {trace.n_blocks} blocks over {trace.duration_s:.0f} s; "
+          f"{capacity} blocks of {trace.block_tokens} tokens; {sc.kind}{event}")
+    print(result.table())
+    if plot_path is not None:
+        print(f"plot: {plot_path}")
+    return 0

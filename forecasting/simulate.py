@@ -1,0 +1,456 @@
+"""What-if replay: how many prefill tokens would prewarming and retention save on a trace?
+
+A :class:`Scenario` says what happens to the cache (nothing, a restart at ``T``, a new
+replica taking a share of the traffic from ``T``); a :class:`Policy` says how the cache
+evicts (``lru``, ``retention``, ``belady``) and how it is prewarmed at ``T``:
+
+- ``naive``: the blocks with the most requests in the ``lookback_s`` before ``T``;
+- ``kvwarm``: the blocks with the highest predicted reuse at ``T``
+  (:class:`~forecasting.replay.ReusePredictor`: class reuse rates from closed outcomes,
+  recency, conversation structure), closed under prefixes;
+- ``oracle``: the best possible prewarm from blocks seen before ``T``: those used in
+  the evaluation window, the soonest used kept longest (the ceiling for prewarming).
+
+Every prewarm is a function of the trace before ``T`` only (the oracle excepted, by
+definition). :func:`simulate` runs each policy and returns a :class:`SimResult` of
+metrics over the evaluation window; :func:`plot` draws the per-minute hit rates.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from forecasting.replay import (
+    BeladyCache,
+    BlockIndex,
+    LRUCache,
+    PredictorConfig,
+    RetentionCache,
+    ReusePredictor,
+    next_use,
+    replay,
+)
+
+SCENARIOS = ("steady", "restart", "scale-out")
+EVICTIONS = ("lru", "retention", "belady")
+PREWARMS = ("none", "naive", "kvwarm", "oracle")
+STEADY_POLICIES = ("lru", "retention", "belady")
+WARMUP_POLICIES = ("lru", "lru+naive", "lru+kvwarm", "lru+oracle", "retention", "retention+kvwarm", "belady")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """An eviction and a prewarm, written ``eviction[+prewarm]`` (e.g. ``lru+kvwarm``)."""
+
+    eviction: str = "lru"
+    prewarm: str = "none"
+
+    def __post_init__(self) -> None:
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"unknown eviction {self.eviction!r}; choose one of {', '.join(EVICTIONS)}")
+        if self.prewarm not in PREWARMS:
+            raise ValueError(f"unknown prewarm {self.prewarm!r}; choose one of {', '.join(PREWARMS)}")
+        if self.eviction == "belady" and self.prewarm != "none":
+            raise ValueError("belady is the eviction ceiling and takes no prewarm; use 'belady' alone")
+
+    @classmethod
+    def parse(cls, text: str) -> Policy:
+        """``lru``, ``lru+naive``, ``retention+kvwarm``, ``belady``... (see :data:`EVICTIONS`, :data:`PREWARMS`)."""
+        eviction, _, prewarm = text.strip().partition("+")
+        return cls(eviction, prewarm or "none")
+
+    @property
+    def name(self) -> str:
+        return self.eviction if self.prewarm == "none" else f"{self.eviction}+{self.prewarm}"
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Prefill time of a prompt: ``a * new_tokens + b * attention pairs of the new tokens``.
+
+    Saved TTFT for a request of ``n`` tokens with ``c`` cached: ``a*c + b*c*(c+1)/2``.
+    Defaults are an order of magnitude for an 8B model on one H100-class GPU (about
+    20k prefill tokens/s at short context, attention 1/30 of a token's linear cost per
+    context token); calibrate them from the prefill benchmark.
+    """
+
+    s_per_token: float = 5e-5
+    s_per_token_pair: float = 1.6e-9
+
+    def __post_init__(self) -> None:
+        if self.s_per_token < 0 or self.s_per_token_pair < 0:
+            raise ValueError("CostModel constants must be >= 0")
+
+    def prefill_s(self, n_tokens: np.ndarray) -> np.ndarray:
+        """Seconds to prefill ``n_tokens`` from scratch."""
+        n = np.asarray(n_tokens, dtype=np.float64)
+        return self.s_per_token * n + self.s_per_token_pair * n * (n + 1) / 2
+
+    def saved_s(self, cached_tokens: np.ndarray) -> np.ndarray:
+        """Seconds saved when the first ``cached_tokens`` come from the cache."""
+        return self.prefill_s(cached_tokens)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What happens to the cache under test.
+
+    Attributes:
+        kind: ``steady`` (one cache over the whole trace), ``restart`` (emptied at
+            ``at_s``) or ``scale-out`` (a new, empty replica gets ``share`` of the
+            requests from ``at_s``, routed at random with ``seed``).
+        at_s: the event time, seconds from the trace start (ignored for steady).
+        window_s: evaluation window after ``at_s``; steady evaluates the whole trace.
+        share: traffic share of the new replica (scale-out).
+        seed: routing seed (scale-out).
+        lookback_s: history the naive prewarm counts requests over.
+        bucket_s: width of the per-minute series.
+        recovery_fraction: recovered once a bucket reaches this fraction of the
+            reference's hit rate in the same bucket.
+    """
+
+    kind: str = "steady"
+    at_s: float = 0.0
+    window_s: float = 600.0
+    share: float = 0.25
+    seed: int = 0
+    lookback_s: float = 1800.0
+    bucket_s: float = 60.0
+    recovery_fraction: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.kind not in SCENARIOS:
+            raise ValueError(f"unknown scenario {self.kind!r}; choose one of {', '.join(SCENARIOS)}")
+        if not 0 < self.share <= 1:
+            raise ValueError(f"share must be in (0, 1], got {self.share}")
+        if self.window_s <= 0 or self.bucket_s <= 0 or self.lookback_s <= 0:
+            raise ValueError("window_s, bucket_s and lookback_s must be positive")
+        if not 0 < self.recovery_fraction <= 1:
+            raise ValueError(f"recovery_fraction must be in (0, 1], got {self.recovery_fraction}")
+
+
+@dataclass(frozen=True)
+class PolicyResult:
+    """Metrics of one policy over the evaluation window (rates in [0, 1], times in seconds)."""
+
+    policy: str
+    requests: int
+    tokens: int
+    hit_tokens: int
+    hit_rate: float
+    hit_rate_excl_root: float
+    first_bucket_hit_rate_excl_root: float
+    minutes_to_recover: float | None
+    prefill_tokens_saved: int
+    ttft_saved_s: float
+    ttft_saved_mean_s: float
+    prewarm_blocks: int
+    warmup_precision: float | None
+    warmup_recall: float | None
+    per_bucket: tuple[tuple[float, float], ...]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Everything :func:`simulate` measured: one row per policy plus the reference."""
+
+    scenario: Scenario
+    capacity_blocks: int
+    window: tuple[float, float]
+    reference: PolicyResult | None
+    rows: tuple[PolicyResult, ...]
+
+    def row(self, policy: str) -> PolicyResult:
+        """The row of ``policy`` (e.g. ``"lru+kvwarm"``)."""
+        for r in self.rows:
+            if r.policy == policy:
+                return r
+        raise KeyError(f"no row for policy {policy!r}; have {[r.policy for r in self.rows]}")
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return {"scenario": asdict(self.scenario), "capacity_blocks": self.capacity_blocks,
+                "window_s": list(self.window),
+                "reference": None if self.reference is None else asdict(self.reference),
+                "rows": [asdict(r) for r in self.rows]}
+
+    def table(self) -> str:
+        """A plain-text table, one line per policy."""
+        head = (f"{'policy':<20}{'hit%':>7}{'excl0%':>8}{'1st-min%':>9}{'recover':>8}"
+                f"{'saved tok':>12}{'TTFT s':>10}{'prec%':>7}{'rec%':>7}")
+        lines = [head]
+        for r in ([self.reference] if self.reference else []) + list(self.rows):
+            rec = "-" if r.minutes_to_recover is None else f"{r.minutes_to_recover:g}"
+            prec = "-" if r.warmup_precision is None else f"{100 * r.warmup_precision:.1f}"
+            recall = "-" if r.warmup_recall is None else f"{100 * r.warmup_recall:.1f}"
+            lines.append(f"{r.policy:<20}{100 * r.hit_rate:>7.1f}{100 * r.hit_rate_excl_root:>8.1f}"
+                         f"{100 * r.first_bucket_hit_rate_excl_root:>9.1f}{rec:>8}{r.prefill_tokens_saved:>12,}"
+                         f"{r.ttft_saved_s:>10.1f}{prec:>7}{recall:>7}")
+        return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- prewarm
+
+
+def naive_prewarm(index: BlockIndex, start: int, capacity: int, lookback_s: float) -> np.ndarray:
+    """Blocks with the most requests in ``lookback_s`` before request ``start`` (most valuable last).
+
+    Ties go to the block used most recently.
+    """
+    tr = index.trace
+    t = tr.timestamps_s[start] if start < len(tr) else math.inf
+    first = int(np.searchsorted(tr.timestamps_s, t - lookback_s, side="left"))
+    a, z = tr.offsets[first], tr.offsets[start]
+    counts = np.bincount(index.ids[a:z], minlength=index.n_unique)
+    last = np.full(index.n_unique, -1, dtype=np.int64)
+    np.maximum.at(last, index.ids[a:z], np.arange(a, z))
+    cand = np.flatnonzero(counts)
+    order = np.lexsort((last[cand], counts[cand]))
+    return cand[order][-capacity:] if capacity else cand[:0]
+
+
+def _close_under_prefix(index: BlockIndex, score: np.ndarray, depth_of: np.ndarray) -> np.ndarray:
+    """Raise each parent's score to at least its children's (a child hits only with its parent)."""
+    score = score.copy()
+    known = np.flatnonzero(np.isfinite(score))
+    known = known[np.argsort(-depth_of[known], kind="stable")]
+    levels = depth_of[known]
+    cuts = np.flatnonzero(np.diff(levels)) + 1
+    for kids in np.split(known, cuts):  # deepest level first, so raises propagate to the root
+        if len(kids) and depth_of[kids[0]] > 0:
+            np.maximum.at(score, index.parent[kids], score[kids])
+    return score
+
+
+def kvwarm_prewarm(index: BlockIndex, start: int, capacity: int,
+                   config: PredictorConfig = PredictorConfig()) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks of highest predicted reuse at request ``start``'s time, from the trace before it.
+
+    Each block seen before is scored at its last use, ``log p(reuse | class) + t_last / tau``,
+    with the class table estimated from outcomes closed before the prewarm time; scores
+    are closed under prefixes and the top ``capacity`` kept.
+
+    Returns:
+        (blocks, scores), least valuable first.
+    """
+    tr = index.trace
+    t = tr.timestamps_s[start] if start < len(tr) else math.inf
+    z = int(tr.offsets[start])
+    predictor = ReusePredictor(index, config)
+    predictor.update(t)
+    last = np.full(index.n_unique, -1, dtype=np.int64)
+    np.maximum.at(last, index.ids[:z], np.arange(z))
+    seen = np.flatnonzero(last >= 0)
+    score = np.full(index.n_unique, -np.inf)
+    occ = last[seen]
+    score[seen] = (predictor.log_p[predictor.classes[occ]]
+                   + tr.timestamps_s[index.request[occ]] / config.tau_s)
+    depth_of = np.zeros(index.n_unique, dtype=np.int64)
+    depth_of[index.ids[:z]] = index.depth[:z]
+    score = _close_under_prefix(index, score, depth_of)
+    order = np.lexsort((-depth_of[seen], score[seen]))
+    chosen = seen[order][-capacity:] if capacity else seen[:0]
+    return chosen, score[chosen]
+
+
+def oracle_prewarm(index: BlockIndex, start: int, served: np.ndarray, capacity: int) -> np.ndarray:
+    """The best prewarm from blocks seen before request ``start``: those the ``served`` requests use.
+
+    Ordered by first use (soonest used last, i.e. kept longest); the ceiling for prewarming.
+    """
+    tr = index.trace
+    z = int(tr.offsets[start])
+    seen = np.zeros(index.n_unique, dtype=bool)
+    seen[index.ids[:z]] = True
+    never = np.iinfo(np.int64).max
+    first = np.full(index.n_unique, never, dtype=np.int64)
+    occ = _occurrences(index, served)
+    np.minimum.at(first, index.ids[occ], index.request[occ])
+    cand = np.flatnonzero(seen & (first < never))
+    order = np.argsort(-first[cand], kind="stable")
+    return cand[order][-capacity:] if capacity else cand[:0]
+
+
+def _occurrences(index: BlockIndex, rows: np.ndarray) -> np.ndarray:
+    """Indices into the block arrays of every block of requests ``rows`` (in order)."""
+    offsets = index.trace.offsets
+    lengths = offsets[rows + 1] - offsets[rows]
+    starts = np.zeros(len(rows), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return np.repeat(offsets[rows] - starts, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+# -------------------------------------------------------------------------- simulate
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Which requests a scenario serves, from where, and against what reference."""
+
+    start: int
+    served: np.ndarray
+    reference: np.ndarray | None
+    window: tuple[float, float]
+
+
+def _plan(index: BlockIndex, scenario: Scenario) -> _Plan:
+    ts = index.trace.timestamps_s
+    n = len(ts)
+    if scenario.kind == "steady":
+        rows = np.arange(n, dtype=np.int64)
+        return _Plan(0, rows, None, (0.0, float(ts[-1]) if n else 0.0))
+    if not 0 <= scenario.at_s <= (ts[-1] if n else 0):
+        raise ValueError(f"event time {scenario.at_s:g} s is outside the trace (0 to {ts[-1] if n else 0:g} s)")
+    start = int(np.searchsorted(ts, scenario.at_s, side="left"))
+    end = int(np.searchsorted(ts, scenario.at_s + scenario.window_s, side="left"))
+    rows = np.arange(end, dtype=np.int64)
+    if scenario.kind == "scale-out":
+        routed = np.random.default_rng(scenario.seed).random(n) < scenario.share
+        rows = rows[routed[:end]]
+    return _Plan(start, rows[rows >= start], rows, (scenario.at_s, scenario.at_s + scenario.window_s))
+
+
+def _make_cache(policy: Policy, capacity: int, index: BlockIndex, predictor: PredictorConfig,
+                served: np.ndarray) -> LRUCache | BeladyCache | RetentionCache:
+    if policy.eviction == "lru":
+        return LRUCache(capacity)
+    if policy.eviction == "belady":
+        return BeladyCache(capacity, next_use(index, served))
+    return RetentionCache(capacity, ReusePredictor(index, predictor))
+
+
+def _prewarm(policy: Policy, index: BlockIndex, plan: _Plan, capacity: int, scenario: Scenario,
+             predictor: PredictorConfig) -> tuple[np.ndarray, np.ndarray | None]:
+    if policy.prewarm == "naive":
+        return naive_prewarm(index, plan.start, capacity, scenario.lookback_s), None
+    if policy.prewarm == "kvwarm":
+        return kvwarm_prewarm(index, plan.start, capacity, predictor)
+    return oracle_prewarm(index, plan.start, plan.served, capacity), None
+
+
+def _measure(name: str, index: BlockIndex, rows: np.ndarray, hits: np.ndarray, scenario: Scenario,
+             window: tuple[float, float], cost: CostModel, reference: PolicyResult | None,
+             prewarmed: np.ndarray | None, start: int, seconds: float) -> PolicyResult:
+    tr = index.trace
+    keep = tr.timestamps_s[rows] >= window[0]  # rows already end at the window's end
+    rows, hits = rows[keep], hits[keep]
+    cum = np.concatenate([[0], np.cumsum(index.tokens)])
+    a = tr.offsets[rows]
+    hit_tok = cum[a + hits] - cum[a]
+    root_tok = np.where(tr.offsets[rows + 1] > a, index.tokens[np.minimum(a, len(index.tokens) - 1)], 0)
+    total = tr.input_tokens[rows]
+    hit_x = hit_tok - np.where(hits > 0, root_tok, 0)
+    total_x = total - root_tok
+    bucket = np.floor((tr.timestamps_s[rows] - window[0]) / scenario.bucket_s).astype(np.int64)
+    n_buckets = int(bucket.max(initial=-1)) + 1
+    num = np.bincount(bucket, weights=hit_x, minlength=n_buckets)
+    den = np.bincount(bucket, weights=total_x, minlength=n_buckets)
+    rates = np.divide(num, den, out=np.zeros(n_buckets), where=den > 0)
+    per_bucket = tuple((float(k * scenario.bucket_s / 60.0), float(r)) for k, r in enumerate(rates))
+    recover = None
+    if reference is not None:
+        ref = dict(reference.per_bucket)
+        for minute, r in per_bucket:
+            if r >= scenario.recovery_fraction * ref.get(minute, 0.0):
+                recover = minute
+                break
+    precision = recall = None
+    if prewarmed is not None:
+        used = np.zeros(index.n_unique, dtype=bool)
+        used[index.ids[_occurrences(index, rows)]] = True
+        seen = np.zeros(index.n_unique, dtype=bool)
+        seen[index.ids[: tr.offsets[start]]] = True
+        good = int(used[prewarmed].sum())
+        precision = good / len(prewarmed) if len(prewarmed) else 0.0
+        possible = int((used & seen).sum())
+        recall = good / possible if possible else 0.0
+    saved = cost.saved_s(hit_tok)
+    return PolicyResult(
+        policy=name, requests=len(rows), tokens=int(total.sum()), hit_tokens=int(hit_tok.sum()),
+        hit_rate=float(hit_tok.sum() / max(total.sum(), 1)),
+        hit_rate_excl_root=float(hit_x.sum() / max(total_x.sum(), 1)),
+        first_bucket_hit_rate_excl_root=float(rates[0]) if n_buckets else 0.0,
+        minutes_to_recover=recover, prefill_tokens_saved=int(hit_tok.sum()),
+        ttft_saved_s=float(saved.sum()), ttft_saved_mean_s=float(saved.mean()) if len(saved) else 0.0,
+        prewarm_blocks=0 if prewarmed is None else len(prewarmed), warmup_precision=precision,
+        warmup_recall=recall, per_bucket=per_bucket, seconds=seconds,
+    )
+
+
+def simulate(index: BlockIndex, capacity_blocks: int, scenario: Scenario, policies: Sequence[Policy | str],
+             *, predictor: PredictorConfig = PredictorConfig(), cost: CostModel = CostModel()) -> SimResult:
+    """Replay ``index``'s trace under each policy in ``scenario``; metrics over its window.
+
+    The reference row (``no-event``) is LRU without the restart, or, for a scale-out, an
+    LRU replica that received the same share of traffic from the start.
+
+    Raises:
+        ValueError: a bad capacity, event time or policy (prewarms need a restart or scale-out).
+    """
+    if not isinstance(capacity_blocks, (int, np.integer)) or capacity_blocks < 1:
+        raise ValueError(f"capacity must be at least one block, got {capacity_blocks!r}")
+    pols = [p if isinstance(p, Policy) else Policy.parse(p) for p in policies]
+    if scenario.kind == "steady" and any(p.prewarm != "none" for p in pols):
+        raise ValueError("prewarm policies need an event to prewarm for: use --scenario restart or scale-out")
+    plan = _plan(index, scenario)
+    reference = None
+    if plan.reference is not None:
+        t0 = time.perf_counter()
+        hits = replay(index, LRUCache(int(capacity_blocks)), plan.reference)
+        reference = _measure("no-event (lru)", index, plan.reference, hits, scenario, plan.window, cost, None,
+                             None, plan.start, time.perf_counter() - t0)
+    rows = []
+    for policy in pols:
+        t0 = time.perf_counter()
+        cache = _make_cache(policy, int(capacity_blocks), index, predictor, plan.served)
+        prewarmed = None
+        if policy.prewarm != "none":
+            prewarmed, scores = _prewarm(policy, index, plan, int(capacity_blocks), scenario, predictor)
+            if scores is None and isinstance(cache, RetentionCache):
+                # Other prewarms have no reuse score: rank them just under a fresh, typical block.
+                base = scenario.at_s / predictor.tau_s + math.log(predictor.prior_rate)
+                scores = base - 1e-6 * np.arange(len(prewarmed), 0, -1)
+            cache.load(prewarmed.tolist(), None if scores is None else scores.tolist())
+        hits = replay(index, cache, plan.served)
+        rows.append(_measure(policy.name, index, plan.served, hits, scenario, plan.window, cost, reference,
+                             prewarmed, plan.start, time.perf_counter() - t0))
+    return SimResult(scenario, int(capacity_blocks), plan.window, reference, tuple(rows))
+
+
+def plot(result: SimResult, path: str | Path, *, title: str | None = None) -> Path:
+    """Draw per-bucket hit rates (excluding the root block) of every row to a PNG at ``path``."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise RuntimeError("plots need matplotlib: pip install 'kvwarm[pipeline]' (or matplotlib)") from exc
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    if result.reference is not None:
+        xs, ys = zip(*result.reference.per_bucket) if result.reference.per_bucket else ((), ())
+        ax.plot(xs, [100 * y for y in ys], "k--", label=result.reference.policy)
+    for r in result.rows:
+        if r.per_bucket:
+            xs, ys = zip(*r.per_bucket)
+            ax.plot(xs, [100 * y for y in ys], marker=".", label=r.policy)
+    sc = result.scenario
+    event = "start of trace" if sc.kind == "steady" else f"{sc.kind} at {sc.at_s:g} s"
+    ax.set_xlabel(f"minutes since {event}")
+    ax.set_ylabel("token hit rate excluding block 0 (%)")
+    ax.set_title(title or f"{sc.kind}, {result.capacity_blocks} blocks")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
