@@ -1,5 +1,7 @@
 """The ``prefill`` command line: the operator's entry point to kvwarm.
 
+    prefill warm ...    prefill prefixes into FP8 KV snapshots (see ``prefill warm -h``)
+    prefill simulate .. replay a trace against reactive, prewarmed and optimal caches
     prefill store ...   inspect and maintain a snapshot store (see ``prefill store -h``)
     prefill demo        write a snapshot from a tiny model and read it back
 """
@@ -10,6 +12,7 @@ import logging
 import sys
 from typing import Sequence
 
+from prefill.runner import PrefillError
 from store.cli import add_store_commands
 from store.errors import ConfigError, StoreError
 
@@ -20,7 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_store_commands(sub)
     from prefill.demo import add_demo_command
+    from prefill.warm import add_warm_command
 
+    from forecasting.cli import add_simulate_command
+
+    add_warm_command(sub)
+    add_simulate_command(sub)
     add_demo_command(sub)
     return parser
 
@@ -32,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
-    except (ConfigError, ValueError) as exc:
+    except (ConfigError, ValueError, PrefillError) as exc:
         print(f"prefill: error: {exc}", file=sys.stderr)
         return 2
     except StoreError as exc:

@@ -1,0 +1,208 @@
+"""Models the prefill job runs: any Hugging Face causal LM, and two built offline.
+
+``load_model(name)`` accepts a built-in name, a local directory saved with
+``save_pretrained``, or a hub id already in the local Hugging Face cache (nothing is
+downloaded when ``HF_HUB_OFFLINE=1``). The built-ins need no network at all:
+
+- ``kvwarm-tiny`` (the default): a 4-layer Llama with grouped-query attention, for the
+  demo and the tests.
+- ``kvwarm-ref``: the *reference geometry* for benchmarks, about 100M parameters,
+  12 layers, 12 query heads over 4 KV heads, head dim 64, so that ratios mean something.
+
+Both are built from a ``LlamaConfig`` with a fixed seed, share a byte-level BPE
+tokenizer trained locally on ``prefill/assets/corpus.jsonl`` (CC0 prompts), and are
+saved once under ``$KVWARM_HOME/models`` (default ``~/.cache/kvwarm/models``). Random
+weights are enough for what kvwarm checks (that restored KV reproduces a cold prefill);
+the built-ins use a wider initialisation than training would so that greedy decoding
+has real margins rather than near-ties.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from store.identity import ModelIdentity, identity_from_dir
+from store.keys import KeyRoot
+from store.precision import Precision
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "kvwarm-tiny"
+REFERENCE_MODEL = "kvwarm-ref"
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+_SPECIAL = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+#: Geometry of the built-in models (all Llama, fixed seed 0).
+BUILTINS: dict[str, dict[str, Any]] = {
+    DEFAULT_MODEL: dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=4096, max_position_embeddings=4096,
+                        initializer_range=0.08),
+    REFERENCE_MODEL: dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                          num_key_value_heads=4, vocab_size=32000, max_position_embeddings=16384,
+                          initializer_range=0.04, tie_word_embeddings=True),
+}
+_TOKENIZER_VOCAB = 4096
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp16": torch.float16, "float16": torch.float16}
+
+
+class ModelNotFound(ValueError):
+    """The model is neither a built-in, a local directory, nor in the local hub cache."""
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready to prefill, with what identifies its KV.
+
+    ``identity`` covers plain-text prompts; ``identity_for(chat=True)`` adds the chat
+    template's hash for prompts that went through it.
+    """
+
+    name: str
+    path: Path
+    model: Any
+    tokenizer: Any
+    config: Any
+    identity: ModelIdentity
+    chat_identity: ModelIdentity | None
+    device: torch.device
+    dtype: torch.dtype
+
+    def identity_for(self, chat: bool) -> ModelIdentity:
+        if not chat:
+            return self.identity
+        if self.chat_identity is None:
+            raise ValueError(f"model {self.name!r} has no chat template; pass plain text or token ids")
+        return self.chat_identity
+
+    def key_root(self, precision: Precision, block_size: int, tenant_salt: bytes, *, chat: bool = False) -> KeyRoot:
+        return self.identity_for(chat).key_root(precision, block_size, tenant_salt)
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    def encode(self, text: str, *, chat: bool = False) -> list[int]:
+        """Token ids of ``text`` (as a system message through the chat template when ``chat``)."""
+        if chat:
+            ids = self.tokenizer.apply_chat_template([{"role": "system", "content": text}], tokenize=True,
+                                                     add_generation_prompt=False)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return [int(t) for t in ids]
+        return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+
+def models_home() -> Path:
+    return Path(os.environ.get("KVWARM_HOME", Path.home() / ".cache" / "kvwarm")) / "models"
+
+
+def _corpus() -> list[str]:
+    path = Path(__file__).parent / "assets" / "corpus.jsonl"
+    return [json.loads(line)["prompt"] for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def _train_tokenizer(out: Path) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=_TOKENIZER_VOCAB, special_tokens=_SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    return fast
+
+
+def build_builtin(name: str, out: Path) -> Path:
+    """Build a built-in model from its config with seed 0 and save it to ``out``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    geometry = BUILTINS[name]
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=out.parent))
+    try:
+        tokenizer = _train_tokenizer(tmp)
+        cfg = LlamaConfig(**geometry, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg)
+        model.save_pretrained(tmp)
+        try:
+            os.replace(tmp, out)  # atomic: a concurrent builder either wins or finds ours
+        except OSError:
+            if not (out / "config.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve(name_or_path: str) -> Path:
+    """Directory holding ``name_or_path``: built-in (built on first use), local dir, or hub cache."""
+    if name_or_path in BUILTINS:
+        d = models_home() / name_or_path
+        if not (d / "config.json").exists():
+            d.parent.mkdir(parents=True, exist_ok=True)
+            log.info("building built-in model %s under %s (once)", name_or_path, d)
+            build_builtin(name_or_path, d)
+        return d
+    p = Path(name_or_path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").exists():
+            raise ModelNotFound(f"model directory {str(p)!r} has no config.json; pass a directory saved with save_pretrained")
+        return p
+    if p.exists() or name_or_path.startswith((".", "/", "~")):
+        raise ModelNotFound(f"model path {name_or_path!r} does not exist or is not a directory")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name_or_path, local_files_only=os.environ.get("HF_HUB_OFFLINE", "0") not in ("", "0")))
+    except Exception as exc:  # noqa: BLE001 - hub errors come in many types; all mean the same here
+        raise ModelNotFound(
+            f"unknown model {name_or_path!r}: not a built-in ({', '.join(BUILTINS)}), not a local directory, "
+            f"and not available from the Hugging Face hub or its local cache ({type(exc).__name__})") from None
+
+
+def pick_device(device: str | None) -> torch.device:
+    if device in (None, "", "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available here; use --device cpu")
+    return dev
+
+
+def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype: str | torch.dtype = "fp32",
+               device: str | None = None) -> LoadedModel:
+    """Load a causal LM and its tokenizer, and fingerprint them for the key root."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; use one of bf16, fp16, fp32")
+        dtype = DTYPES[dtype]
+    path = resolve(name_or_path)
+    dev = pick_device(device)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
+    identity = identity_from_dir(path)
+    chat_identity = identity_from_dir(path, chat=True) if getattr(tokenizer, "chat_template", None) else None
+    return LoadedModel(name=name_or_path, path=path, model=model, tokenizer=tokenizer, config=model.config,
+                       identity=identity, chat_identity=chat_identity, device=dev, dtype=dtype)

@@ -1,0 +1,1 @@
+"""Tests of the prefill package (models, schedule, runner, CLI)."""

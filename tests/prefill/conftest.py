@@ -1,0 +1,36 @@
+"""Fixtures for prefill tests: the built-in tiny model (built once per machine) and a local store."""
+from __future__ import annotations
+
+import pytest
+
+from prefill.models import load_model
+from store.config import parse_config
+from store.store import Store
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    return load_model("kvwarm-tiny", dtype="fp32", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def tiny_bf16():
+    return load_model("kvwarm-tiny", dtype="bf16", device="cpu")
+
+
+def config_for(compression: str = "fp8", block_size: int = BLOCK, **kv):
+    return parse_config({"kv_cache": {"compression": compression, "block_size": block_size, **kv}})
+
+
+@pytest.fixture()
+def config():
+    return config_for()
+
+
+@pytest.fixture()
+def store(tmp_path, config):
+    s = Store.open(f"file://{tmp_path / 'store'}", config)
+    yield s
+    s.close()
