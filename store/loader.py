@@ -1,0 +1,652 @@
+"""The serving-side loader: longest stored prefix, mapped from the node's shared pool, handed to engines.
+
+What a serving process imports (store + torch; transformers only inside
+:meth:`LoaderHit.to_dynamic_cache`)::
+
+    loader = KVLoader("file:///var/cache/kvwarm,s3://kv/prod", tenant="acme",
+                      model="/models/llama-3-8b", pool_bytes=16 << 30)
+    hit = loader.lookup(prompt_ids)            # None on any miss; never raises for store trouble
+    if hit is not None:
+        with hit:                              # pins the snapshots until released
+            cache = hit.to_dynamic_cache("cuda", torch.bfloat16)
+        out = model.generate(input_ids, cache=cache, ...)
+
+The request never fails because of kvwarm: S3 down, a corrupt, expired or mismatched
+snapshot, another tenant's namespace, a full pool, a process over
+``max_shared_instances``: each is a miss (or a hit cut short) with a reason, counted in
+:attr:`KVLoader.metrics` and logged. See docs/loader.md.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import sqlite3
+import threading
+import time
+import warnings
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Literal, Sequence
+
+import numpy as np
+import torch
+from prometheus_client import CollectorRegistry
+
+from store.config import KvwarmConfig, load_config
+from store.errors import (SnapshotCorrupt, SnapshotError, SnapshotMismatch, StoreError, StoreUnavailable,
+                          TenantAccessDenied, UnknownFormatVersion)
+from store.identity import ModelIdentity, identity_from_dir
+from store.keys import Block, KeyRoot, block_chain
+from store.local_tier import LocalTier
+from store.metrics import LoaderMetrics
+from store.paged import Dequantizer, DequantMode, check_paged, fill_paged, put_layer
+from store.plan import Plan, read_plan
+from store.precision import STORAGE_DTYPES
+from store.pool import Admit, PoolAttachRefused, SnapshotPool, default_pool_dir, readahead
+from store.snapshot import Snapshot, read_snapshot
+from store.store import Store, tiers_from_url
+from store.tenant import Tenant
+from store.tier import object_name
+
+log = logging.getLogger("kvwarm.loader")
+FetchMode = Literal["background", "sync"]
+_ERRORS = (StoreError, OSError, sqlite3.Error)
+
+
+def _tensors(snap: Snapshot) -> dict[str, torch.Tensor]:
+    """Every part of a snapshot as a zero-copy tensor, made once per mapping (~50 us a part)."""
+    cached = snap.__dict__.get("_kvwarm_tensors")
+    if cached is None:
+        cached = {}
+        with warnings.catch_warnings():
+            # The mapping is read-only by design; torch warns that it cannot write to it.
+            warnings.simplefilter("ignore", UserWarning)
+            for p in snap.header.parts:
+                raw = torch.from_numpy(snap.array(p.name))
+                cached[p.name] = raw.view(STORAGE_DTYPES[p.dtype]).view(p.shape)
+        snap.__dict__["_kvwarm_tensors"] = cached
+    return cached
+
+
+def _unpin(pool: SnapshotPool, names: list[str]) -> None:
+    try:
+        pool.unpin(names)
+    except Exception as exc:  # noqa: BLE001 - runs from a finalizer: must never raise
+        log.warning("releasing pins failed (the pool clears a dead process's pins): %s", exc)
+
+
+class LoaderHit:
+    """The longest stored prefix of a prompt, mapped and pinned in the node's pool.
+
+    Attributes:
+        tokens: prompt tokens the snapshots cover (a multiple of the block size).
+        prompt_tokens: length of the prompt looked up.
+        usable_tokens: what the caches built from this hit cover: ``tokens``, but at most
+            ``prompt_tokens - 1``, because a model must compute at least one prompt
+            token to produce logits (``generate()`` silently diverges otherwise).
+        tier: where the snapshots were found: ``pool`` (already mapped on this node),
+            ``nvme``, or ``s3`` (fetched synchronously for this lookup).
+        snapshots: one per block, in prefix order (valid until :meth:`release`).
+        blocks: the blocks they hold.
+        layout: their geometry (layers, kv heads, head dim, block size).
+        names, admissions: the pool entries pinned for this hit (an admission id changes
+            if an entry is evicted and admitted again).
+    """
+
+    def __init__(self, loader: "KVLoader", blocks: Sequence[Block], snapshots: Sequence[Snapshot], names: list[str],
+                 admissions: list[int], prompt_tokens: int, tier: str) -> None:
+        self._loader = loader
+        self.blocks = tuple(blocks)
+        self.snapshots: tuple[Snapshot, ...] = tuple(snapshots)
+        self.names = tuple(names)
+        self.admissions = tuple(admissions)
+        self.block_size = loader.root.block_size
+        self.tokens = len(self.snapshots) * self.block_size
+        self.prompt_tokens = prompt_tokens
+        self.usable_tokens = min(self.tokens, prompt_tokens - 1)
+        self.tier = tier
+        self.layout = self.snapshots[0].header.layout
+        self._finalizer = weakref.finalize(self, _unpin, loader.pool, list(names))
+
+    def __repr__(self) -> str:
+        return f"LoaderHit(tokens={self.tokens}, usable_tokens={self.usable_tokens}, tier={self.tier!r})"
+
+    # -- lifetime ------------------------------------------------------------
+    @property
+    def released(self) -> bool:
+        return not self._finalizer.alive
+
+    def release(self) -> None:
+        """Unpin the snapshots (idempotent). Caches already built stay valid; the hit does not."""
+        self.snapshots = ()
+        self._finalizer()
+
+    def __enter__(self) -> "LoaderHit":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def _check_live(self) -> None:
+        if self.released:
+            raise RuntimeError("this hit was released; build caches before release() (or lookup again)")
+
+    def _parts(self, layer: int, name: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        self._check_live()
+        out = []
+        for snap in self.snapshots:
+            parts = _tensors(snap)
+            out.append((parts[f"{name}.{layer}"], parts.get(f"{name}_scale.{layer}")))
+        return out
+
+    # -- handing KV to engines -----------------------------------------------
+    def to_dynamic_cache(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16, *,
+                         model_config: Any = None) -> Any:
+        """A transformers ``DynamicCache`` holding the first :attr:`usable_tokens` tokens.
+
+        The cache covers a *strict* prefix of the prompt, as ``generate()`` needs:
+        ``model.generate(input_ids, cache=cache)`` computes only the rest, and for a plain
+        forward pass feed ``input_ids[:, hit.usable_tokens:]``.
+
+        Args:
+            device: where the KV goes (FP8 bytes are moved there, then dequantised there).
+            dtype: the model's compute dtype.
+            model_config: the model's transformers config (default: the loader's, or the
+                one in the model directory the loader was given).
+
+        Raises:
+            ValueError: the config's layer count differs from the snapshots'.
+            RuntimeError: the hit was released.
+        """
+        from transformers import DynamicCache  # serving nodes without transformers never get here
+
+        self._check_live()
+        t0 = time.perf_counter()
+        cfg = model_config if model_config is not None else self._loader.model_config()
+        lay = self.layout
+        if cfg is not None:
+            layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg.get_text_config(), "num_hidden_layers")
+            if layers != lay.num_layers:
+                raise ValueError(f"the model config has {layers} layers; the snapshots have {lay.num_layers}")
+        cache = DynamicCache(config=cfg) if cfg is not None else DynamicCache()
+        g = self.snapshots[0].header.precision.group_tokens if self.snapshots else 0
+        runs = [self._parts(i, name) for i in range(lay.num_layers) for name in ("k", "v")]
+        kv = self._loader.dequantizer.layers(runs, self.usable_tokens, dtype, device, g)
+        for i in range(lay.num_layers):
+            put_layer(cache, i, kv[2 * i][None], kv[2 * i + 1][None])
+        self._loader.metrics.observe("to_dynamic_cache", time.perf_counter() - t0)
+        return cache
+
+    def copy_into_paged(self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], *,
+                        partial: bool = False) -> int:
+        """Fill vLLM-layout paged caches (per layer ``[2, num_blocks, block_size, kv_heads, head_dim]``).
+
+        Token ``t`` of the prefix goes to engine block ``block_ids[t // engine_block_size]``.
+        Writes at most :attr:`usable_tokens` (the engine computes the last prompt token)
+        and at most what ``block_ids`` can hold; by default only whole engine blocks (what
+        an engine counts as computed), with ``partial=True`` also the tokens of a last,
+        partly covered engine block.
+
+        Returns:
+            The number of prefix tokens written (the engine's computed-token count).
+
+        Raises:
+            ValueError: caches whose layer count, heads, head size or dtype do not fit.
+        """
+        self._check_live()
+        t0 = time.perf_counter()
+        lay = self.layout
+        ebs = check_paged(kv_caches, lay.num_layers, lay.num_kv_heads, lay.head_dim)
+        n = min(self.usable_tokens, len(block_ids) * ebs)
+        if not partial:
+            n -= n % ebs
+        if any(not 0 <= int(b) < kv_caches[0].shape[1] for b in block_ids[: -(-n // ebs) if n else 0]):
+            raise ValueError(f"block_ids must index the caches' {kv_caches[0].shape[1]} blocks")
+        g = self.snapshots[0].header.precision.group_tokens
+        for i in range(lay.num_layers):
+            fill_paged(kv_caches[i], 0, self._parts(i, "k"), block_ids, n, g, self._loader.dequantizer)
+            fill_paged(kv_caches[i], 1, self._parts(i, "v"), block_ids, n, g, self._loader.dequantizer)
+        self._loader.metrics.observe("copy_into_paged", time.perf_counter() - t0)
+        return n
+
+
+@dataclass
+class PrefetchResult:
+    """What a :meth:`KVLoader.prefetch` did: per-block outcomes and per-reason failures."""
+
+    prefixes: int = 0
+    fetched: int = 0  # copied S3 -> NVMe
+    present: int = 0  # already in NVMe
+    mapped: int = 0  # mapped into this process and admitted to the pool
+    skipped: int = 0  # plan entries for other tenants, or text without a tokenizer
+    failed: dict[str, int] = field(default_factory=dict)
+
+
+class KVLoader:
+    """Serving-side access to a kvwarm store for one tenant and one model.
+
+    Args:
+        store_url: tiers, e.g. ``file:///var/cache/kvwarm`` or ``file:///...,s3://bucket/prefix``.
+        tenant: a :class:`store.tenant.Tenant`, or a name resolved through the config.
+        model: a :class:`store.identity.ModelIdentity`, or a saved model directory
+            (fingerprinted from its files; its ``config.json`` then serves
+            :meth:`LoaderHit.to_dynamic_cache`).
+        pool_bytes: the most snapshot bytes this node keeps mapped (the node-wide budget
+            is the smallest any attached process asks for).
+        config: a :class:`KvwarmConfig` or a config file path (default ``load_config()``);
+            precision, block size, TTL and ``max_shared_instances`` come from it.
+        chat: with a model directory: the prompts went through its chat template (its
+            hash is part of the keys, as in the prefill job).
+        model_config: the model's transformers config (optional; see ``to_dynamic_cache``).
+        fetch_mode: ``background`` (default): an NVMe miss answers now and S3 is asked for
+            next time; ``sync``: wait up to ``sync_fetch_timeout_s`` for S3.
+        sync_fetch_timeout_s: the most a lookup waits for S3 in ``sync`` mode.
+        s3_backoff_s: after S3 fails, do not ask it again for this long.
+        pool_dir: where the node pool's state lives (default under ``/dev/shm``).
+        verify_payload: check payload checksums when a snapshot first enters the pool
+            (reads it once per node); ``False`` reads nothing but headers until used.
+        registry: Prometheus registry (default: one of the loader's own).
+        fetch_workers: background fetch threads.
+        dequant: CPU FP8 dequantiser: ``table`` (default: no warm-up), ``compiled`` (a
+            torch.compile kernel built on first use of a block shape: seconds of compiling,
+            then faster), or ``auto`` (the table until the kernel is built in the background;
+            the compile holds the GIL for seconds, so prefer ``compiled`` and one warm-up
+            lookup at start); or a :class:`store.paged.Dequantizer` shared by several loaders.
+        clock: time source (TTL, LRU).
+    """
+
+    def __init__(self, store_url: str, *, tenant: Tenant | str, model: ModelIdentity | str | os.PathLike[str],
+                 pool_bytes: int, config: KvwarmConfig | str | os.PathLike[str] | None = None,
+                 chat: bool = False, model_config: Any = None, fetch_mode: FetchMode = "background",
+                 sync_fetch_timeout_s: float = 2.0, s3_backoff_s: float = 30.0,
+                 pool_dir: str | os.PathLike[str] | None = None,
+                 verify_payload: bool = True, registry: CollectorRegistry | None = None, fetch_workers: int = 2,
+                 dequant: DequantMode | Dequantizer = "table", clock: Callable[[], float] = time.time) -> None:
+        if fetch_mode not in ("background", "sync"):
+            raise ValueError(f"fetch_mode {fetch_mode!r} is not allowed; choose 'background' or 'sync'")
+        if sync_fetch_timeout_s <= 0:
+            raise ValueError(f"sync_fetch_timeout_s must be positive, got {sync_fetch_timeout_s}")
+        self.config = config if isinstance(config, KvwarmConfig) else load_config(config)
+        self.tenant = tenant if isinstance(tenant, Tenant) else self.config.tenant(tenant)
+        self._model_dir: Path | None = None
+        if isinstance(model, ModelIdentity):
+            self.identity = model
+        else:
+            self._model_dir = Path(model)
+            self.identity = identity_from_dir(self._model_dir, chat=chat)
+        self._model_config = model_config
+        self.precision = self.config.kv_cache.precision()
+        self.root: KeyRoot = self.identity.key_root(self.precision, self.config.kv_cache.block_size, self.tenant.salt)
+        self.fetch_mode: FetchMode = fetch_mode
+        self.sync_fetch_timeout_s = float(sync_fetch_timeout_s)
+        self.s3_backoff_s = float(s3_backoff_s)
+        self.verify_payload = verify_payload
+        self.clock = clock
+        self.metrics = LoaderMetrics(registry, tenant=self.tenant.name)
+
+        tiers = tiers_from_url(store_url, self.config.store)
+        if not isinstance(tiers[0], LocalTier):
+            raise ValueError("the loader needs a local (file://) tier first: snapshots are mapped from it")
+        self.local: LocalTier = tiers[0]
+        self.store = Store(tiers, clock=clock)  # every tier: background and sync fetches
+        self._local_store = Store([self.local], clock=clock)  # the hot path never waits on the network
+        self.has_remote = len(tiers) > 1
+        self._s3_down_until = 0.0
+
+        self.pool = SnapshotPool(pool_dir or default_pool_dir(self.local.root), budget_bytes=pool_bytes,
+                                 max_instances=self.config.kv_cache.max_shared_instances, clock=clock)
+        self._attach_next = 0.0
+        self._try_attach()
+        self._lock = threading.Lock()
+        self._mapped: dict[str, tuple[int, Snapshot]] = {}  # name -> (admission id, mapping)
+        self._epoch = -1
+        self._priority: dict[str, float] = {}
+        self._inflight: set[str] = set()
+        self._executor = cf.ThreadPoolExecutor(max_workers=max(1, fetch_workers), thread_name_prefix="kvwarm-fetch")
+        self.dequantizer = dequant if isinstance(dequant, Dequantizer) else Dequantizer(dequant, self._executor)
+        self._closed = False
+
+    # -- setup helpers -------------------------------------------------------
+    def _try_attach(self) -> bool:
+        if self.pool.attached:
+            return True
+        now = time.monotonic()
+        if now < self._attach_next:
+            return False
+        try:
+            self.pool.attach()
+            return True
+        except PoolAttachRefused as exc:
+            self._attach_next = now + 5.0
+            log.warning("%s; lookups miss until a slot frees", exc)
+            return False
+
+    def model_config(self) -> Any:
+        """The model's transformers config: as given, else read from the model directory (lazily)."""
+        if self._model_config is None and self._model_dir is not None:
+            from transformers import AutoConfig
+
+            self._model_config = AutoConfig.from_pretrained(self._model_dir)
+        return self._model_config
+
+    def _s3_usable(self) -> bool:
+        return self.has_remote and time.monotonic() >= self._s3_down_until
+
+    def _s3_failed(self, exc: Exception) -> None:
+        self._s3_down_until = time.monotonic() + self.s3_backoff_s
+        log.warning("S3 tier unavailable, not asked again for %g s: %s", self.s3_backoff_s, exc)
+
+    # -- lookup --------------------------------------------------------------
+    def lookup(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> LoaderHit | None:
+        """The longest stored exact prefix of ``token_ids`` (whole blocks), or ``None``.
+
+        Never raises for store trouble: every failure is a counted, logged miss (or a hit
+        cut short before the failing block). Bad arguments (not a flat sequence of token
+        ids) raise ``ValueError``.
+        """
+        t0 = time.perf_counter()
+        ids = token_ids.detach().cpu().numpy() if isinstance(token_ids, torch.Tensor) else np.asarray(token_ids)
+        if ids.ndim == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        blocks = block_chain(self.root, ids)  # ValueError for bad input: a programming error
+        self.metrics.lookup()
+        try:
+            hit, reason = self._lookup(blocks, len(ids))
+        except TenantAccessDenied as exc:
+            self.metrics.refused()
+            log.warning("lookup refused: %s", exc)
+            hit, reason = None, "tenant_refused"
+        except StoreUnavailable as exc:
+            hit, reason = None, "store_unavailable"
+            log.warning("lookup: %s", exc)
+        except _ERRORS as exc:
+            hit, reason = None, "error"
+            log.exception("lookup failed, served as a miss: %s", exc)
+        if hit is None:
+            self.metrics.miss(reason or "absent")
+            log.debug("miss (%s) for a %d-token prompt", reason, len(ids))
+        else:
+            self.metrics.hit(hit.tokens)
+            if reason:
+                self.metrics.shortened(reason)
+        self.metrics.observe("lookup", time.perf_counter() - t0)
+        return hit
+
+    def _lookup(self, blocks: list[Block], n_tokens: int) -> tuple[LoaderHit | None, str | None]:
+        if not blocks or n_tokens < 2:
+            return None, "short_prompt"
+        if not self._try_attach():
+            return None, "max_shared_instances"
+        self._reconcile()
+        count = self._local_store.probe(self.tenant, blocks, self.root).count
+        reason: str | None = None
+        tier = "nvme"
+        if count < len(blocks) and self.has_remote:
+            if not self._s3_usable():
+                reason = "store_unavailable"
+            elif self.fetch_mode == "sync":
+                got, reason = self._fetch_sync(blocks, count)
+                if got > count:
+                    count, tier = got, "s3"
+            else:
+                self._schedule(blocks[count:])
+                reason = "fetch_scheduled"
+        if count == 0:
+            return None, reason or "absent"
+        hit, stop = self._map_and_pin(blocks[:count], n_tokens, tier)
+        return hit, stop or (reason if hit is None else None)
+
+    def _ns(self) -> str:
+        return self.tenant.name
+
+    def _names(self, blocks: Sequence[Block]) -> list[str]:
+        ns = self._ns()
+        return [object_name(ns, b.key) for b in blocks]
+
+    def _reconcile(self) -> None:
+        """Drop this process's mappings of snapshots evicted from the pool by anyone."""
+        epoch = self.pool.epoch()
+        if epoch == self._epoch:
+            return
+        with self._lock:
+            names = list(self._mapped)
+        present = self.pool.admissions(names)
+        with self._lock:
+            for name in names:
+                cached = self._mapped.get(name)
+                if cached is not None and present.get(name) != cached[0]:
+                    del self._mapped[name]  # unmapped when the last view of it goes
+            self._epoch = epoch
+
+    def _map_and_pin(self, blocks: Sequence[Block], n_tokens: int, tier: str) -> tuple[LoaderHit | None, str | None]:
+        names = self._names(blocks)
+        in_pool = self.pool.admissions(names)
+        now = self.clock()
+        snaps: list[Snapshot] = []
+        stop: str | None = None
+        all_pooled = True
+        for block, name in zip(blocks, names):
+            with self._lock:
+                cached = self._mapped.get(name)
+            snap = cached[1] if cached is not None and in_pool.get(name) == cached[0] else None
+            if snap is None:
+                all_pooled &= name in in_pool
+                got = self._map_local(block, name, verify=self.verify_payload and name not in in_pool)
+                if isinstance(got, str):
+                    stop = got
+                    break
+                snap = got
+            if snap.header.expired(now):
+                stop = "expired"
+                break
+            snaps.append(snap)
+        if not snaps:
+            return None, stop
+        admits = [Admit(n, str(self.local.path(n)), s.source_size, s.header.expires_at, self._priority.get(n))
+                  for n, s in zip(names, snaps)] if snaps else []
+        ids = self.pool.pin(admits)
+        if len(ids) < len(snaps):
+            stop = "pool_full"
+            snaps = snaps[: len(ids)]
+        with self._lock:
+            for name, adm, snap in zip(names, ids, snaps):
+                self._mapped[name] = (adm, snap)
+        self.metrics.pool(self.pool.last_usage, self.pool.last_budget)
+        if not snaps:
+            return None, stop
+        hit = LoaderHit(self, blocks[: len(snaps)], snaps, names[: len(snaps)], ids, n_tokens,
+                        "pool" if all_pooled and tier == "nvme" else tier)
+        return hit, stop
+
+    def _map_local(self, block: Block, name: str, *, verify: bool) -> Snapshot | str:
+        """Map one NVMe snapshot and check it is exactly ``block``; a reason string if not."""
+        src = self.local.read(name)
+        if src is None:
+            return "absent"  # evicted from NVMe since the probe
+        location = self.local.describe(name)
+        try:
+            snap = read_snapshot(src, location=location, verify_payload=verify)
+            snap.header.check_matches(block, self.root, location=location)
+        except SnapshotError as exc:
+            src.close()
+            return self._refuse_file(name, exc)
+        snap.source_size = src.size()  # type: ignore[attr-defined]
+        self.metrics.mapped(snap.source_size)  # type: ignore[attr-defined]
+        return snap
+
+    def _refuse_file(self, name: str, exc: SnapshotError) -> str:
+        if isinstance(exc, UnknownFormatVersion):
+            log.error("snapshot refused: %s", exc)
+            return "unknown_version"
+        reason = "mismatch" if isinstance(exc, SnapshotMismatch) else "corrupt"
+        where = self.local.quarantine(name, f"{type(exc).__name__}: {exc}") if isinstance(
+            exc, (SnapshotCorrupt, SnapshotMismatch)) else None
+        log.error("%s snapshot quarantined to %s: %s", reason, where, exc)
+        return reason
+
+    # -- S3 -> NVMe ----------------------------------------------------------
+    def _fetch_sync(self, blocks: list[Block], have: int) -> tuple[int, str | None]:
+        """Wait up to ``sync_fetch_timeout_s`` for S3; returns blocks now in NVMe and why not more."""
+        fut = self._executor.submit(self._fetch_chain, blocks)
+        try:
+            got, reason = fut.result(timeout=self.sync_fetch_timeout_s)
+        except cf.TimeoutError:
+            return have, "fetch_timeout"  # it goes on in the background: next time it is local
+        return max(got, have), reason
+
+    def _schedule(self, blocks: Sequence[Block]) -> None:
+        names = self._names(blocks)
+        with self._lock:
+            if not names or names[0] in self._inflight or len(self._inflight) > 4096:
+                return
+            self._inflight.update(names)
+        fut = self._executor.submit(self._fetch_chain, list(blocks))
+        fut.add_done_callback(lambda _: self._done(names))
+
+    def _done(self, names: list[str]) -> None:
+        with self._lock:
+            self._inflight.difference_update(names)
+
+    def _fetch_chain(self, blocks: list[Block]) -> tuple[int, str | None]:
+        """Copy the leading stored blocks of a chain from S3 into NVMe (read-through).
+
+        Returns how many leading blocks are now in NVMe (counting from ``blocks[0]``) and a
+        reason when fewer than the remote tier holds.
+        """
+        try:
+            # Store.probe counts an unreachable tier and answers from the others; the
+            # counter's move is how this fetch learns S3 is down (and backs off).
+            down_before = self.store.stats["unavailable"]
+            found = self.store.probe(self.tenant, blocks, self.root).count
+            if self.store.stats["unavailable"] > down_before:
+                raise StoreUnavailable(f"the S3 tier did not answer a probe of {len(blocks)} blocks")
+            for i, block in enumerate(blocks[:found]):
+                if self.local.exists(object_name(self._ns(), block.key)):
+                    self.metrics.prefetched("present")
+                    continue
+                snap = self.store.get(self.tenant, block, self.root)
+                if snap is None:
+                    return i, "expired"
+                self.metrics.prefetched("fetched")
+            return found, None
+        except StoreUnavailable as exc:
+            self._s3_failed(exc)
+            return 0, "store_unavailable"
+        except TenantAccessDenied as exc:
+            self.metrics.refused()
+            log.warning("fetch refused: %s", exc)
+            return 0, "tenant_refused"
+        except SnapshotCorrupt:
+            return 0, "corrupt"  # the store quarantined and counted it
+        except SnapshotMismatch:
+            return 0, "mismatch"
+        except _ERRORS as exc:
+            log.exception("background fetch failed: %s", exc)
+            return 0, "error"
+
+    # -- prefetch ------------------------------------------------------------
+    def prefetch(self, items: Plan | str | os.PathLike[str] | Iterable[Sequence[int]], *, map_ahead: bool = True,
+                 tokenizer: Callable[[str], Sequence[int]] | None = None) -> "cf.Future[PrefetchResult]":
+        """In the background: copy prefixes S3 -> NVMe and (``map_ahead``) map them into the pool.
+
+        Args:
+            items: a :class:`store.plan.Plan` (or a plan file): its entries for this tenant,
+                in priority order; their ``score`` becomes the pool's retention priority of
+                their blocks. Or prefixes as token-id sequences.
+            map_ahead: also map and admit them into the node's pool (and read them ahead
+                into the page cache), so the first lookup pays nothing.
+            tokenizer: turns a plan entry's ``text`` into token ids (entries with text are
+                skipped without one).
+
+        Returns:
+            A future of a :class:`PrefetchResult`; it never raises for store trouble.
+        """
+        if isinstance(items, (str, os.PathLike)):
+            items = read_plan(items)
+        prefixes: list[tuple[np.ndarray, float | None]] = []
+        skipped = 0
+        if isinstance(items, Plan):
+            for e in items.entries:
+                if e.tenant != self.tenant.name or (e.token_ids is None and tokenizer is None):
+                    skipped += 1
+                    continue
+                ids = e.token_ids if e.token_ids is not None else tokenizer(e.text or "")  # type: ignore[misc]
+                prefixes.append((np.asarray(ids), float(e.score)))
+        else:
+            prefixes = [(np.asarray(p), None) for p in items]
+        chains = [(block_chain(self.root, ids), score) for ids, score in prefixes]
+        for chain, score in chains:
+            if score is not None:
+                for name in self._names(chain):
+                    self._priority[name] = max(score, self._priority.get(name, score))
+        return self._executor.submit(self._prefetch, chains, map_ahead, skipped)
+
+    def _prefetch(self, chains: list[tuple[list[Block], float | None]], map_ahead: bool,
+                  skipped: int) -> PrefetchResult:
+        res = PrefetchResult(prefixes=len(chains), skipped=skipped)
+        for chain, _ in chains:
+            if not chain:
+                continue
+            try:
+                have = self._local_store.probe(self.tenant, chain, self.root).count
+            except TenantAccessDenied:
+                self.metrics.refused()
+                res.failed["tenant_refused"] = res.failed.get("tenant_refused", 0) + 1
+                continue
+            except _ERRORS as exc:
+                log.exception("prefetch probe failed: %s", exc)
+                res.failed["error"] = res.failed.get("error", 0) + 1
+                continue
+            res.present += have
+            if have < len(chain) and self._s3_usable():
+                got, reason = self._fetch_chain(chain)
+                res.fetched += max(0, got - have)
+                have = max(have, got)
+                if reason:
+                    res.failed[reason] = res.failed.get(reason, 0) + 1
+            if map_ahead and have and self._try_attach():
+                try:
+                    for name in self._names(chain[:have]):
+                        readahead(self.local.path(name))
+                    hit, _ = self._map_and_pin(chain[:have], have * self.root.block_size + 1, "nvme")
+                except _ERRORS as exc:
+                    log.exception("prefetch mapping failed: %s", exc)
+                    hit = None
+                if hit is not None:
+                    res.mapped += len(hit.snapshots)
+                    self.metrics.prefetched("mapped", len(hit.snapshots))
+                    hit.release()
+        return res
+
+    # -- reporting and shutdown ----------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """The loader's figures as a dict (the same as its Prometheus metrics, plus pool state)."""
+        out = self.metrics.as_dict()
+        try:
+            out.update(pool_bytes_in_use=self.pool.usage(), pool_budget_bytes=self.pool.budget(),
+                       pool_pinned_bytes=self.pool.pinned_bytes(), pool_instances=len(self.pool.instances()))
+        except sqlite3.Error as exc:
+            log.warning("pool state unavailable: %s", exc)
+        out.update(attached=self.pool.attached, fetch_mode=self.fetch_mode,
+                   s3_backoff=self.has_remote and not self._s3_usable(), mapped_here=len(self._mapped),
+                   store=self.store.stats.as_dict())
+        return out
+
+    def close(self) -> None:
+        """Stop background work, release the pool attachment and the store (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._mapped.clear()
+        self.pool.close()
+        self.store.close()
+
+    def __enter__(self) -> "KVLoader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,281 @@
+"""Writing stored KV into the caches engines use: contiguous (transformers) and paged (vLLM).
+
+Pure tensor code: no I/O; transformers only inside :func:`put_layer`. The stored dtype
+is dequantised on the way, straight into the destination where possible:
+
+- on the CPU, FP8 with per-head scales goes through a 256-entry table per head
+  (``fp32(value) * scale`` rounded to the output dtype once, for every FP8 byte), then
+  one gather per head. It gives the same bits as :func:`store.precision.dequantize` (the
+  same fp32 product, the same rounding) at the cost of a table lookup, where PyTorch's
+  eager FP8 cast takes a scalar path on the CPU.
+- elsewhere (CUDA), and for per-group scales, :func:`store.precision.dequantize` itself.
+
+Layouts:
+- contiguous: per layer ``[kv_heads, tokens, head_dim]`` (a ``DynamicCache`` adds the batch axis);
+- paged (vLLM): per layer ``[2, num_blocks, engine_block_size, kv_heads, head_dim]``, K at
+  index 0 and V at 1; token ``t`` of the prefix goes to block ``block_ids[t // ebs]``,
+  slot ``t % ebs``. The engine's block size need not equal the snapshot's.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import threading
+from typing import Any, Callable, Literal, Sequence
+
+import numpy as np
+import torch
+
+from store.precision import dequantize
+
+log = logging.getLogger("kvwarm.paged")
+_FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+_NP_SAME_SIZE = {2: np.int16, 4: np.int32}
+
+
+def _lut(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per head, the output value of every FP8 byte: ``[heads, 256]`` in ``dtype``."""
+    return (_FP8_VALUES[None, :] * scale.to(torch.float32)[:, None]).to(dtype)
+
+
+def dequantize_into(out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor | None,
+                    group_tokens: int = 0) -> None:
+    """Write ``dequantize(stored, scale)`` into ``out`` (same shape ``[heads, tokens, dim]``, any strides).
+
+    Bit-identical to :func:`store.precision.dequantize` followed by a copy into ``out``.
+    """
+    if out.shape != stored.shape:
+        raise ValueError(f"output shape {tuple(out.shape)} differs from the stored part's {tuple(stored.shape)}")
+    cpu = out.device.type == "cpu" and stored.device.type == "cpu"
+    if (
+        cpu and scale is not None and scale.dim() == 1 and stored.dtype == torch.float8_e4m3fn
+        and out.element_size() in _NP_SAME_SIZE and out.stride(-1) == 1 and out.stride(-2) == out.shape[-1]
+    ):  # every head's [tokens, dim] is contiguous (true of slices of a [heads, T, dim] tensor)
+        lut = _lut(scale, out.dtype).view(_int_dtype(out.dtype)).numpy()
+        idx = stored.view(torch.uint8).numpy()
+        dst = out.view(_int_dtype(out.dtype)).numpy()
+        for h in range(stored.shape[0]):
+            # mode="clip": indices are bytes, always in range; "raise" would buffer the output.
+            np.take(lut[h], idx[h], out=dst[h], mode="clip")
+        return
+    if cpu and scale is not None and scale.dim() == 1 and stored.dtype == torch.float8_e4m3fn \
+            and out.element_size() in _NP_SAME_SIZE:
+        tmp = torch.empty(stored.shape, dtype=out.dtype)
+        dequantize_into(tmp, stored, scale, group_tokens)
+        out.copy_(tmp)
+        return
+    dev = out.device
+    out.copy_(dequantize(stored.to(dev, non_blocking=True), None if scale is None else scale.to(dev), out.dtype,
+                         group_tokens))
+
+
+def _int_dtype(dtype: torch.dtype) -> torch.dtype:
+    return {2: torch.int16, 4: torch.int32}[torch.empty((), dtype=dtype).element_size()]
+
+
+def _fp8_layers(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Parts ``[m, n, heads, bs, dim]`` (FP8: m = K and V of every layer, n blocks) and scales
+    ``[m, n, heads]`` to ``[m, heads, n*bs, dim]``.
+
+    The reference arithmetic of :func:`store.precision.dequantize`, written for torch.compile
+    (one fused pass that reads each byte once and writes the final layout).
+    """
+    m, n, heads, bs, dim = stored.shape
+    y = (stored.to(torch.float32) * scale[:, :, :, None, None]).to(dtype)
+    return y.permute(0, 2, 1, 3, 4).reshape(m, heads, n * bs, dim)
+
+
+DequantMode = Literal["auto", "table", "compiled"]
+
+
+class Dequantizer:
+    """Dequantises runs of blocks (K and V of every layer) into ``[heads, tokens, dim]`` tensors.
+
+    ``table`` (default): per block, the per-head table and gather of :func:`dequantize_into`
+    (no warm-up). ``compiled``: CPU FP8 blocks with per-head scales go through one
+    ``torch.compile`` of the reference arithmetic over every layer at once (one call per
+    hit, the block count dynamic), built on first use of a geometry (seconds; inductor
+    caches it on disk). ``auto``: the table until that kernel has been built in the background,
+    so no request waits for a compiler (but the compile holds the GIL for seconds).
+    All give the bits of :func:`store.precision.dequantize`; a kernel that fails to build
+    leaves the table. Calling the object dequantises one block (always the table path).
+    """
+
+    def __init__(self, mode: DequantMode = "table", executor: cf.Executor | None = None) -> None:
+        if mode not in ("auto", "table", "compiled"):
+            raise ValueError(f"dequant mode {mode!r} is not allowed; choose auto, table or compiled")
+        self.mode = mode
+        self._executor = executor
+        self._lock = threading.Lock()
+        self._ready: set[tuple] = set()
+        self._pending: set[tuple] = set()
+        self._kernel: Callable[..., torch.Tensor] | None = None
+
+    def __call__(self, out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor | None,
+                 group_tokens: int = 0) -> None:
+        dequantize_into(out, stored, scale, group_tokens)
+
+    def _compiled(self) -> Callable[..., torch.Tensor]:
+        with self._lock:
+            if self._kernel is None:
+                self._kernel = torch.compile(_fp8_layers, dynamic=False)
+            return self._kernel
+
+    def _run(self, stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # The block count varies per hit: one graph for every count >= 2.
+        torch._dynamo.mark_dynamic(stored, 1)
+        torch._dynamo.mark_dynamic(scale, 1)
+        return self._compiled()(stored, scale, dtype)
+
+    def _build(self, key: tuple) -> None:
+        (m, heads, bs, dim), dtype = key
+        try:
+            self._run(torch.zeros((m, 2, heads, bs, dim), dtype=torch.uint8).view(torch.float8_e4m3fn),
+                      torch.ones((m, 2, heads)), dtype)
+            with self._lock:
+                self._ready.add(key)
+        except Exception as exc:  # noqa: BLE001 - no compiler here: the table path stays
+            log.warning("compiled dequantisation unavailable for %s (%s); using the table path", key, exc)
+        finally:
+            with self._lock:
+                self._pending.discard(key)
+
+    def _kernel_ready(self, key: tuple) -> bool:
+        with self._lock:
+            ready = key in self._ready
+            start = not ready and key not in self._pending
+            if start:
+                self._pending.add(key)
+        if start and (self.mode == "compiled" or self._executor is None):
+            self._build(key)
+            with self._lock:
+                return key in self._ready
+        if start and self._executor is not None:
+            self._executor.submit(self._build, key)
+        return ready
+
+    def layers(self, parts: Sequence[Sequence["BlockPart"]], tokens: int, dtype: torch.dtype,
+               device: str | torch.device = "cpu", group_tokens: int = 0) -> list[torch.Tensor]:
+        """Dequantise several runs of blocks (K and V of every layer) at once.
+
+        ``parts[j]`` is one run of consecutive blocks; returns one ``[heads, tokens, dim]``
+        tensor per run (the first ``tokens`` tokens of the run).
+        """
+        stored0, scale0 = parts[0][0]
+        dev = torch.device(device)
+        n = len(parts[0])
+        if (self.mode != "table" and n >= 2 and dev.type == "cpu" and stored0.device.type == "cpu"
+                and stored0.dtype == torch.float8_e4m3fn and scale0 is not None and scale0.dim() == 1
+                and all(len(run) == n and all(p.shape == stored0.shape and p.dtype == stored0.dtype
+                                              and s is not None and s.shape == scale0.shape for p, s in run)
+                        for run in parts)
+                and self._kernel_ready(((len(parts), *stored0.shape), dtype))):
+            stacked = torch.stack([p.view(torch.uint8) for run in parts for p, _ in run])
+            stacked = stacked.view(torch.float8_e4m3fn).view(len(parts), n, *stored0.shape)
+            scales = torch.stack([s for run in parts for _, s in run]).view(len(parts), n, -1)  # type: ignore[misc]
+            y = self._run(stacked, scales, dtype)
+            return [y[j] if y.shape[2] == tokens else y[j][:, :tokens] for j in range(len(parts))]
+        out = []
+        for run in parts:
+            first = run[0][0]
+            t = torch.empty((first.shape[0], tokens, first.shape[2]), dtype=dtype, device=dev)
+            fill_contiguous(t, run, group_tokens, self)
+            out.append(t)
+        return out
+
+
+BlockPart = tuple[torch.Tensor, "torch.Tensor | None"]
+"""One block's stored K (or V) of one layer, ``[heads, block_tokens, dim]``, and its scales."""
+
+
+def fill_contiguous(out: torch.Tensor, parts: Sequence[BlockPart], group_tokens: int = 0,
+                    dequant: Callable[..., None] = dequantize_into) -> None:
+    """Dequantise consecutive blocks into ``out`` ``[heads, tokens, dim]`` (``tokens`` may end mid-block)."""
+    t = 0
+    total = out.shape[1]
+    for stored, scale in parts:
+        if t >= total:
+            break
+        n = min(stored.shape[1], total - t)
+        if n == stored.shape[1]:
+            dequant(out[:, t : t + n], stored, scale, group_tokens)
+        else:  # the trimmed last block: dequantise whole (scales may be per group), keep the head
+            tmp = torch.empty(stored.shape, dtype=out.dtype, device=out.device)
+            dequant(tmp, stored, scale, group_tokens)
+            out[:, t : t + n].copy_(tmp[:, :n])
+        t += n
+
+
+def check_paged(kv_caches: Sequence[torch.Tensor], num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    """Check vLLM-layout caches against a snapshot's geometry; returns the engine block size.
+
+    Raises:
+        ValueError: a layer count, shape or dtype the snapshots cannot fill.
+    """
+    if len(kv_caches) != num_layers:
+        raise ValueError(f"kv_caches has {len(kv_caches)} layers; the snapshots have {num_layers}")
+    ebs = None
+    for i, c in enumerate(kv_caches):
+        if c.dim() != 5 or c.shape[0] != 2 or c.shape[3] != num_kv_heads or c.shape[4] != head_dim:
+            raise ValueError(
+                f"kv_caches[{i}] has shape {tuple(c.shape)}; expected [2, num_blocks, block_size, "
+                f"{num_kv_heads}, {head_dim}] (vLLM's flash-attention layout)")
+        if not c.dtype.is_floating_point or c.element_size() == 1:
+            raise ValueError(f"kv_caches[{i}] has dtype {c.dtype}; fill bf16, fp16 or fp32 caches "
+                             "(FP8 engine caches with their own scales are not supported)")
+        ebs = c.shape[2] if ebs is None else ebs
+        if c.shape[2] != ebs:
+            raise ValueError("every layer's cache must have the same block size")
+    return int(ebs or 0)
+
+
+def fill_paged(cache: torch.Tensor, which: int, parts: Sequence[BlockPart], block_ids: Sequence[int],
+               tokens: int, group_tokens: int = 0, dequant: Callable[..., None] = dequantize_into) -> None:
+    """Write the first ``tokens`` tokens of consecutive stored blocks into one layer's paged cache.
+
+    ``which`` is 0 for K, 1 for V. Engine blocks are ``block_ids`` in prefix order.
+    """
+    ebs = cache.shape[2]
+    dst_all = cache[which]  # [num_blocks, ebs, heads, dim]
+    t = 0
+    for stored, scale in parts:
+        if t >= tokens:
+            break
+        bs = stored.shape[1]
+        n = min(bs, tokens - t)
+        # Token-major for the paged layout: [tokens, heads, dim].
+        tmp = torch.empty((stored.shape[0], bs, stored.shape[2]), dtype=cache.dtype, device=cache.device)
+        dequant(tmp, stored, scale, group_tokens)
+        src = tmp.transpose(0, 1)[:n]
+        if t % ebs == 0 and n % ebs == 0:
+            # Whole engine blocks: one indexed copy.
+            first = t // ebs
+            ids = torch.as_tensor(list(block_ids[first : first + n // ebs]), dtype=torch.long, device=cache.device)
+            dst_all.index_copy_(0, ids, src.reshape(n // ebs, ebs, *src.shape[1:]))
+        else:
+            done = 0
+            while done < n:
+                pos = t + done
+                slot = pos % ebs
+                m = min(ebs - slot, n - done)
+                dst_all[block_ids[pos // ebs], slot : slot + m].copy_(src[done : done + m])
+                done += m
+        t += n
+
+
+def put_layer(cache: Any, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """``cache.update(k, v, layer_idx=i)`` without its copy where that is exactly equivalent.
+
+    A plain ``DynamicLayer`` concatenates what it is given to what it holds, so a first
+    update copies the whole prefix once more. Such a layer is initialised with an empty
+    update and then handed the tensors themselves; any other kind of layer (sliding
+    window, quantised...) gets the plain ``update``.
+    """
+    from transformers.cache_utils import DynamicLayer
+
+    cache.update(k[:, :, :0], v[:, :, :0], layer_idx=i)  # creates and initialises the layer, adds nothing
+    layer = cache.layers[i]
+    if type(layer) is DynamicLayer and layer.keys.numel() == 0:
+        layer.keys, layer.values = k, v
+    else:
+        cache.update(k, v, layer_idx=i)

@@ -1,0 +1,153 @@
+"""copy_into_paged and the dequantisers behind it, against a cold prefill of a real (tiny) model."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from store.loader import KVLoader
+from store.paged import Dequantizer, dequantize_into
+from store.precision import Precision, dequantize, quantize
+from store.store import Store
+from tests.store.pool_workers import ACME, TINY, config, prefill_kv, prompt, tiny_model, write_prefix
+
+BS = 16
+
+
+@pytest.fixture(scope="module")
+def bf16_model():
+    return tiny_model(torch.bfloat16)
+
+
+def loader_for(tmp_path, compression: str, model, ids):
+    cfg = config(BS, compression)
+    store = Store.open(f"file://{tmp_path}/nvme", cfg)
+    write_prefix(store, cfg, model, ids)
+    store.close()
+    return KVLoader(f"file://{tmp_path}/nvme", tenant=ACME, model=TINY, pool_bytes=1 << 30, config=cfg,
+                    pool_dir=tmp_path / "pool")
+
+
+def reference_paged(kv, block_ids, ebs, num_blocks, tokens, dtype):
+    """The paged caches a cold prefill fills, built token by token (the obvious, slow way)."""
+    heads, _, dim = kv[0][0].shape
+    caches = [torch.full((2, num_blocks, ebs, heads, dim), -7.0, dtype=dtype) for _ in kv]
+    for layer, (k, v) in enumerate(kv):
+        for t in range(tokens):
+            caches[layer][0, block_ids[t // ebs], t % ebs] = k[:, t].to(dtype)
+            caches[layer][1, block_ids[t // ebs], t % ebs] = v[:, t].to(dtype)
+    return caches
+
+
+@pytest.mark.parametrize("ebs", [16, 4, 32, 48, 5])
+def test_copy_into_paged_writes_exactly_the_cold_prefill_blocks(tmp_path, bf16_model, ebs):
+    model, _ = bf16_model
+    ids = prompt(5 * BS + 3, seed=1)  # 5 stored blocks, and a tail the engine computes
+    cold = prefill_kv(model, ids)
+    loader = loader_for(tmp_path, "bf16", model, ids[: 5 * BS])
+    hit = loader.lookup(ids)
+    assert hit is not None and hit.tokens == 5 * BS
+    num_blocks = 40
+    want_blocks = -(-hit.tokens // ebs)
+    block_ids = [37, 2, 19, 5, 30, 11, 8, 25, 14, 3, 21, 33, 0, 16, 28, 9, 12, 6, 39, 1, 22][:want_blocks]
+    caches = [torch.full((2, num_blocks, ebs, 2, 16), -7.0, dtype=torch.bfloat16) for _ in range(2)]
+
+    written = hit.copy_into_paged(caches, block_ids)
+
+    assert written == hit.tokens - hit.tokens % ebs  # whole engine blocks only
+    want = reference_paged(cold, block_ids, ebs, num_blocks, written, torch.bfloat16)
+    for got, ref in zip(caches, want):
+        assert torch.equal(got, ref)  # untouched blocks and slots keep their -7 too
+
+    if hit.tokens % ebs:
+        caches = [torch.full((2, num_blocks, ebs, 2, 16), -7.0, dtype=torch.bfloat16) for _ in range(2)]
+        assert hit.copy_into_paged(caches, block_ids, partial=True) == hit.tokens
+        want = reference_paged(cold, block_ids, ebs, num_blocks, hit.tokens, torch.bfloat16)
+        assert all(torch.equal(g, r) for g, r in zip(caches, want))
+    hit.release()
+    loader.close()
+
+
+def test_paged_fp8_matches_the_dequantised_snapshot_and_the_cold_prefill(tmp_path, bf16_model):
+    model, _ = bf16_model
+    ids = prompt(3 * BS + 1, seed=2)
+    cold = prefill_kv(model, ids)
+    loader = loader_for(tmp_path, "fp8", model, ids[: 3 * BS])
+    hit = loader.lookup(ids)
+    assert hit is not None
+    caches = [torch.zeros((2, 8, 8, 2, 16), dtype=torch.bfloat16) for _ in range(2)]
+    block_ids = [7, 0, 3, 5, 1, 6]
+    assert hit.copy_into_paged(caches, block_ids) == 3 * BS
+    for layer in range(2):
+        k_ref = torch.cat([s.layer(layer, torch.bfloat16)[0] for s in hit.snapshots], dim=1)
+        k_got = caches[layer][0, block_ids].reshape(3 * BS, 2, 16).transpose(0, 1)
+        assert torch.equal(k_got, k_ref)  # the very bits store.precision.dequantize gives
+        rel = (k_got.float() - cold[layer][0][:, : 3 * BS].float()).norm() / cold[layer][0][:, : 3 * BS].float().norm()
+        assert rel < 0.08  # FP8 e4m3 with per-head scales
+    hit.release()
+    loader.close()
+
+
+def test_paged_leaves_the_last_prompt_token_to_the_engine(tmp_path, bf16_model):
+    model, _ = bf16_model
+    ids = prompt(2 * BS, seed=3)
+    loader = loader_for(tmp_path, "bf16", model, ids)
+    hit = loader.lookup(ids)  # the whole prompt is stored
+    assert hit.tokens == 2 * BS and hit.usable_tokens == 2 * BS - 1
+    caches = [torch.zeros((2, 4, 8, 2, 16), dtype=torch.bfloat16) for _ in range(2)]
+    assert hit.copy_into_paged(caches, [0, 1, 2, 3]) == 3 * 8  # whole engine blocks below 31 tokens
+    assert hit.copy_into_paged(caches, [0, 1, 2, 3], partial=True) == 2 * BS - 1
+    hit.release()
+    loader.close()
+
+
+def test_paged_refuses_caches_of_the_wrong_geometry(tmp_path, bf16_model):
+    model, _ = bf16_model
+    ids = prompt(BS + 1, seed=4)
+    loader = loader_for(tmp_path, "bf16", model, ids[:BS])
+    hit = loader.lookup(ids)
+    with pytest.raises(ValueError, match="layers"):
+        hit.copy_into_paged([torch.zeros((2, 4, 8, 2, 16))], [0, 1])
+    with pytest.raises(ValueError, match="shape"):
+        hit.copy_into_paged([torch.zeros((2, 4, 8, 3, 16))] * 2, [0, 1])
+    with pytest.raises(ValueError, match="dtype"):
+        hit.copy_into_paged([torch.zeros((2, 4, 8, 2, 16), dtype=torch.float8_e4m3fn)] * 2, [0, 1])
+    with pytest.raises(ValueError, match="block_ids"):
+        hit.copy_into_paged([torch.zeros((2, 4, 8, 2, 16))] * 2, [0, 9])
+    hit.release()
+    with pytest.raises(RuntimeError, match="released"):
+        hit.copy_into_paged([torch.zeros((2, 4, 8, 2, 16))] * 2, [0, 1])
+    loader.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("precision", [Precision(), Precision(granularity="head_group", group_tokens=5),
+                                       Precision(compression="fp16")])
+def test_dequantize_into_is_bit_identical_to_the_reference(dtype, precision):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn((3, 32, 8), generator=g) * 5
+    stored, scale = quantize(x, precision, 0)
+    want = dequantize(stored, scale, dtype, precision.group_tokens)
+    out = torch.zeros((3, 40, 8), dtype=dtype)  # a strided destination: a slice of a longer cache
+    dequantize_into(out[:, 4:36], stored, scale, precision.group_tokens)
+    assert torch.equal(out[:, 4:36], want)
+    assert not out[:, :4].any() and not out[:, 36:].any()
+    tok_major = torch.zeros((32, 3, 8), dtype=dtype)
+    dequantize_into(tok_major.transpose(0, 1), stored, scale, precision.group_tokens)
+    assert torch.equal(tok_major.transpose(0, 1), want)
+
+
+@pytest.mark.parametrize("mode", ["compiled", "auto"])
+def test_the_compiled_dequantiser_gives_the_same_bits(mode):
+    import concurrent.futures as cf
+
+    g = torch.Generator().manual_seed(1)
+    runs = [[quantize(torch.randn((2, 16, 8), generator=g) * 3, Precision(), 0) for _ in range(3)] for _ in range(4)]
+    want = [torch.cat([dequantize(q, s, torch.bfloat16) for q, s in run], dim=1) for run in runs]
+    with cf.ThreadPoolExecutor(1) as ex:
+        dq = Dequantizer(mode, ex)
+        got = dq.layers(runs, 48, torch.bfloat16)  # auto: the table now, the kernel built meanwhile
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert ((4, 2, 16, 8), torch.bfloat16) in dq._ready
+    assert all(torch.equal(a, b) for a, b in zip(dq.layers(runs, 48, torch.bfloat16), want))  # the kernel
+    two = [run[:2] for run in runs]  # another block count, trimmed
+    assert all(torch.equal(a, b[:, :29]) for a, b in zip(dq.layers(two, 29, torch.bfloat16), want))
