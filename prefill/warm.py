@@ -129,7 +129,7 @@ def add_warm_command(sub: Any) -> None:
     p.add_argument("--until", help="deadline: ISO time, +90m, HH:MM (UTC) or Unix seconds")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="model compute dtype")
     p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when present)")
-    p.add_argument("--compression", choices=["fp8", "bf16", "fp16"], help="override kv_cache.compression")
+    p.add_argument("--compression", choices=["fp8", "bf16", "fp16", "fp32"], help="override kv_cache.compression")
     p.add_argument("--block-size", type=int, help="override kv_cache.block_size")
     p.add_argument("--max-batch-tokens", type=int, default=8192, help="padded tokens per forward batch")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

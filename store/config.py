@@ -43,7 +43,7 @@ class KvCacheConfig(_Section):
         8, ge=1, le=1024,
         description="Serving processes on one node that may attach to the node's shared snapshot pool at once.",
     )
-    compression: Literal["fp8", "bf16", "fp16"] = "fp8"
+    compression: Literal["fp8", "bf16", "fp16", "fp32"] = "fp8"
     scale_granularity: Literal["head", "head_group"] = "head"
     group_tokens: int = Field(0, ge=0)
     keep_layers: tuple[int, ...] = Field((), description="Layers stored unquantised when compression is fp8.")

@@ -1,4 +1,4 @@
-"""How KV is stored: FP8 (e4m3) with fp32 scales, or unquantised bf16/fp16.
+"""How KV is stored: FP8 (e4m3) with fp32 scales, or unquantised bf16/fp16 (fp32 for exactness checks).
 
 The prefill job quantises and the serving-side loader dequantises with these same
 functions, so they live in ``store`` (which every other package may import).
@@ -13,8 +13,8 @@ from typing import Literal
 
 import torch
 
-Compression = Literal["fp8", "bf16", "fp16"]
-COMPRESSIONS: tuple[str, ...] = ("fp8", "bf16", "fp16")
+Compression = Literal["fp8", "bf16", "fp16", "fp32"]
+COMPRESSIONS: tuple[str, ...] = ("fp8", "bf16", "fp16", "fp32")
 GRANULARITIES: tuple[str, ...] = ("head", "head_group")
 FP8_MAX = 448.0
 
@@ -25,7 +25,7 @@ STORAGE_DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
     "fp32": torch.float32,
 }
-_KV_DTYPE = {"fp8": "fp8_e4m3", "bf16": "bf16", "fp16": "fp16"}
+_KV_DTYPE = {"fp8": "fp8_e4m3", "bf16": "bf16", "fp16": "fp16", "fp32": "fp32"}
 
 
 @dataclass(frozen=True)

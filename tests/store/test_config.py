@@ -43,7 +43,7 @@ def test_yaml_and_toml_files(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "data, must_say",
     [
-        ({"kv_cache": {"compression": "fp4"}}, ["kv_cache.compression", "'fp4'", "'fp8', 'bf16' or 'fp16'"]),
+        ({"kv_cache": {"compression": "fp4"}}, ["kv_cache.compression", "'fp4'", "'fp8', 'bf16', 'fp16' or 'fp32'"]),
         ({"kv_cache": {"reuse_strategy": "nearest"}}, ["kv_cache.reuse_strategy", "'nearest'", "exact_prefix"]),
         ({"kv_cache": {"similarity_threshold": 1.5}}, ["kv_cache.similarity_threshold", "1.5", "less than or equal to 1"]),
         ({"kv_cache": {"max_shared_instances": 0}}, ["kv_cache.max_shared_instances", "0", "greater than or equal to 1"]),
