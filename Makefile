@@ -26,6 +26,11 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) bench/store_bench.py
+	$(PY) bench/prefill_bench.py
+	$(PY) bench/loader_bench.py
+	$(PY) bench/mining_bench.py
+	$(PY) bench/forecast_bench.py
+	$(PY) bench/replay_bench.py
 
 clean:
 	rm -rf .kvwarm-demo .pytest_cache
