@@ -46,10 +46,10 @@ def restored_cache(loaded, store, root, ids):
     return cache, n * BLOCK
 
 
-def agreement(loaded, compression, tmp_path, **kv):
+def agreement(loaded, compression, tmp_path, n_prompts=50, **kv):
     cfg = config_for(compression, **kv)
     store = Store.open(f"file://{tmp_path / (compression + '-keep' + '_'.join(map(str, kv.get('keep_layers', []))))}", cfg)
-    prompts = [loaded.encode(p)[: 6 * BLOCK + 5] for p in _corpus()[:50]]
+    prompts = [loaded.encode(p)[: 6 * BLOCK + 5] for p in _corpus()[:n_prompts]]
     assert all(len(p) > BLOCK for p in prompts)
     opts = PrefillOptions(precision=cfg.kv_cache.precision(), block_size=BLOCK)
     Prefiller(loaded, store, opts).run([PrefixRequest(ACME, tuple(p), 3600.0, order=i) for i, p in enumerate(prompts)])
@@ -76,7 +76,8 @@ def test_lossless_storage_reproduces_greedy_generation(tiny, tmp_path):
 def test_bf16_storage_of_a_bf16_model_nearly_always_agrees(tiny_bf16, tmp_path):
     # not bitwise: CPU bf16 kernels round a prefix computed alone differently from the
     # same prefix inside the whole prompt, and random weights have near-ties
-    assert agreement(tiny_bf16, "bf16", tmp_path) >= 0.98
+    # (20 prompts: bf16 matmuls are slow on CPUs without bf16 units)
+    assert agreement(tiny_bf16, "bf16", tmp_path, n_prompts=20) >= 0.98
 
 
 def test_fp8_storage_agreement(tiny, tmp_path):
