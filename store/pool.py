@@ -24,14 +24,14 @@ import hashlib
 import logging
 import os
 import sqlite3
-import threading
 import time
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 from store.errors import StoreError
+from store.sqlite import LocalDB
 from store.tier_index import pid_alive
 
 log = logging.getLogger("kvwarm.pool")
@@ -100,30 +100,16 @@ class SnapshotPool:
         self.attached = False
         self.last_usage = 0  # pool bytes and budget as the last pin() saw them (for gauges)
         self.last_budget = self.budget_bytes
-        self._local = threading.local()
+        # synchronous=OFF: node-local, rebuilt from nothing after a reboot
+        self._sqlite = LocalDB(self.directory / "pool.sqlite", _SCHEMA, synchronous="OFF", timeout_s=60)
         self.db()
 
     # -- plumbing ------------------------------------------------------------
     def db(self) -> sqlite3.Connection:
-        db = getattr(self._local, "db", None)
-        if db is None:
-            db = sqlite3.connect(self.directory / "pool.sqlite", timeout=60, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=OFF")  # node-local, rebuilt from nothing after a reboot
-            db.executescript(_SCHEMA)
-            self._local.db = db
-        return db
+        return self._sqlite.db()
 
-    @contextmanager
-    def _txn(self) -> Iterator[sqlite3.Connection]:
-        db = self.db()
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            yield db
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
+    def _txn(self) -> AbstractContextManager[sqlite3.Connection]:
+        return self._sqlite.txn()
 
     @staticmethod
     def _live_pids(db: sqlite3.Connection) -> None:
@@ -273,10 +259,7 @@ class SnapshotPool:
                 self.detach()
             except sqlite3.Error as exc:  # closing must not fail a shutting-down server
                 log.warning("detaching from the snapshot pool failed: %s", exc)
-        db = getattr(self._local, "db", None)
-        if db is not None:
-            db.close()
-            self._local.db = None
+        self._sqlite.close()
 
 
 def _drop_page_cache(path: str) -> None:

@@ -12,9 +12,11 @@ import errno
 import os
 import sqlite3
 import threading
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable
+
+from store.sqlite import LocalDB
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
@@ -52,7 +54,7 @@ class TierIndex:
         self.clock = clock
         self.flush_s = flush_s
         self.fresh = not path.exists()
-        self._local = threading.local()
+        self._sqlite = LocalDB(path, _SCHEMA, synchronous="NORMAL", timeout_s=60)
         self._accesses: dict[str, float] = {}
         self._lock = threading.Lock()
         self._last_flush = clock()
@@ -60,26 +62,11 @@ class TierIndex:
 
     def db(self) -> sqlite3.Connection:
         """This thread's connection (sqlite3 connections are not shared across threads)."""
-        db = getattr(self._local, "db", None)
-        if db is None:
-            db = sqlite3.connect(self.path, timeout=60, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.executescript(_SCHEMA)
-            self._local.db = db
-        return db
+        return self._sqlite.db()
 
-    @contextmanager
-    def txn(self) -> Iterator[sqlite3.Connection]:
+    def txn(self) -> AbstractContextManager[sqlite3.Connection]:
         """A write transaction; other writers wait (up to 60 s) until it commits."""
-        db = self.db()
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            yield db
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
-        db.execute("COMMIT")
+        return self._sqlite.txn()
 
     def usage(self) -> int:
         """Bytes reserved: ready snapshots plus writes in flight."""
@@ -110,7 +97,4 @@ class TierIndex:
         """Write buffered accesses and close this thread's connection."""
         with self.txn() as db:
             self.flush(db)
-        db = getattr(self._local, "db", None)
-        if db is not None:
-            db.close()
-            self._local.db = None
+        self._sqlite.close()
