@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from forecasting.prewarm import _occurrences, kvwarm_prewarm, naive_prewarm, oracle_prewarm
 from forecasting.replay import (
     BeladyCache,
     BlockIndex,
@@ -35,6 +36,11 @@ from forecasting.replay import (
     next_use,
     replay,
 )
+
+# NOTE: the prewarm functions live in forecasting.prewarm and are re-exported from here.
+__all__ = ["EVICTIONS", "PREWARMS", "SCENARIOS", "STEADY_POLICIES", "WARMUP_POLICIES", "CostModel", "Policy",
+           "PolicyResult", "Scenario", "SimResult", "kvwarm_prewarm", "naive_prewarm", "oracle_prewarm", "plot",
+           "simulate"]
 
 SCENARIOS = ("steady", "restart", "scale-out")
 EVICTIONS = ("lru", "retention", "belady")
@@ -193,97 +199,6 @@ class SimResult:
                          f"{100 * r.first_bucket_hit_rate_excl_root:>9.1f}{rec:>8}{r.prefill_tokens_saved:>12,}"
                          f"{r.ttft_saved_s:>10.1f}{prec:>7}{recall:>7}")
         return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------- prewarm
-
-
-def naive_prewarm(index: BlockIndex, start: int, capacity: int, lookback_s: float) -> np.ndarray:
-    """Blocks with the most requests in ``lookback_s`` before request ``start`` (most valuable last).
-
-    Ties go to the block used most recently.
-    """
-    tr = index.trace
-    t = tr.timestamps_s[start] if start < len(tr) else math.inf
-    first = int(np.searchsorted(tr.timestamps_s, t - lookback_s, side="left"))
-    a, z = tr.offsets[first], tr.offsets[start]
-    counts = np.bincount(index.ids[a:z], minlength=index.n_unique)
-    last = np.full(index.n_unique, -1, dtype=np.int64)
-    np.maximum.at(last, index.ids[a:z], np.arange(a, z))
-    cand = np.flatnonzero(counts)
-    order = np.lexsort((last[cand], counts[cand]))
-    return cand[order][-capacity:] if capacity else cand[:0]
-
-
-def _close_under_prefix(index: BlockIndex, score: np.ndarray, depth_of: np.ndarray) -> np.ndarray:
-    """Raise each parent's score to at least its children's (a child hits only with its parent)."""
-    score = score.copy()
-    known = np.flatnonzero(np.isfinite(score))
-    known = known[np.argsort(-depth_of[known], kind="stable")]
-    levels = depth_of[known]
-    cuts = np.flatnonzero(np.diff(levels)) + 1
-    for kids in np.split(known, cuts):  # deepest level first, so raises propagate to the root
-        if len(kids) and depth_of[kids[0]] > 0:
-            np.maximum.at(score, index.parent[kids], score[kids])
-    return score
-
-
-def kvwarm_prewarm(index: BlockIndex, start: int, capacity: int,
-                   config: PredictorConfig = PredictorConfig()) -> tuple[np.ndarray, np.ndarray]:
-    """Blocks of highest predicted reuse at request ``start``'s time, from the trace before it.
-
-    Each block seen before is scored at its last use, ``log p(reuse | class) + t_last / tau``,
-    with the class table estimated from outcomes closed before the prewarm time; scores
-    are closed under prefixes and the top ``capacity`` kept.
-
-    Returns:
-        (blocks, scores), least valuable first.
-    """
-    tr = index.trace
-    t = tr.timestamps_s[start] if start < len(tr) else math.inf
-    z = int(tr.offsets[start])
-    predictor = ReusePredictor(index, config)
-    predictor.update(t)
-    last = np.full(index.n_unique, -1, dtype=np.int64)
-    np.maximum.at(last, index.ids[:z], np.arange(z))
-    seen = np.flatnonzero(last >= 0)
-    score = np.full(index.n_unique, -np.inf)
-    occ = last[seen]
-    score[seen] = (predictor.log_p[predictor.classes[occ]]
-                   + tr.timestamps_s[index.request[occ]] / config.tau_s)
-    depth_of = np.zeros(index.n_unique, dtype=np.int64)
-    depth_of[index.ids[:z]] = index.depth[:z]
-    score = _close_under_prefix(index, score, depth_of)
-    order = np.lexsort((-depth_of[seen], score[seen]))
-    chosen = seen[order][-capacity:] if capacity else seen[:0]
-    return chosen, score[chosen]
-
-
-def oracle_prewarm(index: BlockIndex, start: int, served: np.ndarray, capacity: int) -> np.ndarray:
-    """The best prewarm from blocks seen before request ``start``: those the ``served`` requests use.
-
-    Ordered by first use (soonest used last, i.e. kept longest); the ceiling for prewarming.
-    """
-    tr = index.trace
-    z = int(tr.offsets[start])
-    seen = np.zeros(index.n_unique, dtype=bool)
-    seen[index.ids[:z]] = True
-    never = np.iinfo(np.int64).max
-    first = np.full(index.n_unique, never, dtype=np.int64)
-    occ = _occurrences(index, served)
-    np.minimum.at(first, index.ids[occ], index.request[occ])
-    cand = np.flatnonzero(seen & (first < never))
-    order = np.argsort(-first[cand], kind="stable")
-    return cand[order][-capacity:] if capacity else cand[:0]
-
-
-def _occurrences(index: BlockIndex, rows: np.ndarray) -> np.ndarray:
-    """Indices into the block arrays of every block of requests ``rows`` (in order)."""
-    offsets = index.trace.offsets
-    lengths = offsets[rows + 1] - offsets[rows]
-    starts = np.zeros(len(rows), dtype=np.int64)
-    np.cumsum(lengths[:-1], out=starts[1:])
-    return np.repeat(offsets[rows] - starts, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
 
 
 # -------------------------------------------------------------------------- simulate

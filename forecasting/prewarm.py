@@ -1,0 +1,105 @@
+"""Prewarm choices at an event time ``T``: which blocks to load into an empty cache.
+
+- :func:`naive_prewarm`: the blocks with the most requests in a lookback before ``T``;
+- :func:`kvwarm_prewarm`: the blocks with the highest predicted reuse at ``T``
+  (:class:`~forecasting.replay.ReusePredictor`), closed under prefixes;
+- :func:`oracle_prewarm`: the best possible prewarm from blocks seen before ``T`` (the ceiling).
+
+Each returns block ids least valuable first, from the trace before ``T`` only (the
+oracle excepted, by definition). :mod:`forecasting.simulate` replays them.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from forecasting.replay import BlockIndex, PredictorConfig, ReusePredictor
+
+
+def naive_prewarm(index: BlockIndex, start: int, capacity: int, lookback_s: float) -> np.ndarray:
+    """Blocks with the most requests in ``lookback_s`` before request ``start`` (most valuable last).
+
+    Ties go to the block used most recently.
+    """
+    tr = index.trace
+    t = tr.timestamps_s[start] if start < len(tr) else math.inf
+    first = int(np.searchsorted(tr.timestamps_s, t - lookback_s, side="left"))
+    a, z = tr.offsets[first], tr.offsets[start]
+    counts = np.bincount(index.ids[a:z], minlength=index.n_unique)
+    last = np.full(index.n_unique, -1, dtype=np.int64)
+    np.maximum.at(last, index.ids[a:z], np.arange(a, z))
+    cand = np.flatnonzero(counts)
+    order = np.lexsort((last[cand], counts[cand]))
+    return cand[order][-capacity:] if capacity else cand[:0]
+
+
+def _close_under_prefix(index: BlockIndex, score: np.ndarray, depth_of: np.ndarray) -> np.ndarray:
+    """Raise each parent's score to at least its children's (a child hits only with its parent)."""
+    score = score.copy()
+    known = np.flatnonzero(np.isfinite(score))
+    known = known[np.argsort(-depth_of[known], kind="stable")]
+    levels = depth_of[known]
+    cuts = np.flatnonzero(np.diff(levels)) + 1
+    for kids in np.split(known, cuts):  # deepest level first, so raises propagate to the root
+        if len(kids) and depth_of[kids[0]] > 0:
+            np.maximum.at(score, index.parent[kids], score[kids])
+    return score
+
+
+def kvwarm_prewarm(index: BlockIndex, start: int, capacity: int,
+                   config: PredictorConfig = PredictorConfig()) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks of highest predicted reuse at request ``start``'s time, from the trace before it.
+
+    Each block seen before is scored at its last use, ``log p(reuse | class) + t_last / tau``,
+    with the class table estimated from outcomes closed before the prewarm time; scores
+    are closed under prefixes and the top ``capacity`` kept.
+
+    Returns:
+        (blocks, scores), least valuable first.
+    """
+    tr = index.trace
+    t = tr.timestamps_s[start] if start < len(tr) else math.inf
+    z = int(tr.offsets[start])
+    predictor = ReusePredictor(index, config)
+    predictor.update(t)
+    last = np.full(index.n_unique, -1, dtype=np.int64)
+    np.maximum.at(last, index.ids[:z], np.arange(z))
+    seen = np.flatnonzero(last >= 0)
+    score = np.full(index.n_unique, -np.inf)
+    occ = last[seen]
+    score[seen] = (predictor.log_p[predictor.classes[occ]]
+                   + tr.timestamps_s[index.request[occ]] / config.tau_s)
+    depth_of = np.zeros(index.n_unique, dtype=np.int64)
+    depth_of[index.ids[:z]] = index.depth[:z]
+    score = _close_under_prefix(index, score, depth_of)
+    order = np.lexsort((-depth_of[seen], score[seen]))
+    chosen = seen[order][-capacity:] if capacity else seen[:0]
+    return chosen, score[chosen]
+
+
+def oracle_prewarm(index: BlockIndex, start: int, served: np.ndarray, capacity: int) -> np.ndarray:
+    """The best prewarm from blocks seen before request ``start``: those the ``served`` requests use.
+
+    Ordered by first use (soonest used last, i.e. kept longest); the ceiling for prewarming.
+    """
+    tr = index.trace
+    z = int(tr.offsets[start])
+    seen = np.zeros(index.n_unique, dtype=bool)
+    seen[index.ids[:z]] = True
+    never = np.iinfo(np.int64).max
+    first = np.full(index.n_unique, never, dtype=np.int64)
+    occ = _occurrences(index, served)
+    np.minimum.at(first, index.ids[occ], index.request[occ])
+    cand = np.flatnonzero(seen & (first < never))
+    order = np.argsort(-first[cand], kind="stable")
+    return cand[order][-capacity:] if capacity else cand[:0]
+
+
+def _occurrences(index: BlockIndex, rows: np.ndarray) -> np.ndarray:
+    """Indices into the block arrays of every block of requests ``rows`` (in order)."""
+    offsets = index.trace.offsets
+    lengths = offsets[rows + 1] - offsets[rows]
+    starts = np.zeros(len(rows), dtype=np.int64)
+    np.cumsum(lengths[:-1], out=starts[1:])
+    return np.repeat(offsets[rows] - starts, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
