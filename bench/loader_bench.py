@@ -41,6 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.common import median_time  # noqa: E402
 from store.config import parse_config  # noqa: E402
 from store.identity import ModelIdentity  # noqa: E402
 from store.keys import block_chain  # noqa: E402
@@ -72,16 +73,6 @@ def ref_model(quick: bool):
     model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     ident = ModelIdentity(f"bench-llama-{layers}l@seed0", "bench-tok", name=f"llama-{layers}l")
     return model, cfg, ident, f"LlamaConfig {layers}x768 (12 heads / 4 kv, head_dim 64), seed 0"
-
-
-def median_time(fn, reps: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def cfg_for(block: int, compression: str):
@@ -127,8 +118,8 @@ def bench_ttft_and_load(work: Path, args, out: dict) -> None:
             with torch.no_grad():
                 model(torch.tensor([ids])).logits[0, -1].argmax()
 
-        t_warm = median_time(warm, args.reps)
-        t_cold = median_time(cold, args.reps) if compression == "fp8" else out["ttft"]["cold_s"]
+        t_warm = median_time(warm, args.reps, warmup=1)
+        t_cold = median_time(cold, args.reps, warmup=1) if compression == "fp8" else out["ttft"]["cold_s"]
         if compression == "fp8":
             out["ttft"] = {"tokens_cached": args.tokens, "suffix": args.suffix, "cold_s": t_cold}
         out["ttft"][f"warm_{compression}_s"] = t_warm

@@ -32,6 +32,7 @@ import pandas as pd
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.common import timed_median  # noqa: E402
 from forecasting.demand import build_demand  # noqa: E402
 from forecasting.families import find_families  # noqa: E402
 from forecasting.mining import bucket_counts, candidates, mine_text, mine_trace  # noqa: E402
@@ -42,15 +43,6 @@ from store.tenant import Tenant  # noqa: E402
 
 BLOCKS_PER_S_TARGET = 1_000_000
 RATIO_TARGET = 1.5
-
-
-def _median_time(fn, repeats: int) -> tuple[float, object]:
-    times, out = [], None
-    for _ in range(repeats):
-        t = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), out
 
 
 def mooncake(data: Path, repeats: int) -> dict:
@@ -70,7 +62,7 @@ def mooncake(data: Path, repeats: int) -> dict:
         return tree, nodes, keys, per_node
 
     mine()  # warm caches and imports
-    secs, (tree, nodes, keys, _) = _median_time(mine, repeats)
+    secs, (tree, nodes, keys, _) = timed_median(mine, repeats)
     rate = tree.n_blocks / secs
     print(f"mooncake: {len(trace)} requests, {tree.n_blocks} blocks, {tree.n_nodes} prefix nodes, "
           f"{len(nodes)} candidates (k=2); read {read_s:.2f} s (not counted)")
@@ -145,13 +137,13 @@ def text(data: Path, repeats: int, n_requests: int, block_size: int, batch_size:
     # Side by side: each repeat times both, back to back, so both see the same machine load.
     tok_times, mine_times = [], []
     for _ in range(repeats):
-        t_tok, n_tokens = _median_time(tokenise, 1)
-        t_mine, (tree, demand) = _median_time(mine, 1)
+        t_tok, n_tokens = timed_median(tokenise, 1)
+        t_mine, (tree, demand) = timed_median(mine, 1)
         tok_times.append(t_tok)
         mine_times.append(t_mine)
     tok_s, mine_s = statistics.median(tok_times), statistics.median(mine_times)
     ratio = statistics.median(m / t for m, t in zip(mine_times, tok_times))
-    fam_s, fams = _median_time(lambda: find_families(tree), max(1, repeats // 2))
+    fam_s, fams = timed_median(lambda: find_families(tree), max(1, repeats // 2))
     print(f"text: {len(log)} requests, {n_tokens} tokens, {tree.n_blocks} blocks of {block_size}, "
           f"{len(demand.prefixes)} candidate prefixes, {len(fams.table)} families")
     print(f"text: tokenise alone {tok_s:.3f} s ({n_tokens / tok_s / 1e6:.2f} M tokens/s); mine + demand "

@@ -36,6 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import median_time  # noqa: E402
 from prefill.accuracy import precision_loss  # noqa: E402
 from prefill.models import REFERENCE_MODEL, _corpus, load_model  # noqa: E402
 from prefill.runner import PrefillOptions, Prefiller, PrefixRequest  # noqa: E402
@@ -48,15 +49,6 @@ from store.tenant import Tenant  # noqa: E402
 
 TENANT = Tenant.derive("bench", "bench-secret")
 WRITE_UP_LOSS = 0.005
-
-
-def median_time(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def prompts_ids(loaded, n: int, length: int) -> list[list[int]]:

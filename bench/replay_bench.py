@@ -42,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.common import timed_median  # noqa: E402
 from forecasting.replay import BlockIndex, PredictorConfig  # noqa: E402
 from forecasting.simulate import STEADY_POLICIES, WARMUP_POLICIES, Scenario, SimResult, plot, simulate  # noqa: E402
 from forecasting.traces import read_mooncake  # noqa: E402
@@ -51,15 +52,6 @@ KNOWN = {  # issue 7, mid-trace restart, 16k blocks, 10 minutes; steady state at
     "restart50.first_min.lru": 2.5, "restart50.first_min.lru+naive": 23.0,
     "steady4k.lru": 4.9, "steady4k.belady": 30.1,
 }
-
-
-def _timed(fn, repeats: int) -> tuple[SimResult, float]:
-    times, result = [], None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - t0)
-    return result, statistics.median(times)
 
 
 def _pct(x: float) -> float:
@@ -97,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     restarts: dict[float, SimResult] = {}
     for frac in fractions:
         scenario = Scenario("restart", at_s=frac * trace.duration_s, window_s=args.window)
-        result, secs = _timed(lambda: simulate(index, args.capacity, scenario, WARMUP_POLICIES,
-                                               predictor=predictor), repeats)
+        secs, result = timed_median(lambda: simulate(index, args.capacity, scenario, WARMUP_POLICIES,
+                                                     predictor=predictor), repeats)
         restarts[frac] = result
         name = f"restart{int(frac * 100)}"
         timings[name] = round(secs, 3)
@@ -113,8 +105,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.plots:
             plot(result, out_dir / f"replay-{name}.png")
 
-    steady, secs = _timed(lambda: simulate(index, args.steady_capacity, Scenario("steady"), STEADY_POLICIES,
-                                           predictor=predictor), repeats)
+    secs, steady = timed_median(lambda: simulate(index, args.steady_capacity, Scenario("steady"), STEADY_POLICIES,
+                                                 predictor=predictor), repeats)
     timings["steady4k"] = round(secs, 3)
     print(f"\n== steady state, {args.steady_capacity} blocks, whole trace: {secs:.2f} s for 3 replays (median)")
     print(steady.table())
@@ -126,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.quick:
         scenario = Scenario("scale-out", at_s=0.5 * trace.duration_s, window_s=args.window, share=0.25)
-        scale, secs = _timed(lambda: simulate(index, args.capacity, scenario, WARMUP_POLICIES,
-                                              predictor=predictor), repeats)
+        secs, scale = timed_median(lambda: simulate(index, args.capacity, scenario, WARMUP_POLICIES,
+                                                    predictor=predictor), repeats)
         timings["scaleout50"] = round(secs, 3)
         print(f"\n== scale-out at 50 %: a new replica takes 25 % of requests (random routing), "
               f"{args.capacity} blocks, next {args.window / 60:g} min (informational)")
