@@ -214,10 +214,11 @@ def future_index(last: pd.Timestamp, freq: pd.Timedelta, h: int) -> pd.DatetimeI
 
 def infer_bucket(df: pd.DataFrame) -> pd.Timedelta:
     """The bucket length of a long table: the smallest gap between consecutive ``ds`` of any series."""
-    ds = pd.DatetimeIndex(np.sort(df["ds"].unique()))
+    ds = pd.DatetimeIndex(df["ds"].unique()).sort_values()
     if ds.size < 2:
         raise ValueError("cannot infer the bucket from fewer than two distinct ds; pass freq")
-    return pd.Timedelta(np.diff(ds.asi8).min(), unit="ns")
+    # Timedelta arithmetic, not raw int64: the index may hold ns, us or s (pandas >= 3 infers coarser units)
+    return pd.Timedelta((ds[1:] - ds[:-1]).min())
 
 
 def check_long(df: pd.DataFrame, name: str = "demand") -> None:

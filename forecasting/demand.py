@@ -142,9 +142,10 @@ def _prefix_table(tree: PrefixTree, nodes: np.ndarray, keys: list[str], families
             "parent": key_of[up] if up >= 0 else None,
             "hash_ids": None if tokens is not None else [int(v) for v in values],
         })
-    frame = pd.DataFrame(rows, columns=[*PREFIX_COLUMNS, "hash_ids"])
-    for col in ("unique_id", "tenant", "family", "token_ids", "text", "parent", "hash_ids"):
-        frame[col] = frame[col].astype(object)
+    # Build each column with its final dtype: letting pandas infer them would give the text
+    # columns pandas 3's string dtype, whose missing value is NaN, not the None promised above.
+    frame = pd.DataFrame({col: pd.Series([r[col] for r in rows], dtype=object)
+                          for col in (*PREFIX_COLUMNS, "hash_ids")})
     return frame.astype({"n_tokens": np.int64, "n_blocks": np.int64, "distinct_requests": np.int64})
 
 

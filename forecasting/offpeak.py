@@ -63,7 +63,12 @@ def _bucket(s: pd.Series, bucket: pd.Timedelta | None) -> pd.Timedelta:
         return bucket
     if s.size < 2:
         raise ValueError("cannot infer the bucket length from one bucket; pass bucket=")
-    return pd.Timedelta(np.diff(s.index.asi8).min(), unit="ns")
+    return _steps(s.index).min()
+
+
+def _steps(index: pd.DatetimeIndex) -> pd.TimedeltaIndex:
+    """Gaps between consecutive bucket starts, as Timedeltas (independent of the index's unit)."""
+    return pd.TimedeltaIndex(index[1:] - index[:-1])
 
 
 def offpeak_windows(load: pd.Series | pd.DataFrame, *, fraction: float = 0.6, capacity: float | None = None,
@@ -91,7 +96,7 @@ def offpeak_windows(load: pd.Series | pd.DataFrame, *, fraction: float = 0.6, ca
     step = _bucket(s, bucket)
     ref = float(s.max()) if capacity is None else float(capacity)
     under = s.to_numpy() < fraction * ref if ref > 0 else np.ones(s.size, dtype=bool)
-    gaps = np.diff(s.index.asi8) != step.value  # a missing bucket breaks a window
+    gaps = np.asarray(_steps(s.index) != step)  # a missing bucket breaks a window
     out: list[Window] = []
     i = 0
     while i < s.size:
