@@ -51,8 +51,52 @@ TENANT = Tenant.derive("bench", "bench-secret")
 WRITE_UP_LOSS = 0.005
 
 
+def synced(fn, device: torch.device):
+    """``fn`` followed by a device synchronise, so CUDA work is inside the timing."""
+    if device.type != "cuda":
+        return fn
+
+    def run():
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out
+    return run
+
+
+#: Shapes for --shape: an 8B-class Llama (32 layers, 8 KV heads, head dim 128) and a
+#: two-layer miniature of it that runs on a CPU (to check the script before a GPU run).
+SHAPES = {
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+               num_key_value_heads=8, vocab_size=128256, max_position_embeddings=16384),
+    "8b-mini": dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=1, vocab_size=4096, max_position_embeddings=16384),
+}
+
+
+def shaped_model(shape: str, device: str, dtype: torch.dtype):
+    """A randomly initialised Llama of ``shape`` built on ``device`` (nothing saved or downloaded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from prefill.models import LoadedModel, load_model
+    from store.identity import ModelIdentity
+
+    tok = load_model("kvwarm-tiny").tokenizer  # only its pad id is used; ids are drawn at random
+    cfg = LlamaConfig(**SHAPES[shape])
+    torch.manual_seed(0)
+    dev = torch.device(device)
+    with torch.device(dev):
+        model = LlamaForCausalLM(cfg).to(dtype).eval()
+    ident = ModelIdentity(f"random-{shape}@seed0", "none", name=shape)
+    return LoadedModel(name=shape, path=Path("."), model=model, tokenizer=tok, config=cfg, identity=ident,
+                       chat_identity=None, device=dev, dtype=dtype)
+
+
 def prompts_ids(loaded, n: int, length: int) -> list[list[int]]:
-    """``n`` token sequences of exactly ``length`` tokens from the CC0 corpus (concatenated)."""
+    """``n`` token sequences of exactly ``length`` tokens from the CC0 corpus (concatenated),
+    or random ids for a shaped model whose vocabulary the corpus tokenizer does not match."""
+    if loaded.path == Path("."):
+        g = torch.Generator().manual_seed(1)
+        return torch.randint(10, loaded.config.vocab_size, (n, length), generator=g).tolist()
     stream: list[int] = []
     for text in _corpus():
         stream += loaded.encode(text)
@@ -71,13 +115,14 @@ def bench_prefill(loaded, n: int, length: int, block: int, reps: int) -> dict:
                                                       for i, s in enumerate(seqs)])
             store.close()
         job.append(rep.tokens_computed / rep.seconds)
-        ids = torch.tensor(seqs)
+        ids = torch.tensor(seqs, device=loaded.device)
+        per = max(1, opts.max_batch_tokens // length)
 
         def forward():
             with torch.inference_mode():
-                for i in range(0, n, 4):
-                    loaded.model(ids[i:i + 4], use_cache=True)
-        bare.append(n * length / median_time(forward, 1))
+                for i in range(0, n, per):
+                    loaded.model(ids[i:i + per], use_cache=True)
+        bare.append(n * length / median_time(synced(forward, loaded.device), 1))
     j, b = statistics.median(job), statistics.median(bare)
     return {"job_tokens_per_s": round(j, 1), "forward_tokens_per_s": round(b, 1), "job_vs_forward": round(j / b, 3),
             "prefixes": n, "tokens_each": length, "block_size": block}
@@ -86,7 +131,7 @@ def bench_prefill(loaded, n: int, length: int, block: int, reps: int) -> dict:
 def bench_codec(loaded, tokens: int, reps: int) -> dict:
     cfg = loaded.config
     heads, dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-    x = torch.randn(cfg.num_hidden_layers * 2 * heads, tokens, dim, dtype=torch.bfloat16)
+    x = torch.randn(cfg.num_hidden_layers * 2 * heads, tokens, dim, dtype=torch.bfloat16, device=loaded.device)
     prec = Precision()
     mib = x.numel() * x.element_size() / 2**20
 
@@ -99,7 +144,7 @@ def bench_codec(loaded, tokens: int, reps: int) -> dict:
         return dequantize(stored, scale, torch.bfloat16)
 
     out = {"tensor_mib_bf16": round(mib, 1)}
-    t_clone = median_time(lambda: x.clone(), reps)
+    t_clone = median_time(synced(lambda: x.clone(), loaded.device), reps)
     out["clone_gb_s"] = round(mib / 1024 / t_clone, 2)
     variants = {"eager": (q_eager, dq_eager)}
     try:
@@ -114,7 +159,7 @@ def bench_codec(loaded, tokens: int, reps: int) -> dict:
     except Exception as exc:  # noqa: BLE001 - any compiler failure means: eager only
         out["compile_error"] = f"{type(exc).__name__}: {str(exc)[:120]}"
     for name, (q, dq) in variants.items():
-        tq, tdq = median_time(q, reps), median_time(dq, reps)
+        tq, tdq = median_time(synced(q, loaded.device), reps), median_time(synced(dq, loaded.device), reps)
         out[f"quantise_{name}_gb_s"] = round(mib / 1024 / tq, 2)
         out[f"dequantise_{name}_gb_s"] = round(mib / 1024 / tdq, 2)
         out[f"quantise_{name}_vs_clone"] = round(t_clone / tq, 3)
@@ -154,7 +199,13 @@ def main() -> None:
     ap.add_argument("--model", default=REFERENCE_MODEL)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), help="a random model of this shape instead of --model "
+                    "(bf16; the GPU check of the prefill issue uses 8b)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (with --shape)")
+    ap.add_argument("--tokens", default="2048,8192", help="prefix lengths with --shape, comma-separated")
     args = ap.parse_args()
+    if args.shape:
+        return main_shaped(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     reps = 1 if args.quick else args.reps
@@ -187,6 +238,28 @@ def main() -> None:
                                    "met": results["bytes"]["fp8_vs_bf16"] <= 0.55},
         "dequantise_vs_clone_best": best_eager,
     }
+    print(json.dumps(results))
+
+
+def main_shaped(args: argparse.Namespace) -> None:
+    """Prefill tokens/s and the FP8 codec at each of ``--tokens`` on a shaped random model."""
+    t0 = time.perf_counter()
+    loaded = shaped_model(args.shape, args.device, torch.bfloat16)
+    results: dict = {"shape": args.shape, "device": str(loaded.device), "dtype": "bf16",
+                     "params_m": round(sum(p.numel() for p in loaded.model.parameters()) / 1e6, 1),
+                     "build_s": round(time.perf_counter() - t0, 1), "by_tokens": {}}
+    if loaded.device.type == "cuda":
+        results["gpu"] = torch.cuda.get_device_name(loaded.device)
+    print(f"{args.shape}: {results['params_m']}M parameters on {results['device']} (built in {results['build_s']} s)",
+          flush=True)
+    for length in [int(t) for t in args.tokens.split(",")]:
+        r = {"prefill": bench_prefill(loaded, 2, length, 256, max(1, args.reps)),
+             "codec": bench_codec(loaded, length, max(args.reps, 3))}
+        results["by_tokens"][str(length)] = r
+        print(f"{length} tokens: job {r['prefill']['job_tokens_per_s']:,.0f} tok/s, bare forward "
+              f"{r['prefill']['forward_tokens_per_s']:,.0f} tok/s; dequantise vs clone "
+              f"{r['codec'].get('dequantise_compiled_vs_clone', r['codec']['dequantise_eager_vs_clone'])}", flush=True)
+    results["bytes"] = bench_bytes(loaded, 256)
     print(json.dumps(results))
 
 
