@@ -115,6 +115,20 @@ class StoreConfig(_Section):
     s3: S3Config = S3Config()
 
 
+class LoaderConfig(_Section):
+    """Serving-side loader defaults (``store.loader.KVLoader`` keywords override them)."""
+
+    pool_bytes: ByteSize = Field(ByteSize(8 << 30), description="Most snapshot bytes a node keeps mapped, e.g. '16GiB'.")
+    pool_dir: Optional[str] = Field(None, description="Where the node pool's state lives (default under /dev/shm).")
+    fetch_mode: Literal["background", "sync"] = Field(
+        "background", description="NVMe miss with an S3 hit: answer miss now and fetch for next time, or wait.")
+    sync_fetch_timeout_s: float = Field(2.0, gt=0, description="Most a lookup waits for S3 in sync mode.")
+    s3_backoff_s: float = Field(30.0, ge=0, description="After S3 fails, do not ask it again for this long.")
+    verify_payload: bool = Field(True, description="Check payload checksums when a snapshot enters the pool.")
+    fetch_workers: int = Field(2, ge=1, le=64)
+    dequant: Literal["table", "compiled", "auto"] = "table"
+
+
 class TenantConfig(_Section):
     """Where a tenant's secrets come from (never the secrets themselves)."""
 
@@ -129,6 +143,7 @@ class KvwarmConfig(_Section):
 
     kv_cache: KvCacheConfig = KvCacheConfig()
     store: StoreConfig = StoreConfig()
+    loader: LoaderConfig = LoaderConfig()
     tenants: dict[str, TenantConfig] = {}
 
     @model_validator(mode="after")

@@ -76,6 +76,10 @@ class KVLoader:
             :meth:`LoaderHit.to_dynamic_cache`).
         pool_bytes: the most snapshot bytes this node keeps mapped (the node-wide budget
             is the smallest any attached process asks for).
+
+        Keywords left as ``None`` (``pool_bytes``, ``fetch_mode``, ``sync_fetch_timeout_s``,
+        ``s3_backoff_s``, ``pool_dir``, ``verify_payload``, ``fetch_workers``, ``dequant``)
+        take the config's ``loader`` section (docs/config.md).
         config: a :class:`KvwarmConfig` or a config file path (default ``load_config()``);
             precision, block size, TTL and ``max_shared_instances`` come from it.
         chat: with a model directory: the prompts went through its chat template (its
@@ -99,17 +103,27 @@ class KVLoader:
     """
 
     def __init__(self, store_url: str, *, tenant: Tenant | str, model: ModelIdentity | str | os.PathLike[str],
-                 pool_bytes: int, config: KvwarmConfig | str | os.PathLike[str] | None = None,
-                 chat: bool = False, model_config: Any = None, fetch_mode: FetchMode = "background",
-                 sync_fetch_timeout_s: float = 2.0, s3_backoff_s: float = 30.0,
+                 pool_bytes: int | None = None, config: KvwarmConfig | str | os.PathLike[str] | None = None,
+                 chat: bool = False, model_config: Any = None, fetch_mode: FetchMode | None = None,
+                 sync_fetch_timeout_s: float | None = None, s3_backoff_s: float | None = None,
                  pool_dir: str | os.PathLike[str] | None = None,
-                 verify_payload: bool = True, registry: CollectorRegistry | None = None, fetch_workers: int = 2,
-                 dequant: DequantMode | Dequantizer = "table", clock: Callable[[], float] = time.time) -> None:
+                 verify_payload: bool | None = None, registry: CollectorRegistry | None = None,
+                 fetch_workers: int | None = None, dequant: DequantMode | Dequantizer | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config if isinstance(config, KvwarmConfig) else load_config(config)
+        d = self.config.loader  # keywords left as None take the config's loader section
+        pool_bytes = int(d.pool_bytes) if pool_bytes is None else pool_bytes
+        fetch_mode = d.fetch_mode if fetch_mode is None else fetch_mode
+        sync_fetch_timeout_s = d.sync_fetch_timeout_s if sync_fetch_timeout_s is None else sync_fetch_timeout_s
+        s3_backoff_s = d.s3_backoff_s if s3_backoff_s is None else s3_backoff_s
+        pool_dir = d.pool_dir if pool_dir is None else pool_dir
+        verify_payload = d.verify_payload if verify_payload is None else verify_payload
+        fetch_workers = d.fetch_workers if fetch_workers is None else fetch_workers
+        dequant = d.dequant if dequant is None else dequant
         if fetch_mode not in ("background", "sync"):
             raise ValueError(f"fetch_mode {fetch_mode!r} is not allowed; choose 'background' or 'sync'")
         if sync_fetch_timeout_s <= 0:
             raise ValueError(f"sync_fetch_timeout_s must be positive, got {sync_fetch_timeout_s}")
-        self.config = config if isinstance(config, KvwarmConfig) else load_config(config)
         self.tenant = tenant if isinstance(tenant, Tenant) else self.config.tenant(tenant)
         self._model_dir: Path | None = None
         if isinstance(model, ModelIdentity):

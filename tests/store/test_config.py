@@ -91,3 +91,13 @@ def test_tenant_secrets_come_from_named_env_vars() -> None:
     assert t.salt != c.tenant("acme", environ={"ACME_SALT": "other", "ACME_KEY": "00" * 32}).salt
     # An unconfigured tenant gets a name-derived salt (documented: isolation then rests on access checks).
     assert c.tenant("zeta").salt == c.tenant("zeta").salt
+
+
+def test_loader_section_supplies_the_loader_defaults(tmp_path):
+    from store.config import parse_config
+
+    c = parse_config({"loader": {"pool_bytes": "2GiB", "fetch_mode": "sync", "sync_fetch_timeout_s": 0.5}})
+    assert int(c.loader.pool_bytes) == 2 << 30 and c.loader.fetch_mode == "sync"
+    assert parse_config(None).loader.fetch_mode == "background"
+    with pytest.raises(ConfigError, match="loader.fetch_mode"):
+        parse_config({"loader": {"fetch_mode": "eventually"}})

@@ -182,3 +182,17 @@ def test_the_loader_does_not_import_transformers_prefect_or_statsmodels():
             "print(bad); sys.exit(1 if bad else 0)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_the_config_loader_section_supplies_defaults_and_keywords_override(tmp_path):
+    from store.config import parse_config
+
+    cfg = parse_config({"kv_cache": {"block_size": 16},
+                        "loader": {"pool_bytes": "64MiB", "fetch_mode": "sync", "sync_fetch_timeout_s": 0.25,
+                                   "pool_dir": str(tmp_path / "cfgpool")}})
+    with KVLoader(f"file://{tmp_path}/nvme", tenant=ACME, model=TINY, config=cfg) as loader:
+        assert loader.fetch_mode == "sync" and loader.sync_fetch_timeout_s == 0.25
+        assert loader.stats()["pool_budget_bytes"] == 64 << 20
+    with KVLoader(f"file://{tmp_path}/nvme", tenant=ACME, model=TINY, config=cfg, fetch_mode="background",
+                  pool_dir=tmp_path / "pool2") as loader:
+        assert loader.fetch_mode == "background"
