@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m prefill.demo --store file://$(CURDIR)/.kvwarm-demo
+	$(PY) -m flows.demo --store file://$(CURDIR)/.kvwarm-demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

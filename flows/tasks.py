@@ -1,0 +1,258 @@
+"""Prefect tasks: thin wrappers over the packages' functions, and the run directory they share.
+
+Every stage persists what it produces under the store's metadata area,
+``<first local tier>/_flows/<run>/`` (see :func:`run_dir`), so that each stage flow can
+run on its own (a deployment per stage) and a rerun reads what an earlier stage wrote:
+
+- ``demand/{series,total,prefixes,families}.parquet`` + ``demand/meta.json`` (mine_logs)
+- ``forecast.parquet``, ``total_forecast.parquet``, ``window.json`` (forecast_demand)
+- ``plan.json`` (plan_prewarm), ``prefill.json`` (prefill_plan), ``gc.json`` (gc_store)
+- ``report.json`` and ``*.png`` (report)
+
+Retries are set only on tasks that do I/O (reading logs, loading the model, writing
+files and the store); pure computations fail at once with the package's typed error.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from forecasting.demand import Demand, build_demand
+from forecasting.families import find_families
+from forecasting.logs import RequestLog, read_logs
+from forecasting.mining import mine_text
+from forecasting.models import candidates
+from forecasting.offpeak import lowest_window, offpeak_windows
+from forecasting.parallel import forecast_frame_parallel
+from forecasting.planner import Budget, CostModel, PlanPolicy, make_plan
+from store.config import KvwarmConfig, load_config
+from store.plan import Plan, read_plan, write_plan
+
+IO_RETRIES = 2
+IO_RETRY_DELAY_S = 1.0
+KV_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+
+
+class FlowInputError(ValueError):
+    """A flow parameter or a file a stage needs is missing or wrong; the message says which and what to do."""
+
+
+# ---------------------------------------------------------------- paths and config (pure)
+
+def local_dir(store_url: str) -> Path:
+    """The directory of the store's first (local) tier: ``file:///a/b,s3://...`` -> ``/a/b``."""
+    first = store_url.split(",")[0].strip()
+    if first.startswith("file://"):
+        first = first[len("file://"):]
+    elif "://" in first:
+        raise FlowInputError(f"store url {store_url!r} has no local tier first; the flows keep their results "
+                             f"under it: use file:///DIR or file:///DIR,s3://bucket/prefix")
+    return Path(os.path.expanduser(first)).resolve()
+
+
+def run_dir(store_url: str, run: str) -> Path:
+    """Where run ``run`` keeps its results: ``<local tier>/_flows/<run>``."""
+    if not run or "/" in run or run.startswith("."):
+        raise FlowInputError(f"run name {run!r} must be a non-empty name without '/' (it names a directory)")
+    return local_dir(store_url) / "_flows" / run
+
+
+def flow_config(config_path: str | None, block_size: int | None) -> KvwarmConfig:
+    """The kvwarm config, with ``kv_cache.block_size`` replaced when the flow sets one."""
+    config = load_config(config_path)
+    if block_size is None:
+        return config
+    kv = config.kv_cache.model_copy(update={"block_size": int(block_size)})
+    return config.model_copy(update={"kv_cache": kv})
+
+
+def need(path: Path, stage: str) -> Path:
+    if not path.exists():
+        raise FlowInputError(f"{path} does not exist: run the {stage} stage for this run first")
+    return path
+
+
+# ---------------------------------------------------------------- I/O tasks (retried)
+
+def transient(task: Any, task_run: Any, state: Any) -> bool:
+    """Retry condition: retry I/O failures, never bad input (a retry cannot fix a wrong path or a bad plan)."""
+    from forecasting.logs import LogError
+    from store.errors import ConfigError
+
+    try:
+        state.result()
+    except (FlowInputError, LogError, ConfigError, ValueError):
+        return False
+    except Exception:  # noqa: BLE001 - anything else (OSError, S3 down) may pass
+        return True
+    return False
+
+@task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
+def read_logs_task(logs: str, quarantine: str | None, start: str | None, end: str | None) -> RequestLog:
+    """Read the request logs in ``[start, end)`` (docs/logs.md); malformed rows go to ``quarantine``."""
+    if "://" not in logs and not Path(logs).exists():
+        raise FlowInputError(f"logs path {logs!r} does not exist: pass the file or directory of request logs "
+                             f"(JSONL or Parquet, docs/logs.md)")
+    return read_logs(logs, quarantine=quarantine, start=start, end=end)
+
+
+@task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
+def load_model_task(model: str, dtype: str = "fp32", device: str | None = "cpu") -> Any:
+    """Load the model and tokenizer (``prefill.models.load_model``)."""
+    from prefill.models import load_model
+
+    return load_model(model, dtype=dtype, device=device)
+
+
+@task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
+def save_demand(demand: Demand, directory: Path) -> Path:
+    """Persist a :class:`Demand` as parquet files plus ``meta.json``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    prefixes = demand.prefixes.copy()
+    prefixes["token_ids"] = [None if t is None else [int(x) for x in t] for t in prefixes["token_ids"]]
+    for name, frame in (("series", demand.series), ("total", demand.total), ("prefixes", prefixes),
+                        ("families", demand.families)):
+        frame.to_parquet(directory / f"{name}.parquet", index=False)
+    (directory / "meta.json").write_text(json.dumps({"bucket": str(demand.bucket)}))
+    return directory
+
+
+def load_demand(directory: Path) -> Demand:
+    """Read back what :func:`save_demand` wrote."""
+    meta = json.loads(need(directory / "meta.json", "mine_logs").read_text())
+    frames = {n: pd.read_parquet(directory / f"{n}.parquet") for n in ("series", "total", "prefixes", "families")}
+    p = frames["prefixes"]
+    p["token_ids"] = [None if t is None else [int(x) for x in t] for t in p["token_ids"]]
+    for col in ("parent", "family", "text"):
+        if col in p:
+            p[col] = p[col].astype(object).where(p[col].notna(), None)
+    return Demand(frames["series"], frames["total"], pd.Timedelta(meta["bucket"]), p, frames["families"])
+
+
+@task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
+def save_json(obj: Any, path: Path) -> Path:
+    """Write ``obj`` as JSON atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    tmp.replace(path)
+    return path
+
+
+@task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
+def save_frame(frame: pd.DataFrame, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    frame.to_parquet(path, index=False)
+    return path
+
+
+@task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
+def save_plan(plan: Plan, path: Path) -> Path:
+    return write_plan(plan, path)
+
+
+@task(retries=1, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
+def prefill_task(plan_path: Path, loaded: Any, store_url: str, config: KvwarmConfig,
+                 deadline: float | None = None) -> dict[str, Any]:
+    """Prefill the plan's entries into the store (``prefill.warm.warm``); blocks already stored are skipped,
+    so a retry or a rerun writes only what is missing."""
+    from prefill.warm import warm
+    from store.store import Store
+
+    plan = read_plan(need(plan_path, "plan_prewarm"))
+    if plan.block_size is not None and plan.block_size != config.kv_cache.block_size:
+        raise FlowInputError(f"plan {plan_path} was made for block size {plan.block_size}, the config says "
+                             f"{config.kv_cache.block_size}: pass the same block_size to every stage")
+    if not plan.entries:
+        return {"prefixes": 0, "blocks_written": 0, "blocks_total": 0, "tokens_computed": 0, "seconds": 0.0,
+                "tokens_per_s": 0.0}
+    store = Store.open(store_url, config)
+    try:
+        report = warm(list(plan.entries), loaded=loaded, store=store, config=config, deadline=deadline)
+    finally:
+        store.close()
+    return report.as_dict()
+
+
+@task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
+def gc_task(store_url: str, config: KvwarmConfig, now: float | None = None) -> dict[str, Any]:
+    """Collect the store's garbage (``store.maintenance.gc``) with the config's TTL bound."""
+    from store.maintenance import gc
+    from store.store import Store
+
+    store = Store.open(store_url, config)
+    try:
+        return gc(store, now=now, ttl_max_s=config.kv_cache.ttl_max_hours * 3600.0).as_dict()
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------- pure tasks (no retries)
+
+@task(cache_policy=NO_CACHE)
+def mine_task(requests: pd.DataFrame, loaded: Any, config: KvwarmConfig, *, k: int, bucket: str,
+              similarity: float | None = None, start: str | None = None, end: str | None = None) -> Demand:
+    """Mine the requests into a demand table: prefix trees, families, per-bucket counts."""
+    if requests.empty:
+        raise FlowInputError("the logs hold no usable request in the chosen period: check the path and start/end")
+    precision = config.kv_cache.precision()
+    block = config.kv_cache.block_size
+    roots = {t: loaded.key_root(precision, block, config.tenant(t).salt) for t in requests["tenant"].unique()}
+    model = requests["model"].iloc[0] if requests["model"].nunique() == 1 else loaded.name
+    tree = mine_text(requests, loaded.tokenizer, roots, model=model)
+    threshold = config.kv_cache.similarity_threshold if similarity is None else similarity
+    families = find_families(tree, threshold=threshold)
+    return build_demand(tree, k=k, bucket=bucket, families=families, start=start, end=end,
+                        decode=lambda ids: loaded.tokenizer.decode(list(ids)))
+
+
+@task(cache_policy=NO_CACHE)
+def forecast_task(series: pd.DataFrame, horizon: int, workers: int, bucket: str) -> pd.DataFrame:
+    """Per-series forecast ``horizon`` buckets ahead (model chosen per series by backtest)."""
+    if series.empty:
+        return pd.DataFrame(columns=["unique_id", "ds", "y_hat", "lower", "upper", "p_any", "model", "fallback"])
+    return forecast_frame_parallel(series, candidates, horizon, workers=workers, freq=pd.Timedelta(bucket))
+
+
+@task(cache_policy=NO_CACHE)
+def window_task(total_forecast: pd.DataFrame, hours: float, fraction: float, bucket: str) -> dict[str, Any]:
+    """The off-peak window: the quietest ``hours`` of the forecast load, and the windows under ``fraction`` of peak."""
+    step = pd.Timedelta(bucket)
+    load = total_forecast.set_index("ds")["y_hat"]
+    best = lowest_window(load, pd.Timedelta(hours=hours), bucket=step)
+    under = offpeak_windows(load, fraction=fraction, min_length=pd.Timedelta(hours=hours), bucket=step)
+    as_json = lambda w: {"start": str(w.start), "end": str(w.end), "mean_load": float(w.mean_load),  # noqa: E731
+                         "max_load": float(w.max_load)}
+    return {"chosen": as_json(best), "offpeak": [as_json(w) for w in under], "fraction": fraction}
+
+
+@task(cache_policy=NO_CACHE)
+def plan_task(demand: Demand, forecast: pd.DataFrame, window: dict[str, Any], config: KvwarmConfig, *,
+              model: str, tokens_per_s: float, bytes_per_token: float, budget_gpu_s: float,
+              budget_store_bytes: float, gpu_s_per_gib_hour: float) -> Plan:
+    """The prewarm plan for the chosen window (``forecasting.planner.make_plan``)."""
+    cost = CostModel(tokens_per_s=tokens_per_s, bytes_per_token=bytes_per_token,
+                     gpu_s_per_gib_hour=gpu_s_per_gib_hour)
+    return make_plan(demand, forecast, cost=cost, budget=Budget(gpu_s=budget_gpu_s, store_bytes=budget_store_bytes),
+                     window_start=pd.Timestamp(window["chosen"]["start"]),
+                     window_end=pd.Timestamp(window["chosen"]["end"]), bucket=demand.bucket,
+                     policy=PlanPolicy.from_config(config.kv_cache), model=model,
+                     block_size=config.kv_cache.block_size)
+
+
+def kv_bytes_per_token(model_config: Any, compression: str) -> float:
+    """KV bytes per token: layers x 2 (K and V) x kv heads x head dim x bytes of the stored dtype."""
+    heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    return float(model_config.num_hidden_layers * 2 * heads * head_dim * KV_BYTES[compression])
+
+
+__all__ = ["FlowInputError", "local_dir", "run_dir", "flow_config", "load_demand", "kv_bytes_per_token",
+           "read_logs_task", "load_model_task", "save_demand", "save_json", "save_frame", "save_plan",
+           "prefill_task", "gc_task", "mine_task", "forecast_task", "window_task", "plan_task"]

@@ -1,0 +1,112 @@
+"""The Prefect pipeline end to end on a small slice, its failures, and reruns."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from flows.pipeline import kvwarm_pipeline, plan_prewarm, prefill_plan
+from flows.tasks import FlowInputError, kv_bytes_per_token, local_dir, run_dir, transient
+from store.plan import read_plan
+
+TRAIN_END = "2026-03-04"
+
+
+def _snapshots(store: Path) -> list[Path]:
+    return [p for p in store.rglob("*") if p.is_file() and "_flows" not in p.parts and p.suffix != ".sqlite"
+            and not p.name.startswith((".", "index"))]
+
+
+@pytest.fixture(scope="module")
+def pipeline_run(prefect_harness, small_logs, tmp_path_factory):
+    store = tmp_path_factory.mktemp("store")
+    url = f"file://{store}"
+    result = kvwarm_pipeline(small_logs, url, run="t", train_end=TRAIN_END)
+    return store, url, result
+
+
+def test_the_pipeline_mines_plans_prefills_and_reports(pipeline_run) -> None:
+    store, url, result = pipeline_run
+    out = run_dir(url, "t")
+    plan = read_plan(out / "plan.json")
+    assert plan.entries and plan.block_size == 16 and plan.model == "kvwarm-tiny"
+    assert pd.Timestamp(plan.window_start, unit="s") >= pd.Timestamp(TRAIN_END)  # the window is in the future
+    assert all(e.token_ids and len(e.token_ids) % 16 == 0 for e in plan.entries)
+    prefill = json.loads((out / "prefill.json").read_text())
+    assert prefill["blocks_written"] == prefill["blocks_total"] > 0
+    assert len(_snapshots(store)) >= prefill["blocks_written"]
+    demand = pd.read_parquet(out / "demand" / "series.parquet")
+    assert demand["ds"].max() < pd.Timestamp(TRAIN_END)  # trained only before train_end
+    summary = json.loads((out / "report.json").read_text())
+    assert summary["plan"]["entries"] == len(plan.entries)
+    assert summary["prefill"]["blocks_written"] == prefill["blocks_written"]
+    for png in summary["plots"].values():
+        assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert result["plan"] == str(out / "plan.json")
+
+
+def test_a_rerun_writes_no_block_twice(pipeline_run) -> None:
+    store, url, _ = pipeline_run
+    before = len(_snapshots(store))
+    again = prefill_plan(url, "t")
+    assert again["blocks_written"] == 0
+    assert again["blocks_stored_before"] == again["blocks_total"] > 0
+    assert len(_snapshots(store)) == before
+
+
+def test_a_missing_logs_path_fails_the_flow_with_the_reason(prefect_harness, tmp_path) -> None:
+    state = kvwarm_pipeline(str(tmp_path / "nope.jsonl"), f"file://{tmp_path / 'store'}", run="bad",
+                            return_state=True)
+    assert state.is_failed()
+    assert "nope.jsonl" in state.message and "does not exist" in state.message
+    with pytest.raises(FlowInputError, match="does not exist"):
+        state.result()
+
+
+def test_a_stage_run_out_of_order_says_which_stage_to_run_first(prefect_harness, tmp_path) -> None:
+    state = plan_prewarm(f"file://{tmp_path / 'store'}", "empty", return_state=True)
+    assert state.is_failed() and "mine_logs" in state.message
+
+
+def test_paths_and_sizes() -> None:
+    assert local_dir("file:///var/cache/kv,s3://b/p") == Path("/var/cache/kv")
+    with pytest.raises(FlowInputError, match="local tier"):
+        local_dir("s3://bucket/prefix")
+    with pytest.raises(FlowInputError, match="run name"):
+        run_dir("file:///tmp/x", "../escape")
+
+    class Cfg:
+        num_hidden_layers, num_key_value_heads, num_attention_heads, head_dim, hidden_size = 4, 2, 4, 32, 128
+
+    assert kv_bytes_per_token(Cfg, "fp8") == 4 * 2 * 2 * 32
+    assert kv_bytes_per_token(Cfg, "bf16") == 2 * 4 * 2 * 2 * 32
+
+
+def test_bad_input_is_not_retried_but_io_errors_are() -> None:
+    class State:
+        def __init__(self, exc: Exception) -> None:
+            self.exc = exc
+
+        def result(self):
+            raise self.exc
+
+    assert not transient(None, None, State(FlowInputError("bad path")))
+    assert transient(None, None, State(OSError("connection reset")))
+
+
+def test_the_demo_replays_the_planned_period_through_the_loader(prefect_harness, small_logs, tmp_path, capsys) -> None:
+    from flows.demo import run
+
+    out = run(f"file://{tmp_path / 'store'}", logs=small_logs, run_name="demo")
+    rep = out["replay"]
+    assert out["plan_entries"] > 0 and rep["requests"] > 0
+    assert 0 < rep["requests_hit"] <= rep["requests"]
+    assert 0 < rep["cached_tokens"] < rep["prompt_tokens"]
+    assert 0.0 <= out["accuracy"]["precision"] <= 1.0 and 0.0 < out["accuracy"]["recall"] <= 1.0
+    assert out["seconds_saved"] > 0
+    text = capsys.readouterr().out
+    assert "hit rate:" in text and "warm-up accuracy:" in text and "TTFT saved:" in text
+    for png in out["plots"].values():
+        assert Path(png).exists()
