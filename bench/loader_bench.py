@@ -41,7 +41,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import median_time  # noqa: E402
+from bench.lib.timing import median_time  # noqa: E402
 from store.config import parse_config  # noqa: E402
 from store.identity import ModelIdentity  # noqa: E402
 from store.keys import block_chain  # noqa: E402

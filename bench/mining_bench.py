@@ -32,7 +32,7 @@ import pandas as pd
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from bench.common import timed_median  # noqa: E402
+from bench.lib.timing import timed_median  # noqa: E402
 from forecasting.demand import build_demand  # noqa: E402
 from forecasting.families import find_families  # noqa: E402
 from forecasting.mining import bucket_counts, candidates, mine_text, mine_trace  # noqa: E402

@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.common import median_time  # noqa: E402
+from bench.lib.timing import median_time  # noqa: E402
 from prefill.accuracy import precision_loss  # noqa: E402
 from prefill.models import REFERENCE_MODEL, _corpus, load_model  # noqa: E402
 from prefill.runner import PrefillOptions, Prefiller, PrefixRequest  # noqa: E402

@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.common import timed_median  # noqa: E402
+from bench.lib.timing import timed_median  # noqa: E402
 from forecasting.replay import BlockIndex, PredictorConfig  # noqa: E402
 from forecasting.simulate import STEADY_POLICIES, WARMUP_POLICIES, Scenario, SimResult, plot, simulate  # noqa: E402
 from forecasting.traces import read_mooncake  # noqa: E402

@@ -1,7 +1,7 @@
 """Timing shared by the benchmark scripts: the median wall time of a call over repeats.
 
 The scripts run as ``python bench/<x>.py`` with the repository root on ``sys.path``,
-so they import this as ``bench.common``.
+so they import this as ``bench.lib.timing`` (a helper module, not a benchmark).
 """
 from __future__ import annotations
 
