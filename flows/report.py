@@ -48,12 +48,7 @@ def plot_forecast(history: pd.DataFrame, forecast: pd.DataFrame, path: str | Pat
         ax.legend(loc="upper left", fontsize=8)
         ax.grid(alpha=0.3)
     axes[-1, 0].set_xlabel("time (UTC)")
-    fig.autofmt_xdate()
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+    return _save(fig, path)
 
 
 def plot_offpeak(history: pd.DataFrame, forecast: pd.DataFrame, window: Mapping[str, Any], path: str | Path) -> Path:
@@ -77,12 +72,7 @@ def plot_offpeak(history: pd.DataFrame, forecast: pd.DataFrame, window: Mapping[
     ax.set_xlabel("time (UTC)")
     ax.legend(loc="upper left", fontsize=8)
     ax.grid(alpha=0.3)
-    fig.autofmt_xdate()
-    fig.tight_layout()
-    out = Path(path)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
-    return out
+    return _save(fig, path)
 
 
 def markdown(summary: Mapping[str, Any]) -> str:
@@ -98,3 +88,13 @@ def markdown(summary: Mapping[str, Any]) -> str:
             lines.append(f"| {key} | {value} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _save(fig, path) -> Path:  # type: ignore[no-untyped-def]
+    """Lay out dates, write the PNG and free the figure."""
+    fig.autofmt_xdate()
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=90)
+    _plt().close(fig)
+    return out

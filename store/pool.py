@@ -262,29 +262,25 @@ class SnapshotPool:
         self._sqlite.close()
 
 
-def _drop_page_cache(path: str) -> None:
-    """Tell the kernel an evicted snapshot's pages may go (no effect on pages still mapped)."""
+def _fadvise(path: str | os.PathLike[str], advice: int) -> None:
+    """Best-effort page-cache advice on a whole file (a missing file or no support: nothing)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
         return
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, advice)
     except OSError:
         pass
     finally:
         os.close(fd)
+
+
+def _drop_page_cache(path: str) -> None:
+    """Tell the kernel an evicted snapshot's pages may go (no effect on pages still mapped)."""
+    _fadvise(path, os.POSIX_FADV_DONTNEED)
 
 
 def readahead(path: str | os.PathLike[str]) -> None:
     """Ask the kernel to read a snapshot into the page cache now (asynchronously)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    _fadvise(path, os.POSIX_FADV_WILLNEED)
