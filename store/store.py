@@ -49,8 +49,6 @@ def tiers_from_url(url: str, settings: StoreConfig = StoreConfig(), *, create_bu
         ConfigError: an unknown scheme, more than one tier of a kind, or a local tier
             that is not first.
     """
-    from store.s3_tier import S3Tier  # s3fs is only imported when an S3 tier is configured
-
     parts = [p.strip() for p in url.split(",") if p.strip()]
     if not parts:
         raise ConfigError("store.url is empty; give file:///path, s3://bucket/prefix, or both comma-separated")
@@ -70,6 +68,8 @@ def tiers_from_url(url: str, settings: StoreConfig = StoreConfig(), *, create_bu
                 )
             )
         elif part.startswith("s3://"):
+            from store.s3_tier import S3Tier  # s3fs is only imported when an S3 tier is configured
+
             if any(t.kind == "s3" for t in tiers):
                 raise ConfigError(f"store.url: only one s3:// tier is supported, got {url!r}")
             tiers.append(S3Tier(part, settings.s3, create_bucket=create_bucket))
