@@ -8,7 +8,10 @@ is dequantised on the way, straight into the destination where possible:
   one gather per head. It gives the same bits as :func:`store.precision.dequantize` (the
   same fp32 product, the same rounding) at the cost of a table lookup, where PyTorch's
   eager FP8 cast takes a scalar path on the CPU.
-- elsewhere (CUDA), and for per-group scales, :func:`store.precision.dequantize` itself.
+- to a GPU, FP8 runs with per-head scales are gathered once into a reused pinned host
+  buffer, moved in one copy (FP8 bytes, half of bf16's) and dequantised there by the
+  reference arithmetic; anything else block by block through
+  :func:`store.precision.dequantize`.
 
 Layouts:
 - contiguous: per layer ``[kv_heads, tokens, head_dim]`` (a ``DynamicCache`` adds the batch axis);
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
 import threading
 from typing import Any, Callable, Literal, Sequence
 
@@ -31,6 +35,18 @@ from store.precision import dequantize
 log = logging.getLogger("kvwarm.paged")
 _FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
 _NP_SAME_SIZE = {2: np.int16, 4: np.int32}
+_GATHER_THREADS = max(1, min(8, (os.cpu_count() or 1)))
+_gather_executor: cf.ThreadPoolExecutor | None = None
+_gather_lock = threading.Lock()
+
+
+def _gather_pool() -> cf.ThreadPoolExecutor:
+    """Threads that copy stored bytes out of the mappings (copies release the GIL)."""
+    global _gather_executor
+    with _gather_lock:
+        if _gather_executor is None:
+            _gather_executor = cf.ThreadPoolExecutor(_GATHER_THREADS, thread_name_prefix="kvwarm-gather")
+        return _gather_executor
 
 
 def _lut(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -110,10 +126,45 @@ class Dequantizer:
         self._ready: set[tuple] = set()
         self._pending: set[tuple] = set()
         self._kernel: Callable[..., torch.Tensor] | None = None
+        self._staging: torch.Tensor | None = None
 
     def __call__(self, out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor | None,
                  group_tokens: int = 0) -> None:
         dequantize_into(out, stored, scale, group_tokens)
+
+    def _to_device(self, parts: Sequence[Sequence["BlockPart"]], dtype: torch.dtype,
+                   dev: torch.device) -> torch.Tensor:
+        """Uniform runs (FP8 with per-head scales, or unscaled) to ``[runs, heads, n*bs, dim]`` on ``dev``.
+
+        The stored bytes are gathered from the mappings into a reused (pinned) host buffer
+        by a few threads, each sending its slice on as soon as it is gathered, so the
+        gather and the transfer overlap; the dequantisation runs on the device.
+        """
+        m, n = len(parts), len(parts[0])
+        stored0, scale0 = parts[0][0]
+        raw = [p.view(torch.uint8) for run in parts for p, _ in run]
+        shape = raw[0].shape
+        count = m * n * shape.numel()
+        dst = torch.empty((m * n, *shape), dtype=torch.uint8, device=dev)
+        with self._lock:  # one staging buffer per dequantiser, reused (pinning costs milliseconds)
+            if self._staging is None or self._staging.numel() < count:
+                pin = dev.type == "cuda" and torch.cuda.is_available()
+                self._staging = torch.empty(count, dtype=torch.uint8, pin_memory=pin)
+            host = self._staging[:count].view(m * n, *shape)
+            step = -(-len(raw) // _GATHER_THREADS)
+
+            def gather(lo: int) -> None:
+                hi = min(lo + step, len(raw))
+                torch.stack(raw[lo:hi], out=host[lo:hi])
+                dst[lo:hi].copy_(host[lo:hi], non_blocking=True)
+            list(_gather_pool().map(gather, range(0, len(raw), step)))
+            if dev.type == "cuda":
+                torch.cuda.current_stream(dev).synchronize()  # the buffer is free again after this
+        stored = dst.view(stored0.dtype).view(m, n, *stored0.shape)
+        if scale0 is None:
+            return stored.to(dtype).permute(0, 2, 1, 3, 4).reshape(m, stored0.shape[0], n * stored0.shape[1], -1)
+        scales = torch.stack([s for run in parts for _, s in run]).view(m, n, -1).to(dev)  # type: ignore[misc]
+        return _fp8_layers(stored, scales, dtype)
 
     def _compiled(self) -> Callable[..., torch.Tensor]:
         with self._lock:
@@ -164,11 +215,16 @@ class Dequantizer:
         stored0, scale0 = parts[0][0]
         dev = torch.device(device)
         n = len(parts[0])
-        if (self.mode != "table" and n >= 2 and dev.type == "cpu" and stored0.device.type == "cpu"
-                and stored0.dtype == torch.float8_e4m3fn and scale0 is not None and scale0.dim() == 1
-                and all(len(run) == n and all(p.shape == stored0.shape and p.dtype == stored0.dtype
-                                              and s is not None and s.shape == scale0.shape for p, s in run)
-                        for run in parts)
+        fp8 = stored0.dtype == torch.float8_e4m3fn and scale0 is not None and scale0.dim() == 1
+        uniform = (stored0.device.type == "cpu" and (fp8 or scale0 is None)
+                   and all(len(run) == n and all(p.shape == stored0.shape and p.dtype == stored0.dtype
+                                                 and (s is None) == (scale0 is None)
+                                                 and (s is None or s.shape == scale0.shape) for p, s in run)
+                           for run in parts))
+        if uniform and dev.type != "cpu":
+            y = self._to_device(parts, dtype, dev)
+            return [y[j] if y.shape[2] == tokens else y[j][:, :tokens] for j in range(len(parts))]
+        if (self.mode != "table" and n >= 2 and dev.type == "cpu" and uniform and fp8
                 and self._kernel_ready(((len(parts), *stored0.shape), dtype))):
             stacked = torch.stack([p.view(torch.uint8) for run in parts for p, _ in run])
             stacked = stacked.view(torch.float8_e4m3fn).view(len(parts), n, *stored0.shape)

@@ -151,3 +151,23 @@ def test_the_compiled_dequantiser_gives_the_same_bits(mode):
     assert all(torch.equal(a, b) for a, b in zip(dq.layers(runs, 48, torch.bfloat16), want))  # the kernel
     two = [run[:2] for run in runs]  # another block count, trimmed
     assert all(torch.equal(a, b[:, :29]) for a, b in zip(dq.layers(two, 29, torch.bfloat16), want))
+
+
+def test_the_device_path_gives_the_same_bits_and_reuses_its_staging_buffer():
+    # The GPU path (one gather into a host buffer, one copy, dequantised on the device),
+    # run here with the CPU as the "device": the arithmetic and layout are what a GPU gets.
+    g = torch.Generator().manual_seed(2)
+    runs = [[quantize(torch.randn((2, 16, 8), generator=g) * 3, Precision(), 0) for _ in range(3)] for _ in range(4)]
+    want = [torch.cat([dequantize(q, s, torch.bfloat16) for q, s in run], dim=1) for run in runs]
+    dq = Dequantizer("table")
+    got = dq._to_device(runs, torch.bfloat16, torch.device("cpu"))
+    assert all(torch.equal(got[j], want[j]) for j in range(4))
+    buf = dq._staging
+    smaller = dq._to_device([run[:2] for run in runs], torch.bfloat16, torch.device("cpu"))
+    assert dq._staging is buf  # reused, not reallocated
+    assert all(torch.equal(smaller[j], want[j][:, :32]) for j in range(4))
+    # unscaled storage (bf16) takes the same path: the bytes, moved and laid out as they were
+    plain = [[quantize(torch.randn((2, 16, 8), generator=g), Precision(compression="bf16"), 0) for _ in range(3)]
+             for _ in range(4)]
+    got = dq._to_device(plain, torch.float32, torch.device("cpu"))
+    assert all(torch.equal(got[j], torch.cat([q.float() for q, _ in run], dim=1)) for j, run in enumerate(plain))
