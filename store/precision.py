@@ -82,26 +82,29 @@ class Precision:
 def quantize(x: torch.Tensor, precision: Precision, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Quantise one layer's K or V, shaped ``[kv_heads, tokens, head_dim]``.
 
-    Returns the stored tensor and its fp32 scales (``[kv_heads]`` or
-    ``[kv_heads, groups]``), or ``None`` for unquantised layers.
+    Leading dimensions are allowed (``[..., kv_heads, tokens, head_dim]``: several blocks
+    at once, each quantised exactly as it would be alone).
+
+    Returns the stored tensor and its fp32 scales (``[..., kv_heads]`` or
+    ``[..., kv_heads, groups]``), or ``None`` for unquantised layers.
     """
     dtype = precision.layer_dtype(layer)
     if dtype != "fp8_e4m3":
         return x.to(STORAGE_DTYPES[dtype]).contiguous(), None
     xf = x.to(torch.float32)
-    heads, tokens, dim = xf.shape
+    *lead, heads, tokens, dim = xf.shape
     if precision.granularity == "head":
-        amax = xf.abs().amax(dim=(1, 2))
+        amax = xf.abs().amax(dim=(-2, -1))
         scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        q = (xf / scale[:, None, None]).clamp_(-FP8_MAX, FP8_MAX)
+        q = (xf / scale[..., None, None]).clamp_(-FP8_MAX, FP8_MAX)
     else:
         g = precision.group_tokens
         groups = -(-tokens // g)
         pad = groups * g - tokens
-        xp = torch.nn.functional.pad(xf, (0, 0, 0, pad)).view(heads, groups, g, dim)
-        amax = xp.abs().amax(dim=(2, 3))
+        xp = torch.nn.functional.pad(xf, (0, 0, 0, pad)).view(*lead, heads, groups, g, dim)
+        amax = xp.abs().amax(dim=(-2, -1))
         scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        q = (xp / scale[:, :, None, None]).clamp_(-FP8_MAX, FP8_MAX).view(heads, groups * g, dim)[:, :tokens]
+        q = (xp / scale[..., None, None]).clamp_(-FP8_MAX, FP8_MAX).view(*lead, heads, groups * g, dim)[..., :tokens, :]
     return q.to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
 
 
@@ -115,13 +118,13 @@ def dequantize(
     if scale is None:
         return stored.to(dtype)
     xf = stored.to(torch.float32)
-    if scale.dim() == 1:
-        return (xf * scale[:, None, None]).to(dtype)
+    if scale.dim() == xf.dim() - 2:  # per head (leading dimensions allowed, as in quantize)
+        return (xf * scale[..., None, None]).to(dtype)
     if group_tokens < 1:
         raise ValueError("per-group scales need group_tokens >= 1")
-    tokens = xf.shape[1]
-    expanded = scale.repeat_interleave(group_tokens, dim=1)[:, :tokens]
-    return (xf * expanded[:, :, None]).to(dtype)
+    tokens = xf.shape[-2]
+    expanded = scale.repeat_interleave(group_tokens, dim=-1)[..., :tokens]
+    return (xf * expanded[..., None]).to(dtype)
 
 
 def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
@@ -130,3 +133,12 @@ def relative_error(reference: torch.Tensor, approx: torch.Tensor) -> float:
     denom = float(torch.linalg.vector_norm(ref))
     num = float(torch.linalg.vector_norm(approx.to(torch.float32) - ref))
     return num / denom if denom > 0 else num
+
+
+def relative_errors(reference: torch.Tensor, approx: torch.Tensor) -> torch.Tensor:
+    """:func:`relative_error` of each item along the first dimension, computed where the
+    tensors are (one result tensor, no synchronisation per item)."""
+    ref = reference.to(torch.float32).flatten(1)
+    denom = torch.linalg.vector_norm(ref, dim=1)
+    num = torch.linalg.vector_norm(approx.to(torch.float32).flatten(1) - ref, dim=1)
+    return torch.where(denom > 0, num / torch.where(denom > 0, denom, torch.ones_like(denom)), num)

@@ -73,6 +73,13 @@ def _bytes_of(t: torch.Tensor) -> np.ndarray:
     return t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
 
 
+def _check_block(root: KeyRoot, block: Block, precision: Precision, tokens: int) -> None:
+    if root.kv_dtype != precision.kv_dtype or root.quant_scheme != precision.scheme_id():
+        raise ValueError("root was keyed for another precision: build the KeyRoot from this Precision")
+    if tokens != root.block_size or len(block.tokens) != root.block_size:
+        raise ValueError(f"a snapshot holds exactly one block of {root.block_size} tokens, got {tokens}")
+
+
 def build_snapshot(
     *,
     root: KeyRoot,
@@ -99,31 +106,81 @@ def build_snapshot(
         ValueError: shapes disagree with each other or with the block, or ``root``
             was keyed for another precision.
     """
-    if root.kv_dtype != precision.kv_dtype or root.quant_scheme != precision.scheme_id():
-        raise ValueError("root was keyed for another precision: build the KeyRoot from this Precision")
     if not kv:
         raise ValueError("kv must hold at least one layer")
     heads, tokens, dim = kv[0][0].shape
-    if tokens != root.block_size or len(block.tokens) != root.block_size:
-        raise ValueError(f"a snapshot holds exactly one block of {root.block_size} tokens, got {tokens}")
-    layout = Layout(num_layers=len(kv), num_kv_heads=heads, head_dim=dim, block_size=tokens)
+    _check_block(root, block, precision, tokens)
+    stored: list[StoredLayer] = []
+    errors: dict[str, list[float]] = {"k_rel_l2": [], "v_rel_l2": []}
+    for layer, (k, v) in enumerate(kv):
+        pair = []
+        for name, x in (("k", k), ("v", v)):
+            if tuple(x.shape) != (heads, tokens, dim):
+                raise ValueError(f"layer {layer} {name.upper()} has shape {tuple(x.shape)}, expected {(heads, tokens, dim)}")
+            q, scale = quantize(x, precision, layer)
+            back = dequantize(q, scale, torch.float32, precision.group_tokens)
+            errors[f"{name}_rel_l2"].append(relative_error(x, back))
+            pair += [q, scale]
+        stored.append(StoredLayer(*pair))
+    return encode_snapshot(root=root, block=block, tenant=tenant, layers=stored, errors=errors, precision=precision,
+                           created_at=created_at, ttl_s=ttl_s)
+
+
+@dataclass(frozen=True)
+class StoredLayer:
+    """One layer of one block as stored: K and V (``[kv_heads, block_size, head_dim]``) and their scales."""
+
+    k: torch.Tensor
+    k_scale: torch.Tensor | None
+    v: torch.Tensor
+    v_scale: torch.Tensor | None
+
+
+def encode_snapshot(
+    *,
+    root: KeyRoot,
+    block: Block,
+    tenant: str,
+    layers: Sequence[StoredLayer],
+    errors: dict[str, list[float]],
+    precision: Precision,
+    created_at: float,
+    ttl_s: float,
+) -> EncodedSnapshot:
+    """Describe one block's already-quantised KV (what :func:`build_snapshot` does after
+    quantising; the prefill job quantises a whole batch at once on its device and calls this).
+
+    Args:
+        layers: per layer, the stored tensors from :func:`store.precision.quantize`.
+        errors: ``k_rel_l2`` and ``v_rel_l2``, one relative error per layer.
+
+    Raises:
+        ValueError: shapes or dtypes disagree with each other, the block or ``precision``.
+    """
+    if not layers:
+        raise ValueError("layers must hold at least one layer")
+    heads, tokens, dim = layers[0].k.shape
+    _check_block(root, block, precision, tokens)
+    if any(len(errors.get(f"{n}_rel_l2", ())) != len(layers) for n in ("k", "v")):
+        raise ValueError("errors needs one k_rel_l2 and one v_rel_l2 value per layer")
+    layout = Layout(num_layers=len(layers), num_kv_heads=heads, head_dim=dim, block_size=tokens)
     parts: list[Part] = []
     buffers: list[np.ndarray] = []
-    errors: dict[str, list[float]] = {"k_rel_l2": [], "v_rel_l2": []}
 
     def add(name: str, dtype: str, tensor: torch.Tensor) -> None:
         raw = _bytes_of(tensor)
         parts.append(Part(name, dtype, tuple(tensor.shape), int(raw.nbytes), xxhash.xxh3_64_hexdigest(raw)))
         buffers.append(raw)
 
-    for layer, (k, v) in enumerate(kv):
-        for name, x in (("k", k), ("v", v)):
-            if tuple(x.shape) != (heads, tokens, dim):
-                raise ValueError(f"layer {layer} {name.upper()} has shape {tuple(x.shape)}, expected {(heads, tokens, dim)}")
-            stored, scale = quantize(x, precision, layer)
-            back = dequantize(stored, scale, torch.float32, precision.group_tokens)
-            errors[f"{name}_rel_l2"].append(relative_error(x, back))
-            add(f"{name}.{layer}", precision.layer_dtype(layer), stored)
+    for layer, sl in enumerate(layers):
+        dtype = precision.layer_dtype(layer)
+        for name, x, scale in (("k", sl.k, sl.k_scale), ("v", sl.v, sl.v_scale)):
+            if tuple(x.shape) != (heads, tokens, dim) or x.dtype != STORAGE_DTYPES[dtype]:
+                raise ValueError(f"layer {layer} {name.upper()} is {tuple(x.shape)} {x.dtype}; "
+                                 f"expected {(heads, tokens, dim)} {STORAGE_DTYPES[dtype]}")
+            if (scale is None) != (dtype != "fp8_e4m3"):
+                raise ValueError(f"layer {layer} {name.upper()}: scales go with FP8 layers and only with them")
+            add(f"{name}.{layer}", dtype, x)
             if scale is not None:
                 add(f"{name}_scale.{layer}", "fp32", scale)
     header = SnapshotHeader(

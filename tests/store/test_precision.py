@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from store.precision import FP8_MAX, Precision, dequantize, quantize, relative_error
+from store.precision import FP8_MAX, Precision, dequantize, quantize, relative_error, relative_errors
 
 
 def test_large_values_do_not_saturate() -> None:
@@ -72,3 +72,21 @@ def test_bad_precision_is_refused() -> None:
         Precision(granularity="head_group")
     with pytest.raises(ValueError, match="distinct"):
         Precision(keep_layers=(1, 1))
+
+
+@pytest.mark.parametrize("precision", [Precision(), Precision(granularity="head_group", group_tokens=5),
+                                       Precision(compression="bf16")])
+def test_quantising_blocks_together_gives_each_block_the_bytes_it_gets_alone(precision):
+    g = torch.Generator().manual_seed(3)
+    blocks = torch.randn((4, 2, 16, 8), generator=g) * torch.tensor([0.1, 1, 10, 300])[:, None, None, None]
+    blocks[2] = 0  # an all-zero block keeps scale 1 and error 0
+    q, scale = quantize(blocks, precision, 0)
+    back = dequantize(q, scale, torch.float32, precision.group_tokens)
+    errs = relative_errors(blocks, back)
+    for b in range(4):
+        q1, s1 = quantize(blocks[b], precision, 0)
+        assert torch.equal(q[b].view(torch.uint8), q1.view(torch.uint8))
+        assert (s1 is None and scale is None) or torch.equal(scale[b], s1)
+        assert torch.equal(back[b], dequantize(q1, s1, torch.float32, precision.group_tokens))
+        assert float(errs[b]) == pytest.approx(relative_error(blocks[b], back[b]), rel=1e-5, abs=1e-9)
+    assert float(errs[2]) == 0.0
