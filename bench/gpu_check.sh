@@ -1,12 +1,22 @@
 #!/usr/bin/env bash
-# GPU check of the prefill issue (done-when 6): the prefill bench on CUDA with an
-# 8B-shaped model initialised randomly in bf16 (32 layers, 8 KV heads, head dim 128)
-# at 2k and 8k tokens, within 10 minutes. Needs a CUDA build of torch in $PY's env.
-# The last line of bench/out/gpu_check.log is the JSON to copy into docs/benchmarks.md.
-set -euo pipefail
+# GPU checks, one prepared run (device time is scarce):
+#  - prefill issue, done-when 6: the prefill bench on CUDA with an 8B-shaped model
+#    initialised randomly in bf16 (32 layers, 8 KV heads, head dim 128) at 2k and 8k tokens;
+#  - loader issue, done-when 7: the loader bench's (a), warm against cold time to first
+#    token, on CUDA with the same 8B shape at 8k tokens, loading to the GPU.
+# Needs a CUDA build of torch in $PY's environment. Logs go to $LOGS (default bench/out);
+# the last line of each log is the JSON to copy into docs/benchmarks.md.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-mkdir -p bench/out
-"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')"
-timeout 570 "$PY" bench/prefill_bench.py --shape 8b --device cuda --tokens 2048,8192 --reps 3 \
-  2>&1 | tee bench/out/gpu_check.log
+LOGS=${LOGS:-bench/out}
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1
+"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')" || exit 1
+"$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
+rc=0
+timeout "${PREFILL_LIMIT:-300}" "$PY" bench/prefill_bench.py --shape 8b --device cuda --tokens 2048,8192 --reps 3 \
+  2>&1 | tee "$LOGS/gpu_prefill.log" || rc=1
+timeout "${LOADER_LIMIT:-200}" "$PY" bench/loader_bench.py --shape 8b --device cuda --tokens 8192 --reps 5 \
+  2>&1 | tee "$LOGS/gpu_loader.log" || rc=1
+exit $rc

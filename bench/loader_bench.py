@@ -23,6 +23,12 @@ Repeats (``--reps``) and quotes medians. The last line printed is one JSON objec
 
     .venv/bin/python bench/loader_bench.py            # full run
     .venv/bin/python bench/loader_bench.py --quick    # small and fast smoke run
+    python bench/loader_bench.py --shape 8b --device cuda --tokens 8192   # the GPU check
+
+With ``--shape`` (a random bf16 model of that shape, see ``bench/lib/shapes.py``) and
+``--device cuda``, (a) loads to the GPU, and (b) compares the load with a pinned
+host-to-device copy of the same bf16 output bytes; (c) is skipped (it does not depend on
+the device).
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.lib.shapes import SHAPES, shaped_model, synced  # noqa: E402
 from bench.lib.timing import median_time  # noqa: E402
 from store.config import parse_config  # noqa: E402
 from store.identity import ModelIdentity  # noqa: E402
@@ -54,8 +61,11 @@ from store.tenant import Tenant  # noqa: E402
 TENANT = Tenant.derive("bench", "bench-secret")
 
 
-def ref_model(quick: bool):
-    """The reference model (or a smaller one of the same head geometry for --quick)."""
+def ref_model(quick: bool, shape: str | None = None, device: str = "cpu"):
+    """The reference model (or a smaller one of the same head geometry for --quick), or a shaped one."""
+    if shape:
+        lm = shaped_model(shape, device, torch.bfloat16)
+        return lm.model, lm.config, lm.identity, f"random {shape} ({lm.config.num_hidden_layers} layers) on {device}"
     if not quick:
         try:
             from prefill.models import load_model
@@ -83,18 +93,19 @@ def write_prefix(store, cfg, model, ident, ids) -> None:
     precision = cfg.kv_cache.precision()
     root = ident.key_root(precision, cfg.kv_cache.block_size, TENANT.salt)
     with torch.no_grad():
-        cache = model(torch.tensor([ids]), use_cache=True).cache
+        cache = model(torch.tensor([ids], device=model.device), use_cache=True).cache
     bs = cfg.kv_cache.block_size
     for b in block_chain(root, ids):
         sl = slice(b.index * bs, (b.index + 1) * bs)
-        kv = [(layer.keys[0, :, sl], layer.values[0, :, sl]) for layer in cache.layers]
+        kv = [(layer.keys[0, :, sl].cpu(), layer.values[0, :, sl].cpu()) for layer in cache.layers]
         store.put(TENANT, build_snapshot(root=root, block=b, tenant=TENANT.name, kv=kv, precision=precision,
                                          created_at=time.time(), ttl_s=4 * 3600))
 
 
 def bench_ttft_and_load(work: Path, args, out: dict) -> None:
-    model, mcfg, ident, desc = ref_model(args.quick)
-    print(f"model: {desc}")
+    model, mcfg, ident, desc = ref_model(args.quick, args.shape, args.device)
+    dev = torch.device(args.device)
+    print(f"model: {desc}", flush=True)
     g = random.Random(0)
     ids = [g.randrange(mcfg.vocab_size) for _ in range(args.tokens + args.suffix)]
     for compression in ("fp8", "bf16"):
@@ -109,17 +120,17 @@ def bench_ttft_and_load(work: Path, args, out: dict) -> None:
 
         def warm() -> None:
             hit = loader.lookup(ids)
-            cache = hit.to_dynamic_cache("cpu", torch.bfloat16)
+            cache = hit.to_dynamic_cache(dev, torch.bfloat16)
             hit.release()
             with torch.no_grad():
-                model(torch.tensor([ids[hit.usable_tokens:]]), cache=cache).logits[0, -1].argmax()
+                model(torch.tensor([ids[hit.usable_tokens:]], device=dev), cache=cache).logits[0, -1].argmax().item()
 
         def cold() -> None:
             with torch.no_grad():
-                model(torch.tensor([ids])).logits[0, -1].argmax()
+                model(torch.tensor([ids], device=dev)).logits[0, -1].argmax().item()
 
-        t_warm = median_time(warm, args.reps, warmup=1)
-        t_cold = median_time(cold, args.reps, warmup=1) if compression == "fp8" else out["ttft"]["cold_s"]
+        t_warm = median_time(synced(warm, dev), args.reps, warmup=1)
+        t_cold = median_time(synced(cold, dev), args.reps, warmup=1) if compression == "fp8" else out["ttft"]["cold_s"]
         if compression == "fp8":
             out["ttft"] = {"tokens_cached": args.tokens, "suffix": args.suffix, "cold_s": t_cold}
         out["ttft"][f"warm_{compression}_s"] = t_warm
@@ -127,6 +138,10 @@ def bench_ttft_and_load(work: Path, args, out: dict) -> None:
         print(f"(a) ttft {compression}: warm {t_warm * 1e3:.1f} ms  cold {t_cold * 1e3:.1f} ms  "
               f"warm/cold {t_warm / t_cold:.3f}")
 
+        if dev.type != "cpu":
+            bench_device_load(loader, ids, dev, compression, args.reps, out)
+            loader.close()
+            continue
         # (b) map + dequantise against memcpy of the output bytes
         hit = loader.lookup(ids)
         lay = hit.layout
@@ -192,6 +207,35 @@ def bench_ttft_and_load(work: Path, args, out: dict) -> None:
         loader.close()
 
 
+def bench_device_load(loader, ids, dev: torch.device, compression: str, reps: int, out: dict) -> None:
+    """(b) on a device: lookup + load to ``dev`` from pooled snapshots against a pinned
+    host-to-device copy of the same bf16 output bytes, timed alternately."""
+    hit = loader.lookup(ids)
+    lay = hit.layout
+    out_bytes = 2 * lay.num_layers * lay.num_kv_heads * hit.usable_tokens * lay.head_dim * 2
+    hit.release()
+    src = torch.empty(out_bytes // 2, dtype=torch.bfloat16, pin_memory=True)
+    loads, copies = [], []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        src.to(dev)
+        torch.cuda.synchronize(dev)
+        copies.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        h = loader.lookup(ids)
+        h.to_dynamic_cache(dev, torch.bfloat16)
+        torch.cuda.synchronize(dev)
+        loads.append(time.perf_counter() - t0)
+        h.release()
+    t_load, t_copy = statistics.median(loads[1:]), statistics.median(copies[1:])
+    out.setdefault("load", {})[compression] = {
+        "output_bytes": out_bytes, "h2d_pinned_s": t_copy, "load_to_device_s": t_load,
+        "ratio_vs_h2d": t_copy / t_load, "gbps_load": out_bytes / t_load / 1e9, "gbps_h2d": out_bytes / t_copy / 1e9}
+    print(f"(b) load {compression} to {dev}: {out_bytes / 2**20:.1f} MiB bf16 out in {t_load * 1e3:.1f} ms "
+          f"({out_bytes / t_load / 1e9:.2f} GB/s); pinned H2D copy of the same bytes {t_copy * 1e3:.1f} ms: "
+          f"ratio {t_copy / t_load:.2f}", flush=True)
+
+
 def bench_lookup(work: Path, args, out: dict) -> None:
     cfg = cfg_for(16, "fp8")
     ident = ModelIdentity("bench-lookup@1", "tok")
@@ -250,20 +294,32 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=None, help="repeats per measurement (default 5; quick 3)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir, removed)")
+    p.add_argument("--shape", choices=sorted(SHAPES), help="a random bf16 model of this shape instead of kvwarm-ref")
+    p.add_argument("--device", default="cpu", help="where (a) runs and loads to: cpu or cuda (with --shape)")
     args = p.parse_args()
+    if args.device != "cpu" and not args.shape:
+        p.error("--device other than cpu needs --shape (the reference model is built on the CPU)")
     args.tokens = args.tokens or (512 if args.quick else 2048)
     args.snapshots = args.snapshots or (1000 if args.quick else 10000)
     args.reps = args.reps or (3 if args.quick else 5)
     if args.threads:
         torch.set_num_threads(args.threads)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="kvwarm-loader-bench-"))
-    out: dict = {"bench": "loader", "quick": args.quick, "torch_threads": torch.get_num_threads()}
+    out: dict = {"bench": "loader", "quick": args.quick, "torch_threads": torch.get_num_threads(),
+                 "shape": args.shape, "device": args.device}
+    if args.device.startswith("cuda"):
+        out["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
     try:
         bench_ttft_and_load(work, args, out)
-        bench_lookup(work, args, out)
+        if args.device == "cpu":
+            bench_lookup(work, args, out)
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
+    if args.device != "cpu":
+        out["targets"] = {"ttft_ratio_fp8": out["ttft"]["ratio_fp8"], "ttft_ratio_bf16": out["ttft"]["ratio_bf16"]}
+        print(json.dumps(out))
+        return 0
     ratio = out["load"]["fp8"]["ratio_map_dequant"]
     out["targets"] = {"load_ratio_min": 0.7, "load_ratio_fp8": ratio, "load_met": ratio >= 0.7,
                       "ttft_ratio_fp8": out["ttft"]["ratio_fp8"]}
