@@ -18,6 +18,7 @@ A rerun skips everything that exists, so a killed job resumes where it stopped.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import time
 from collections import deque
@@ -70,6 +71,8 @@ class PrefillOptions:
         safety: factor applied to every batch's estimated duration.
         max_batch_tokens: padded tokens per batch (bounds activation memory).
         max_batch_size: segments per batch.
+        write_threads: threads encoding and writing a batch's snapshots (checksums and
+            file writes release the GIL; 1 writes them one by one).
     """
 
     precision: Precision
@@ -78,6 +81,7 @@ class PrefillOptions:
     safety: float = 1.25
     max_batch_tokens: int = 8192
     max_batch_size: int = 64
+    write_threads: int = 4
 
 
 @dataclass
@@ -339,12 +343,15 @@ class Prefiller:
         now = self.clock()
         where = [(j, past_len + n * bs) for j, s in enumerate(segs) for n in range(len(s.blocks))]
         stored = self._quantise(layers, where)
-        b = 0
+        jobs = [(tenants[s.tenant], s, block) for s in segs for block in s.blocks]
+        with cf.ThreadPoolExecutor(max(1, self.options.write_threads), thread_name_prefix="kvwarm-write") as ex:
+            futures = [ex.submit(self._write, tenant, s, block, stored, b, now) for b, (tenant, s, block) in enumerate(jobs)]
+            written = [f.result() for f in futures]  # the first failure is raised here, after the others finished
+        report.blocks_written += sum(written)
+        report.blocks_skipped += len(written) - sum(written)
+        for errs in stored.errors.values():
+            report.quant_error_max = max([report.quant_error_max, *(e for per_layer in errs for e in per_layer)])
         for j, s in enumerate(segs):
-            tenant = tenants[s.tenant]
-            for block in s.blocks:
-                self._write(tenant, s, block, stored, b, now, report)
-                b += 1
             report.tokens_computed += s.n_tokens
             if s.children:
                 end = past_len + s.n_tokens
@@ -375,19 +382,15 @@ class Prefiller:
                 out.errors.setdefault(name, []).append(err.cpu().tolist())
         return out
 
-    def _write(self, tenant: Tenant, seg: Segment, block: Block, q: "_Quantised", b: int, now: float,
-               report: PrefillReport) -> None:
+    def _write(self, tenant: Tenant, seg: Segment, block: Block, q: "_Quantised", b: int, now: float) -> bool:
+        """Encode and store block ``b`` of the batch; ``True`` if it was written (not already there)."""
         layers = [StoredLayer(p["k"][0][b], None if p["k"][1] is None else p["k"][1][b],
                               p["v"][0][b], None if p["v"][1] is None else p["v"][1][b])
                   for _, p in sorted(q.parts.items())]
         errors = {f"{name}_rel_l2": [per_layer[b] for per_layer in q.errors[name]] for name in ("k", "v")}
         snap = encode_snapshot(root=seg.root, block=block, tenant=tenant.name, layers=layers, errors=errors,
                                precision=self.options.precision, created_at=now, ttl_s=seg.ttl_s)
-        report.quant_error_max = max([report.quant_error_max, *errors["k_rel_l2"], *errors["v_rel_l2"]])
-        if self.store.put(tenant, snap):
-            report.blocks_written += 1
-        else:
-            report.blocks_skipped += 1
+        return self.store.put(tenant, snap)
 
 
 @dataclass

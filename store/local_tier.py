@@ -19,6 +19,7 @@ import json
 import os
 import secrets
 import sqlite3
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
@@ -86,6 +87,8 @@ class LocalTier(Tier):
         self.clock = clock
         self.objects = self.root / "objects"
         self.tmp = self.root / "tmp"
+        self._writing: set[str] = set()  # names this process is writing now (pending rows carry only the pid)
+        self._writing_lock = threading.Lock()
         self.quarantine_dir = self.root / "quarantine"
         for d in (self.objects, self.tmp, self.quarantine_dir, self.root / "meta"):
             d.mkdir(parents=True, exist_ok=True)
@@ -137,6 +140,17 @@ class LocalTier(Tier):
 
     # -- writes --------------------------------------------------------------
     def write(self, name: str, data: EncodedSnapshot | bytes | pa.Buffer, *, expires_at: float) -> bool:
+        with self._writing_lock:  # another thread of this process writing the same snapshot
+            if name in self._writing:
+                return False
+            self._writing.add(name)
+        try:
+            return self._write(name, data, expires_at)
+        finally:
+            with self._writing_lock:
+                self._writing.discard(name)
+
+    def _write(self, name: str, data: EncodedSnapshot | bytes | pa.Buffer, expires_at: float) -> bool:
         size = encoded_size(data)
         pid = os.getpid()
         final = self.path(name)

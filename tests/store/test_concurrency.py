@@ -137,3 +137,23 @@ def test_four_processes_writing_different_keys_never_exceed_the_cap(tmp_path: Pa
     assert list((root_dir / "tmp").iterdir()) == []
     assert tier.usage() == tier.disk_usage() <= cap
     assert verify(Store([tier]), quarantine=False).clean
+
+
+def test_threads_of_one_process_writing_at_once(tmp_path: Path) -> None:
+    # The prefill job writes a batch's snapshots from a few threads of one Store.
+    import concurrent.futures as cf
+
+    from store.config import parse_config
+    from tests.store.factories import ACME, make_snapshot
+
+    store = Store.open(f"file://{tmp_path}", parse_config({}))
+    root = make_root()
+    chain = make_chain(root, 48)
+    snaps = [make_snapshot(root, b, seed=i) for i, b in enumerate(chain)]
+    with cf.ThreadPoolExecutor(8) as ex:  # every snapshot twice: one write wins, one is skipped
+        wrote = list(ex.map(lambda s: store.put(ACME, s), snaps + snaps))
+    assert sum(wrote) == len(snaps)
+    assert store.probe(ACME, chain, root).count == len(chain)
+    report = verify(store)
+    assert report.checked == report.ok == len(snaps)
+    store.close()
