@@ -157,3 +157,22 @@ def test_out_of_memory_halves_the_batch_and_retries(tiny, store, config, monkeyp
 def test_a_prefix_shorter_than_a_block_is_refused(tiny, store, config):
     with pytest.raises(PrefillError, match="shorter than one block"):
         Prefiller(tiny, store, opts(config)).run([req([1, 2, 3])])
+
+
+def test_writer_threads_store_the_same_snapshots_as_one_writer(tiny, config, tmp_path):
+    from store.store import Store
+
+    stores = {n: Store.open(f"file://{tmp_path}/w{n}", config) for n in (1, 4)}
+    reports = {n: Prefiller(tiny, s, opts(config, write_threads=n)).run([req(p, i) for i, p in enumerate(prompts(4))])
+               for n, s in stores.items()}
+    assert reports[1].blocks_written == reports[4].blocks_written == 3 + 8
+    assert reports[1].quant_error_max == reports[4].quant_error_max
+    root = tiny.key_root(config.kv_cache.precision(), BLOCK, ACME.salt)
+    for p in prompts(4):
+        chain = block_chain(root, p)
+        got = [stores[n].get(ACME, chain[-1], root) for n in (1, 4)]
+        assert got[0].header.parts == got[1].header.parts  # the same bytes, checksum by checksum
+        for g in got:
+            g.close()
+    for s in stores.values():
+        s.close()
