@@ -8,11 +8,20 @@
    as a serving node would, and prints the hit rate, the warm-up accuracy of the plan
    against what those requests actually used, the prefill saved (tokens, and seconds at
    the prefill rate measured by the run) and the paths of the plots.
+3. The same requests go through a loader on a store that starts cold and gets each
+   request's KV written back after it (a reactive cache): the baseline of ``hitrate.png``,
+   which draws, per bucket of the replayed window, both token hit rates and the plan's
+   warm-up accuracy (from ``replay_outcomes.parquet``, one row per request).
+4. Each prewarmed loader's ``stats()`` is saved under ``<run>/loader_stats/``; the four
+   monitoring families (:mod:`prefill.monitoring`) are computed from them and the run's
+   files, added to the report and printed (``prefill report`` prints the same table).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -23,46 +32,132 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 import pandas as pd  # noqa: E402
 
 SAMPLE = Path(__file__).resolve().parent / "data" / "sample_logs.jsonl.gz"
+#: the GPU price per hour the demo's economics assume when none is configured
+ASSUMED_GPU_PRICE = 2.0
 
 
-def replay(requests: pd.DataFrame, *, store: str, config: Any, loaded: Any, model: str, pool_dir: Path) -> dict[str, Any]:
-    """Look every request up in the store through a KVLoader per tenant; count hits and cached tokens."""
+def replay(requests: pd.DataFrame, *, store: str, config: Any, loaded: Any, model: str, pool_dir: Path,
+           plan: Any = None, cold_store: str | None = None, stats_dir: Path | None = None) -> dict[str, Any]:
+    """Look every request up, in time order, through a KVLoader per tenant; count hits and cached tokens.
+
+    ``plan``: the plan whose prefixes each request is matched against (token prefix, same
+    tenant), for the warm-up accuracy over time. ``cold_store``: a store URL that starts
+    empty and gets each request's KV written back after it is served (a reactive cache
+    without prewarming: the baseline). ``stats_dir``: where to save each prewarmed loader's
+    ``stats()`` (plus ``elapsed_s``, the seconds spent in its calls, and ``prompt_tokens``).
+
+    Returns the totals, ``per_tenant`` and ``outcomes`` (one row per request, the columns
+    of :data:`flows.report.OUTCOME_COLUMNS`).
+    """
     from prefill.models import resolve
     from store.loader import KVLoader
 
-    hits = lookups = cached = prompt_tokens = 0
+    entries = [e for e in (plan.entries if plan is not None else []) if e.token_ids and e.prefix_id]
+    identity = resolve(model)
+    loaders: dict[str, Any] = {}
+    cold: dict[str, Any] = {}
+    elapsed: dict[str, float] = {}
     per_tenant: dict[str, dict[str, int]] = {}
-    for tenant, rows in requests.groupby("tenant", sort=True):
-        t = per_tenant.setdefault(str(tenant), {"requests": 0, "hits": 0, "cached_tokens": 0, "prompt_tokens": 0})
-        with KVLoader(store, tenant=str(tenant), model=resolve(model), pool_bytes=256 << 20, config=config,
-                      fetch_mode="sync", pool_dir=pool_dir / str(tenant)) as loader:
-            for text in rows["prompt"]:
-                ids = loaded.encode(text)
-                hit = loader.lookup(ids)
-                n = 0
-                if hit is not None:
-                    with hit:
-                        n = int(hit.usable_tokens)
-                lookups += 1
-                hits += n > 0
-                cached += n
-                prompt_tokens += len(ids)
-                t["requests"] += 1
-                t["hits"] += n > 0
-                t["cached_tokens"] += n
-                t["prompt_tokens"] += len(ids)
+    rows: list[dict[str, Any]] = []
+    writer = _cold_writer(cold_store, config)
+    try:
+        for ts, tenant, text in requests.sort_values("timestamp")[["timestamp", "tenant", "prompt"]].itertuples(
+                index=False):
+            tenant = str(tenant)
+            if tenant not in loaders:
+                loaders[tenant] = KVLoader(store, tenant=tenant, model=identity, pool_bytes=256 << 20, config=config,
+                                           fetch_mode="sync", pool_dir=pool_dir / tenant)
+                if writer is not None:
+                    cold[tenant] = KVLoader(str(cold_store), tenant=tenant, model=identity, pool_bytes=256 << 20,
+                                            config=config, fetch_mode="sync", pool_dir=pool_dir / "cold" / tenant)
+            ids = loaded.encode(text)
+            t0 = time.perf_counter()
+            n = _served(loaders[tenant], ids)
+            elapsed[tenant] = elapsed.get(tenant, 0.0) + time.perf_counter() - t0
+            c = 0
+            if writer is not None:
+                c = _served(cold[tenant], ids)
+                _write_back(writer, tenant, ids, loaded, config)
+            planned = [e.prefix_id for e in entries if e.tenant == tenant and len(ids) >= len(e.token_ids)
+                       and tuple(ids[:len(e.token_ids)]) == e.token_ids]
+            rows.append({"timestamp": ts, "tenant": tenant, "prompt_tokens": len(ids), "cached_tokens": n,
+                         "cold_cached_tokens": c, "planned": ",".join(planned)})
+            t = per_tenant.setdefault(tenant, {"requests": 0, "hits": 0, "cached_tokens": 0, "prompt_tokens": 0})
+            t["requests"] += 1
+            t["hits"] += n > 0
+            t["cached_tokens"] += n
+            t["prompt_tokens"] += len(ids)
+        if stats_dir is not None:
+            _dump_stats(stats_dir, loaders, elapsed, per_tenant)
+    finally:
+        for loader in [*loaders.values(), *cold.values()]:
+            loader.close()
+        if writer is not None:
+            writer.close()
+    outcomes = pd.DataFrame(rows, columns=["timestamp", "tenant", "prompt_tokens", "cached_tokens",
+                                           "cold_cached_tokens", "planned"])
+    lookups, hits = len(outcomes), int((outcomes["cached_tokens"] > 0).sum())
+    cached, prompt_tokens = int(outcomes["cached_tokens"].sum()), int(outcomes["prompt_tokens"].sum())
     return {"requests": lookups, "requests_hit": hits, "request_hit_rate": hits / lookups if lookups else 0.0,
             "cached_tokens": cached, "prompt_tokens": prompt_tokens,
-            "token_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0, "per_tenant": per_tenant}
+            "token_hit_rate": cached / prompt_tokens if prompt_tokens else 0.0,
+            "cold_cached_tokens": int(outcomes["cold_cached_tokens"].sum()),
+            "cold_token_hit_rate": int(outcomes["cold_cached_tokens"].sum()) / prompt_tokens if prompt_tokens else 0.0,
+            "per_tenant": per_tenant, "outcomes": outcomes}
+
+
+def _served(loader: Any, ids: list[int]) -> int:
+    """Prompt tokens the loader serves from cache for ``ids`` (0 on a miss)."""
+    hit = loader.lookup(ids)
+    if hit is None:
+        return 0
+    with hit:
+        return int(hit.usable_tokens)
+
+
+def _cold_writer(url: str | None, config: Any) -> Any:
+    if url is None:
+        return None
+    from store.store import Store
+
+    return Store.open(url, config)
+
+
+def _write_back(store: Any, tenant: str, ids: list[int], loaded: Any, config: Any) -> None:
+    """Store the KV of the request's whole blocks, as a serving node writing back what it computed would."""
+    from prefill.warm import warm
+    from store.plan import PlanEntry
+
+    if len(ids) < config.kv_cache.block_size:
+        return  # not one whole block: nothing to store
+    warm([PlanEntry(tenant=tenant, token_ids=tuple(ids))], loaded=loaded, store=store, config=config)
+
+
+def _dump_stats(directory: Path, loaders: dict[str, Any], elapsed: dict[str, float],
+                per_tenant: dict[str, dict[str, int]]) -> None:
+    """One ``<tenant>.json`` per loader: ``stats()`` plus ``elapsed_s`` and ``prompt_tokens`` (docs/monitoring.md)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for old in directory.glob("*.json"):
+        old.unlink()
+    for tenant, loader in loaders.items():
+        dump = {**loader.stats(), "elapsed_s": elapsed[tenant], "prompt_tokens": per_tenant[tenant]["prompt_tokens"]}
+        (directory / f"{tenant}.json").write_text(json.dumps(dump, indent=2, default=str))
 
 
 def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_size: int = 16,
         config_path: str | None = None, model: str = "kvwarm-tiny", window_hours: float = 3.0,
-        workers: int = 1) -> dict[str, Any]:
-    """Run the pipeline and the replay; print the report; return the figures."""
+        workers: int = 1, replay_bucket: str = "30min", gpu_price_per_hour: float | None = None) -> dict[str, Any]:
+    """Run the pipeline and the replay; print the report; return the figures.
+
+    ``replay_bucket``: the bucket of the hit-rate-over-time plot. ``gpu_price_per_hour``:
+    for the economics (default ``$KVWARM_GPU_PRICE_PER_HOUR``, else an assumed 2.0).
+    """
+    from flows import report as reports
     from flows.pipeline import kvwarm_pipeline, report
     from flows.tasks import flow_config, load_model_task, mine_task, read_logs_task, run_dir
     from forecasting.accuracy import warmup_accuracy
+    from prefill.monitoring import PRICE_ENV, Prices, compute, read_loader_stats, read_run
+    from prefill.report_cli import format_table
     from store.plan import read_plan
 
     t0 = time.perf_counter()
@@ -81,7 +176,16 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
     loaded = load_model_task.fn(model)
     test = everything[everything["timestamp"] >= last_day]
     target = test[(test["timestamp"] >= we) & (test["timestamp"] < period_end)]
-    rep = replay(target, store=store, config=config, loaded=loaded, model=model, pool_dir=out / "pool")
+    cold_dir = out / "cold_store"
+    shutil.rmtree(cold_dir, ignore_errors=True)  # the baseline starts cold on every run
+    rep = replay(target, store=store, config=config, loaded=loaded, model=model, pool_dir=out / "pool", plan=plan,
+                 cold_store=f"file://{cold_dir}", stats_dir=out / reports.LOADER_STATS_DIR)
+    outcomes = rep.pop("outcomes")
+    outcomes.to_parquet(out / "replay_outcomes.parquet", index=False)
+    buckets = reports.replay_buckets(outcomes, replay_bucket, [e.prefix_id for e in plan.entries if e.prefix_id],
+                                     start=we, end=period_end)
+    hitrate_png = reports.plot_replay(buckets, out / "hitrate.png", bucket=replay_bucket,
+                                      cold_label="cold store, each request's KV written back after it (reactive)")
     observed = mine_task.fn(test, loaded, config, k=1, bucket="1h")
     in_period = observed.series[(observed.series["ds"] >= we) & (observed.series["ds"] < period_end)]
     total_in_period = float(observed.total.loc[(observed.total["ds"] >= we) & (observed.total["ds"] < period_end), "y"].sum())
@@ -96,7 +200,13 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
              "warmup_accuracy": acc.to_json(),
              "ttft_saved": {"prefill_tokens_saved": rep["cached_tokens"], "prefill_tokens_per_s": rate,
                             "seconds_saved": saved_s},
-             "actual_prefix": actual_prefix}
+             "actual_prefix": actual_prefix,
+             "replay_plots": {"hitrate": str(hitrate_png)}}
+    if gpu_price_per_hour is None and not os.environ.get(PRICE_ENV):
+        gpu_price_per_hour = ASSUMED_GPU_PRICE
+    dumps = read_loader_stats(sorted((out / reports.LOADER_STATS_DIR).glob("*.json")))
+    monitoring = compute(run_name, read_run(out), dumps, Prices.from_env(gpu_price_per_hour))
+    extra["monitoring"] = monitoring.as_dict()
     actual_total = [[str(d), float(y)] for d, y in observed.total[["ds", "y"]].itertuples(index=False)]
     summary = report(store, run_name, extra=extra, actual_total=actual_total)
     elapsed = time.perf_counter() - t0
@@ -109,18 +219,26 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
           f"{rate:.0f} tokens/s)")
     print(f"  replay {we:%m-%d %H:%M} to {period_end:%m-%d %H:%M} (the snapshots' TTL): {rep['requests']} requests")
     print(f"  hit rate: {rep['requests_hit']}/{rep['requests']} requests ({rep['request_hit_rate']:.1%}) got a hit; "
-          f"{rep['cached_tokens']}/{rep['prompt_tokens']} prompt tokens served from cache ({rep['token_hit_rate']:.1%})")
+          f"{rep['cached_tokens']}/{rep['prompt_tokens']} prompt tokens served from cache ({rep['token_hit_rate']:.1%}); "
+          f"a cold store with write-back: {rep['cold_cached_tokens']}/{rep['prompt_tokens']} "
+          f"({rep['cold_token_hit_rate']:.1%})")
     for tenant, t in rep["per_tenant"].items():
         print(f"    {tenant}: {t['hits']}/{t['requests']} requests hit, {t['cached_tokens']}/{t['prompt_tokens']} tokens")
     print(f"  warm-up accuracy: precision {acc.precision:.2f} (planned prefixes used), "
           f"recall {acc.recall:.2f} (requests that began with a planned prefix)")
     print(f"  TTFT saved: {rep['cached_tokens']} prefill tokens = {saved_s:.2f} s of prefill at the measured "
           f"{rate:.0f} tokens/s")
-    print(f"  plots: {summary['plots']['forecast']}")
-    print(f"         {summary['plots']['offpeak']}")
+    plots = {**summary["plots"], "hitrate": str(hitrate_png)}
+    print(f"  plots: {plots['forecast']}")
+    print(f"         {plots['offpeak']}")
+    print(f"         {plots['hitrate']}")
     print(f"  report: {out / 'report.json'} ({elapsed:.0f} s)")
+    print()
+    print(format_table(monitoring))
+    print(f"  (GPU price {monitoring.economics.gpu_price_per_hour} per hour: --gpu-price-per-hour or ${PRICE_ENV}; "
+          f"the same table: prefill report --store {store} --run {run_name})")
     return {"plan_entries": len(plan.entries), "replay": rep, "accuracy": acc.to_json(), "seconds_saved": saved_s,
-            "plots": summary["plots"], "prefill": prefill}
+            "plots": plots, "prefill": prefill, "monitoring": monitoring.as_dict(), "buckets": buckets}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,9 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", help="kvwarm config file")
     p.add_argument("--model", default="kvwarm-tiny")
     p.add_argument("--window-hours", type=float, default=3.0)
+    p.add_argument("--replay-bucket", default="30min", help="bucket of the hit-rate-over-time plot (default 30min)")
+    p.add_argument("--gpu-price-per-hour", type=float, default=None,
+                   help=f"GPU price for the economics (default $KVWARM_GPU_PRICE_PER_HOUR, else {ASSUMED_GPU_PRICE})")
     a = p.parse_args(argv)
     run(a.store, logs=a.logs, run_name=a.run, block_size=a.block_size, config_path=a.config, model=a.model,
-        window_hours=a.window_hours)
+        window_hours=a.window_hours, replay_bucket=a.replay_bucket, gpu_price_per_hour=a.gpu_price_per_hour)
     return 0
 
 

@@ -4,6 +4,7 @@
     prefill simulate .. replay a trace against reactive, prewarmed and optimal caches
     prefill store ...   inspect and maintain a snapshot store (see ``prefill store -h``)
     prefill demo        write a snapshot from a tiny model and read it back
+    prefill report ...  monitoring families of a pipeline run (see ``prefill report -h``)
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_store_commands(sub)
     from prefill.demo import add_demo_command
+    from prefill.report_cli import add_report_command
     from prefill.warm import add_warm_command
 
     from forecasting.cli import add_simulate_command
@@ -30,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_warm_command(sub)
     add_simulate_command(sub)
     add_demo_command(sub)
+    add_report_command(sub)
     return parser
 
 

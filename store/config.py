@@ -129,6 +129,15 @@ class LoaderConfig(_Section):
     dequant: Literal["table", "compiled", "auto"] = "table"
 
 
+class MonitoringConfig(_Section):
+    """Prices for the economics family of ``prefill report`` and the flows' report."""
+
+    gpu_price_per_hour: Optional[float] = Field(
+        None, ge=0, description="Price of one GPU-hour (any currency) for prefill cost per 1,000 requests.")
+    prefill_tokens_per_s: Optional[float] = Field(
+        None, gt=0, description="Prefill rate to value saved tokens at (default: the rate the run's prefill measured).")
+
+
 class TenantConfig(_Section):
     """Where a tenant's secrets come from (never the secrets themselves)."""
 
@@ -144,6 +153,7 @@ class KvwarmConfig(_Section):
     kv_cache: KvCacheConfig = KvCacheConfig()
     store: StoreConfig = StoreConfig()
     loader: LoaderConfig = LoaderConfig()
+    monitoring: MonitoringConfig = MonitoringConfig()
     tenants: dict[str, TenantConfig] = {}
 
     @model_validator(mode="after")

@@ -1,0 +1,112 @@
+"""``prefill report``: the four monitoring families of a run, as a table or JSON.
+
+    prefill report --store file:///var/cache/kvwarm --run nightly \\
+        --loader-stats node1.json node2.json --gpu-price-per-hour 2.5 [--json]
+
+Without ``--loader-stats``, the dumps the run keeps under ``<run>/loader_stats/*.json``
+(the demo writes them) are used. See :mod:`prefill.monitoring` and docs/monitoring.md.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any, Mapping
+
+from prefill.monitoring import Monitoring, Prices, compute, read_loader_stats, read_run, run_directory
+from store.config import load_config
+
+STATS_DIR = "loader_stats"
+
+
+def rows_of(families: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
+    """``(family, figure, value)`` rows of :meth:`Monitoring.as_dict` output; nested dicts flattened as ``figure.key``."""
+    out: list[tuple[str, str, Any]] = []
+    for family, body in families.items():
+        if not isinstance(body, Mapping):
+            continue
+        for key, value in body.items():
+            if isinstance(value, Mapping):
+                out += [(family, f"{key}.{k}", v) for k, v in value.items()]
+            else:
+                out.append((family, key, value))
+    return out
+
+
+def format_value(key: str, v: Any) -> str:
+    """One figure for people: rates in %, latencies in ms, bytes with MiB, ``n/a`` for ``None``."""
+    if v is None:
+        return "n/a"
+    if isinstance(v, (bool, str)):
+        return str(v)
+    if "p50" in key or "p99" in key:
+        return f"{v * 1000:.3f} ms"
+    if key.endswith("hit_rate"):
+        return f"{v:.1%}"
+    if key.endswith("_ratio"):
+        return f"{v:.2f}x"
+    if "bytes" in key and "per_token" not in key:
+        return f"{v:,.0f} B ({v / 2**20:,.2f} MiB)"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return f"{v:,.2f}" if abs(v) >= 100 else f"{v:.4g}"
+
+
+def format_table(m: Monitoring) -> str:
+    """The families as an aligned text table (``n/a`` where a figure is missing), then the notes."""
+    rows = [(f, k, format_value(k, v)) for f, k, v in rows_of(m.as_dict())]
+    w1 = max(len(r[0]) for r in rows)
+    w2 = max(len(r[1]) for r in rows)
+    lines = [f"kvwarm monitoring: run {m.run}", ""]
+    last = None
+    for family, key, value in rows:
+        lines.append(f"{family if family != last else '':<{w1}}  {key:<{w2}}  {value}")
+        last = family
+    if m.notes:
+        lines += ["", "notes:"] + [f"  - {n}" for n in m.notes]
+    return "\n".join(lines)
+
+
+def stats_files(run_dir: Path, given: list[str] | None) -> list[Path]:
+    """The dumps to read: those given, else ``<run_dir>/loader_stats/*.json`` (sorted)."""
+    if given:
+        return [Path(p) for p in given]
+    return sorted((run_dir / STATS_DIR).glob("*.json"))
+
+
+def _report(args: argparse.Namespace) -> int:
+    directory = run_directory(args.store, args.run)
+    files = read_run(directory)
+    configured = load_config(args.config).monitoring
+    prices = Prices.from_env(configured.gpu_price_per_hour if args.gpu_price_per_hour is None else args.gpu_price_per_hour,
+                             configured.prefill_tokens_per_s if args.prefill_tokens_per_s is None
+                             else args.prefill_tokens_per_s)
+    m = compute(args.run, files, read_loader_stats(stats_files(directory, args.loader_stats)), prices)
+    if args.json:
+        print(json.dumps(m.as_dict(), indent=None if args.compact else 2))
+    else:
+        print(format_table(m))
+    return 0
+
+
+def add_report_command(sub: Any) -> None:
+    """Register ``prefill report``."""
+    p = sub.add_parser("report", help="monitoring families of a run: cache efficiency, service quality, security, "
+                                      "economics",
+                       description="Compute the four monitoring families of the SageMaker write-up for a run of the "
+                                   "kvwarm pipeline, from the run's results under <store>/_flows/<run>/ and the "
+                                   "serving loaders' stats dumps (KVLoader.stats() saved as JSON).")
+    p.add_argument("--store", required=True, help="store URL whose local tier holds the run (file:///DIR[,s3://...])")
+    p.add_argument("--run", required=True, help="run name (results under <local tier>/_flows/<run>/)")
+    p.add_argument("--loader-stats", nargs="+", metavar="FILE",
+                   help=f"loader stats dumps (default: <run>/{STATS_DIR}/*.json if any)")
+    p.add_argument("--config", default=None, help="config file (default $KVWARM_CONFIG); its monitoring: section "
+                                                  "gives gpu_price_per_hour and prefill_tokens_per_s")
+    p.add_argument("--gpu-price-per-hour", type=float, default=None,
+                   help="price of one GPU-hour for the economics (default: the config's monitoring.gpu_price_per_hour, "
+                        "else $KVWARM_GPU_PRICE_PER_HOUR)")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=None,
+                   help="prefill rate to value saved tokens at (default: the rate the run's prefill job measured)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--compact", action="store_true", help="with --json: one line")
+    p.set_defaults(func=_report)

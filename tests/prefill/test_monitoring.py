@@ -1,0 +1,178 @@
+"""The four monitoring families: hand-built run directories and stats dumps give hand-computed figures."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefill.monitoring import (MonitoringError, Prices, compute, kv_bytes_per_token, monitoring_for_run,
+                                read_loader_stats, read_run, run_directory)
+
+# Two loaders (two serving nodes) over one run. Every figure below is computed by hand from these.
+DUMP_A: dict[str, Any] = {
+    "lookups": 10, "hits": 6, "tokens_served": 3000, "bytes_mapped": 100_000, "refused_cross_tenant": 2,
+    "misses": 4, "misses_by_reason": {"absent": 2, "tenant_refused": 2}, "shortened_by_reason": {"corrupt": 1},
+    "latency": {"lookup": {"count": 10, "p50_s": 0.001, "p99_s": 0.004},
+                "to_dynamic_cache": {"count": 6, "p50_s": 0.01, "p99_s": 0.02}},
+    "pool_bytes_in_use": 100_000, "attached": True, "fetch_mode": "background", "store": {},
+    "elapsed_s": 5.0, "prompt_tokens": 5000,
+}
+DUMP_B: dict[str, Any] = {
+    "lookups": 30, "hits": 24, "tokens_served": 9000, "bytes_mapped": 50_000, "refused_cross_tenant": 0,
+    "misses": 6, "misses_by_reason": {"absent": 5, "mismatch": 1}, "shortened_by_reason": {},
+    "latency": {"lookup": {"count": 30, "p50_s": 0.002, "p99_s": 0.003}},
+    "elapsed_s": 15.0, "prompt_tokens": 11000,
+}
+# 48 planned tokens, 4,800 planned bytes: 100 KV bytes per token
+PLAN = {"kvwarm_plan": 1, "block_size": 16, "model": "m", "extra": {"planned_store_bytes": 4800.0},
+        "entries": [{"tenant": "acme", "token_ids": list(range(32)), "prefix_id": "p1"},
+                    {"tenant": "acme", "token_ids": list(range(16)), "prefix_id": "p2"}]}
+PREFILL = {"prefixes": 2, "blocks_written": 3, "tokens_computed": 2000, "seconds": 2.0, "tokens_per_s": 1000.0}
+REPLAY = {"requests": 20, "requests_hit": 15, "cached_tokens": 4000, "prompt_tokens": 8000}
+
+
+def build_run(root: Path, run: str = "r1", *, dumps: bool = True, report: bool = True) -> tuple[str, list[Path]]:
+    """A store with run ``run``'s files under ``_flows/<run>`` and the two dumps next to it; returns (url, dumps)."""
+    out = root / "store" / "_flows" / run
+    out.mkdir(parents=True)
+    (out / "plan.json").write_text(json.dumps(PLAN))
+    (out / "prefill.json").write_text(json.dumps(PREFILL))
+    (out / "mine.json").write_text(json.dumps({"rows_used": 100}))
+    (out / "gc.json").write_text(json.dumps({"expired_removed": 0}))
+    if report:
+        (out / "report.json").write_text(json.dumps({"run": run, "replay": REPLAY}))
+    paths = []
+    if dumps:
+        for name, d in (("a", DUMP_A), ("b", DUMP_B)):
+            p = root / f"{name}.json"
+            p.write_text(json.dumps(d))
+            paths.append(p)
+    return f"file://{root / 'store'}", paths
+
+
+def test_two_dumps_and_a_run_give_the_hand_computed_families(tmp_path) -> None:
+    url, dumps = build_run(tmp_path)
+    m = monitoring_for_run(url, "r1", dumps, Prices(gpu_per_hour=3.6))  # 3.6/h = 0.001 per GPU-second
+    c = m.cache
+    assert (c.lookups, c.hits, c.tokens_served, c.prompt_tokens) == (40, 30, 12000, 16000)
+    assert c.request_hit_rate == pytest.approx(0.75) and c.token_hit_rate == pytest.approx(0.75)
+    assert c.kv_bytes_per_token == pytest.approx(100.0)
+    assert c.kv_bytes_served == pytest.approx(1_200_000) and c.bytes_mapped == 150_000
+    assert c.memory_saved_bytes == pytest.approx(1_050_000) and c.memory_saving_ratio == pytest.approx(8.0)
+    assert c.source == "loader stats (2 dumps)"
+    s = m.service
+    assert s.lookup_p50_s == pytest.approx(0.002) and s.lookup_p99_s == pytest.approx(0.004)  # the larger of the two
+    assert s.latency_p99_s == pytest.approx({"lookup": 0.004, "to_dynamic_cache": 0.02})
+    assert s.latency_samples == 40 and s.elapsed_s == pytest.approx(20.0)
+    assert s.lookups_per_s == pytest.approx(2.0) and s.prefill_tokens_per_s == pytest.approx(1000.0)
+    a = m.security
+    assert a.refused_cross_tenant == 2 and a.integrity_refusals == 2  # corrupt (cut short) + mismatch
+    assert a.by_reason == {"tenant_refused": 2, "corrupt": 1, "mismatch": 1, "unknown_version": 0}
+    e = m.economics
+    assert e.gpu_seconds_saved == pytest.approx(12.0) and e.gpu_seconds_spent == pytest.approx(2.0)
+    assert e.net_gpu_seconds_saved == pytest.approx(10.0)
+    assert e.cost_saved == pytest.approx(0.012) and e.cost_spent == pytest.approx(0.002)
+    assert e.cost_per_1k_requests_cold == pytest.approx(0.4)  # 16 GPU-s x 0.001 / 40 requests x 1000
+    assert e.cost_per_1k_requests_warm == pytest.approx(0.15)  # (4 + 2) GPU-s x 0.001 / 40 x 1000
+    assert e.saving_per_1k_requests == pytest.approx(0.25)  # 10 GPU-s x 0.001 / 40 x 1000
+    assert m.notes == ()
+
+
+def test_a_prefill_rate_override_values_the_saved_tokens_at_that_rate(tmp_path) -> None:
+    url, dumps = build_run(tmp_path)
+    m = monitoring_for_run(url, "r1", dumps, Prices(gpu_per_hour=3.6, prefill_tokens_per_s=4000.0))
+    assert m.economics.gpu_seconds_saved == pytest.approx(3.0)
+    assert m.economics.net_gpu_seconds_saved == pytest.approx(1.0)
+    assert m.service.prefill_tokens_per_s == pytest.approx(1000.0)  # the job's measured rate is still reported
+
+
+def test_without_dumps_the_replay_in_report_json_gives_the_cache_figures(tmp_path) -> None:
+    url, _ = build_run(tmp_path, dumps=False)
+    m = monitoring_for_run(url, "r1")
+    assert (m.cache.lookups, m.cache.hits, m.cache.tokens_served, m.cache.prompt_tokens) == (20, 15, 4000, 8000)
+    assert m.cache.token_hit_rate == pytest.approx(0.5) and m.cache.source == "report.json replay"
+    assert m.cache.memory_saving_ratio is None and m.cache.kv_bytes_served == pytest.approx(400_000)
+    assert m.economics.gpu_seconds_saved == pytest.approx(4.0) and m.economics.cost_saved is None
+    assert m.security.refused_cross_tenant is None and m.service.lookup_p99_s is None
+    text = " ".join(m.notes)
+    assert "--loader-stats" in text and "--gpu-price-per-hour" in text
+
+
+def test_a_run_with_only_a_plan_says_what_is_missing(tmp_path) -> None:
+    out = tmp_path / "_flows" / "bare"
+    out.mkdir(parents=True)
+    m = compute("bare", read_run(out), [])
+    assert m.cache.source == "none" and m.economics.gpu_seconds_saved is None
+    text = " ".join(m.notes)
+    assert "prefill.json" in text and "--loader-stats" in text and "plan.json" in text
+    assert m.as_dict()["cache_efficiency"]["lookups"] is None
+
+
+def test_dumps_without_prompt_tokens_or_elapsed_leave_those_figures_out_and_say_why(tmp_path) -> None:
+    url, _ = build_run(tmp_path, dumps=False)
+    bare = {k: v for k, v in DUMP_A.items() if k not in ("elapsed_s", "prompt_tokens")}
+    m = compute("r1", read_run(run_directory(url, "r1")), [bare, DUMP_B], Prices(gpu_per_hour=1.0))
+    assert m.cache.lookups == 40 and m.cache.prompt_tokens is None and m.cache.token_hit_rate is None
+    assert m.service.lookups_per_s is None and m.economics.cost_per_1k_requests_cold is None
+    assert m.economics.saving_per_1k_requests == pytest.approx(10.0 / 3600 / 40 * 1000)
+    text = " ".join(m.notes)
+    assert "prompt_tokens" in text and "elapsed_s" in text
+
+
+def test_a_missing_run_names_the_path_and_what_writes_it(tmp_path) -> None:
+    with pytest.raises(MonitoringError, match=r"no run directory .*_flows/nope.*kvwarm pipeline writes it"):
+        monitoring_for_run(f"file://{tmp_path}", "nope")
+
+
+@pytest.mark.parametrize("url, run, message", [
+    ("s3://bucket/prefix", "r", "no local tier first"),
+    ("file:///tmp/x", "../up", "without '/'"),
+    ("file:///tmp/x", "", "non-empty"),
+])
+def test_bad_store_urls_and_run_names_are_refused(url, run, message) -> None:
+    with pytest.raises(MonitoringError, match=message):
+        run_directory(url, run)
+
+
+def test_bad_stats_dumps_are_refused_with_the_file_named(tmp_path) -> None:
+    with pytest.raises(MonitoringError, match="does not exist"):
+        read_loader_stats([tmp_path / "absent.json"])
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(MonitoringError, match=f"{bad}.*not JSON"):
+        read_loader_stats([bad])
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"lookups": 3}))
+    with pytest.raises(MonitoringError, match=r"not a KVLoader.stats\(\) dump.*hits"):
+        read_loader_stats([other])
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(MonitoringError, match="holds a list"):
+        read_loader_stats([listed])
+
+
+def test_a_corrupt_run_file_is_named(tmp_path) -> None:
+    url, _ = build_run(tmp_path, dumps=False)
+    (run_directory(url, "r1") / "prefill.json").write_text("oops")
+    with pytest.raises(MonitoringError, match="prefill.json"):
+        monitoring_for_run(url, "r1")
+
+
+def test_prices_come_from_arguments_then_the_environment_and_are_checked() -> None:
+    assert Prices.from_env(None, environ={"KVWARM_GPU_PRICE_PER_HOUR": "2.5"}).gpu_per_hour == 2.5
+    assert Prices.from_env(4.0, environ={"KVWARM_GPU_PRICE_PER_HOUR": "2.5"}).gpu_per_hour == 4.0
+    assert Prices.from_env(None, environ={}).gpu_per_hour is None
+    with pytest.raises(MonitoringError, match="not a number"):
+        Prices.from_env(None, environ={"KVWARM_GPU_PRICE_PER_HOUR": "cheap"})
+    with pytest.raises(MonitoringError, match="non-negative"):
+        Prices(gpu_per_hour=-1.0)
+    with pytest.raises(MonitoringError, match="positive"):
+        Prices(prefill_tokens_per_s=0.0)
+
+
+def test_kv_bytes_per_token_comes_from_the_plan() -> None:
+    assert kv_bytes_per_token(PLAN) == pytest.approx(100.0)
+    assert kv_bytes_per_token({"extra": {}, "entries": PLAN["entries"]}) is None
+    assert kv_bytes_per_token(None) is None
