@@ -7,7 +7,12 @@ store (``<local tier>/_flows/<run>/``, see :mod:`flows.tasks`); the parent
 
 A stage whose input is bad fails with a :class:`flows.tasks.FlowInputError` (or the
 package's typed error) naming what is wrong; the parent flow then ends failed with
-that message. Rerunning a run is safe: prefill skips the blocks already stored.
+that message. An S3 tier that does not answer fails prefill and GC, after their
+retries, with :class:`flows.tasks.StoreUnreachable` ("S3 is unreachable ..."). Rerunning
+a run is safe: prefill skips the blocks already stored.
+
+Mining fans out over log partitions on the task runner its parameters name (threads
+or Dask; :mod:`flows.partitions`) and mines their merged requests once.
 """
 from __future__ import annotations
 
@@ -20,10 +25,13 @@ import pandas as pd
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from flows import partitions
 from flows import report as reports
-from flows.tasks import (FlowInputError, flow_config, forecast_task, gc_task, kv_bytes_per_token, load_demand,
-                         load_model_task, mine_task, need, plan_task, prefill_task, read_logs_task, run_dir,
-                         save_demand, save_frame, save_json, save_plan, transient, window_task)
+from flows.scheduling import schedule_prefill_task
+from flows.tasks import (FlowInputError, check_bucket, flow_config, forecast_task, gc_task, kv_bytes_per_token,
+                         list_partitions_task, load_demand, load_model_task, mine_task, need, plan_task, prefill_task,
+                         read_partition_task, run_dir, save_demand, save_frame, save_json, save_plan,
+                         save_quarantine, transient, window_task)
 from store.plan import read_plan
 
 DEFAULT_MODEL = "kvwarm-tiny"
@@ -46,24 +54,48 @@ def _model_config(model: str) -> Any:
 @flow(name="mine-logs")
 def mine_logs(logs: str, store: str, run: str, config_path: str | None = None, model: str = DEFAULT_MODEL,
               block_size: int | None = DEFAULT_BLOCK, bucket: str = "1h", k: int = 3, start: str | None = None,
-              end: str | None = None, similarity: float | None = None, quarantine: str | None = None) -> str:
+              end: str | None = None, similarity: float | None = None, quarantine: str | None = None,
+              task_runner: str = "threads", dask_address: str | None = None, parallelism: int = 2,
+              slices: int = 1) -> str:
     """Read the request logs in ``[start, end)``, mine reused prefixes, persist the demand tables.
 
-    Returns the demand directory. Malformed log rows go to ``quarantine``
-    (default ``<run>/quarantine.jsonl``).
+    Fans out over log partitions (``flows.partitions``): each file of a directory, or
+    ``slices`` time slices of one file, is read, validated and tokenised in a task
+    submitted to the task runner named by ``task_runner``: ``threads`` (``parallelism``
+    threads here) or ``dask`` (the cluster at ``dask_address``, else a temporary local
+    cluster of ``parallelism`` worker processes). The partitions' requests are then
+    merged and mined once, so the demand is exactly what one partition gives: candidate
+    prefixes need every request's count, and the MinHash families need every prompt.
+
+    Returns the demand directory. Malformed log rows go to ``quarantine`` (default
+    ``<run>/quarantine.jsonl``); ``mine.json`` records each partition and where it ran.
     """
     out = run_dir(store, run)
     config = flow_config(config_path, block_size)
-    log = read_logs_task(logs, quarantine or str(out / "quarantine.jsonl"), start, end)
+    check_bucket(bucket)
+    runner = partitions.task_runner(task_runner, address=dask_address, workers=parallelism)
+    qpath = quarantine or str(out / "quarantine.jsonl")
+    parts = list_partitions_task(logs, start, end, slices, qpath)
     loaded = load_model_task(model)
-    demand = mine_task(log.requests, loaded, config, k=k, bucket=bucket, similarity=similarity)
+    with runner:
+        futures = [runner.submit(read_partition_task, {"partition": p, "tokenizer": loaded.tokenizer}) for p in parts]
+        reads = [f.result() for f in futures]
+    merged = partitions.merge_reads(reads, qpath)
+    save_quarantine(merged.entries, qpath)
+    if merged.requests.empty:
+        raise FlowInputError(f"the logs {logs!r} hold no usable request in [{start or 'first'}, {end or 'last'}): "
+                             f"{merged.report.summary()}. Fix the rows listed in {qpath} (each with its reason) "
+                             f"or widen start/end")
+    demand = mine_task(merged.requests, loaded, config, k=k, bucket=bucket, similarity=similarity)
     path = save_demand(demand, out / "demand")
-    save_json({"logs": logs, "start": start, "end": end, "read": log.report.summary(),
-               "rows_used": log.report.rows_used, "rows_quarantined": log.report.rows_quarantined,
+    report = merged.report
+    save_json({"logs": logs, "start": start, "end": end, "read": report.summary(),
+               "rows_used": report.rows_used, "rows_quarantined": report.rows_quarantined,
                "prefixes": int(len(demand.prefixes)), "families": int(demand.families["unique_id"].nunique()),
-               "requests": float(demand.total["y"].sum())}, out / "mine.json")
-    get_run_logger().info("mined %d prefixes from %d requests: %s", len(demand.prefixes), log.report.rows_used,
-                          log.report.summary())
+               "requests": float(demand.total["y"].sum()), "task_runner": task_runner,
+               "partitions": [r.summary() for r in reads]}, out / "mine.json")
+    get_run_logger().info("mined %d prefixes from %d requests in %d partition(s) on %s: %s", len(demand.prefixes),
+                          report.rows_used, len(reads), task_runner, report.summary())
     return str(path)
 
 
@@ -93,8 +125,9 @@ def plan_prewarm(store: str, run: str, config_path: str | None = None, model: st
     """Choose what to prefill in the window; write ``plan.json``.
 
     ``schedule_prefill``: a deployment name (``prefill-plan/NAME``) to schedule at the
-    window's start with ``run_deployment`` (needs a Prefect server; the deployment's
-    cron schedule is the fallback).
+    window's start with ``run_deployment`` (see :mod:`flows.scheduling`: once per run and
+    window, with the window's end as the deadline; without a server or that deployment
+    the deployment's cron schedule is the fallback and the plan flow still succeeds).
     """
     out = run_dir(store, run)
     config = flow_config(config_path, block_size)
@@ -108,12 +141,8 @@ def plan_prewarm(store: str, run: str, config_path: str | None = None, model: st
     path = save_plan(plan, out / "plan.json")
     get_run_logger().info("planned %d prefixes (%s)", len(plan.entries), plan.extra)
     if schedule_prefill:
-        from prefect.deployments import run_deployment
-
-        when = pd.Timestamp(window["chosen"]["start"]).tz_localize("UTC").to_pydatetime()
-        run_deployment(schedule_prefill, scheduled_time=when, timeout=0, as_subflow=False,
-                       parameters={"store": store, "run": run, "config_path": config_path, "model": model,
-                                   "block_size": block_size})
+        schedule_prefill_task(store, run, window, schedule_prefill,
+                              parameters={"config_path": config_path, "model": model, "block_size": block_size})
     return str(path)
 
 
@@ -145,11 +174,14 @@ def gc_store(store: str, config_path: str | None = None, block_size: int | None 
 
 @flow(name="report")
 def report(store: str, run: str, extra: dict[str, Any] | None = None,
-           actual_total: list[list[Any]] | None = None) -> dict[str, Any]:
-    """Summarise the run (``report.json``), draw the plots, publish a markdown artifact.
+           actual_total: list[list[Any]] | None = None, gpu_price_per_hour: float | None = None,
+           config_path: str | None = None) -> dict[str, Any]:
+    """Summarise the run (``report.json``), draw the plots, publish markdown and table artifacts.
 
     ``extra``: sections to add (the demo's replay results); ``actual_total``: the held-out
-    load as ``[[ds, y], ...]`` to draw against the forecast.
+    load as ``[[ds, y], ...]`` to draw against the forecast. The monitoring families
+    (docs/monitoring.md) are priced at ``gpu_price_per_hour``, else the config's
+    ``monitoring`` section, else ``$KVWARM_GPU_PRICE_PER_HOUR``.
     """
     out = run_dir(store, run)
     demand = load_demand(out / "demand")
@@ -182,6 +214,11 @@ def report(store: str, run: str, extra: dict[str, Any] | None = None,
     summary["plan"] = {"entries": len(plan.entries), **plan.extra,
                        "expected_hits": float(sum(e.expected_hits for e in plan.entries))}
     summary.update({k: v for k, v in (extra or {}).items() if k != "actual_prefix"})
+    if "monitoring" not in summary:  # the demo passes its own, priced
+        priced = flow_config(config_path, None).monitoring
+        summary["monitoring"] = reports.monitoring_summary(
+            out, summary, gpu_price_per_hour=priced.gpu_price_per_hour if gpu_price_per_hour is None else gpu_price_per_hour,
+            prefill_tokens_per_s=priced.prefill_tokens_per_s)
     summary["plots"] = plots
     save_json(summary, out / "report.json")
     try:
@@ -189,6 +226,7 @@ def report(store: str, run: str, extra: dict[str, Any] | None = None,
 
         create_markdown_artifact(markdown=reports.markdown(summary), key=f"kvwarm-{run}".lower().replace("_", "-"),
                                  description="kvwarm run report")
+        reports.publish_monitoring(summary["monitoring"], run)
     except Exception as e:  # noqa: BLE001 - an artifact is a convenience; the report file is the record
         get_run_logger().warning("could not publish the report artifact: %s", e)
     return summary
@@ -201,9 +239,12 @@ def kvwarm_pipeline(logs: str, store: str, run: str | None = None, config_path: 
                     window_hours: float = 3.0, offpeak_fraction: float = 0.6, prefill_tokens_per_s: float = 2000.0,
                     budget_gpu_s: float = 3600.0, budget_store_bytes: float = float(1 << 30),
                     gpu_s_per_gib_hour: float = 0.5, prefill: bool = True, gc: bool = True,
-                    report_extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                    report_extra: dict[str, Any] | None = None, task_runner: str = "threads",
+                    dask_address: str | None = None, gpu_price_per_hour: float | None = None) -> dict[str, Any]:
     """Mine the logs up to ``train_end``, forecast, plan the off-peak prefill, prefill, GC, report.
 
+    ``task_runner``/``dask_address``: where mining's partition tasks run (see :func:`mine_logs`).
+    ``gpu_price_per_hour``: for the report's economics (default: the config's ``monitoring`` section).
     Returns ``run``, the run directory and the path of each stage's result.
     """
     run = run or _default_run()
@@ -212,7 +253,8 @@ def kvwarm_pipeline(logs: str, store: str, run: str | None = None, config_path: 
         raise FlowInputError(f"logs path {logs!r} does not exist: pass the file or directory of request logs "
                              f"(JSONL or Parquet, docs/logs.md)")
     result: dict[str, Any] = {"run": run, "dir": str(out)}
-    result["demand"] = mine_logs(logs, store, run, config_path, model, block_size, bucket, k, start, train_end)
+    result["demand"] = mine_logs(logs, store, run, config_path, model, block_size, bucket, k, start, train_end,
+                                 task_runner=task_runner, dask_address=dask_address)
     result["window"] = forecast_demand(store, run, horizon, workers, window_hours, offpeak_fraction)
     result["plan"] = plan_prewarm(store, run, config_path, model, block_size, prefill_tokens_per_s, budget_gpu_s,
                                   budget_store_bytes, gpu_s_per_gib_hour)
@@ -221,5 +263,5 @@ def kvwarm_pipeline(logs: str, store: str, run: str | None = None, config_path: 
     if gc:
         result["gc"] = gc_store(store, config_path, block_size, run)
     result["report"] = str(out / "report.json")
-    report(store, run, report_extra)
+    report(store, run, report_extra, gpu_price_per_hour=gpu_price_per_hour, config_path=config_path)
     return result

@@ -11,11 +11,16 @@ run on its own (a deployment per stage) and a rerun reads what an earlier stage 
 
 Retries are set only on tasks that do I/O (reading logs, loading the model, writing
 files and the store); pure computations fail at once with the package's typed error.
+An unreachable S3 tier ends the prefill and GC tasks, after their retries, with
+:class:`StoreUnreachable`, whose message says so and what to check.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +30,15 @@ from prefect.cache_policies import NO_CACHE
 
 from forecasting.demand import Demand, build_demand
 from forecasting.families import find_families
-from forecasting.logs import RequestLog, read_logs
-from forecasting.mining import mine_text
+from flows.partitions import Partition, PartitionRead, plan_partitions, where
+from forecasting.logs import Quarantined, RequestLog, read_logs
+from forecasting.mining import mine_text, tokenize_requests
 from forecasting.models import candidates
 from forecasting.offpeak import lowest_window, offpeak_windows
 from forecasting.parallel import forecast_frame_parallel
 from forecasting.planner import Budget, CostModel, PlanPolicy, make_plan
-from store.config import KvwarmConfig, load_config
+from store.config import KvwarmConfig, load_config, parse_config
+from store.errors import StoreUnavailable
 from store.plan import Plan, read_plan, write_plan
 
 IO_RETRIES = 2
@@ -41,6 +48,10 @@ KV_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 
 class FlowInputError(ValueError):
     """A flow parameter or a file a stage needs is missing or wrong; the message says which and what to do."""
+
+
+class StoreUnreachable(RuntimeError):
+    """The store's S3 tier did not answer (retried: it may come back); the message names the endpoint."""
 
 
 # ---------------------------------------------------------------- paths and config (pure)
@@ -64,12 +75,33 @@ def run_dir(store_url: str, run: str) -> Path:
 
 
 def flow_config(config_path: str | None, block_size: int | None) -> KvwarmConfig:
-    """The kvwarm config, with ``kv_cache.block_size`` replaced when the flow sets one."""
+    """The kvwarm config, with ``kv_cache.block_size`` replaced when the flow sets one.
+
+    Raises:
+        ConfigError: the file is missing or has a bad value, or ``block_size`` is out of
+            range (one line per bad key).
+    """
     config = load_config(config_path)
     if block_size is None:
         return config
-    kv = config.kv_cache.model_copy(update={"block_size": int(block_size)})
-    return config.model_copy(update={"kv_cache": kv})
+    data = config.model_dump()
+    data["kv_cache"]["block_size"] = block_size
+    return parse_config(data, source=f"{config_path or 'the defaults'} with the block_size parameter")
+
+
+def check_bucket(bucket: str) -> pd.Timedelta:
+    """The demand bucket as a positive Timedelta.
+
+    Raises:
+        FlowInputError: ``bucket`` is not a duration or not positive.
+    """
+    try:
+        step = pd.Timedelta(bucket)
+    except (ValueError, TypeError):
+        step = None
+    if step is None or pd.isna(step) or step <= pd.Timedelta(0):
+        raise FlowInputError(f"bucket {bucket!r} is not a positive duration: use e.g. '1h', '15min' or '1D'")
+    return step
 
 
 def need(path: Path, stage: str) -> Path:
@@ -83,11 +115,12 @@ def need(path: Path, stage: str) -> Path:
 def transient(task: Any, task_run: Any, state: Any) -> bool:
     """Retry condition: retry I/O failures, never bad input (a retry cannot fix a wrong path or a bad plan)."""
     from forecasting.logs import LogError
+    from prefill.runner import PrefillError
     from store.errors import ConfigError
 
     try:
         state.result()
-    except (FlowInputError, LogError, ConfigError, ValueError):
+    except (FlowInputError, LogError, ConfigError, ValueError, PrefillError):
         return False
     except Exception:  # noqa: BLE001 - anything else (OSError, S3 down) may pass
         return True
@@ -100,6 +133,65 @@ def read_logs_task(logs: str, quarantine: str | None, start: str | None, end: st
         raise FlowInputError(f"logs path {logs!r} does not exist: pass the file or directory of request logs "
                              f"(JSONL or Parquet, docs/logs.md)")
     return read_logs(logs, quarantine=quarantine, start=start, end=end)
+
+
+@task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
+def list_partitions_task(logs: str, start: str | None, end: str | None, slices: int = 1,
+                         skip: str | None = None) -> list[Partition]:
+    """The log partitions to mine (``flows.partitions.plan_partitions``)."""
+    return plan_partitions(logs, start=start, end=end, slices=slices, skip=skip)
+
+
+@task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
+def read_partition_task(partition: Partition, tokenizer: Any) -> PartitionRead:
+    """Read, validate and tokenise one partition's requests (runs on the flow's chosen task runner).
+
+    Quarantine entries stay in the report (the flow writes one quarantine file for the run).
+    """
+    t0 = time.perf_counter()
+    log = read_logs(partition.source, start=partition.start, end=partition.end)
+    # A private copy: one fast tokenizer shared by threads can fail with "Already borrowed".
+    requests = tokenize_requests(log.requests, copy.deepcopy(tokenizer))
+    worker, pid = where()
+    return PartitionRead(partition, requests, log.report, worker, pid, time.perf_counter() - t0)
+
+
+@task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
+def save_quarantine(entries: tuple[Quarantined, ...], path: str) -> str:
+    """Write the run's quarantine file (JSONL, one malformed row per line; empty when none), local or fsspec URL."""
+    import fsspec
+
+    fs, p = fsspec.core.url_to_fs(path)
+    parent = p.rsplit("/", 1)[0] if "/" in p else ""
+    if parent:
+        fs.makedirs(parent, exist_ok=True)
+    with fs.open(p, "w", encoding="ascii") as fh:
+        for entry in entries:
+            fh.write(entry.to_json() + "\n")
+    return path
+
+
+def check_remote_tiers(store: Any) -> None:
+    """Ask each remote tier of ``store`` one cheap question (a GET of a metadata name) before any work.
+
+    A tier that is down then fails the task at once, instead of every probe and write
+    of the job waiting out its own timeouts first. Raises :class:`StoreUnavailable`.
+    """
+    for tier in store.tiers:
+        if tier is not store.local:
+            tier.get_meta("reachable")
+
+
+@contextlib.contextmanager
+def s3_reachable(config: KvwarmConfig, what: str):
+    """Turn the store's :class:`StoreUnavailable` into :class:`StoreUnreachable` with what to check."""
+    try:
+        yield
+    except StoreUnavailable as exc:
+        endpoint = config.store.s3.endpoint_url or "the AWS default endpoint"
+        raise StoreUnreachable(
+            f"S3 is unreachable ({what}): {exc}. Check store.s3.endpoint_url ({endpoint}), the network and the "
+            f"credentials, then rerun this run: blocks already stored are skipped, nothing is lost") from exc
 
 
 @task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
@@ -174,7 +266,9 @@ def prefill_task(plan_path: Path, loaded: Any, store_url: str, config: KvwarmCon
                 "tokens_per_s": 0.0}
     store = Store.open(store_url, config)
     try:
-        report = warm(list(plan.entries), loaded=loaded, store=store, config=config, deadline=deadline)
+        with s3_reachable(config, "prefill"):
+            check_remote_tiers(store)
+            report = warm(list(plan.entries), loaded=loaded, store=store, config=config, deadline=deadline)
     finally:
         store.close()
     return report.as_dict()
@@ -188,7 +282,9 @@ def gc_task(store_url: str, config: KvwarmConfig, now: float | None = None) -> d
 
     store = Store.open(store_url, config)
     try:
-        return gc(store, now=now, ttl_max_s=config.kv_cache.ttl_max_hours * 3600.0).as_dict()
+        with s3_reachable(config, "gc"):
+            check_remote_tiers(store)
+            return gc(store, now=now, ttl_max_s=config.kv_cache.ttl_max_hours * 3600.0).as_dict()
     finally:
         store.close()
 
@@ -253,6 +349,7 @@ def kv_bytes_per_token(model_config: Any, compression: str) -> float:
     return float(model_config.num_hidden_layers * 2 * heads * head_dim * KV_BYTES[compression])
 
 
-__all__ = ["FlowInputError", "local_dir", "run_dir", "flow_config", "load_demand", "kv_bytes_per_token",
-           "read_logs_task", "load_model_task", "save_demand", "save_json", "save_frame", "save_plan",
+__all__ = ["FlowInputError", "StoreUnreachable", "local_dir", "run_dir", "flow_config", "check_bucket", "load_demand",
+           "kv_bytes_per_token", "read_logs_task", "list_partitions_task", "read_partition_task", "save_quarantine",
+           "s3_reachable", "load_model_task", "save_demand", "save_json", "save_frame", "save_plan",
            "prefill_task", "gc_task", "mine_task", "forecast_task", "window_task", "plan_task"]

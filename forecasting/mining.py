@@ -180,6 +180,34 @@ def mine_text(requests: pd.DataFrame, tokenizer: Tokenizer | None, roots: KeyRoo
     return _tree_from_tokens(_times_us(requests), codes, tenants, flat, lengths, block, tuple(root_list))
 
 
+def tokenize_requests(requests: pd.DataFrame, tokenizer: Tokenizer, *, batch_size: int = 1024) -> pd.DataFrame:
+    """A copy of ``requests`` in which every row with prompt text and no ``token_ids`` gets them.
+
+    The tokenisation :func:`mine_text` does (``tokenizer(texts, add_special_tokens=False)``,
+    int64 arrays), split out so that log partitions can be tokenised apart (in parallel,
+    on other machines) and their union mined once: ``mine_text(tokenize_requests(r, tok),
+    None, roots)`` builds the same tree as ``mine_text(r, tok, roots)``. Rows that already
+    have ``token_ids`` and rows with only ``hash_ids`` are left as they are.
+
+    Raises:
+        MiningError: ``batch_size`` is below 1.
+    """
+    if batch_size < 1:
+        raise MiningError(f"batch_size must be at least 1, got {batch_size}")
+    out = requests.copy()
+    n = len(out)
+    seqs: list[Any] = list(out["token_ids"]) if "token_ids" in out else [None] * n
+    texts: list[Any] = list(out["prompt"]) if "prompt" in out else [None] * n
+    todo = [i for i, (s, t) in enumerate(zip(seqs, texts)) if s is None and isinstance(t, str)]
+    for lo in range(0, len(todo), batch_size):
+        idx = todo[lo:lo + batch_size]
+        ids = tokenizer([texts[i] for i in idx], add_special_tokens=False)["input_ids"]
+        for i, toks in zip(idx, ids):
+            seqs[i] = np.asarray(toks, dtype=np.int64)
+    out["token_ids"] = pd.Series(seqs, index=out.index, dtype=object)
+    return out
+
+
 def mine_hash_ids(times_us: np.ndarray, hash_ids: np.ndarray, offsets: np.ndarray, *, block_size: int,
                   tenant_codes: np.ndarray | None = None, tenants: Sequence[str] = ("default",)) -> PrefixTree:
     """Walk requests given as block hash ids (one id per block, root first) into prefix trees.
