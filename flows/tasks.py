@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from forecasting.models import candidates
 from forecasting.offpeak import lowest_window, offpeak_windows
 from forecasting.parallel import forecast_frame_parallel
 from forecasting.planner import Budget, CostModel, PlanPolicy, make_plan
+from prefill.monitoring import MonitoringError, run_directory
 from store.config import KvwarmConfig, load_config, parse_config
 from store.errors import StoreUnavailable
 from store.plan import Plan, read_plan, write_plan
@@ -56,22 +56,17 @@ class StoreUnreachable(RuntimeError):
 
 # ---------------------------------------------------------------- paths and config (pure)
 
-def local_dir(store_url: str) -> Path:
-    """The directory of the store's first (local) tier: ``file:///a/b,s3://...`` -> ``/a/b``."""
-    first = store_url.split(",")[0].strip()
-    if first.startswith("file://"):
-        first = first[len("file://"):]
-    elif "://" in first:
-        raise FlowInputError(f"store url {store_url!r} has no local tier first; the flows keep their results "
-                             f"under it: use file:///DIR or file:///DIR,s3://bucket/prefix")
-    return Path(os.path.expanduser(first)).resolve()
-
-
 def run_dir(store_url: str, run: str) -> Path:
-    """Where run ``run`` keeps its results: ``<local tier>/_flows/<run>``."""
-    if not run or "/" in run or run.startswith("."):
-        raise FlowInputError(f"run name {run!r} must be a non-empty name without '/' (it names a directory)")
-    return local_dir(store_url) / "_flows" / run
+    """Where run ``run`` keeps its results: ``<local tier>/_flows/<run>``
+    (:func:`prefill.monitoring.run_directory`, which ``prefill report`` reads too).
+
+    Raises:
+        FlowInputError: a bad run name, or a store URL without a ``file://`` tier first.
+    """
+    try:
+        return run_directory(store_url, run)
+    except MonitoringError as exc:
+        raise FlowInputError(str(exc)) from None
 
 
 def flow_config(config_path: str | None, block_size: int | None) -> KvwarmConfig:
@@ -349,7 +344,7 @@ def kv_bytes_per_token(model_config: Any, compression: str) -> float:
     return float(model_config.num_hidden_layers * 2 * heads * head_dim * KV_BYTES[compression])
 
 
-__all__ = ["FlowInputError", "StoreUnreachable", "local_dir", "run_dir", "flow_config", "check_bucket", "load_demand",
+__all__ = ["FlowInputError", "StoreUnreachable", "run_dir", "flow_config", "check_bucket", "load_demand",
            "kv_bytes_per_token", "read_logs_task", "list_partitions_task", "read_partition_task", "save_quarantine",
            "s3_reachable", "load_model_task", "save_demand", "save_json", "save_frame", "save_plan",
            "prefill_task", "gc_task", "mine_task", "forecast_task", "window_task", "plan_task"]

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from flows.pipeline import kvwarm_pipeline, plan_prewarm, prefill_plan
-from flows.tasks import FlowInputError, kv_bytes_per_token, local_dir, run_dir, transient
+from flows.tasks import FlowInputError, kv_bytes_per_token, run_dir, transient
 from store.plan import read_plan
 
 TRAIN_END = "2026-03-04"
@@ -71,9 +71,9 @@ def test_a_stage_run_out_of_order_says_which_stage_to_run_first(prefect_harness,
 
 
 def test_paths_and_sizes() -> None:
-    assert local_dir("file:///var/cache/kv,s3://b/p") == Path("/var/cache/kv")
+    assert run_dir("file:///var/cache/kv,s3://b/p", "r") == Path("/var/cache/kv/_flows/r")
     with pytest.raises(FlowInputError, match="local tier"):
-        local_dir("s3://bucket/prefix")
+        run_dir("s3://bucket/prefix", "r")
     with pytest.raises(FlowInputError, match="run name"):
         run_dir("file:///tmp/x", "../escape")
 
