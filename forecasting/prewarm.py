@@ -3,7 +3,8 @@
 - :func:`naive_prewarm`: the blocks with the most requests in a lookback before ``T``;
 - :func:`kvwarm_prewarm`: the blocks with the highest predicted reuse at ``T``
   (:class:`~forecasting.replay.ReusePredictor`), closed under prefixes;
-- :func:`oracle_prewarm`: the best possible prewarm from blocks seen before ``T`` (the ceiling).
+- :func:`oracle_prewarm`: the best possible prewarm from blocks seen before ``T`` (the ceiling);
+- :func:`first_use_order`: any block set in the oracle's order (a diagnostic that reads the future).
 
 Each returns block ids least valuable first, from the trace before ``T`` only (the
 oracle excepted, by definition). :mod:`forecasting.simulate` replays them.
@@ -14,7 +15,7 @@ import math
 
 import numpy as np
 
-from forecasting.replay import BlockIndex, PredictorConfig, ReusePredictor
+from forecasting.replay import NEVER, BlockIndex, PredictorConfig, ReusePredictor
 
 
 def naive_prewarm(index: BlockIndex, start: int, capacity: int, lookback_s: float) -> np.ndarray:
@@ -83,17 +84,33 @@ def oracle_prewarm(index: BlockIndex, start: int, served: np.ndarray, capacity: 
 
     Ordered by first use (soonest used last, i.e. kept longest); the ceiling for prewarming.
     """
-    tr = index.trace
-    z = int(tr.offsets[start])
+    z = int(index.trace.offsets[start])
     seen = np.zeros(index.n_unique, dtype=bool)
     seen[index.ids[:z]] = True
-    never = np.iinfo(np.int64).max
-    first = np.full(index.n_unique, never, dtype=np.int64)
-    occ = _occurrences(index, served)
+    first = _first_use(index, served)
+    cand = np.flatnonzero(seen & (first < NEVER))
+    return first_use_order(index, cand, served, first=first)[-capacity:] if capacity else cand[:0]
+
+
+def first_use_order(index: BlockIndex, blocks: np.ndarray, served: np.ndarray, *,
+                    first: np.ndarray | None = None) -> np.ndarray:
+    """``blocks`` reordered as the oracle would load them: by first use among ``served`` requests.
+
+    Blocks no served request uses come first (evicted first), then the latest first use,
+    and the soonest used last (kept longest). Reads the future: a diagnostic (how much
+    of a prewarm's shortfall is its order rather than its set), never a policy.
+    """
+    first = _first_use(index, served) if first is None else first
+    blocks = np.asarray(blocks, dtype=np.int64)
+    return blocks[np.argsort(-first[blocks], kind="stable")]
+
+
+def _first_use(index: BlockIndex, served: np.ndarray) -> np.ndarray:
+    """Per dense block id, the first of ``served`` requests that uses it (``NEVER``: none)."""
+    first = np.full(index.n_unique, NEVER, dtype=np.int64)
+    occ = _occurrences(index, np.asarray(served, dtype=np.int64))
     np.minimum.at(first, index.ids[occ], index.request[occ])
-    cand = np.flatnonzero(seen & (first < never))
-    order = np.argsort(-first[cand], kind="stable")
-    return cand[order][-capacity:] if capacity else cand[:0]
+    return first
 
 
 def _occurrences(index: BlockIndex, rows: np.ndarray) -> np.ndarray:

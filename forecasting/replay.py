@@ -244,13 +244,14 @@ class PredictorConfig:
         tau_s: recency scale of the priority ``log p + t_last / tau_s`` (larger: the
             class probability matters longer against recency).
         refresh_s: how often the class table is re-estimated from closed outcomes.
+            The defaults of these three were chosen by ``bench/replay_bench.py --tune``.
         prior_weight: pseudo-count pulling a class towards the overall reuse rate.
         prior_rate: reuse probability assumed before any outcome has been observed.
     """
 
     horizon_s: float = 300.0
     tau_s: float = 300.0
-    refresh_s: float = 60.0
+    refresh_s: float = 15.0
     prior_weight: float = 20.0
     prior_rate: float = 0.3
 
