@@ -143,8 +143,15 @@ class LoaderHit:
                 raise ValueError(f"the model config has {layers} layers; the snapshots have {lay.num_layers}")
         cache = DynamicCache(config=cfg) if cfg is not None else DynamicCache()
         g = self.snapshots[0].header.precision.group_tokens if self.snapshots else 0
-        runs = [self._parts(i, name) for i in range(lay.num_layers) for name in ("k", "v")]
-        kv = self._loader.dequantizer.layers(runs, self.usable_tokens, dtype, device, g)
+        dq = self._loader.dequantizer
+        kv = None
+        if torch.device(device).type == "cpu":  # whole payloads at once where the layout allows
+            payloads = [s.payload for s in self.snapshots]
+            if all(p is not None for p in payloads):
+                kv = dq.payload_layers(payloads, self.usable_tokens, dtype)  # type: ignore[arg-type]
+        if kv is None:
+            runs = [self._parts(i, name) for i in range(lay.num_layers) for name in ("k", "v")]
+            kv = dq.layers(runs, self.usable_tokens, dtype, device, g)
         for i in range(lay.num_layers):
             put_layer(cache, i, kv[2 * i][None], kv[2 * i + 1][None])
         self._loader.metrics.observe("to_dynamic_cache", time.perf_counter() - t0)

@@ -43,7 +43,7 @@ from store.metrics import LoaderMetrics
 from store.paged import Dequantizer, DequantMode
 from store.plan import Plan, read_plan
 from store.pool import Admit, PoolAttachRefused, SnapshotPool, default_pool_dir, readahead
-from store.snapshot import Snapshot, read_snapshot
+from store.snapshot import Snapshot, map_file, read_snapshot
 from store.store import Store, tiers_from_url
 from store.tenant import Tenant
 from store.tier import object_name
@@ -317,17 +317,20 @@ class KVLoader:
 
     def _map_local(self, block: Block, name: str, *, verify: bool) -> Snapshot | str:
         """Map one NVMe snapshot and check it is exactly ``block``; a reason string if not."""
-        src = self.local.read(name)
-        if src is None:
+        try:
+            # the hit is about to be used: the kernel reads the file ahead once (if not cached)
+            src = map_file(self.local.path(name), willneed=True)
+        except FileNotFoundError:
             return "absent"  # evicted from NVMe since the probe
+        self.local.touch(name)
         location = self.local.describe(name)
         try:
             snap = read_snapshot(src, location=location, verify_payload=verify)
             snap.header.check_matches(block, self.root, location=location)
         except SnapshotError as exc:
-            src.close()
+            del src  # unmapped with its last view
             return self._refuse_file(name, exc)
-        snap.source_size = src.size()  # type: ignore[attr-defined]
+        snap.source_size = src.size  # type: ignore[attr-defined]
         self.metrics.mapped(snap.source_size)  # type: ignore[attr-defined]
         return snap
 

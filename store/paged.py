@@ -25,18 +25,24 @@ import concurrent.futures as cf
 import logging
 import os
 import threading
-from typing import Any, Callable, Literal, Sequence
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Literal, Sequence
 
 import numpy as np
 import torch
 
-from store.precision import dequantize
+from store.precision import STORAGE_DTYPES, dequantize
+
+if TYPE_CHECKING:
+    from store.snapshot import PayloadLayout
 
 log = logging.getLogger("kvwarm.paged")
 _FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
 _NP_SAME_SIZE = {2: np.int16, 4: np.int32}
 _GATHER_THREADS = max(1, min(4, (os.cpu_count() or 1)))  # 4 numpy copies: 12.5 GB/s on the H200 host, 8 or 16: ~10
 _gather_executor: cf.ThreadPoolExecutor | None = None
+_KEEP_STAGING_BYTES = 256 << 20  # a CPU staging buffer up to this size is kept for the next hit
 _gather_lock = threading.Lock()
 
 
@@ -104,6 +110,55 @@ def _fp8_layers(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
 DequantMode = Literal["auto", "table", "compiled"]
 
 
+@dataclass(frozen=True)
+class _Strided:
+    """A payload layout whose K/V parts (in the order K.0, V.0, K.1, ...) and their per-head
+    scales sit at regular steps, so all of them are one strided view of the payload."""
+
+    m: int  # parts: K and V of every layer
+    shape: tuple[int, int, int]  # heads, block tokens, head dim
+    dtype: torch.dtype  # stored dtype (the same for every part)
+    base: int  # byte offset of the first part, and the step between parts
+    step: int
+    scale_base: int  # the same for the fp32 scales (-1: no scales)
+    scale_step: int
+
+
+def _strided(layout: "PayloadLayout") -> _Strided | None:
+    """The regular structure of ``layout`` (cached per layout), or ``None`` if it has none
+    (mixed precision layers, per-group scales, parts not at regular steps)."""
+    if "_strided" in layout.__dict__:
+        return layout.__dict__["_strided"]
+    plan = None
+    try:
+        index = layout.index()
+        layers = sum(1 for p in layout.parts if p[0].startswith("k.") and p[0][2:].isdigit())
+        names = [f"{kv}.{i}" for i in range(layers) for kv in ("k", "v")]
+        data = [layout.parts[index[n]] for n in names]
+        offs = [layout.offsets[index[n]] for n in names]
+        scaled = all(f"{kv}_scale.{i}" in index for i in range(layers) for kv in ("k", "v"))
+        first = data[0]
+        uniform = all(d[1] == first[1] and d[2] == first[2] for d in data) and len(first[2]) == 3
+        step = offs[1] - offs[0] if len(offs) > 1 else 0
+        regular = all(o == offs[0] + j * step for j, o in enumerate(offs)) and step >= first[3]
+        sbase, sstep = -1, 0
+        if scaled:
+            sparts = [layout.parts[index[f"{kv}_scale.{i}"]] for i in range(layers) for kv in ("k", "v")]
+            soffs = [layout.offsets[index[f"{kv}_scale.{i}"]] for i in range(layers) for kv in ("k", "v")]
+            sstep = soffs[1] - soffs[0] if len(soffs) > 1 else 0
+            regular &= all(o == soffs[0] + j * sstep for j, o in enumerate(soffs))
+            regular &= all(sp[1] == "fp32" and sp[2] == (first[2][0],) for sp in sparts)
+            regular &= soffs[0] % 4 == 0 and sstep % 4 == 0
+            sbase = soffs[0]
+        if layers and uniform and regular and (scaled == (first[1] == "fp8_e4m3")) and step >= 0:
+            plan = _Strided(len(names), tuple(first[2]), STORAGE_DTYPES[first[1]],  # type: ignore[arg-type]
+                            offs[0], step, sbase, sstep)
+    except (KeyError, IndexError, ValueError):
+        plan = None
+    object.__setattr__(layout, "_strided", plan)  # a cache on the (frozen) layout
+    return plan
+
+
 class Dequantizer:
     """Dequantises runs of blocks (K and V of every layer) into ``[heads, tokens, dim]`` tensors.
 
@@ -127,6 +182,8 @@ class Dequantizer:
         self._pending: set[tuple] = set()
         self._kernel: Callable[..., torch.Tensor] | None = None
         self._staging: torch.Tensor | None = None
+        self._host_lock = threading.Lock()
+        self._host: torch.Tensor | None = None  # CPU staging of whole payloads (see payload_layers)
 
     def __call__(self, out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor | None,
                  group_tokens: int = 0) -> None:
@@ -184,10 +241,15 @@ class Dequantizer:
         return self._compiled()(stored, scale, dtype)
 
     def _build(self, key: tuple) -> None:
-        (m, heads, bs, dim), dtype = key
         try:
-            self._run(torch.zeros((m, 2, heads, bs, dim), dtype=torch.uint8).view(torch.float8_e4m3fn),
-                      torch.ones((m, 2, heads)), dtype)
+            if key[0] == "payload":  # whole payloads: see payload_layers
+                _, nbytes, plan, dtype = key
+                zeros = np.zeros(nbytes, dtype=np.uint8)
+                self._payload_kernel([zeros, zeros], plan, nbytes, dtype)
+            else:
+                (m, heads, bs, dim), dtype = key
+                self._run(torch.zeros((m, 2, heads, bs, dim), dtype=torch.uint8).view(torch.float8_e4m3fn),
+                          torch.ones((m, 2, heads)), dtype)
             with self._lock:
                 self._ready.add(key)
         except Exception as exc:  # noqa: BLE001 - no compiler here: the table path stays
@@ -209,6 +271,108 @@ class Dequantizer:
         if start and self._executor is not None:
             self._executor.submit(self._build, key)
         return ready
+
+    def payload_layers(self, payloads: Sequence[tuple[np.ndarray, "PayloadLayout"]], tokens: int,
+                       dtype: torch.dtype) -> list[torch.Tensor] | None:
+        """On the CPU, K and V of every layer from whole snapshot payloads, one operation per snapshot.
+
+        ``payloads`` are :attr:`store.snapshot.Snapshot.payload` of consecutive blocks.
+        Returns, as :meth:`layers` does, one ``[heads, tokens, dim]`` tensor per K/V of each
+        layer (K.0, V.0, K.1, ...), or ``None`` where this path does not apply and the
+        caller must use :meth:`layers`: payloads of different layouts, parts not at regular
+        steps (mixed precision, per-group scales), FP8 in the ``table`` mode, fewer than 2
+        FP8 blocks, or an output dtype other than an unquantised snapshot's own. In ``auto``
+        mode before the kernel is built (or when it cannot be built) the table runs here,
+        from the same views, so that :meth:`layers` does not start building another kernel.
+
+        - unquantised storage: one strided copy per snapshot, from the mapping straight into
+          the final layout (the bits are the stored ones, as in :func:`dequantize`);
+        - FP8 with per-head scales: each payload is copied whole (one copy per snapshot) into
+          a reused staging buffer, and one compiled pass of the reference arithmetic reads
+          the parts and scales there as strided views and writes the final layout.
+        """
+        if not payloads or tokens < 1:
+            return None
+        layout = payloads[0][1]
+        if any(lay is not layout for _, lay in payloads):
+            return None
+        plan = _strided(layout)
+        if plan is None:
+            return None
+        n = len(payloads)
+        heads, bs, dim = plan.shape
+        if tokens > n * bs or any(a.shape != (layout.nbytes,) for a, _ in payloads):
+            return None
+        if plan.scale_base < 0:
+            if plan.dtype != dtype or torch.empty((), dtype=dtype).element_size() not in _NP_SAME_SIZE:
+                return None
+            return self._copy_plain([a for a, _ in payloads], plan, tokens, dtype)
+        if plan.dtype != torch.float8_e4m3fn or self.mode == "table" or n < 2:
+            return None
+        arrays = [a for a, _ in payloads]
+        if not self._kernel_ready(("payload", layout.nbytes, plan, dtype)):
+            # auto before the kernel is built (or a kernel that failed to build): the table,
+            # part by part, rather than starting the build of another kernel in layers()
+            return self._table_from_payloads(arrays, plan, tokens, dtype)
+        y = self._payload_kernel(arrays, plan, layout.nbytes, dtype)
+        return [y[j] if y.shape[2] == tokens else y[j][:, :tokens] for j in range(plan.m)]
+
+    @staticmethod
+    def _copy_plain(payloads: Sequence[np.ndarray], plan: _Strided, tokens: int,
+                    dtype: torch.dtype) -> list[torch.Tensor]:
+        heads, bs, dim = plan.shape
+        esize = torch.empty((), dtype=dtype).element_size()
+        out = torch.empty((plan.m, heads, tokens, dim), dtype=dtype)
+        dst = out.view(_int_dtype(dtype)).numpy()
+        t = 0
+        for arr in payloads:
+            nt = min(bs, tokens - t)
+            if nt <= 0:
+                break
+            src = np.ndarray((plan.m, heads, nt, dim), dtype=_NP_SAME_SIZE[esize], buffer=arr, offset=plan.base,
+                             strides=(plan.step, bs * dim * esize, dim * esize, esize))
+            np.copyto(dst[:, :, t : t + nt], src)
+            t += nt
+        return [out[j] for j in range(plan.m)]
+
+    def _table_from_payloads(self, payloads: Sequence[np.ndarray], plan: _Strided, tokens: int,
+                             dtype: torch.dtype) -> list[torch.Tensor]:
+        heads, bs, dim = plan.shape
+        size = heads * bs * dim
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only mappings: torch cannot write to them
+            flat = [torch.from_numpy(a) for a in payloads]
+        out = []
+        for j in range(plan.m):
+            run = [(f[plan.base + j * plan.step : plan.base + j * plan.step + size].view(torch.float8_e4m3fn)
+                    .view(heads, bs, dim),
+                    f[plan.scale_base + j * plan.scale_step : plan.scale_base + j * plan.scale_step + 4 * heads]
+                    .view(torch.float32)) for f in flat]
+            t = torch.empty((heads, tokens, dim), dtype=dtype)
+            fill_contiguous(t, run, 0, self)
+            out.append(t)
+        return out
+
+    def _payload_kernel(self, payloads: Sequence[np.ndarray], plan: _Strided, nbytes: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+        """FP8 payloads -> ``[m, heads, n*bs, dim]`` through the staging buffer and the compiled kernel."""
+        n = len(payloads)
+        heads, bs, dim = plan.shape
+        row = -(-nbytes // 64) * 64
+        with self._host_lock:  # held until the kernel has read the staging buffer
+            if self._host is not None and self._host.numel() >= n * row:
+                host = self._host[: n * row].view(n, row)
+            else:
+                host = torch.empty((n, row), dtype=torch.uint8)
+                if n * row <= _KEEP_STAGING_BYTES:
+                    self._host = host.view(-1)
+            hnp = host.numpy()
+            for i, arr in enumerate(payloads):
+                np.copyto(hnp[i, :nbytes], arr)
+            stored = host.as_strided((plan.m, n, heads, bs, dim), (plan.step, row, bs * dim, dim, 1), plan.base)
+            scales = host.view(torch.float32).as_strided((plan.m, n, heads), (plan.scale_step // 4, row // 4, 1),
+                                                         plan.scale_base // 4)
+            return self._run(stored.view(torch.float8_e4m3fn), scales, dtype)
 
     def layers(self, parts: Sequence[Sequence["BlockPart"]], tokens: int, dtype: torch.dtype,
                device: str | torch.device = "cpu", group_tokens: int = 0) -> list[torch.Tensor]:

@@ -203,3 +203,45 @@ def _blocks(ld, ids):
     from store.keys import block_chain
 
     return block_chain(ld.root, ids)
+
+
+def test_an_empty_snapshot_file_is_a_corrupt_miss(tmp_path, model):
+    m, _ = model
+    cfg = config(BS, "fp8")
+    ids = prompt(2 * BS + 1, seed=41)
+    store = put(tmp_path, cfg, m, ids[: 2 * BS])
+    ld = loader(tmp_path, cfg)
+    from store.keys import block_chain
+
+    store.local.path(ld._names(block_chain(ld.root, ids))[0]).write_bytes(b"")  # nothing to map
+    assert ld.lookup(ids) is None
+    assert ld.stats()["misses_by_reason"] == {"corrupt": 1}
+    assert serve(m, None, ids) == cold(m, ids)
+    ld.close()
+    store.close()
+
+
+def test_the_fast_header_parse_reads_what_was_written_and_refuses_what_was_not():
+    import json
+
+    from store.errors import SnapshotCorrupt
+    from store.header import SnapshotHeader
+    from store.keys import block_chain
+    from store.snapshot import build_snapshot
+
+    precision = config(BS, "fp8").kv_cache.precision()
+    root = TINY.key_root(precision, BS, ACME.salt)
+    kv = [(torch.randn((2, BS, 4)), torch.randn((2, BS, 4)))]
+    header = build_snapshot(root=root, block=block_chain(root, list(range(BS)))[0], tenant="acme", kv=kv,
+                            precision=precision, created_at=1.0, ttl_s=2.0).header
+    assert SnapshotHeader.from_json(header.to_json()) == header
+    d = json.loads(header.to_json())
+    d["quant_error"]["k_rel_l2"] = [float("nan")]  # json writes NaN; a strict parser refuses it
+    back = SnapshotHeader.from_json(json.dumps(d).encode())
+    assert back.parts == header.parts and back.quant_error["k_rel_l2"][0] != back.quant_error["k_rel_l2"][0]
+    d["parts"][0]["extra"] = 1
+    with pytest.raises(SnapshotCorrupt, match="header fields are invalid"):
+        SnapshotHeader.from_json(json.dumps(d).encode())
+    del d["parts"][0]["extra"], d["parts"][0]["xxh3"]
+    with pytest.raises(SnapshotCorrupt, match="header fields are invalid"):
+        SnapshotHeader.from_json(json.dumps(d).encode())

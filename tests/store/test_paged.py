@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from store.loader import KVLoader
-from store.paged import Dequantizer, dequantize_into
+from store.paged import Dequantizer, _strided, dequantize_into
 from store.precision import Precision, dequantize, quantize
 from store.store import Store
 from tests.store.pool_workers import ACME, TINY, config, prefill_kv, prompt, tiny_model, write_prefix
@@ -171,3 +171,101 @@ def test_the_device_path_gives_the_same_bits_and_reuses_its_staging_buffer():
              for _ in range(4)]
     got = dq._to_device(plain, torch.float32, torch.device("cpu"))
     assert all(torch.equal(got[j], torch.cat([q.float() for q, _ in run], dim=1)) for j, run in enumerate(plain))
+
+
+def mapped_snapshots(tmp_path, precision: Precision, n: int, *, layers: int = 3, heads: int = 2, dim: int = 8,
+                     seed: int = 3):
+    """``n`` consecutive snapshots of random KV, written to files and mapped back as the loader maps them."""
+    from store.keys import block_chain
+    from store.snapshot import build_snapshot, map_file, read_snapshot, snapshot_bytes
+
+    root = TINY.key_root(precision, BS, ACME.salt)
+    g = torch.Generator().manual_seed(seed)
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    snaps = []
+    for b in block_chain(root, list(range(n * BS + 1))):
+        kv = [(torch.randn((heads, BS, dim), generator=g) * 4, torch.randn((heads, BS, dim), generator=g))
+              for _ in range(layers)]
+        enc = build_snapshot(root=root, block=b, tenant=ACME.name, kv=kv, precision=precision, created_at=0.0,
+                             ttl_s=60.0)
+        path = tmp_path / f"{b.index}.kvw"
+        path.write_bytes(snapshot_bytes(enc))
+        snaps.append(read_snapshot(map_file(path), verify_payload=True))
+    return snaps
+
+
+def per_part(snaps, tokens: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The reference: every part dequantised alone (store.precision.dequantize), then concatenated."""
+    layers = snaps[0].header.layout.num_layers
+    out = []
+    for i in range(layers):
+        for name in ("k", "v"):
+            parts = []
+            for s in snaps:
+                scale = s.tensor(f"{name}_scale.{i}") if f"{name}_scale.{i}" in s._parts else None
+                parts.append(dequantize(s.tensor(f"{name}.{i}"), scale, dtype, s.header.precision.group_tokens))
+            out.append(torch.cat(parts, dim=1)[:, :tokens])
+    return out
+
+
+@pytest.mark.parametrize("compression", ["fp8", "bf16"])
+def test_whole_payloads_give_the_bits_of_each_part_dequantised_alone(tmp_path, compression):
+    precision = Precision(compression=compression)
+    snaps = mapped_snapshots(tmp_path, precision, 3)
+    payloads = [s.payload for s in snaps]
+    assert all(p is not None for p in payloads)
+    assert all(p[1] is payloads[0][1] for p in payloads)  # one interned layout per geometry
+    dq = Dequantizer("compiled" if compression == "fp8" else "table")
+    for tokens in (3 * BS, 3 * BS - 5, BS + 1):  # whole blocks, and ending mid-block
+        got = dq.payload_layers(payloads, tokens, torch.bfloat16)
+        assert got is not None and len(got) == 6
+        want = per_part(snaps, tokens, torch.bfloat16)
+        assert all(a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+                   for a, b in zip(got, want))
+    # the mapping is read, never written
+    assert all(not p[0].flags.writeable for p in payloads)
+
+
+def test_whole_payloads_fall_back_where_the_layout_is_not_regular(tmp_path):
+    # mixed precision (bf16 layers among FP8 ones), per-group scales, the table mode, a
+    # dtype other than the stored one: None, and the per-part path (to_dynamic_cache) is used
+    mixed = mapped_snapshots(tmp_path / "m", Precision(keep_layers=(1,)), 2)
+    grouped = mapped_snapshots(tmp_path / "g", Precision(granularity="head_group", group_tokens=5), 2)
+    plain = mapped_snapshots(tmp_path / "p", Precision(compression="bf16"), 2)
+    fp8 = mapped_snapshots(tmp_path / "f", Precision(), 2)
+    compiled = Dequantizer("compiled")
+    assert compiled.payload_layers([s.payload for s in mixed], 2 * BS, torch.bfloat16) is None
+    assert compiled.payload_layers([s.payload for s in grouped], 2 * BS, torch.bfloat16) is None
+    assert compiled.payload_layers([s.payload for s in plain], 2 * BS, torch.float32) is None
+    assert Dequantizer("table").payload_layers([s.payload for s in fp8], 2 * BS, torch.bfloat16) is None
+    # auto before its kernel is built: the table from the payloads (no second kernel started)
+    import concurrent.futures as cf
+
+    with cf.ThreadPoolExecutor(1) as ex:
+        auto = Dequantizer("auto", ex)
+        auto._pending.add(("payload", fp8[0].payload[1].nbytes, _strided(fp8[0].payload[1]), torch.bfloat16))
+        got = auto.payload_layers([s.payload for s in fp8], 2 * BS - 3, torch.bfloat16)
+        assert all(torch.equal(a, b) for a, b in zip(got, per_part(fp8, 2 * BS - 3, torch.bfloat16)))
+        assert not auto._ready and len(auto._pending) == 1
+    assert compiled.payload_layers([s.payload for s in fp8[:1]], BS, torch.bfloat16) is None  # one block
+    assert compiled.payload_layers([mixed[0].payload, fp8[1].payload], 2 * BS, torch.bfloat16) is None
+    assert compiled.payload_layers([s.payload for s in fp8], 2 * BS + 1, torch.bfloat16) is None  # too many tokens
+
+
+@pytest.mark.parametrize("compression", ["fp8", "bf16"])
+def test_to_dynamic_cache_from_whole_payloads_matches_the_per_part_path(tmp_path, bf16_model, compression):
+    m, _ = bf16_model
+    ids = prompt(3 * BS + 2, seed=5)
+    ld = loader_for(tmp_path, compression, m, ids)
+    ld.dequantizer = Dequantizer("compiled" if compression == "fp8" else "table")
+    per_part_dq = Dequantizer("table")
+    with ld.lookup(ids) as hit:
+        payloads = [s.payload for s in hit.snapshots]
+        assert ld.dequantizer.payload_layers(payloads, hit.usable_tokens, torch.bfloat16) is not None  # this path
+        cache = hit.to_dynamic_cache("cpu", torch.bfloat16)
+        ld.dequantizer = per_part_dq  # the table: FP8 goes part by part
+        runs = [hit._parts(i, name) for i in range(hit.layout.num_layers) for name in ("k", "v")]
+        want = per_part_dq.layers(runs, hit.usable_tokens, torch.bfloat16)
+    for i, layer in enumerate(cache.layers):
+        assert torch.equal(layer.keys[0], want[2 * i]) and torch.equal(layer.values[0], want[2 * i + 1])
+    ld.close()
