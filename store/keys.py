@@ -107,7 +107,10 @@ def _token_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
 
 def chain_key(parent: BlockKey, block_tokens: Sequence[int] | np.ndarray) -> BlockKey:
     """Key of one block given its parent's key and the block's token ids."""
-    tok = _token_bytes(block_tokens)
+    return _chain_key(parent, _token_bytes(block_tokens))
+
+
+def _chain_key(parent: BlockKey, tok: bytes) -> BlockKey:
     h = hashlib.sha256(_BLOCK_DOMAIN)
     h.update(bytes.fromhex(parent))
     h.update(struct.pack("<I", len(tok) // 4))
@@ -136,14 +139,20 @@ def block_chain(root: KeyRoot, token_ids: Sequence[int] | np.ndarray) -> list[Bl
     The final partial block (``len % block_size`` tokens) has no key: it is never
     stored, since a serving engine recomputes at least the last token anyway.
     """
-    arr = np.asarray(token_ids)
     n = root.block_size
+    count = len(token_ids) // n
+    if count == 0:
+        _token_bytes(token_ids)  # still refuse bad ids
+        return []
+    # validated and encoded once for the whole prompt (the serving path keys every lookup)
+    encoded = _token_bytes(token_ids)
+    as_ints = np.frombuffer(encoded, dtype="<u4").tolist()
+    width = 4 * n
     parent = root_key(root)
     blocks: list[Block] = []
-    for i in range(len(arr) // n):
-        toks = arr[i * n : (i + 1) * n]
-        key = chain_key(parent, toks)
-        blocks.append(Block(i, key, parent, tuple(int(t) for t in toks)))
+    for i in range(count):
+        key = _chain_key(parent, encoded[i * width : (i + 1) * width])
+        blocks.append(Block(i, key, parent, tuple(as_ints[i * n : (i + 1) * n])))
         parent = key
     return blocks
 

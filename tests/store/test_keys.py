@@ -135,3 +135,22 @@ def test_bad_inputs_are_refused_with_clear_errors() -> None:
     with pytest.raises(ValueError, match="64 lower-case hex"):
         check_key("../../etc/passwd")
     assert check_key("a" * 64) == "a" * 64
+
+
+def test_block_chain_keys_each_block_as_chain_key_does_and_refuses_bad_ids_anywhere() -> None:
+    import numpy as np
+
+    from store.identity import ModelIdentity
+    from store.precision import Precision
+
+    root = ModelIdentity("m@1", "t").key_root(Precision(), 4, b"s" * 32)
+    ids = [7, 0, 2**32 - 1, 5, 9, 9, 9, 9, 1, 2]  # two full blocks of 4 and a partial one
+    chain = block_chain(root, ids)
+    assert [b.tokens for b in chain] == [(7, 0, 2**32 - 1, 5), (9, 9, 9, 9)]
+    assert all(type(t) is int for b in chain for t in b.tokens)
+    assert chain[0].key == chain_key(chain[0].parent, ids[:4]) and chain[1].key == chain_key(chain[0].key, ids[4:8])
+    assert [b.key for b in block_chain(root, np.array(ids, dtype=np.int64))] == [b.key for b in chain]
+    with pytest.raises(ValueError, match="token ids"):
+        block_chain(root, ids[:8] + [-1])  # a bad id in the partial tail is still bad input
+    with pytest.raises(ValueError, match="token ids"):
+        block_chain(root, [-1])
