@@ -127,6 +127,9 @@ class LoaderConfig(_Section):
     verify_payload: bool = Field(True, description="Check payload checksums when a snapshot enters the pool.")
     fetch_workers: int = Field(2, ge=1, le=64)
     dequant: Literal["table", "compiled", "auto"] = "table"
+    public_prefixes: bool = Field(
+        True, description="Also look up prefixes prefilled for tenant 'public' (shared system prompts) and keep "
+                          "the longer hit.")
 
 
 class MonitoringConfig(_Section):

@@ -45,7 +45,7 @@ from store.plan import Plan, read_plan
 from store.pool import Admit, PoolAttachRefused, SnapshotPool, default_pool_dir, readahead
 from store.snapshot import Snapshot, map_file, read_snapshot
 from store.store import Store, tiers_from_url
-from store.tenant import Tenant
+from store.tenant import PUBLIC, PUBLIC_TENANT, Tenant
 from store.tier import object_name
 
 log = logging.getLogger("kvwarm.loader")
@@ -63,6 +63,14 @@ class PrefetchResult:
     mapped: int = 0  # mapped into this process and admitted to the pool
     skipped: int = 0  # plan entries for other tenants, or text without a tokenizer
     failed: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _Scope:
+    """Where a chain's snapshots live: the key root it is salted with and its namespace."""
+
+    root: KeyRoot
+    ns: str
 
 
 class KVLoader:
@@ -134,6 +142,13 @@ class KVLoader:
         self._model_config = model_config
         self.precision = self.config.kv_cache.precision()
         self.root: KeyRoot = self.identity.key_root(self.precision, self.config.kv_cache.block_size, self.tenant.salt)
+        self._own = _Scope(self.root, self.tenant.name)
+        # prefixes prefilled on purpose for everyone (a shared system prompt) live under
+        # the public salt: a lookup also tries them and keeps the longer hit
+        self._public: _Scope | None = None
+        if d.public_prefixes and self.tenant.name != PUBLIC:
+            self._public = _Scope(self.identity.key_root(self.precision, self.config.kv_cache.block_size,
+                                                         PUBLIC_TENANT.salt), PUBLIC)
         self.fetch_mode: FetchMode = fetch_mode
         self.sync_fetch_timeout_s = float(sync_fetch_timeout_s)
         self.s3_backoff_s = float(s3_backoff_s)
@@ -208,7 +223,9 @@ class KVLoader:
         blocks = block_chain(self.root, ids)  # ValueError for bad input: a programming error
         self.metrics.lookup()
         try:
-            hit, reason = self._lookup(blocks, len(ids))
+            hit, reason = self._lookup(self._own, blocks, len(ids))
+            if self._public is not None and (hit is None or len(hit.blocks) < len(blocks)):
+                hit, reason = self._longer_public(hit, reason, ids)
         except TenantAccessDenied as exc:
             self.metrics.refused()
             log.warning("lookup refused: %s", exc)
@@ -229,35 +246,49 @@ class KVLoader:
         self.metrics.observe("lookup", time.perf_counter() - t0)
         return hit
 
-    def _lookup(self, blocks: list[Block], n_tokens: int) -> tuple[LoaderHit | None, str | None]:
+    def _longer_public(self, hit: LoaderHit | None, reason: str | None,
+                       ids: np.ndarray) -> tuple[LoaderHit | None, str | None]:
+        """The public namespace's hit for ``ids`` if it is longer than the tenant's own ``hit``."""
+        assert self._public is not None
+        have = len(hit.blocks) if hit is not None else 0
+        pub = block_chain(self._public.root, ids)
+        if len(pub) <= have or self._local_store.probe(self.tenant, pub[: have + 1], self._public.root).count <= have:
+            return hit, reason  # nothing longer stored locally under public (the common case: one probe)
+        phit, preason = self._lookup(self._public, pub, len(ids))
+        if phit is None or len(phit.blocks) <= have:
+            if phit is not None:
+                phit.release()
+            return hit, reason
+        if hit is not None:
+            hit.release()
+        return phit, preason
+
+    def _lookup(self, scope: "_Scope", blocks: list[Block], n_tokens: int) -> tuple[LoaderHit | None, str | None]:
         if not blocks or n_tokens < 2:
             return None, "short_prompt"
         if not self._try_attach():
             return None, "max_shared_instances"
         self._reconcile()
-        count = self._local_store.probe(self.tenant, blocks, self.root).count
+        count = self._local_store.probe(self.tenant, blocks, scope.root).count
         reason: str | None = None
         tier = "nvme"
         if count < len(blocks) and self.has_remote:
             if not self._s3_usable():
                 reason = "store_unavailable"
             elif self.fetch_mode == "sync":
-                got, reason = self._fetch_sync(blocks, count)
+                got, reason = self._fetch_sync(scope, blocks, count)
                 if got > count:
                     count, tier = got, "s3"
             else:
-                self._schedule(blocks[count:])
+                self._schedule(scope, blocks[count:])
                 reason = "fetch_scheduled"
         if count == 0:
             return None, reason or "absent"
-        hit, stop = self._map_and_pin(blocks[:count], n_tokens, tier)
+        hit, stop = self._map_and_pin(blocks[:count], n_tokens, tier, scope)
         return hit, stop or (reason if hit is None else None)
 
-    def _ns(self) -> str:
-        return self.tenant.name
-
-    def _names(self, blocks: Sequence[Block]) -> list[str]:
-        ns = self._ns()
+    def _names(self, blocks: Sequence[Block], scope: "_Scope | None" = None) -> list[str]:
+        ns = (scope or self._own).ns
         return [object_name(ns, b.key) for b in blocks]
 
     def _reconcile(self) -> None:
@@ -275,8 +306,10 @@ class KVLoader:
                     del self._mapped[name]  # unmapped when the last view of it goes
             self._epoch = epoch
 
-    def _map_and_pin(self, blocks: Sequence[Block], n_tokens: int, tier: str) -> tuple[LoaderHit | None, str | None]:
-        names = self._names(blocks)
+    def _map_and_pin(self, blocks: Sequence[Block], n_tokens: int, tier: str,
+                     scope: "_Scope | None" = None) -> tuple[LoaderHit | None, str | None]:
+        scope = scope or self._own
+        names = self._names(blocks, scope)
         in_pool = self.pool.admissions(names)
         now = self.clock()
         snaps: list[Snapshot] = []
@@ -288,7 +321,7 @@ class KVLoader:
             snap = cached[1] if cached is not None and in_pool.get(name) == cached[0] else None
             if snap is None:
                 all_pooled &= name in in_pool
-                got = self._map_local(block, name, verify=self.verify_payload and name not in in_pool)
+                got = self._map_local(block, name, scope.root, verify=self.verify_payload and name not in in_pool)
                 if isinstance(got, str):
                     stop = got
                     break
@@ -315,7 +348,7 @@ class KVLoader:
                         "pool" if all_pooled and tier == "nvme" else tier)
         return hit, stop
 
-    def _map_local(self, block: Block, name: str, *, verify: bool) -> Snapshot | str:
+    def _map_local(self, block: Block, name: str, root: KeyRoot, *, verify: bool) -> Snapshot | str:
         """Map one NVMe snapshot and check it is exactly ``block``; a reason string if not."""
         try:
             # the hit is about to be used: the kernel reads the file ahead once (if not cached)
@@ -326,7 +359,7 @@ class KVLoader:
         location = self.local.describe(name)
         try:
             snap = read_snapshot(src, location=location, verify_payload=verify)
-            snap.header.check_matches(block, self.root, location=location)
+            snap.header.check_matches(block, root, location=location)
         except SnapshotError as exc:
             del src  # unmapped with its last view
             return self._refuse_file(name, exc)
@@ -345,29 +378,29 @@ class KVLoader:
         return reason
 
     # -- S3 -> NVMe ----------------------------------------------------------
-    def _fetch_sync(self, blocks: list[Block], have: int) -> tuple[int, str | None]:
+    def _fetch_sync(self, scope: "_Scope", blocks: list[Block], have: int) -> tuple[int, str | None]:
         """Wait up to ``sync_fetch_timeout_s`` for S3; returns blocks now in NVMe and why not more."""
-        fut = self._executor.submit(self._fetch_chain, blocks)
+        fut = self._executor.submit(self._fetch_chain, blocks, scope)
         try:
             got, reason = fut.result(timeout=self.sync_fetch_timeout_s)
         except cf.TimeoutError:
             return have, "fetch_timeout"  # it goes on in the background: next time it is local
         return max(got, have), reason
 
-    def _schedule(self, blocks: Sequence[Block]) -> None:
-        names = self._names(blocks)
+    def _schedule(self, scope: "_Scope", blocks: Sequence[Block]) -> None:
+        names = self._names(blocks, scope)
         with self._lock:
             if not names or names[0] in self._inflight or len(self._inflight) > 4096:
                 return
             self._inflight.update(names)
-        fut = self._executor.submit(self._fetch_chain, list(blocks))
+        fut = self._executor.submit(self._fetch_chain, list(blocks), scope)
         fut.add_done_callback(lambda _: self._done(names))
 
     def _done(self, names: list[str]) -> None:
         with self._lock:
             self._inflight.difference_update(names)
 
-    def _fetch_chain(self, blocks: list[Block]) -> tuple[int, str | None]:
+    def _fetch_chain(self, blocks: list[Block], scope: "_Scope | None" = None) -> tuple[int, str | None]:
         """Copy the leading stored blocks of a chain from S3 into NVMe (read-through).
 
         Returns how many leading blocks are now in NVMe (counting from ``blocks[0]``) and a
@@ -376,15 +409,16 @@ class KVLoader:
         try:
             # Store.probe counts an unreachable tier and answers from the others; the
             # counter's move is how this fetch learns S3 is down (and backs off).
+            scope = scope or self._own
             down_before = self.store.stats["unavailable"]
-            found = self.store.probe(self.tenant, blocks, self.root).count
+            found = self.store.probe(self.tenant, blocks, scope.root).count
             if self.store.stats["unavailable"] > down_before:
                 raise StoreUnavailable(f"the S3 tier did not answer a probe of {len(blocks)} blocks")
             for i, block in enumerate(blocks[:found]):
-                if self.local.exists(object_name(self._ns(), block.key)):
+                if self.local.exists(object_name(scope.ns, block.key)):
                     self.metrics.prefetched("present")
                     continue
-                snap = self.store.get(self.tenant, block, self.root)
+                snap = self.store.get(self.tenant, block, scope.root)
                 if snap is None:
                     return i, "expired"
                 self.metrics.prefetched("fetched")
@@ -410,8 +444,8 @@ class KVLoader:
         """In the background: copy prefixes S3 -> NVMe and (``map_ahead``) map them into the pool.
 
         Args:
-            items: a :class:`store.plan.Plan` (or a plan file): its entries for this tenant,
-                in priority order; their ``score`` becomes the pool's retention priority of
+            items: a :class:`store.plan.Plan` (or a plan file): its entries for this tenant
+                and for ``public`` (unless public prefixes are off), in priority order; their ``score`` becomes the pool's retention priority of
                 their blocks. Or prefixes as token-id sequences.
             map_ahead: also map and admit them into the node's pool (and read them ahead
                 into the page cache), so the first lookup pays nothing.
@@ -423,32 +457,33 @@ class KVLoader:
         """
         if isinstance(items, (str, os.PathLike)):
             items = read_plan(items)
-        prefixes: list[tuple[np.ndarray, float | None]] = []
+        prefixes: list[tuple[np.ndarray, float | None, _Scope]] = []
         skipped = 0
+        scopes = {self.tenant.name: self._own, **({PUBLIC: self._public} if self._public else {})}
         if isinstance(items, Plan):
             for e in items.entries:
-                if e.tenant != self.tenant.name or (e.token_ids is None and tokenizer is None):
+                if e.tenant not in scopes or (e.token_ids is None and tokenizer is None):
                     skipped += 1
                     continue
                 ids = e.token_ids if e.token_ids is not None else tokenizer(e.text or "")  # type: ignore[misc]
-                prefixes.append((np.asarray(ids), float(e.score)))
+                prefixes.append((np.asarray(ids), float(e.score), scopes[e.tenant]))
         else:
-            prefixes = [(np.asarray(p), None) for p in items]
-        chains = [(block_chain(self.root, ids), score) for ids, score in prefixes]
-        for chain, score in chains:
+            prefixes = [(np.asarray(p), None, self._own) for p in items]
+        chains = [(block_chain(scope.root, ids), score, scope) for ids, score, scope in prefixes]
+        for chain, score, scope in chains:
             if score is not None:
-                for name in self._names(chain):
+                for name in self._names(chain, scope):
                     self._priority[name] = max(score, self._priority.get(name, score))
         return self._executor.submit(self._prefetch, chains, map_ahead, skipped)
 
-    def _prefetch(self, chains: list[tuple[list[Block], float | None]], map_ahead: bool,
+    def _prefetch(self, chains: list[tuple[list[Block], float | None, "_Scope"]], map_ahead: bool,
                   skipped: int) -> PrefetchResult:
         res = PrefetchResult(prefixes=len(chains), skipped=skipped)
-        for chain, _ in chains:
+        for chain, _, scope in chains:
             if not chain:
                 continue
             try:
-                have = self._local_store.probe(self.tenant, chain, self.root).count
+                have = self._local_store.probe(self.tenant, chain, scope.root).count
             except TenantAccessDenied:
                 self.metrics.refused()
                 res.failed["tenant_refused"] = res.failed.get("tenant_refused", 0) + 1
@@ -459,16 +494,16 @@ class KVLoader:
                 continue
             res.present += have
             if have < len(chain) and self._s3_usable():
-                got, reason = self._fetch_chain(chain)
+                got, reason = self._fetch_chain(chain, scope)
                 res.fetched += max(0, got - have)
                 have = max(have, got)
                 if reason:
                     res.failed[reason] = res.failed.get(reason, 0) + 1
             if map_ahead and have and self._try_attach():
                 try:
-                    for name in self._names(chain[:have]):
+                    for name in self._names(chain[:have], scope):
                         readahead(self.local.path(name))
-                    hit, _ = self._map_and_pin(chain[:have], have * self.root.block_size + 1, "nvme")
+                    hit, _ = self._map_and_pin(chain[:have], have * self.root.block_size + 1, "nvme", scope)
                 except _ERRORS as exc:
                     log.exception("prefetch mapping failed: %s", exc)
                     hit = None

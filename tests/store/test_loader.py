@@ -196,3 +196,43 @@ def test_the_config_loader_section_supplies_defaults_and_keywords_override(tmp_p
     with KVLoader(f"file://{tmp_path}/nvme", tenant=ACME, model=TINY, config=cfg, fetch_mode="background",
                   pool_dir=tmp_path / "pool2") as loader:
         assert loader.fetch_mode == "background"
+
+
+def test_a_public_prefix_serves_every_tenant_from_one_pooled_copy_and_their_own_longer_chain_wins(tmp_path, bf16_model):
+    from store.config import parse_config
+    from store.tenant import PUBLIC_TENANT, Tenant
+
+    model, mcfg = bf16_model
+    cfg = config(BS, "bf16")
+    system = prompt(3 * BS, seed=21)  # a shared system prompt, prefilled for everyone
+    store = Store.open(f"file://{tmp_path}/nvme", cfg)
+    assert write_prefix(store, cfg, model, system, tenant=PUBLIC_TENANT) == 3
+    store.close()
+    ids = system + prompt(BS + 5, seed=22)
+    loader = make_loader(tmp_path, cfg, model_config=mcfg)
+    hit = loader.lookup(ids)
+    assert hit is not None and hit.tokens == 3 * BS and all(n.startswith("public/") for n in hit.names)
+    with hit:
+        cache = hit.to_dynamic_cache("cpu", torch.bfloat16)
+    assert generate(model, ids, cache) == generate(model, ids)
+
+    other = Tenant.derive("globex", "globex-secret")
+    loader2 = KVLoader(f"file://{tmp_path}/nvme", tenant=other, config=cfg, pool_bytes=1 << 30, model=TINY,
+                       pool_dir=tmp_path / "pool", model_config=mcfg)
+    hit2 = loader2.lookup(ids)
+    assert hit2 is not None and hit2.names == hit.names  # the same pooled snapshots
+    hit2.release()
+
+    # the tenant's own chain, once longer, is what it gets
+    assert write(tmp_path, cfg, model, ids[: 4 * BS]) == 4
+    own = loader.lookup(ids)
+    assert own is not None and own.tokens == 4 * BS and all(n.startswith("acme/") for n in own.names)
+    own.release()
+
+    # and operators can turn public prefixes off
+    off = parse_config({"kv_cache": {"block_size": BS, "compression": "bf16"}, "loader": {"public_prefixes": False}})
+    loader3 = KVLoader(f"file://{tmp_path}/nvme", tenant=other, config=off, pool_bytes=1 << 30, model=TINY,
+                       pool_dir=tmp_path / "pool", model_config=mcfg)
+    assert loader3.lookup(ids) is None
+    for ld in (loader, loader2, loader3):
+        ld.close()
