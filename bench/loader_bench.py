@@ -56,7 +56,7 @@ from store.config import parse_config  # noqa: E402
 from store.identity import ModelIdentity  # noqa: E402
 from store.keys import block_chain  # noqa: E402
 from store.loader import KVLoader  # noqa: E402
-from store.paged import Dequantizer  # noqa: E402
+from store.dequant import Dequantizer  # noqa: E402
 from store.snapshot import build_snapshot  # noqa: E402
 from store.store import Store  # noqa: E402
 from store.tenant import Tenant  # noqa: E402

@@ -14,6 +14,6 @@ pays only for what it uses):
 - ``store.identity``: ``ModelIdentity``, ``identity_from_dir`` (fingerprints from model files)
 - ``store.plan``: ``Plan``, ``PlanEntry``, ``read_plan``, ``write_plan`` (the prewarm plan file)
 - ``store.loader``: ``KVLoader``, ``LoaderHit`` (the serving side; see docs/loader.md)
-- ``store.pool``: ``SnapshotPool`` (the node-wide shared pool); ``store.paged``: dequantisers and
-  paged-cache copies; ``store.metrics``: ``LoaderMetrics`` (Prometheus)
+- ``store.pool``: ``SnapshotPool`` (the node-wide shared pool); ``store.dequant``: dequantisers;
+  ``store.paged``: contiguous and paged-cache copies; ``store.metrics``: ``LoaderMetrics`` (Prometheus)
 """

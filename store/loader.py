@@ -40,7 +40,7 @@ from store.identity import ModelIdentity, identity_from_dir
 from store.keys import Block, KeyRoot, block_chain
 from store.local_tier import LocalTier
 from store.metrics import LoaderMetrics
-from store.paged import Dequantizer, DequantMode
+from store.dequant import Dequantizer, DequantMode
 from store.plan import Plan, read_plan
 from store.pool import Admit, PoolAttachRefused, SnapshotPool, default_pool_dir, readahead
 from store.snapshot import Snapshot, map_file, read_snapshot
@@ -106,7 +106,7 @@ class KVLoader:
             torch.compile kernel built on first use of a block shape: seconds of compiling,
             then faster), or ``auto`` (the table until the kernel is built in the background;
             the compile holds the GIL for seconds, so prefer ``compiled`` and one warm-up
-            lookup at start); or a :class:`store.paged.Dequantizer` shared by several loaders.
+            lookup at start); or a :class:`store.dequant.Dequantizer` shared by several loaders.
         clock: time source (TTL, LRU).
     """
 

@@ -177,7 +177,7 @@ def probe_blocks(loader, ids):
 
 
 def test_the_loader_does_not_import_transformers_prefect_or_statsmodels():
-    code = ("import sys, store.loader, store.pool, store.paged, store.metrics; "
+    code = ("import sys, store.loader, store.pool, store.dequant, store.paged, store.metrics; "
             "bad = [m for m in ('transformers', 'prefect', 'statsmodels', 'prefill', 'flows') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from store.loader import KVLoader
-from store.paged import Dequantizer, _strided, dequantize_into
+from store.dequant import Dequantizer, _strided, dequantize_into
 from store.precision import Precision, dequantize, quantize
 from store.store import Store
 from tests.store.pool_workers import ACME, TINY, config, prefill_kv, prompt, tiny_model, write_prefix

@@ -1,0 +1,429 @@
+"""Dequantising stored KV into contiguous ``[kv_heads, tokens, head_dim]`` tensors.
+
+Pure tensor code, no I/O. The stored dtype is dequantised straight into the
+destination where possible:
+
+- on the CPU, FP8 with per-head scales goes through a 256-entry table per head
+  (``fp32(value) * scale`` rounded to the output dtype once, for every FP8 byte), then
+  one gather per head. It gives the same bits as :func:`store.precision.dequantize` (the
+  same fp32 product, the same rounding) at the cost of a table lookup, where PyTorch's
+  eager FP8 cast takes a scalar path on the CPU; or (``compiled``) one ``torch.compile``
+  pass over whole payloads.
+- to a GPU, FP8 runs with per-head scales are gathered once into a reused pinned host
+  buffer, moved in one copy (FP8 bytes, half of bf16's) and dequantised there by the
+  reference arithmetic; anything else block by block through
+  :func:`store.precision.dequantize`.
+
+:mod:`store.paged` writes the result into the caches engines use.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Literal, Sequence
+
+import numpy as np
+import torch
+
+from store.precision import STORAGE_DTYPES, dequantize
+
+if TYPE_CHECKING:
+    from store.snapshot import PayloadLayout
+
+log = logging.getLogger("kvwarm.dequant")
+
+_FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+_NP_SAME_SIZE = {2: np.int16, 4: np.int32}
+_GATHER_THREADS = max(1, min(4, (os.cpu_count() or 1)))  # 4 numpy copies: 12.5 GB/s on the H200 host, 8 or 16: ~10
+_gather_executor: cf.ThreadPoolExecutor | None = None
+_KEEP_STAGING_BYTES = 256 << 20  # a CPU staging buffer up to this size is kept for the next hit
+_gather_lock = threading.Lock()
+
+
+def _gather_pool() -> cf.ThreadPoolExecutor:
+    """Threads that copy stored bytes out of the mappings (copies release the GIL)."""
+    global _gather_executor
+    with _gather_lock:
+        if _gather_executor is None:
+            _gather_executor = cf.ThreadPoolExecutor(_GATHER_THREADS, thread_name_prefix="kvwarm-gather")
+        return _gather_executor
+
+
+def _lut(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Per head, the output value of every FP8 byte: ``[heads, 256]`` in ``dtype``."""
+    return (_FP8_VALUES[None, :] * scale.to(torch.float32)[:, None]).to(dtype)
+
+
+def dequantize_into(out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor | None,
+                    group_tokens: int = 0) -> None:
+    """Write ``dequantize(stored, scale)`` into ``out`` (same shape ``[heads, tokens, dim]``, any strides).
+
+    Bit-identical to :func:`store.precision.dequantize` followed by a copy into ``out``.
+    """
+    if out.shape != stored.shape:
+        raise ValueError(f"output shape {tuple(out.shape)} differs from the stored part's {tuple(stored.shape)}")
+    cpu = out.device.type == "cpu" and stored.device.type == "cpu"
+    if (
+        cpu and scale is not None and scale.dim() == 1 and stored.dtype == torch.float8_e4m3fn
+        and out.element_size() in _NP_SAME_SIZE and out.stride(-1) == 1 and out.stride(-2) == out.shape[-1]
+    ):  # every head's [tokens, dim] is contiguous (true of slices of a [heads, T, dim] tensor)
+        lut = _lut(scale, out.dtype).view(_int_dtype(out.dtype)).numpy()
+        idx = stored.view(torch.uint8).numpy()
+        dst = out.view(_int_dtype(out.dtype)).numpy()
+        for h in range(stored.shape[0]):
+            # mode="clip": indices are bytes, always in range; "raise" would buffer the output.
+            np.take(lut[h], idx[h], out=dst[h], mode="clip")
+        return
+    if cpu and scale is not None and scale.dim() == 1 and stored.dtype == torch.float8_e4m3fn \
+            and out.element_size() in _NP_SAME_SIZE:
+        tmp = torch.empty(stored.shape, dtype=out.dtype)
+        dequantize_into(tmp, stored, scale, group_tokens)
+        out.copy_(tmp)
+        return
+    dev = out.device
+    out.copy_(dequantize(stored.to(dev, non_blocking=True), None if scale is None else scale.to(dev), out.dtype,
+                         group_tokens))
+
+
+def _int_dtype(dtype: torch.dtype) -> torch.dtype:
+    return {2: torch.int16, 4: torch.int32}[torch.empty((), dtype=dtype).element_size()]
+
+
+def _fp8_layers(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Parts ``[m, n, heads, bs, dim]`` (FP8: m = K and V of every layer, n blocks) and scales
+    ``[m, n, heads]`` to ``[m, heads, n*bs, dim]``.
+
+    The reference arithmetic of :func:`store.precision.dequantize`, written for torch.compile
+    (one fused pass that reads each byte once and writes the final layout).
+    """
+    m, n, heads, bs, dim = stored.shape
+    y = (stored.to(torch.float32) * scale[:, :, :, None, None]).to(dtype)
+    return y.permute(0, 2, 1, 3, 4).reshape(m, heads, n * bs, dim)
+
+
+DequantMode = Literal["auto", "table", "compiled"]
+
+
+@dataclass(frozen=True)
+class _Strided:
+    """A payload layout whose K/V parts (in the order K.0, V.0, K.1, ...) and their per-head
+    scales sit at regular steps, so all of them are one strided view of the payload."""
+
+    m: int  # parts: K and V of every layer
+    shape: tuple[int, int, int]  # heads, block tokens, head dim
+    dtype: torch.dtype  # stored dtype (the same for every part)
+    base: int  # byte offset of the first part, and the step between parts
+    step: int
+    scale_base: int  # the same for the fp32 scales (-1: no scales)
+    scale_step: int
+
+
+def _strided(layout: "PayloadLayout") -> _Strided | None:
+    """The regular structure of ``layout`` (cached per layout), or ``None`` if it has none
+    (mixed precision layers, per-group scales, parts not at regular steps)."""
+    if "_strided" in layout.__dict__:
+        return layout.__dict__["_strided"]
+    plan = None
+    try:
+        index = layout.index()
+        layers = sum(1 for p in layout.parts if p[0].startswith("k.") and p[0][2:].isdigit())
+        names = [f"{kv}.{i}" for i in range(layers) for kv in ("k", "v")]
+        data = [layout.parts[index[n]] for n in names]
+        offs = [layout.offsets[index[n]] for n in names]
+        scaled = all(f"{kv}_scale.{i}" in index for i in range(layers) for kv in ("k", "v"))
+        first = data[0]
+        uniform = all(d[1] == first[1] and d[2] == first[2] for d in data) and len(first[2]) == 3
+        step = offs[1] - offs[0] if len(offs) > 1 else 0
+        regular = all(o == offs[0] + j * step for j, o in enumerate(offs)) and step >= first[3]
+        sbase, sstep = -1, 0
+        if scaled:
+            sparts = [layout.parts[index[f"{kv}_scale.{i}"]] for i in range(layers) for kv in ("k", "v")]
+            soffs = [layout.offsets[index[f"{kv}_scale.{i}"]] for i in range(layers) for kv in ("k", "v")]
+            sstep = soffs[1] - soffs[0] if len(soffs) > 1 else 0
+            regular &= all(o == soffs[0] + j * sstep for j, o in enumerate(soffs))
+            regular &= all(sp[1] == "fp32" and sp[2] == (first[2][0],) for sp in sparts)
+            regular &= soffs[0] % 4 == 0 and sstep % 4 == 0
+            sbase = soffs[0]
+        if layers and uniform and regular and (scaled == (first[1] == "fp8_e4m3")) and step >= 0:
+            plan = _Strided(len(names), tuple(first[2]), STORAGE_DTYPES[first[1]],  # type: ignore[arg-type]
+                            offs[0], step, sbase, sstep)
+    except (KeyError, IndexError, ValueError):
+        plan = None
+    object.__setattr__(layout, "_strided", plan)  # a cache on the (frozen) layout
+    return plan
+
+
+class Dequantizer:
+    """Dequantises runs of blocks (K and V of every layer) into ``[heads, tokens, dim]`` tensors.
+
+    ``table`` (default): per block, the per-head table and gather of :func:`dequantize_into`
+    (no warm-up). ``compiled``: CPU FP8 blocks with per-head scales go through one
+    ``torch.compile`` of the reference arithmetic over every layer at once (one call per
+    hit, the block count dynamic), built on first use of a geometry (seconds; inductor
+    caches it on disk). ``auto``: the table until that kernel has been built in the background,
+    so no request waits for a compiler (but the compile holds the GIL for seconds).
+    All give the bits of :func:`store.precision.dequantize`; a kernel that fails to build
+    leaves the table. Calling the object dequantises one block (always the table path).
+    """
+
+    def __init__(self, mode: DequantMode = "table", executor: cf.Executor | None = None) -> None:
+        if mode not in ("auto", "table", "compiled"):
+            raise ValueError(f"dequant mode {mode!r} is not allowed; choose auto, table or compiled")
+        self.mode = mode
+        self._executor = executor
+        self._lock = threading.Lock()
+        self._ready: set[tuple] = set()
+        self._pending: set[tuple] = set()
+        self._kernel: Callable[..., torch.Tensor] | None = None
+        self._staging: torch.Tensor | None = None
+        self._host_lock = threading.Lock()
+        self._host: torch.Tensor | None = None  # CPU staging of whole payloads (see payload_layers)
+
+    def __call__(self, out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor | None,
+                 group_tokens: int = 0) -> None:
+        dequantize_into(out, stored, scale, group_tokens)
+
+    def _to_device(self, parts: Sequence[Sequence["BlockPart"]], dtype: torch.dtype,
+                   dev: torch.device) -> torch.Tensor:
+        """Uniform runs (FP8 with per-head scales, or unscaled) to ``[runs, heads, n*bs, dim]`` on ``dev``.
+
+        The stored bytes are gathered from the mappings into a reused (pinned) host buffer
+        by a few threads, each sending its slice on as soon as it is gathered, so the
+        gather and the transfer overlap; the dequantisation runs on the device.
+        """
+        m, n = len(parts), len(parts[0])
+        stored0, scale0 = parts[0][0]
+        raw = [p.view(torch.uint8) for run in parts for p, _ in run]
+        shape = raw[0].shape
+        count = m * n * shape.numel()
+        dst = torch.empty((m * n, *shape), dtype=torch.uint8, device=dev)
+        with self._lock:  # one staging buffer per dequantiser, reused (pinning costs milliseconds)
+            if self._staging is None or self._staging.numel() < count:
+                pin = dev.type == "cuda" and torch.cuda.is_available()
+                self._staging = torch.empty(count, dtype=torch.uint8, pin_memory=pin)
+            host = self._staging[:count].view(m * n, *shape)
+            step = -(-len(raw) // _GATHER_THREADS)
+
+            host_np = host.numpy()
+
+            def gather(lo: int) -> None:
+                # numpy's copy: one thread per call and the GIL released (torch's copy would
+                # start an OpenMP team inside each of these threads)
+                hi = min(lo + step, len(raw))
+                for i in range(lo, hi):
+                    np.copyto(host_np[i], raw[i].numpy())
+                dst[lo:hi].copy_(host[lo:hi], non_blocking=True)
+            list(_gather_pool().map(gather, range(0, len(raw), step)))
+            if dev.type == "cuda":
+                torch.cuda.current_stream(dev).synchronize()  # the buffer is free again after this
+        stored = dst.view(stored0.dtype).view(m, n, *stored0.shape)
+        if scale0 is None:
+            return stored.to(dtype).permute(0, 2, 1, 3, 4).reshape(m, stored0.shape[0], n * stored0.shape[1], -1)
+        scales = torch.stack([s for run in parts for _, s in run]).view(m, n, -1).to(dev)  # type: ignore[misc]
+        return _fp8_layers(stored, scales, dtype)
+
+    def _compiled(self) -> Callable[..., torch.Tensor]:
+        with self._lock:
+            if self._kernel is None:
+                self._kernel = torch.compile(_fp8_layers, dynamic=False)
+            return self._kernel
+
+    def _run(self, stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # The block count varies per hit: one graph for every count >= 2.
+        torch._dynamo.mark_dynamic(stored, 1)
+        torch._dynamo.mark_dynamic(scale, 1)
+        return self._compiled()(stored, scale, dtype)
+
+    def _build(self, key: tuple) -> None:
+        try:
+            if key[0] == "payload":  # whole payloads: see payload_layers
+                _, nbytes, plan, dtype = key
+                zeros = np.zeros(nbytes, dtype=np.uint8)
+                self._payload_kernel([zeros, zeros], plan, nbytes, dtype)
+            else:
+                (m, heads, bs, dim), dtype = key
+                self._run(torch.zeros((m, 2, heads, bs, dim), dtype=torch.uint8).view(torch.float8_e4m3fn),
+                          torch.ones((m, 2, heads)), dtype)
+            with self._lock:
+                self._ready.add(key)
+        except Exception as exc:  # noqa: BLE001 - no compiler here: the table path stays
+            log.warning("compiled dequantisation unavailable for %s (%s); using the table path", key, exc)
+        finally:
+            with self._lock:
+                self._pending.discard(key)
+
+    def _kernel_ready(self, key: tuple) -> bool:
+        with self._lock:
+            ready = key in self._ready
+            start = not ready and key not in self._pending
+            if start:
+                self._pending.add(key)
+        if start and (self.mode == "compiled" or self._executor is None):
+            self._build(key)
+            with self._lock:
+                return key in self._ready
+        if start and self._executor is not None:
+            self._executor.submit(self._build, key)
+        return ready
+
+    def payload_layers(self, payloads: Sequence[tuple[np.ndarray, "PayloadLayout"]], tokens: int,
+                       dtype: torch.dtype) -> list[torch.Tensor] | None:
+        """On the CPU, K and V of every layer from whole snapshot payloads, one operation per snapshot.
+
+        ``payloads`` are :attr:`store.snapshot.Snapshot.payload` of consecutive blocks.
+        Returns, as :meth:`layers` does, one ``[heads, tokens, dim]`` tensor per K/V of each
+        layer (K.0, V.0, K.1, ...), or ``None`` where this path does not apply and the
+        caller must use :meth:`layers`: payloads of different layouts, parts not at regular
+        steps (mixed precision, per-group scales), FP8 in the ``table`` mode, fewer than 2
+        FP8 blocks, or an output dtype other than an unquantised snapshot's own. In ``auto``
+        mode before the kernel is built (or when it cannot be built) the table runs here,
+        from the same views, so that :meth:`layers` does not start building another kernel.
+
+        - unquantised storage: one strided copy per snapshot, from the mapping straight into
+          the final layout (the bits are the stored ones, as in :func:`dequantize`);
+        - FP8 with per-head scales: each payload is copied whole (one copy per snapshot) into
+          a reused staging buffer, and one compiled pass of the reference arithmetic reads
+          the parts and scales there as strided views and writes the final layout.
+        """
+        if not payloads or tokens < 1:
+            return None
+        layout = payloads[0][1]
+        if any(lay is not layout for _, lay in payloads):
+            return None
+        plan = _strided(layout)
+        if plan is None:
+            return None
+        n = len(payloads)
+        heads, bs, dim = plan.shape
+        if tokens > n * bs or any(a.shape != (layout.nbytes,) for a, _ in payloads):
+            return None
+        if plan.scale_base < 0:
+            if plan.dtype != dtype or torch.empty((), dtype=dtype).element_size() not in _NP_SAME_SIZE:
+                return None
+            return self._copy_plain([a for a, _ in payloads], plan, tokens, dtype)
+        if plan.dtype != torch.float8_e4m3fn or self.mode == "table" or n < 2:
+            return None
+        arrays = [a for a, _ in payloads]
+        if not self._kernel_ready(("payload", layout.nbytes, plan, dtype)):
+            # auto before the kernel is built (or a kernel that failed to build): the table,
+            # part by part, rather than starting the build of another kernel in layers()
+            return self._table_from_payloads(arrays, plan, tokens, dtype)
+        y = self._payload_kernel(arrays, plan, layout.nbytes, dtype)
+        return [y[j] if y.shape[2] == tokens else y[j][:, :tokens] for j in range(plan.m)]
+
+    @staticmethod
+    def _copy_plain(payloads: Sequence[np.ndarray], plan: _Strided, tokens: int,
+                    dtype: torch.dtype) -> list[torch.Tensor]:
+        heads, bs, dim = plan.shape
+        esize = torch.empty((), dtype=dtype).element_size()
+        out = torch.empty((plan.m, heads, tokens, dim), dtype=dtype)
+        dst = out.view(_int_dtype(dtype)).numpy()
+        t = 0
+        for arr in payloads:
+            nt = min(bs, tokens - t)
+            if nt <= 0:
+                break
+            src = np.ndarray((plan.m, heads, nt, dim), dtype=_NP_SAME_SIZE[esize], buffer=arr, offset=plan.base,
+                             strides=(plan.step, bs * dim * esize, dim * esize, esize))
+            np.copyto(dst[:, :, t : t + nt], src)
+            t += nt
+        return [out[j] for j in range(plan.m)]
+
+    def _table_from_payloads(self, payloads: Sequence[np.ndarray], plan: _Strided, tokens: int,
+                             dtype: torch.dtype) -> list[torch.Tensor]:
+        heads, bs, dim = plan.shape
+        size = heads * bs * dim
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only mappings: torch cannot write to them
+            flat = [torch.from_numpy(a) for a in payloads]
+        out = []
+        for j in range(plan.m):
+            run = [(f[plan.base + j * plan.step : plan.base + j * plan.step + size].view(torch.float8_e4m3fn)
+                    .view(heads, bs, dim),
+                    f[plan.scale_base + j * plan.scale_step : plan.scale_base + j * plan.scale_step + 4 * heads]
+                    .view(torch.float32)) for f in flat]
+            t = torch.empty((heads, tokens, dim), dtype=dtype)
+            fill_contiguous(t, run, 0, self)
+            out.append(t)
+        return out
+
+    def _payload_kernel(self, payloads: Sequence[np.ndarray], plan: _Strided, nbytes: int,
+                        dtype: torch.dtype) -> torch.Tensor:
+        """FP8 payloads -> ``[m, heads, n*bs, dim]`` through the staging buffer and the compiled kernel."""
+        n = len(payloads)
+        heads, bs, dim = plan.shape
+        row = -(-nbytes // 64) * 64
+        with self._host_lock:  # held until the kernel has read the staging buffer
+            if self._host is not None and self._host.numel() >= n * row:
+                host = self._host[: n * row].view(n, row)
+            else:
+                host = torch.empty((n, row), dtype=torch.uint8)
+                if n * row <= _KEEP_STAGING_BYTES:
+                    self._host = host.view(-1)
+            hnp = host.numpy()
+            for i, arr in enumerate(payloads):
+                np.copyto(hnp[i, :nbytes], arr)
+            stored = host.as_strided((plan.m, n, heads, bs, dim), (plan.step, row, bs * dim, dim, 1), plan.base)
+            scales = host.view(torch.float32).as_strided((plan.m, n, heads), (plan.scale_step // 4, row // 4, 1),
+                                                         plan.scale_base // 4)
+            return self._run(stored.view(torch.float8_e4m3fn), scales, dtype)
+
+    def layers(self, parts: Sequence[Sequence["BlockPart"]], tokens: int, dtype: torch.dtype,
+               device: str | torch.device = "cpu", group_tokens: int = 0) -> list[torch.Tensor]:
+        """Dequantise several runs of blocks (K and V of every layer) at once.
+
+        ``parts[j]`` is one run of consecutive blocks; returns one ``[heads, tokens, dim]``
+        tensor per run (the first ``tokens`` tokens of the run).
+        """
+        stored0, scale0 = parts[0][0]
+        dev = torch.device(device)
+        n = len(parts[0])
+        fp8 = stored0.dtype == torch.float8_e4m3fn and scale0 is not None and scale0.dim() == 1
+        uniform = (stored0.device.type == "cpu" and (fp8 or scale0 is None)
+                   and all(len(run) == n and all(p.shape == stored0.shape and p.dtype == stored0.dtype
+                                                 and (s is None) == (scale0 is None)
+                                                 and (s is None or s.shape == scale0.shape) for p, s in run)
+                           for run in parts))
+        if uniform and dev.type != "cpu":
+            y = self._to_device(parts, dtype, dev)
+            return [y[j] if y.shape[2] == tokens else y[j][:, :tokens] for j in range(len(parts))]
+        if (self.mode != "table" and n >= 2 and dev.type == "cpu" and uniform and fp8
+                and self._kernel_ready(((len(parts), *stored0.shape), dtype))):
+            stacked = torch.stack([p.view(torch.uint8) for run in parts for p, _ in run])
+            stacked = stacked.view(torch.float8_e4m3fn).view(len(parts), n, *stored0.shape)
+            scales = torch.stack([s for run in parts for _, s in run]).view(len(parts), n, -1)  # type: ignore[misc]
+            y = self._run(stacked, scales, dtype)
+            return [y[j] if y.shape[2] == tokens else y[j][:, :tokens] for j in range(len(parts))]
+        out = []
+        for run in parts:
+            first = run[0][0]
+            t = torch.empty((first.shape[0], tokens, first.shape[2]), dtype=dtype, device=dev)
+            fill_contiguous(t, run, group_tokens, self)
+            out.append(t)
+        return out
+
+
+BlockPart = tuple[torch.Tensor, "torch.Tensor | None"]
+"""One block's stored K (or V) of one layer, ``[heads, block_tokens, dim]``, and its scales."""
+
+
+def fill_contiguous(out: torch.Tensor, parts: Sequence[BlockPart], group_tokens: int = 0,
+                    dequant: Callable[..., None] = dequantize_into) -> None:
+    """Dequantise consecutive blocks into ``out`` ``[heads, tokens, dim]`` (``tokens`` may end mid-block)."""
+    t = 0
+    total = out.shape[1]
+    for stored, scale in parts:
+        if t >= total:
+            break
+        n = min(stored.shape[1], total - t)
+        if n == stored.shape[1]:
+            dequant(out[:, t : t + n], stored, scale, group_tokens)
+        else:  # the trimmed last block: dequantise whole (scales may be per group), keep the head
+            tmp = torch.empty(stored.shape, dtype=out.dtype, device=out.device)
+            dequant(tmp, stored, scale, group_tokens)
+            out[:, t : t + n].copy_(tmp[:, :n])
+        t += n
