@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import fsspec
 import pandas as pd
 
-from forecasting.logs import FORMATS, Quarantined, ReadReport
+from forecasting.logs import FORMATS, LogError, Quarantined, ReadReport, window_us
 
 RUNNERS = ("threads", "dask")
 
@@ -220,15 +220,10 @@ def _slices(logs: str, start: str | None, end: str | None, slices: int) -> list[
 
 
 def _bound(value: str | None, name: str) -> int | None:
-    if value is None:
-        return None
     try:
-        ts = pd.Timestamp(value)
-    except (ValueError, TypeError) as exc:
-        raise PartitionError(f"{name} {value!r} is not a time ({exc}): use ISO 8601, e.g. 2026-03-04T00:00") from None
-    if ts.tzinfo is not None:
-        ts = ts.tz_convert("UTC").tz_localize(None)
-    return int(ts.value // 1000)
+        return window_us(value)
+    except LogError:
+        raise PartitionError(f"{name} {value!r} is not a time: use ISO 8601, e.g. 2026-03-04T00:00") from None
 
 
 def _hive_span(relative: str) -> tuple[int, int] | None:

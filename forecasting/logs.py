@@ -139,7 +139,7 @@ def read_logs(source: str | Path, *, fmt: str | None = None, quarantine: str | P
     """
     if fmt is not None and fmt not in ("jsonl", "parquet"):
         raise LogError(f"unknown log format {fmt!r}; use 'jsonl' or 'parquet' (or None: by extension)")
-    lo, hi = _window_us(start), _window_us(end)
+    lo, hi = window_us(start), window_us(end)
     fs, root = fsspec.core.url_to_fs(str(source), **dict(storage_options or {}))
     if not fs.exists(root):
         raise LogError(f"log source {source} does not exist")
@@ -294,7 +294,12 @@ def _format(path: str) -> str | None:
     return next((kind for ext, kind in FORMATS.items() if name.endswith(ext)), None)
 
 
-def _window_us(value: Any) -> int | None:
+def window_us(value: Any) -> int | None:
+    """A time-window bound (ISO 8601 text, a timestamp, or ``None``) as naive-UTC microseconds.
+
+    Raises:
+        LogError: ``value`` is not a time.
+    """
     if value is None:
         return None
     try:
