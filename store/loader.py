@@ -251,10 +251,11 @@ class KVLoader:
         """The public namespace's hit for ``ids`` if it is longer than the tenant's own ``hit``."""
         assert self._public is not None
         have = len(hit.blocks) if hit is not None else 0
-        pub = block_chain(self._public.root, ids)
-        if len(pub) <= have or self._local_store.probe(self.tenant, pub[: have + 1], self._public.root).count <= have:
+        bs = self._public.root.block_size
+        head = block_chain(self._public.root, ids[: (have + 1) * bs])  # only what the first probe needs
+        if len(head) <= have or self._local_store.probe(self.tenant, head, self._public.root).count <= have:
             return hit, reason  # nothing longer stored locally under public (the common case: one probe)
-        phit, preason = self._lookup(self._public, pub, len(ids))
+        phit, preason = self._lookup(self._public, block_chain(self._public.root, ids), len(ids))
         if phit is None or len(phit.blocks) <= have:
             if phit is not None:
                 phit.release()
@@ -307,8 +308,7 @@ class KVLoader:
             self._epoch = epoch
 
     def _map_and_pin(self, blocks: Sequence[Block], n_tokens: int, tier: str,
-                     scope: "_Scope | None" = None) -> tuple[LoaderHit | None, str | None]:
-        scope = scope or self._own
+                     scope: "_Scope") -> tuple[LoaderHit | None, str | None]:
         names = self._names(blocks, scope)
         in_pool = self.pool.admissions(names)
         now = self.clock()
@@ -400,7 +400,7 @@ class KVLoader:
         with self._lock:
             self._inflight.difference_update(names)
 
-    def _fetch_chain(self, blocks: list[Block], scope: "_Scope | None" = None) -> tuple[int, str | None]:
+    def _fetch_chain(self, blocks: list[Block], scope: "_Scope") -> tuple[int, str | None]:
         """Copy the leading stored blocks of a chain from S3 into NVMe (read-through).
 
         Returns how many leading blocks are now in NVMe (counting from ``blocks[0]``) and a
@@ -409,7 +409,6 @@ class KVLoader:
         try:
             # Store.probe counts an unreachable tier and answers from the others; the
             # counter's move is how this fetch learns S3 is down (and backs off).
-            scope = scope or self._own
             down_before = self.store.stats["unavailable"]
             found = self.store.probe(self.tenant, blocks, scope.root).count
             if self.store.stats["unavailable"] > down_before:
