@@ -179,13 +179,29 @@ class Dequantizer:
         self._ready: set[tuple] = set()
         self._pending: set[tuple] = set()
         self._kernel: Callable[..., torch.Tensor] | None = None
-        self._staging: torch.Tensor | None = None
+        self._pinned: torch.Tensor | None = None  # host staging of hits bound for a GPU (see _to_device)
         self._host_lock = threading.Lock()
         self._host: torch.Tensor | None = None  # CPU staging of whole payloads (see payload_layers)
 
     def __call__(self, out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor | None,
                  group_tokens: int = 0) -> None:
         dequantize_into(out, stored, scale, group_tokens)
+
+    def _staging(self, nbytes: int, *, pin: bool) -> torch.Tensor:
+        """A host buffer of ``nbytes`` for one hit; call with ``_host_lock`` held.
+
+        Reused across hits: a pinned one always (pinning costs milliseconds), a plain one up
+        to ``_KEEP_STAGING_BYTES``.
+        """
+        kept = self._pinned if pin else self._host
+        if kept is not None and kept.numel() >= nbytes:
+            return kept[:nbytes]
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        if pin:
+            self._pinned = buf
+        elif nbytes <= _KEEP_STAGING_BYTES:
+            self._host = buf
+        return buf
 
     def _to_device(self, parts: Sequence[Sequence["BlockPart"]], dtype: torch.dtype,
                    dev: torch.device) -> torch.Tensor:
@@ -201,11 +217,8 @@ class Dequantizer:
         shape = raw[0].shape
         count = m * n * shape.numel()
         dst = torch.empty((m * n, *shape), dtype=torch.uint8, device=dev)
-        with self._lock:  # one staging buffer per dequantiser, reused (pinning costs milliseconds)
-            if self._staging is None or self._staging.numel() < count:
-                pin = dev.type == "cuda" and torch.cuda.is_available()
-                self._staging = torch.empty(count, dtype=torch.uint8, pin_memory=pin)
-            host = self._staging[:count].view(m * n, *shape)
+        with self._host_lock:  # held until the copies out of the staging buffer are done
+            host = self._staging(count, pin=dev.type == "cuda" and torch.cuda.is_available()).view(m * n, *shape)
             step = -(-len(raw) // _GATHER_THREADS)
 
             host_np = host.numpy()
@@ -358,12 +371,7 @@ class Dequantizer:
         heads, bs, dim = plan.shape
         row = -(-nbytes // 64) * 64
         with self._host_lock:  # held until the kernel has read the staging buffer
-            if self._host is not None and self._host.numel() >= n * row:
-                host = self._host[: n * row].view(n, row)
-            else:
-                host = torch.empty((n, row), dtype=torch.uint8)
-                if n * row <= _KEEP_STAGING_BYTES:
-                    self._host = host.view(-1)
+            host = self._staging(n * row, pin=False).view(n, row)
             hnp = host.numpy()
             for i, arr in enumerate(payloads):
                 np.copyto(hnp[i, :nbytes], arr)
