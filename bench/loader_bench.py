@@ -170,12 +170,7 @@ def bench_ttft_and_load(work: Path, args, out: dict) -> None:
             ld = KVLoader(url, tenant=TENANT, model=ident, pool_bytes=8 << 30, config=cfg, model_config=mcfg,
                           pool_dir=work / f"fresh-{fresh[0]}", verify_payload=verify, dequant=dq)
             memcpy()
-            t0 = time.perf_counter()
-            h = ld.lookup(ids)
-            t1 = time.perf_counter()
-            h.to_dynamic_cache("cpu", torch.bfloat16)
-            timed.append((t1 - t0, time.perf_counter() - t1))
-            h.release()
+            timed.append(timed_load(ld, ids))
             ld.close()
 
         def medians(timed: list[tuple[float, float]]) -> dict[str, float]:
@@ -204,12 +199,7 @@ def bench_ttft_and_load(work: Path, args, out: dict) -> None:
         hot: list[tuple[float, float]] = []
         for _ in range(args.reps + 1):
             memcpy()
-            t0 = time.perf_counter()
-            h = loader.lookup(ids)
-            t1 = time.perf_counter()
-            h.to_dynamic_cache("cpu", torch.bfloat16)
-            hot.append((t1 - t0, time.perf_counter() - t1))
-            h.release()
+            hot.append(timed_load(loader, ids))
         pooled = medians(hot)
         t_hot = pooled["total_s"]
         t_copy = statistics.median(copies)
@@ -233,6 +223,17 @@ def bench_ttft_and_load(work: Path, args, out: dict) -> None:
               f"({out_bytes / t_load / 1e9:.2f} GB/s), pooled {t_hot * 1e3:.1f} ms, memcpy {t_copy * 1e3:.1f} ms "
               f"({out_bytes / t_copy / 1e9:.2f} GB/s): ratio {t_copy / t_load:.2f} (pooled {t_copy / t_hot:.2f})")
         loader.close()
+
+
+def timed_load(loader, ids) -> tuple[float, float]:
+    """Seconds of ``lookup`` and of ``to_dynamic_cache`` (to the CPU, bf16) for one hit."""
+    t0 = time.perf_counter()
+    h = loader.lookup(ids)
+    t1 = time.perf_counter()
+    h.to_dynamic_cache("cpu", torch.bfloat16)
+    t2 = time.perf_counter()
+    h.release()
+    return t1 - t0, t2 - t1
 
 
 def bench_device_load(loader, ids, dev: torch.device, compression: str, reps: int, out: dict) -> None:
