@@ -258,13 +258,25 @@ class Snapshot:
     mapping) is alive.
     """
 
-    def __init__(self, header: SnapshotHeader, parts: dict[str, pa.Buffer], source: object, location: str,
+    def __init__(self, header: SnapshotHeader, parts: dict[str, pa.Buffer] | None, source: object, location: str,
                  span: tuple[pa.Buffer, "PayloadLayout"] | None = None) -> None:
         self.header = header
         self.location = location
-        self._parts = parts
+        self._part_views = parts  # None: cut from the span when first asked for
         self._source = source  # keeps the memory map alive
         self._span = span
+        self._closed = False
+
+    @property
+    def _parts(self) -> dict[str, pa.Buffer]:
+        """Part name -> zero-copy buffer (built from the span on first use)."""
+        if self._part_views is None:
+            if self._span is None or self._closed:
+                self._part_views = {}
+            else:
+                buf, layout = self._span
+                self._part_views = {p[0]: buf.slice(off, p[3]) for p, off in zip(layout.parts, layout.offsets)}
+        return self._part_views
 
     @property
     def payload(self) -> tuple[np.ndarray, "PayloadLayout"] | None:
@@ -275,7 +287,7 @@ class Snapshot:
         (the same object), so a reader can copy or dequantise many of them with one
         operation per snapshot instead of one per part.
         """
-        if self._span is None or not self._parts:
+        if self._span is None or not self.header.parts:
             return None
         return np.frombuffer(self._span[0], dtype=np.uint8), self._span[1]
 
@@ -308,8 +320,9 @@ class Snapshot:
 
     def close(self) -> None:
         """Drop the views and the mapping (views taken earlier must not be used after)."""
-        self._parts = {}
+        self._part_views = {}
         self._span = None
+        self._closed = True
         close = getattr(self._source, "close", None)
         if close is not None:
             close()
@@ -355,20 +368,14 @@ def read_snapshot(source: pa.Buffer | pa.NativeFile, *, location: str = "", veri
         batch = reader.get_batch(0)
         if batch.num_columns != len(header.parts) or batch.num_rows != 1:
             raise SnapshotCorrupt("payload part count differs from header", location=location)
-        parts: dict[str, pa.Buffer] = {}
-        addresses = []
-        for col, part in zip(batch.columns, header.parts):
-            buf = col.buffers()[1]
-            if buf is None or col.type.byte_width != part.nbytes or len(buf) < (col.offset + 1) * part.nbytes:
-                raise SnapshotCorrupt(f"part {part.name} has the wrong size", location=location)
-            if col.offset:
-                buf = buf.slice(col.offset * part.nbytes, part.nbytes)
-            elif len(buf) != part.nbytes:
-                buf = buf.slice(0, part.nbytes)
-            if verify_payload and xxhash.xxh3_64_hexdigest(memoryview(buf)) != part.xxh3:
-                raise SnapshotCorrupt(f"payload checksum mismatch in part {part.name}", location=location)
-            parts[part.name] = buf
-            addresses.append(buf.address)
+        parts: dict[str, pa.Buffer] | None = None
+        bounds = _bounds(source)
+        span = _known_span(header, batch, bounds)
+        if span is None:  # a layout not seen yet in this process (or not this format's): every column
+            parts, addresses = _columns(header, batch, location)
+            span = _span(header, parts, addresses, bounds)
+        if verify_payload:
+            _verify(header, parts, span, location)
         if full:
             _check_leading_schema(source, raw, location)
             header.check_consistent(location=location)
@@ -376,7 +383,54 @@ def read_snapshot(source: pa.Buffer | pa.NativeFile, *, location: str = "", veri
         raise
     except _DAMAGE as exc:
         raise SnapshotCorrupt(f"unreadable snapshot: {exc}", location=location) from None
-    return Snapshot(header, parts, source, location, _span(header, parts, addresses))
+    return Snapshot(header, parts, source, location, span)
+
+
+def _bounds(source: pa.Buffer | pa.NativeFile) -> tuple[int, int] | None:
+    """The address range of the memory a snapshot is read from (``None``: not in memory)."""
+    if isinstance(source, pa.Buffer):
+        return source.address, source.address + source.size
+    if isinstance(source, pa.MemoryMappedFile) and source.size() > 0:
+        pos = source.tell()
+        try:
+            source.seek(0)
+            base = source.read_buffer(1).address  # zero-copy: the start of the mapping
+        finally:
+            source.seek(pos)
+        return base, base + source.size()
+    return None
+
+
+def _columns(header: SnapshotHeader, batch: pa.RecordBatch, location: str) -> tuple[dict[str, pa.Buffer], list[int]]:
+    """Every part's buffer, as Arrow's metadata places it, checked against the header's size."""
+    parts: dict[str, pa.Buffer] = {}
+    addresses = []
+    for col, part in zip(batch.columns, header.parts):
+        buf = col.buffers()[1]
+        if buf is None or col.type.byte_width != part.nbytes or len(buf) < (col.offset + 1) * part.nbytes:
+            raise SnapshotCorrupt(f"part {part.name} has the wrong size", location=location)
+        if col.offset:
+            buf = buf.slice(col.offset * part.nbytes, part.nbytes)
+        elif len(buf) != part.nbytes:
+            buf = buf.slice(0, part.nbytes)
+        parts[part.name] = buf
+        addresses.append(buf.address)
+    return parts, addresses
+
+
+def _verify(header: SnapshotHeader, parts: dict[str, pa.Buffer] | None,
+            span: tuple[pa.Buffer, "PayloadLayout"] | None, location: str) -> None:
+    """Every part's xxh3 against the header's (from the span when there is one: no per-part objects)."""
+    if span is not None:
+        view = memoryview(span[0])
+        for part, off in zip(header.parts, span[1].offsets):
+            if xxhash.xxh3_64_hexdigest(view[off:off + part.nbytes]) != part.xxh3:
+                raise SnapshotCorrupt(f"payload checksum mismatch in part {part.name}", location=location)
+        return
+    assert parts is not None
+    for part in header.parts:
+        if xxhash.xxh3_64_hexdigest(memoryview(parts[part.name])) != part.xxh3:
+            raise SnapshotCorrupt(f"payload checksum mismatch in part {part.name}", location=location)
 
 
 @dataclass(frozen=True)
@@ -402,20 +456,77 @@ class PayloadLayout:
 
 
 _LAYOUTS: dict[tuple, PayloadLayout] = {}
+#: parts signature (name, dtype, shape, nbytes of each) -> its canonical layout
+_BY_PARTS: dict[tuple, PayloadLayout] = {}
 
 
-def _span(header: SnapshotHeader, parts: dict[str, pa.Buffer],
-          addresses: list[int]) -> tuple[pa.Buffer, PayloadLayout] | None:
-    """One buffer over every part, and the (interned) layout of the parts in it."""
-    if not addresses:
+def _signature(header: SnapshotHeader) -> tuple:
+    return tuple((p.name, p.dtype, p.shape, p.nbytes) for p in header.parts)
+
+
+def _canonical(header: SnapshotHeader) -> PayloadLayout:
+    """Where this format's writer puts the parts: one after the other in the header's order,
+    each padded to 8 bytes (Arrow IPC's buffer alignment), in one region."""
+    sig = _signature(header)
+    layout = _BY_PARTS.get(sig)
+    if layout is None:
+        offsets, at = [], 0
+        for p in header.parts:
+            offsets.append(at)
+            at += -(-p.nbytes // 8) * 8
+        key = (sig, tuple(offsets), offsets[-1] + header.parts[-1].nbytes)
+        layout = _LAYOUTS.get(key) or PayloadLayout(*key)
+        if len(_LAYOUTS) < 1024:  # one per geometry and precision in practice
+            _LAYOUTS.setdefault(key, layout)
+            _BY_PARTS[sig] = layout
+    return layout
+
+
+def _known_span(header: SnapshotHeader, batch: pa.RecordBatch,
+                bounds: tuple[int, int] | None) -> tuple[pa.Buffer, PayloadLayout] | None:
+    """The span of a snapshot laid out as this format's writer lays it out (:func:`_canonical`),
+    found from its first and last columns only (walking 100+ columns is most of the cost of
+    opening a snapshot).
+
+    Arrow has checked every column's buffer against the file; this checks that the first
+    and last sit where the canonical layout puts them, inside the source's memory. Every
+    byte a reader takes is then cut from the span by that layout: the bytes the writer put
+    there (damaged metadata cannot move them), under the header's per-part checksums when
+    the payload is verified. ``None``: walk every column instead.
+    """
+    if not header.parts or bounds is None:
+        return None
+    layout = _canonical(header)
+    first, last = batch.column(0), batch.column(batch.num_columns - 1)
+    b0, bl = first.buffers()[1], last.buffers()[1]
+    p0, pl = header.parts[0], header.parts[-1]
+    if (b0 is None or bl is None or first.offset or last.offset
+            or first.type.byte_width != p0.nbytes or last.type.byte_width != pl.nbytes
+            or len(b0) < p0.nbytes or len(bl) < pl.nbytes
+            or bl.address - b0.address != layout.offsets[-1] or layout.offsets[-1] + pl.nbytes != layout.nbytes
+            or b0.address < bounds[0] or b0.address + layout.nbytes > bounds[1]):
+        return None
+    return pa.foreign_buffer(b0.address, layout.nbytes, base=b0), layout
+
+
+def _span(header: SnapshotHeader, parts: dict[str, pa.Buffer], addresses: list[int],
+          bounds: tuple[int, int] | None) -> tuple[pa.Buffer, PayloadLayout] | None:
+    """One buffer over every part, and the (interned) layout of the parts in it.
+
+    Only for parts that all lie in the source's own memory (``bounds``: the mapping or
+    buffer read from): Arrow copies buffers it finds misaligned, and a span over copies
+    would cover unrelated memory. ``None`` where that is unknown or not so.
+    """
+    if not addresses or bounds is None:
         return None
     first = header.parts[0]
     start = addresses[0]
     end = max(a + p.nbytes for a, p in zip(addresses, header.parts))
     if min(addresses) != start or end - start > 2 * header.payload_nbytes + 64 * len(addresses):
         return None  # not the layout this format writes (parts in order, 64-byte padding)
-    key = (tuple((p.name, p.dtype, p.shape, p.nbytes) for p in header.parts),
-           tuple(a - start for a in addresses), end - start)
+    if start < bounds[0] or end > bounds[1]:
+        return None  # Arrow copied (realigned) some buffers: they are not in the source
+    key = (_signature(header), tuple(a - start for a in addresses), end - start)
     layout = _LAYOUTS.get(key)
     if layout is None:
         layout = PayloadLayout(*key)
