@@ -8,7 +8,10 @@ destination where possible:
   one gather per head. It gives the same bits as :func:`store.precision.dequantize` (the
   same fp32 product, the same rounding) at the cost of a table lookup, where PyTorch's
   eager FP8 cast takes a scalar path on the CPU; or (``compiled``) one ``torch.compile``
-  pass over whole payloads.
+  pass over whole payloads. Unquantised parts (bf16 storage, layers that mixed precision
+  keeps) are numpy copies of the stored bits (torch's copy starts an OpenMP team each time).
+- whole snapshot payloads on the CPU (:meth:`Dequantizer.payload_layers`), mixed precision
+  included: one operation per group (FP8 layers, kept layers) per snapshot.
 - to a GPU, FP8 runs with per-head scales are gathered once into a reused pinned host
   buffer, moved in one copy (FP8 bytes, half of bf16's) and dequantised there by the
   reference arithmetic; anything else block by block through
@@ -78,6 +81,12 @@ def dequantize_into(out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor
             # mode="clip": indices are bytes, always in range; "raise" would buffer the output.
             np.take(lut[h], idx[h], out=dst[h], mode="clip")
         return
+    if cpu and scale is None and stored.dtype == out.dtype and out.element_size() in _NP_SAME_SIZE:
+        # unquantised (kept layers, bf16 storage) into its own dtype: the stored bits, by numpy's
+        # copy (torch's starts an OpenMP team per part: ~50x slower on a busy 2-core host)
+        idt = _int_dtype(out.dtype)
+        np.copyto(out.view(idt).numpy(), stored.view(idt).numpy())
+        return
     if cpu and scale is not None and scale.dim() == 1 and stored.dtype == torch.float8_e4m3fn \
             and out.element_size() in _NP_SAME_SIZE:
         tmp = torch.empty(stored.shape, dtype=out.dtype)
@@ -109,48 +118,143 @@ DequantMode = Literal["auto", "table", "compiled"]
 
 
 @dataclass(frozen=True)
+class _PlainRun:
+    """Unquantised layers whose K and V parts lie at two regular steps in the payload, so that
+    their bytes in one snapshot are one strided view ``[layers, 2, heads, block tokens, dim]``."""
+
+    first: int  # position of the run's first layer among the unquantised layers
+    count: int  # layers in the run
+    base: int  # byte offset of the first layer's K
+    layer_step: int  # bytes from one layer's K to the next's
+    kv_step: int  # bytes from a layer's K to its V
+
+
+@dataclass(frozen=True)
+class _Fp8Group:
+    """The FP8 layers of a layout (per-head fp32 scales), and how to stage them for one kernel.
+
+    ``data[j]`` and ``scales[j]`` are the payload byte offsets of FP8 part ``j`` (K and V of
+    each FP8 layer in order) and of its scales. Staging copies the payload bytes
+    ``[start, end)`` of each segment (FP8 layers with no unquantised layer between them) to
+    ``at`` in a row of ``row`` bytes per snapshot, placed so that in the row part ``j`` lies at
+    ``base + j * step`` and its scales at ``scale_base + j * scale_step``: one strided view for
+    all of them, whatever unquantised layers sat between them in the payload.
+    """
+
+    layers: tuple[int, ...]
+    data: tuple[int, ...]
+    scales: tuple[int, ...]
+    segments: tuple[tuple[int, int, int], ...]  # (start, end, at)
+    row: int
+    base: int
+    step: int
+    scale_base: int
+    scale_step: int
+
+
+@dataclass(frozen=True)
 class _Strided:
-    """A payload layout whose K/V parts (in the order K.0, V.0, K.1, ...) and their per-head
-    scales sit at regular steps, so all of them are one strided view of the payload."""
+    """How every K/V part of a payload layout (in the order K.0, V.0, K.1, ...) is read with one
+    operation per group per snapshot: the FP8 layers (one staging copy per segment, then one
+    kernel or the table) and the unquantised layers (one strided copy per run)."""
 
     m: int  # parts: K and V of every layer
-    shape: tuple[int, int, int]  # heads, block tokens, head dim
-    dtype: torch.dtype  # stored dtype (the same for every part)
-    base: int  # byte offset of the first part, and the step between parts
-    step: int
-    scale_base: int  # the same for the fp32 scales (-1: no scales)
-    scale_step: int
+    shape: tuple[int, int, int]  # heads, block tokens, head dim (the same for every part)
+    fp8: _Fp8Group | None
+    plain_layers: tuple[int, ...]  # the unquantised layers, in order
+    plain_dtype: torch.dtype | None  # their stored dtype (one for all)
+    plain: tuple[_PlainRun, ...]
+
+
+def _plain_runs(offsets: Sequence[tuple[int, int]], esize: int) -> tuple[_PlainRun, ...] | None:
+    """Group layers (their K and V byte offsets, in order) into runs at regular steps."""
+    runs: list[_PlainRun] = []
+    for i, (k, v) in enumerate(offsets):
+        if k % esize or v % esize or v <= k:
+            return None
+        last = runs[-1] if runs else None
+        if last is not None and v - k == last.kv_step and k > last.base and (
+                last.count == 1 or k == last.base + last.count * last.layer_step):
+            runs[-1] = _PlainRun(last.first, last.count + 1, last.base, k - last.base if last.count == 1
+                                 else last.layer_step, last.kv_step)
+        else:
+            runs.append(_PlainRun(i, 1, k, 0, v - k))
+    return tuple(runs)
+
+
+def _fp8_group(layout: "PayloadLayout", layers: Sequence[int], heads: int) -> _Fp8Group | None:
+    """Where the FP8 parts of ``layers`` and their scales lie, and a staging row in which both
+    are at regular steps (``None`` where no such row exists)."""
+    index = layout.index()
+    names = [f"{kv}.{i}" for i in layers for kv in ("k", "v")]
+    snames = [f"{kv}_scale.{i}" for i in layers for kv in ("k", "v")]
+    if any(layout.parts[index[s]][1:3] != ("fp32", (heads,)) for s in snames):
+        return None  # per-group scales, or not fp32
+    data = [layout.offsets[index[n]] for n in names]
+    scales = [layout.offsets[index[s]] for s in snames]
+    step = data[1] - data[0]  # K to V; in the staging row, every later step equals it
+    runs: list[list[int]] = []  # FP8 layers (positions in ``layers``) with no other layer between them
+    for j, layer in enumerate(layers):
+        if j and layer == layers[j - 1] + 1:
+            runs[-1].append(j)
+        else:
+            runs.append([j])
+    segments: list[tuple[int, int, int]] = []
+    shift: list[int] = []  # per part: staging row offset - payload offset
+    base = end = 0
+    for run in runs:
+        own = [index[f"{kv}{sfx}.{layers[j]}"] for j in run for kv in ("k", "v") for sfx in ("", "_scale")]
+        lo = min(layout.offsets[i] for i in own)
+        hi = max(layout.offsets[i] + layout.parts[i][3] for i in own)
+        if not segments:
+            base = data[0] - lo
+        at = base + 2 * run[0] * step - (data[2 * run[0]] - lo)  # where the run's first K must land
+        if at < end:
+            return None
+        segments.append((lo, hi, at))
+        shift += [at - lo] * (2 * len(run))
+        end = at + hi - lo
+    vdata = [o + d for o, d in zip(data, shift)]
+    vscales = [o + d for o, d in zip(scales, shift)]
+    sstep = vscales[1] - vscales[0]
+    regular = (all(o == base + j * step for j, o in enumerate(vdata))
+               and all(o == vscales[0] + j * sstep for j, o in enumerate(vscales))
+               and step >= layout.parts[index[names[0]]][3] and vscales[0] % 4 == 0 and sstep % 4 == 0
+               and all(s % 4 == 0 for s in scales))  # fp32 views, in the payload and in the row
+    if not regular:
+        return None
+    return _Fp8Group(tuple(layers), tuple(data), tuple(scales), tuple(segments), -(-end // 64) * 64, base, step,
+                     vscales[0], sstep)
 
 
 def _strided(layout: "PayloadLayout") -> _Strided | None:
     """The regular structure of ``layout`` (cached per layout), or ``None`` if it has none
-    (mixed precision layers, per-group scales, parts not at regular steps)."""
+    (per-group scales, parts of different shapes, unquantised layers of different dtypes,
+    FP8 parts that no staging row puts at regular steps)."""
     if "_strided" in layout.__dict__:
         return layout.__dict__["_strided"]
     plan = None
     try:
         index = layout.index()
         layers = sum(1 for p in layout.parts if p[0].startswith("k.") and p[0][2:].isdigit())
-        names = [f"{kv}.{i}" for i in range(layers) for kv in ("k", "v")]
-        data = [layout.parts[index[n]] for n in names]
-        offs = [layout.offsets[index[n]] for n in names]
-        scaled = all(f"{kv}_scale.{i}" in index for i in range(layers) for kv in ("k", "v"))
+        data = [layout.parts[index[f"{kv}.{i}"]] for i in range(layers) for kv in ("k", "v")]
         first = data[0]
-        uniform = all(d[1] == first[1] and d[2] == first[2] for d in data) and len(first[2]) == 3
-        step = offs[1] - offs[0] if len(offs) > 1 else 0
-        regular = all(o == offs[0] + j * step for j, o in enumerate(offs)) and step >= first[3]
-        sbase, sstep = -1, 0
-        if scaled:
-            sparts = [layout.parts[index[f"{kv}_scale.{i}"]] for i in range(layers) for kv in ("k", "v")]
-            soffs = [layout.offsets[index[f"{kv}_scale.{i}"]] for i in range(layers) for kv in ("k", "v")]
-            sstep = soffs[1] - soffs[0] if len(soffs) > 1 else 0
-            regular &= all(o == soffs[0] + j * sstep for j, o in enumerate(soffs))
-            regular &= all(sp[1] == "fp32" and sp[2] == (first[2][0],) for sp in sparts)
-            regular &= soffs[0] % 4 == 0 and sstep % 4 == 0
-            sbase = soffs[0]
-        if layers and uniform and regular and (scaled == (first[1] == "fp8_e4m3")) and step >= 0:
-            plan = _Strided(len(names), tuple(first[2]), STORAGE_DTYPES[first[1]],  # type: ignore[arg-type]
-                            offs[0], step, sbase, sstep)
+        fp8 = [i for i in range(layers) if data[2 * i][1] == "fp8_e4m3"]
+        plain = [i for i in range(layers) if i not in fp8]
+        scaled = {i for i in range(layers) if f"k_scale.{i}" in index or f"v_scale.{i}" in index}
+        ok = (len(first[2]) == 3 and all(d[2] == first[2] for d in data) and scaled == set(fp8)
+              and all(data[2 * i + 1][1] == data[2 * i][1] for i in range(layers))
+              and len({data[2 * i][1] for i in plain}) <= 1)
+        group = _fp8_group(layout, fp8, first[2][0]) if ok and fp8 else None
+        runs: tuple[_PlainRun, ...] | None = ()
+        plain_dtype = STORAGE_DTYPES[data[2 * plain[0]][1]] if ok and plain else None
+        if ok and plain:
+            esize = torch.empty((), dtype=plain_dtype).element_size()
+            runs = _plain_runs([(layout.offsets[index[f"k.{i}"]], layout.offsets[index[f"v.{i}"]]) for i in plain],
+                               esize) if esize in _NP_SAME_SIZE else None
+        if layers and ok and (group is not None or not fp8) and runs is not None:
+            shape = (first[2][0], first[2][1], first[2][2])
+            plan = _Strided(2 * layers, shape, group, tuple(plain), plain_dtype, runs)
     except (KeyError, IndexError, ValueError):
         plan = None
     object.__setattr__(layout, "_strided", plan)  # a cache on the (frozen) layout
@@ -256,7 +360,7 @@ class Dequantizer:
             if key[0] == "payload":  # whole payloads: see payload_layers
                 _, nbytes, plan, dtype = key
                 zeros = np.zeros(nbytes, dtype=np.uint8)
-                self._payload_kernel([zeros, zeros], plan, nbytes, dtype)
+                self._payload_kernel([zeros, zeros], plan, dtype)
             else:
                 (m, heads, bs, dim), dtype = key
                 self._run(torch.zeros((m, 2, heads, bs, dim), dtype=torch.uint8).view(torch.float8_e4m3fn),
@@ -285,22 +389,28 @@ class Dequantizer:
 
     def payload_layers(self, payloads: Sequence[tuple[np.ndarray, "PayloadLayout"]], tokens: int,
                        dtype: torch.dtype) -> list[torch.Tensor] | None:
-        """On the CPU, K and V of every layer from whole snapshot payloads, one operation per snapshot.
+        """On the CPU, K and V of every layer from whole snapshot payloads, one operation per group per snapshot.
 
         ``payloads`` are :attr:`store.snapshot.Snapshot.payload` of consecutive blocks.
         Returns, as :meth:`layers` does, one ``[heads, tokens, dim]`` tensor per K/V of each
         layer (K.0, V.0, K.1, ...), or ``None`` where this path does not apply and the
-        caller must use :meth:`layers`: payloads of different layouts, parts not at regular
-        steps (mixed precision, per-group scales), FP8 in the ``table`` mode, fewer than 2
-        FP8 blocks, or an output dtype other than an unquantised snapshot's own. In ``auto``
-        mode before the kernel is built (or when it cannot be built) the table runs here,
-        from the same views, so that :meth:`layers` does not start building another kernel.
+        caller must use :meth:`layers`: payloads of different layouts, per-group scales,
+        parts that no strided view covers, FP8 layers in the ``table`` mode or with fewer
+        than 2 blocks, or, for storage without FP8 layers, an output dtype other than the
+        stored one. In ``auto`` mode before the kernel is built (or when it cannot be
+        built) the table runs here, from the same views, so that :meth:`layers` does not
+        start building another kernel.
 
-        - unquantised storage: one strided copy per snapshot, from the mapping straight into
-          the final layout (the bits are the stored ones, as in :func:`dequantize`);
-        - FP8 with per-head scales: each payload is copied whole (one copy per snapshot) into
-          a reused staging buffer, and one compiled pass of the reference arithmetic reads
-          the parts and scales there as strided views and writes the final layout.
+        - unquantised layers (all of them, or those that mixed precision keeps): one
+          strided copy per snapshot (per run of layers at regular steps: one for
+          ``keep_layers`` ``[0]``, ``[0, last]`` or consecutive layers), from the mapping
+          straight into the final layout, converted to ``dtype`` as
+          :func:`store.precision.dequantize` does where it differs;
+        - FP8 layers with per-head scales: each payload's FP8 region is copied (one copy
+          per snapshot, one per segment where kept layers sit between FP8 ones) into a
+          reused staging buffer laid out so that every FP8 part and its scales are at
+          regular steps, and one compiled pass of the reference arithmetic reads them
+          there as strided views and writes the final layout.
         """
         if not payloads or tokens < 1:
             return None
@@ -314,70 +424,99 @@ class Dequantizer:
         heads, bs, dim = plan.shape
         if tokens > n * bs or any(a.shape != (layout.nbytes,) for a, _ in payloads):
             return None
-        if plan.scale_base < 0:
-            if plan.dtype != dtype or torch.empty((), dtype=dtype).element_size() not in _NP_SAME_SIZE:
-                return None
-            return self._copy_plain([a for a, _ in payloads], plan, tokens, dtype)
-        if plan.dtype != torch.float8_e4m3fn or self.mode == "table" or n < 2:
+        group = plan.fp8
+        if group is None and plan.plain_dtype != dtype:
+            return None
+        if group is not None and (self.mode == "table" or n < 2):
             return None
         arrays = [a for a, _ in payloads]
-        if not self._kernel_ready(("payload", layout.nbytes, plan, dtype)):
-            # auto before the kernel is built (or a kernel that failed to build): the table,
-            # part by part, rather than starting the build of another kernel in layers()
-            return self._table_from_payloads(arrays, plan, tokens, dtype)
-        y = self._payload_kernel(arrays, plan, layout.nbytes, dtype)
-        return [y[j] if y.shape[2] == tokens else y[j][:, :tokens] for j in range(plan.m)]
+        out: list[torch.Tensor] = [None] * plan.m  # type: ignore[list-item]
+        if plan.plain:
+            kept = self._copy_plain(arrays, plan, tokens, dtype)
+            for p, layer in enumerate(plan.plain_layers):
+                out[2 * layer], out[2 * layer + 1] = kept[p, 0], kept[p, 1]
+        if group is not None:
+            if self._kernel_ready(("payload", layout.nbytes, plan, dtype)):
+                y = self._payload_kernel(arrays, plan, dtype)
+                fp8 = [y[j] if y.shape[2] == tokens else y[j][:, :tokens] for j in range(len(group.data))]
+            else:
+                # auto before the kernel is built (or a kernel that failed to build): the table,
+                # part by part, rather than starting the build of another kernel in layers()
+                fp8 = self._table_from_payloads(arrays, plan, tokens, dtype)
+            for j, layer in enumerate(group.layers):
+                out[2 * layer], out[2 * layer + 1] = fp8[2 * j], fp8[2 * j + 1]
+        return out
 
     @staticmethod
     def _copy_plain(payloads: Sequence[np.ndarray], plan: _Strided, tokens: int,
-                    dtype: torch.dtype) -> list[torch.Tensor]:
+                    dtype: torch.dtype) -> torch.Tensor:
+        """The unquantised layers to ``[layers, 2 (K, V), heads, tokens, dim]`` in ``dtype``."""
         heads, bs, dim = plan.shape
-        esize = torch.empty((), dtype=dtype).element_size()
-        out = torch.empty((plan.m, heads, tokens, dim), dtype=dtype)
-        dst = out.view(_int_dtype(dtype)).numpy()
+        stored = plan.plain_dtype
+        assert stored is not None
+        esize = torch.empty((), dtype=stored).element_size()
+        out = torch.empty((len(plan.plain_layers), 2, heads, tokens, dim), dtype=dtype)
+        # numpy, one pass and no OpenMP team: the stored bits, or bf16 -> fp32 as the bits moved
+        # up 16 places (exactly what Tensor.to does); any other conversion through Tensor.copy_
+        widen = stored == torch.bfloat16 and dtype == torch.float32
+        dst = out.view(_int_dtype(dtype)).numpy() if stored == dtype or widen else None
         t = 0
-        for arr in payloads:
-            nt = min(bs, tokens - t)
-            if nt <= 0:
-                break
-            src = np.ndarray((plan.m, heads, nt, dim), dtype=_NP_SAME_SIZE[esize], buffer=arr, offset=plan.base,
-                             strides=(plan.step, bs * dim * esize, dim * esize, esize))
-            np.copyto(dst[:, :, t : t + nt], src)
-            t += nt
-        return [out[j] for j in range(plan.m)]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only mappings: torch cannot write to them
+            for arr in payloads:
+                nt = min(bs, tokens - t)
+                if nt <= 0:
+                    break
+                for run in plan.plain:
+                    src = np.ndarray((run.count, 2, heads, nt, dim), dtype=_NP_SAME_SIZE[esize], buffer=arr,
+                                     offset=run.base, strides=(run.layer_step, run.kv_step, bs * dim * esize,
+                                                               dim * esize, esize))
+                    rows = slice(run.first, run.first + run.count)
+                    if widen:
+                        wide = dst[rows, :, :, t : t + nt].view(np.uint32)  # type: ignore[index]
+                        np.left_shift(src.view(np.uint16), 16, out=wide, dtype=np.uint32)
+                    elif dst is not None:
+                        np.copyto(dst[rows, :, :, t : t + nt], src)
+                    else:  # the conversion dequantize() makes (Tensor.to)
+                        out[rows, :, :, t : t + nt].copy_(torch.from_numpy(src).view(stored))
+                t += nt
+        return out
 
     def _table_from_payloads(self, payloads: Sequence[np.ndarray], plan: _Strided, tokens: int,
                              dtype: torch.dtype) -> list[torch.Tensor]:
+        """The FP8 parts (K and V of each FP8 layer), each through the per-head table."""
+        group = plan.fp8
+        assert group is not None
         heads, bs, dim = plan.shape
         size = heads * bs * dim
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only mappings: torch cannot write to them
             flat = [torch.from_numpy(a) for a in payloads]
         out = []
-        for j in range(plan.m):
-            run = [(f[plan.base + j * plan.step : plan.base + j * plan.step + size].view(torch.float8_e4m3fn)
-                    .view(heads, bs, dim),
-                    f[plan.scale_base + j * plan.scale_step : plan.scale_base + j * plan.scale_step + 4 * heads]
-                    .view(torch.float32)) for f in flat]
+        for d, s in zip(group.data, group.scales):
+            run = [(f[d : d + size].view(torch.float8_e4m3fn).view(heads, bs, dim),
+                    f[s : s + 4 * heads].view(torch.float32)) for f in flat]
             t = torch.empty((heads, tokens, dim), dtype=dtype)
             fill_contiguous(t, run, 0, self)
             out.append(t)
         return out
 
-    def _payload_kernel(self, payloads: Sequence[np.ndarray], plan: _Strided, nbytes: int,
-                        dtype: torch.dtype) -> torch.Tensor:
-        """FP8 payloads -> ``[m, heads, n*bs, dim]`` through the staging buffer and the compiled kernel."""
-        n = len(payloads)
+    def _payload_kernel(self, payloads: Sequence[np.ndarray], plan: _Strided, dtype: torch.dtype) -> torch.Tensor:
+        """FP8 parts of payloads -> ``[parts, heads, n*bs, dim]`` through the staging buffer and the compiled kernel."""
+        group = plan.fp8
+        assert group is not None
+        n, m = len(payloads), len(group.data)
         heads, bs, dim = plan.shape
-        row = -(-nbytes // 64) * 64
+        row = group.row
         with self._host_lock:  # held until the kernel has read the staging buffer
             host = self._staging(n * row, pin=False).view(n, row)
             hnp = host.numpy()
             for i, arr in enumerate(payloads):
-                np.copyto(hnp[i, :nbytes], arr)
-            stored = host.as_strided((plan.m, n, heads, bs, dim), (plan.step, row, bs * dim, dim, 1), plan.base)
-            scales = host.view(torch.float32).as_strided((plan.m, n, heads), (plan.scale_step // 4, row // 4, 1),
-                                                         plan.scale_base // 4)
+                for lo, hi, at in group.segments:
+                    np.copyto(hnp[i, at : at + hi - lo], arr[lo:hi])
+            stored = host.as_strided((m, n, heads, bs, dim), (group.step, row, bs * dim, dim, 1), group.base)
+            scales = host.view(torch.float32).as_strided((m, n, heads), (group.scale_step // 4, row // 4, 1),
+                                                         group.scale_base // 4)
             return self._run(stored.view(torch.float8_e4m3fn), scales, dtype)
 
     def layers(self, parts: Sequence[Sequence["BlockPart"]], tokens: int, dtype: torch.dtype,
@@ -433,5 +572,9 @@ def fill_contiguous(out: torch.Tensor, parts: Sequence[BlockPart], group_tokens:
         else:  # the trimmed last block: dequantise whole (scales may be per group), keep the head
             tmp = torch.empty(stored.shape, dtype=out.dtype, device=out.device)
             dequant(tmp, stored, scale, group_tokens)
-            out[:, t : t + n].copy_(tmp[:, :n])
+            if out.device.type == "cpu" and out.element_size() in _NP_SAME_SIZE:  # numpy: no OpenMP team
+                idt = _int_dtype(out.dtype)
+                np.copyto(out[:, t : t + n].view(idt).numpy(), tmp[:, :n].view(idt).numpy())
+            else:
+                out[:, t : t + n].copy_(tmp[:, :n])
         t += n
