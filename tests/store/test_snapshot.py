@@ -97,6 +97,15 @@ def test_every_way_of_opening_gives_the_written_parts(tmp_path: Path, prec: Prec
             s.close()
 
 
+def test_header_json_is_the_canonical_encoding_of_its_fields() -> None:
+    prec = Precision(keep_layers=(1,))
+    root = make_root(precision=prec)
+    header = make_snapshot(root, make_chain(root, 1)[0], precision=prec, layers=3).header
+    canonical = json.dumps(dataclasses.asdict(header), sort_keys=True, separators=(",", ":")).encode()
+    assert header.to_json() == canonical
+    assert SnapshotHeader.from_json(canonical) == header
+
+
 def test_header_is_self_describing(tmp_path: Path) -> None:
     prec = Precision()
     root = make_root(precision=prec)
