@@ -11,24 +11,30 @@ downloaded when ``HF_HUB_OFFLINE=1``). The built-ins need no network at all:
 
 Both are built from a ``LlamaConfig`` with a fixed seed, share a byte-level BPE
 tokenizer trained locally on ``prefill/assets/corpus.jsonl`` (CC0 prompts), and are
-saved once under ``$KVWARM_HOME/models`` (default ``~/.cache/kvwarm/models``). Random
-weights are enough for what kvwarm checks (that restored KV reproduces a cold prefill);
-the built-ins use a wider initialisation than training would so that greedy decoding
-has real margins rather than near-ties.
+saved once under ``$KVWARM_HOME/models`` (default ``~/.cache/kvwarm/models``).
+``kvwarm-tiny`` is then trained briefly on that corpus (:mod:`prefill.training`; a few
+minutes on two cores, once per machine), so that its next-token distributions are peaked
+like a real model's and the accuracy tests measure the storage rather than near-ties of
+random weights. ``kvwarm-ref`` keeps its random weights: it serves the speed benchmarks,
+where only the geometry matters. Each built model records its recipe in
+``kvwarm-builtin.json``; a model built by an older recipe is rebuilt on first use.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from prefill.training import TrainingRecipe, token_stream, train
 from store.identity import ModelIdentity, identity_from_dir
 from store.keys import KeyRoot
 from store.precision import Precision
@@ -54,6 +60,13 @@ BUILTINS: dict[str, dict[str, Any]] = {
                           initializer_range=0.04, tie_word_embeddings=True),
 }
 _TOKENIZER_VOCAB = 4096
+#: Built-ins trained after initialisation (the rest keep their random weights).
+TRAINING: dict[str, TrainingRecipe] = {DEFAULT_MODEL: TrainingRecipe()}
+#: Bumped when the build changes in a way the recipe does not show.
+_BUILD_VERSION = 2
+_MARKER = "kvwarm-builtin.json"
+#: The first corpus prompts, never trained on: what accuracy is measured on.
+HELD_OUT_PROMPTS = TrainingRecipe().held_out
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
 
@@ -131,8 +144,36 @@ def _train_tokenizer(out: Path) -> Any:
     return fast
 
 
+def _recipe_record(name: str) -> dict[str, Any]:
+    recipe = TRAINING.get(name)
+    return {"name": name, "build_version": _BUILD_VERSION, "geometry": BUILTINS[name],
+            "training": recipe.as_dict() if recipe is not None else None}
+
+
+def _is_current(d: Path, name: str) -> bool:
+    try:
+        recorded = json.loads((d / _MARKER).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    want = _recipe_record(name)
+    return (d / "config.json").exists() and all(recorded.get(k) == v for k, v in want.items())
+
+
+@contextmanager
+def _build_lock(home: Path, name: str):
+    """One builder per model per machine; the others wait for it (and then find its model)."""
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / f".{name}.lock", "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
 def build_builtin(name: str, out: Path) -> Path:
-    """Build a built-in model from its config with seed 0 and save it to ``out``."""
+    """Build a built-in model into ``out``: tokenizer, weights from the config with seed 0,
+    then (``kvwarm-tiny``) the training run of :data:`TRAINING`. Replaces an older build."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     geometry = BUILTINS[name]
@@ -143,12 +184,24 @@ def build_builtin(name: str, out: Path) -> Path:
                           pad_token_id=tokenizer.pad_token_id)
         torch.manual_seed(0)
         model = LlamaForCausalLM(cfg)
+        record = _recipe_record(name)
+        recipe = TRAINING.get(name)
+        if recipe is not None:
+            log.warning("training built-in model %s once on the bundled corpus (%d steps; a few minutes on two "
+                        "cores)", name, recipe.steps)
+            report = train(model, token_stream(tokenizer, _corpus()[recipe.held_out:]), recipe)
+            record["trained"] = {"first_loss": round(report.first_loss, 4), "final_loss": round(report.final_loss, 4),
+                                 "tokens_seen": report.tokens_seen, "seconds": round(report.seconds, 1),
+                                 "torch": torch.__version__}
+            log.warning("trained %s: loss %.2f -> %.2f in %.0f s", name, report.first_loss, report.final_loss,
+                        report.seconds)
         model.save_pretrained(tmp)
-        try:
-            os.replace(tmp, out)  # atomic: a concurrent builder either wins or finds ours
-        except OSError:
-            if not (out / "config.json").exists():
-                raise
+        (tmp / _MARKER).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        if out.exists():  # an older build: move it aside (we hold the build lock)
+            stale = out.parent / f".{name}-stale-{os.getpid()}-{os.urandom(4).hex()}"
+            os.replace(out, stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
@@ -158,10 +211,13 @@ def resolve(name_or_path: str) -> Path:
     """Directory holding ``name_or_path``: built-in (built on first use), local dir, or hub cache."""
     if name_or_path in BUILTINS:
         d = models_home() / name_or_path
-        if not (d / "config.json").exists():
-            d.parent.mkdir(parents=True, exist_ok=True)
-            log.info("building built-in model %s under %s (once)", name_or_path, d)
-            build_builtin(name_or_path, d)
+        if not _is_current(d, name_or_path):
+            with _build_lock(d.parent, name_or_path):
+                if not _is_current(d, name_or_path):  # another process may have built it meanwhile
+                    for left in d.parent.glob(f".{name_or_path}-*"):  # a killed builder's (we hold the lock)
+                        shutil.rmtree(left, ignore_errors=True)
+                    log.info("building built-in model %s under %s (once)", name_or_path, d)
+                    build_builtin(name_or_path, d)
         return d
     p = Path(name_or_path).expanduser()
     if p.is_dir():
