@@ -46,7 +46,10 @@ class KvCacheConfig(_Section):
     compression: Literal["fp8", "bf16", "fp16", "fp32"] = "fp8"
     scale_granularity: Literal["head", "head_group"] = "head"
     group_tokens: int = Field(0, ge=0)
-    keep_layers: tuple[int, ...] = Field((), description="Layers stored unquantised when compression is fp8.")
+    keep_layers: tuple[int, ...] = Field(
+        (0,), description="Layers stored unquantised (keep_dtype) when compression is fp8. Default [0]: layer 0 "
+        "is where FP8 loses most (docs/precision.md); [] stores FP8 everywhere.",
+    )
     keep_dtype: Literal["bf16", "fp16"] = "bf16"
     block_size: int = Field(256, ge=1, le=65536)
     ttl_hours: float = Field(4.0, gt=0)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from prefill.cli import main as prefill_main
-from prefill.models import _corpus, load_model, resolve
+from prefill.models import HELD_OUT_PROMPTS, _corpus, load_model, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 16
@@ -45,7 +45,8 @@ def serve(tmp_path: Path, compression: str, dtype: str, texts: list[str]) -> dic
 
 @pytest.fixture(scope="module")
 def texts():
-    return [t.replace("\n", " ")[:400] for t in _corpus()[50:56]]
+    # prompts the default model was not trained on (prefill/training.py holds them out)
+    return [t.replace("\n", " ")[:400] for t in _corpus()[HELD_OUT_PROMPTS - 12:HELD_OUT_PROMPTS]]
 
 
 def test_lossless_snapshots_serve_the_cold_tokens(tmp_path, texts):
@@ -64,9 +65,9 @@ def test_bf16_snapshots_of_a_bf16_model(tmp_path, texts):
 
 
 def test_fp8_snapshots_agree_within_the_prefill_tolerance(tmp_path, texts):
-    from tests.prefill.test_roundtrip import FP8_FLOOR
+    from tests.prefill.test_roundtrip import FP8_TARGET
 
     out = serve(tmp_path, "fp8", "fp32", texts)
     assert out["hits"] == len(texts)
     same = sum(a == b for r in out["results"] for a, b in zip(r["warm"], r["cold"]))
-    assert same / (20 * len(texts)) >= FP8_FLOOR
+    assert same / (20 * len(texts)) >= FP8_TARGET  # the default: FP8 with layer 0 kept in bf16

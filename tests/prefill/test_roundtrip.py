@@ -1,10 +1,11 @@
 """Done-when 1 of the prefill issue: generation continuing from stored KV matches a cold prefill.
 
-50 varied prompts (CC0 prompts, prefill/assets), the built-in model, greedy decoding of
-20 new tokens. Stored losslessly (fp32 model, fp32 storage) the tokens must be the same.
-Stored as FP8 the issue's target is 95 % agreement; the built-in model has random weights,
-whose near-tied logits flip under any perturbation, so we measure and pin what it
-achieves (see docs/precision.md) rather than claim the target.
+50 varied prompts (the CC0 prompts that the default model's training left out, see
+prefill/training.py), the built-in model, greedy decoding of 20 new tokens. Stored
+losslessly (fp32 model, fp32 storage) the tokens must be the same. Stored as FP8 with the
+default configuration (mixed precision: layer 0 in bf16, every other layer FP8) the target
+is 95 % token agreement. FP8 on every layer is measured too, with a floor (it agrees less:
+layer 0 is where FP8 loses most; docs/precision.md).
 """
 from __future__ import annotations
 
@@ -21,10 +22,11 @@ from tests.prefill.conftest import BLOCK, config_for
 
 ACME = Tenant.derive("acme", "s3cret")
 NEW_TOKENS = 20
-#: Measured on kvwarm-tiny (random weights): 0.37 plain FP8, 0.77 with layer 0 kept in
-#: bf16, 0.82 with layers 0-1, 0.90 with 0-2 (docs/precision.md). The floors catch a
-#: broken quantiser or loader without claiming more than the model allows.
-FP8_FLOOR = 0.30
+#: The prefill issue's target for FP8 storage (the default: layer 0 kept in bf16).
+FP8_TARGET = 0.95
+#: FP8 on every layer: measured 0.81 on the trained kvwarm-tiny (0.37 with random weights).
+#: The floor catches a broken quantiser or loader without claiming more than FP8 allows.
+PLAIN_FP8_FLOOR = 0.65
 
 
 def restored_cache(loaded, store, root, ids):
@@ -48,7 +50,8 @@ def restored_cache(loaded, store, root, ids):
 
 def agreement(loaded, compression, tmp_path, n_prompts=50, **kv):
     cfg = config_for(compression, **kv)
-    store = Store.open(f"file://{tmp_path / (compression + '-keep' + '_'.join(map(str, kv.get('keep_layers', []))))}", cfg)
+    tag = compression + "".join(f"-{k}{'_'.join(map(str, v)) if isinstance(v, list) else v}" for k, v in kv.items())
+    store = Store.open(f"file://{tmp_path / tag}", cfg)
     prompts = [loaded.encode(p)[: 6 * BLOCK + 5] for p in _corpus()[:n_prompts]]
     assert all(len(p) > BLOCK for p in prompts)
     opts = PrefillOptions(precision=cfg.kv_cache.precision(), block_size=BLOCK)
@@ -81,10 +84,11 @@ def test_bf16_storage_of_a_bf16_model_nearly_always_agrees(tiny_bf16, tmp_path):
 
 
 def test_fp8_storage_agreement(tiny, tmp_path):
-    assert agreement(tiny, "fp8", tmp_path) >= FP8_FLOOR
+    assert config_for("fp8").kv_cache.keep_layers == (0,)  # what users get by default
+    assert agreement(tiny, "fp8", tmp_path) >= FP8_TARGET
 
 
-def test_keeping_the_first_layer_unquantised_recovers_most_of_the_loss(tiny, tmp_path):
-    plain = agreement(tiny, "fp8", tmp_path)
-    mixed = agreement(tiny, "fp8", tmp_path, keep_layers=[0])
-    assert mixed >= plain + 0.2
+def test_fp8_on_every_layer_agrees_less_but_stays_above_a_floor(tiny, tmp_path):
+    plain = agreement(tiny, "fp8", tmp_path, keep_layers=[])
+    mixed = agreement(tiny, "fp8", tmp_path)
+    assert PLAIN_FP8_FLOOR <= plain < mixed

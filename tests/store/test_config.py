@@ -18,7 +18,7 @@ def test_defaults_match_the_documented_policy() -> None:
     assert c.kv_cache.max_shared_instances == 8
     assert c.kv_cache.compression == "fp8"
     assert c.kv_cache.ttl_hours == 4.0 and (c.kv_cache.ttl_min_hours, c.kv_cache.ttl_max_hours) == (2.0, 6.0)
-    assert c.kv_cache.precision() == Precision()
+    assert c.kv_cache.precision() == Precision(keep_layers=(0,))  # mixed precision by default
 
 
 def test_accepts_the_sagemaker_inference_config_keys(tmp_path: Path) -> None:
