@@ -26,13 +26,13 @@ import logging
 import os
 import threading
 import warnings
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Literal, Sequence
 
 import numpy as np
 import torch
 
-from store.precision import STORAGE_DTYPES, dequantize
+from store.payload_plan import NP_SAME_SIZE, PayloadPlan, payload_plan
+from store.precision import dequantize
 
 if TYPE_CHECKING:
     from store.snapshot import PayloadLayout
@@ -40,7 +40,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvwarm.dequant")
 
 _FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
-_NP_SAME_SIZE = {2: np.int16, 4: np.int32}
 _GATHER_THREADS = max(1, min(4, (os.cpu_count() or 1)))  # 4 numpy copies: 12.5 GB/s on the H200 host, 8 or 16: ~10
 _gather_executor: cf.ThreadPoolExecutor | None = None
 _KEEP_STAGING_BYTES = 256 << 20  # a CPU staging buffer up to this size is kept for the next hit
@@ -72,7 +71,7 @@ def dequantize_into(out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor
     cpu = out.device.type == "cpu" and stored.device.type == "cpu"
     if (
         cpu and scale is not None and scale.dim() == 1 and stored.dtype == torch.float8_e4m3fn
-        and out.element_size() in _NP_SAME_SIZE and out.stride(-1) == 1 and out.stride(-2) == out.shape[-1]
+        and out.element_size() in NP_SAME_SIZE and out.stride(-1) == 1 and out.stride(-2) == out.shape[-1]
     ):  # every head's [tokens, dim] is contiguous (true of slices of a [heads, T, dim] tensor)
         lut = _lut(scale, out.dtype).view(_int_dtype(out.dtype)).numpy()
         idx = stored.view(torch.uint8).numpy()
@@ -81,14 +80,14 @@ def dequantize_into(out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor
             # mode="clip": indices are bytes, always in range; "raise" would buffer the output.
             np.take(lut[h], idx[h], out=dst[h], mode="clip")
         return
-    if cpu and scale is None and stored.dtype == out.dtype and out.element_size() in _NP_SAME_SIZE:
+    if cpu and scale is None and stored.dtype == out.dtype and out.element_size() in NP_SAME_SIZE:
         # unquantised (kept layers, bf16 storage) into its own dtype: the stored bits, by numpy's
         # copy (torch's starts an OpenMP team per part: ~50x slower on a busy 2-core host)
         idt = _int_dtype(out.dtype)
         np.copyto(out.view(idt).numpy(), stored.view(idt).numpy())
         return
     if cpu and scale is not None and scale.dim() == 1 and stored.dtype == torch.float8_e4m3fn \
-            and out.element_size() in _NP_SAME_SIZE:
+            and out.element_size() in NP_SAME_SIZE:
         tmp = torch.empty(stored.shape, dtype=out.dtype)
         dequantize_into(tmp, stored, scale, group_tokens)
         out.copy_(tmp)
@@ -115,150 +114,6 @@ def _fp8_layers(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
 
 
 DequantMode = Literal["auto", "table", "compiled"]
-
-
-@dataclass(frozen=True)
-class _PlainRun:
-    """Unquantised layers whose K and V parts lie at two regular steps in the payload, so that
-    their bytes in one snapshot are one strided view ``[layers, 2, heads, block tokens, dim]``."""
-
-    first: int  # position of the run's first layer among the unquantised layers
-    count: int  # layers in the run
-    base: int  # byte offset of the first layer's K
-    layer_step: int  # bytes from one layer's K to the next's
-    kv_step: int  # bytes from a layer's K to its V
-
-
-@dataclass(frozen=True)
-class _Fp8Group:
-    """The FP8 layers of a layout (per-head fp32 scales), and how to stage them for one kernel.
-
-    ``data[j]`` and ``scales[j]`` are the payload byte offsets of FP8 part ``j`` (K and V of
-    each FP8 layer in order) and of its scales. Staging copies the payload bytes
-    ``[start, end)`` of each segment (FP8 layers with no unquantised layer between them) to
-    ``at`` in a row of ``row`` bytes per snapshot, placed so that in the row part ``j`` lies at
-    ``base + j * step`` and its scales at ``scale_base + j * scale_step``: one strided view for
-    all of them, whatever unquantised layers sat between them in the payload.
-    """
-
-    layers: tuple[int, ...]
-    data: tuple[int, ...]
-    scales: tuple[int, ...]
-    segments: tuple[tuple[int, int, int], ...]  # (start, end, at)
-    row: int
-    base: int
-    step: int
-    scale_base: int
-    scale_step: int
-
-
-@dataclass(frozen=True)
-class _Strided:
-    """How every K/V part of a payload layout (in the order K.0, V.0, K.1, ...) is read with one
-    operation per group per snapshot: the FP8 layers (one staging copy per segment, then one
-    kernel or the table) and the unquantised layers (one strided copy per run)."""
-
-    m: int  # parts: K and V of every layer
-    shape: tuple[int, int, int]  # heads, block tokens, head dim (the same for every part)
-    fp8: _Fp8Group | None
-    plain_layers: tuple[int, ...]  # the unquantised layers, in order
-    plain_dtype: torch.dtype | None  # their stored dtype (one for all)
-    plain: tuple[_PlainRun, ...]
-
-
-def _plain_runs(offsets: Sequence[tuple[int, int]], esize: int) -> tuple[_PlainRun, ...] | None:
-    """Group layers (their K and V byte offsets, in order) into runs at regular steps."""
-    runs: list[_PlainRun] = []
-    for i, (k, v) in enumerate(offsets):
-        if k % esize or v % esize or v <= k:
-            return None
-        last = runs[-1] if runs else None
-        if last is not None and v - k == last.kv_step and k > last.base and (
-                last.count == 1 or k == last.base + last.count * last.layer_step):
-            runs[-1] = _PlainRun(last.first, last.count + 1, last.base, k - last.base if last.count == 1
-                                 else last.layer_step, last.kv_step)
-        else:
-            runs.append(_PlainRun(i, 1, k, 0, v - k))
-    return tuple(runs)
-
-
-def _fp8_group(layout: "PayloadLayout", layers: Sequence[int], heads: int) -> _Fp8Group | None:
-    """Where the FP8 parts of ``layers`` and their scales lie, and a staging row in which both
-    are at regular steps (``None`` where no such row exists)."""
-    index = layout.index()
-    names = [f"{kv}.{i}" for i in layers for kv in ("k", "v")]
-    snames = [f"{kv}_scale.{i}" for i in layers for kv in ("k", "v")]
-    if any(layout.parts[index[s]][1:3] != ("fp32", (heads,)) for s in snames):
-        return None  # per-group scales, or not fp32
-    data = [layout.offsets[index[n]] for n in names]
-    scales = [layout.offsets[index[s]] for s in snames]
-    step = data[1] - data[0]  # K to V; in the staging row, every later step equals it
-    runs: list[list[int]] = []  # FP8 layers (positions in ``layers``) with no other layer between them
-    for j, layer in enumerate(layers):
-        if j and layer == layers[j - 1] + 1:
-            runs[-1].append(j)
-        else:
-            runs.append([j])
-    segments: list[tuple[int, int, int]] = []
-    shift: list[int] = []  # per part: staging row offset - payload offset
-    base = end = 0
-    for run in runs:
-        own = [index[f"{kv}{sfx}.{layers[j]}"] for j in run for kv in ("k", "v") for sfx in ("", "_scale")]
-        lo = min(layout.offsets[i] for i in own)
-        hi = max(layout.offsets[i] + layout.parts[i][3] for i in own)
-        if not segments:
-            base = data[0] - lo
-        at = base + 2 * run[0] * step - (data[2 * run[0]] - lo)  # where the run's first K must land
-        if at < end:
-            return None
-        segments.append((lo, hi, at))
-        shift += [at - lo] * (2 * len(run))
-        end = at + hi - lo
-    vdata = [o + d for o, d in zip(data, shift)]
-    vscales = [o + d for o, d in zip(scales, shift)]
-    sstep = vscales[1] - vscales[0]
-    regular = (all(o == base + j * step for j, o in enumerate(vdata))
-               and all(o == vscales[0] + j * sstep for j, o in enumerate(vscales))
-               and step >= layout.parts[index[names[0]]][3] and vscales[0] % 4 == 0 and sstep % 4 == 0
-               and all(s % 4 == 0 for s in scales))  # fp32 views, in the payload and in the row
-    if not regular:
-        return None
-    return _Fp8Group(tuple(layers), tuple(data), tuple(scales), tuple(segments), -(-end // 64) * 64, base, step,
-                     vscales[0], sstep)
-
-
-def _strided(layout: "PayloadLayout") -> _Strided | None:
-    """The regular structure of ``layout`` (cached per layout), or ``None`` if it has none
-    (per-group scales, parts of different shapes, unquantised layers of different dtypes,
-    FP8 parts that no staging row puts at regular steps)."""
-    if "_strided" in layout.__dict__:
-        return layout.__dict__["_strided"]
-    plan = None
-    try:
-        index = layout.index()
-        layers = sum(1 for p in layout.parts if p[0].startswith("k.") and p[0][2:].isdigit())
-        data = [layout.parts[index[f"{kv}.{i}"]] for i in range(layers) for kv in ("k", "v")]
-        first = data[0]
-        fp8 = [i for i in range(layers) if data[2 * i][1] == "fp8_e4m3"]
-        plain = [i for i in range(layers) if i not in fp8]
-        scaled = {i for i in range(layers) if f"k_scale.{i}" in index or f"v_scale.{i}" in index}
-        ok = (len(first[2]) == 3 and all(d[2] == first[2] for d in data) and scaled == set(fp8)
-              and all(data[2 * i + 1][1] == data[2 * i][1] for i in range(layers))
-              and len({data[2 * i][1] for i in plain}) <= 1)
-        group = _fp8_group(layout, fp8, first[2][0]) if ok and fp8 else None
-        runs: tuple[_PlainRun, ...] | None = ()
-        plain_dtype = STORAGE_DTYPES[data[2 * plain[0]][1]] if ok and plain else None
-        if ok and plain:
-            esize = torch.empty((), dtype=plain_dtype).element_size()
-            runs = _plain_runs([(layout.offsets[index[f"k.{i}"]], layout.offsets[index[f"v.{i}"]]) for i in plain],
-                               esize) if esize in _NP_SAME_SIZE else None
-        if layers and ok and (group is not None or not fp8) and runs is not None:
-            shape = (first[2][0], first[2][1], first[2][2])
-            plan = _Strided(2 * layers, shape, group, tuple(plain), plain_dtype, runs)
-    except (KeyError, IndexError, ValueError):
-        plan = None
-    object.__setattr__(layout, "_strided", plan)  # a cache on the (frozen) layout
-    return plan
 
 
 class Dequantizer:
@@ -417,7 +272,7 @@ class Dequantizer:
         layout = payloads[0][1]
         if any(lay is not layout for _, lay in payloads):
             return None
-        plan = _strided(layout)
+        plan = payload_plan(layout)
         if plan is None:
             return None
         n = len(payloads)
@@ -448,7 +303,7 @@ class Dequantizer:
         return out
 
     @staticmethod
-    def _copy_plain(payloads: Sequence[np.ndarray], plan: _Strided, tokens: int,
+    def _copy_plain(payloads: Sequence[np.ndarray], plan: PayloadPlan, tokens: int,
                     dtype: torch.dtype) -> torch.Tensor:
         """The unquantised layers to ``[layers, 2 (K, V), heads, tokens, dim]`` in ``dtype``."""
         heads, bs, dim = plan.shape
@@ -468,7 +323,7 @@ class Dequantizer:
                 if nt <= 0:
                     break
                 for run in plan.plain:
-                    src = np.ndarray((run.count, 2, heads, nt, dim), dtype=_NP_SAME_SIZE[esize], buffer=arr,
+                    src = np.ndarray((run.count, 2, heads, nt, dim), dtype=NP_SAME_SIZE[esize], buffer=arr,
                                      offset=run.base, strides=(run.layer_step, run.kv_step, bs * dim * esize,
                                                                dim * esize, esize))
                     rows = slice(run.first, run.first + run.count)
@@ -482,7 +337,7 @@ class Dequantizer:
                 t += nt
         return out
 
-    def _table_from_payloads(self, payloads: Sequence[np.ndarray], plan: _Strided, tokens: int,
+    def _table_from_payloads(self, payloads: Sequence[np.ndarray], plan: PayloadPlan, tokens: int,
                              dtype: torch.dtype) -> list[torch.Tensor]:
         """The FP8 parts (K and V of each FP8 layer), each through the per-head table."""
         group = plan.fp8
@@ -501,7 +356,7 @@ class Dequantizer:
             out.append(t)
         return out
 
-    def _payload_kernel(self, payloads: Sequence[np.ndarray], plan: _Strided, dtype: torch.dtype) -> torch.Tensor:
+    def _payload_kernel(self, payloads: Sequence[np.ndarray], plan: PayloadPlan, dtype: torch.dtype) -> torch.Tensor:
         """FP8 parts of payloads -> ``[parts, heads, n*bs, dim]`` through the staging buffer and the compiled kernel."""
         group = plan.fp8
         assert group is not None
@@ -572,7 +427,7 @@ def fill_contiguous(out: torch.Tensor, parts: Sequence[BlockPart], group_tokens:
         else:  # the trimmed last block: dequantise whole (scales may be per group), keep the head
             tmp = torch.empty(stored.shape, dtype=out.dtype, device=out.device)
             dequant(tmp, stored, scale, group_tokens)
-            if out.device.type == "cpu" and out.element_size() in _NP_SAME_SIZE:  # numpy: no OpenMP team
+            if out.device.type == "cpu" and out.element_size() in NP_SAME_SIZE:  # numpy: no OpenMP team
                 idt = _int_dtype(out.dtype)
                 np.copyto(out[:, t : t + n].view(idt).numpy(), tmp[:, :n].view(idt).numpy())
             else:

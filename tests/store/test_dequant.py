@@ -11,7 +11,8 @@ import concurrent.futures as cf
 import pytest
 import torch
 
-from store.dequant import Dequantizer, _strided
+from store.dequant import Dequantizer
+from store.payload_plan import payload_plan
 from store.precision import Precision, dequantize
 from store.snapshot import Snapshot, build_snapshot, map_file, read_snapshot, snapshot_bytes
 from tests.store.factories import ACME, make_chain, make_root
@@ -92,7 +93,7 @@ def test_auto_before_its_kernel_is_built_reads_mixed_payloads_through_the_table(
     layout = snaps[0].payload[1]
     with cf.ThreadPoolExecutor(1) as ex:
         auto = Dequantizer("auto", ex)
-        auto._pending.add(("payload", layout.nbytes, _strided(layout), dtype))  # "being built" in the background
+        auto._pending.add(("payload", layout.nbytes, payload_plan(layout), dtype))  # "being built" in the background
         for tokens in (2 * BS, 2 * BS - 3, 1):
             assert same_bits(auto.payload_layers(payloads(snaps), tokens, dtype), reference(snaps, tokens, dtype))
         assert not auto._ready and len(auto._pending) == 1  # no second kernel started
@@ -124,7 +125,7 @@ def test_kept_fp16_layers_are_converted_as_dequantize_converts(tmp_path):
     with cf.ThreadPoolExecutor(1) as ex:
         auto = Dequantizer("auto", ex)
         for dtype in (torch.bfloat16, torch.float32, torch.float16):
-            auto._pending.add(("payload", layout.nbytes, _strided(layout), dtype))
+            auto._pending.add(("payload", layout.nbytes, payload_plan(layout), dtype))
             got = auto.payload_layers(payloads(snaps), 2 * BS - 1, dtype)
             assert same_bits(got, reference(snaps, 2 * BS - 1, dtype))
 
@@ -133,7 +134,7 @@ def test_one_copy_per_group_per_snapshot(tmp_path):
     """The plan behind the path: kept layers in one strided view where their offsets allow,
     FP8 layers in one staging segment per stretch of FP8 layers."""
     def plan(keep, layers=12):
-        return _strided(mapped(tmp_path / str(keep), Precision(keep_layers=keep), 1, layers=layers)[0].payload[1])
+        return payload_plan(mapped(tmp_path / str(keep), Precision(keep_layers=keep), 1, layers=layers)[0].payload[1])
 
     first = plan((0,))
     assert first is not None and len(first.plain) == 1 and len(first.fp8.segments) == 1
@@ -152,7 +153,7 @@ def test_mixed_payloads_fall_back_where_this_path_does_not_apply(tmp_path, compi
     mixed = mapped(tmp_path / "m", Precision(keep_layers=(0,)), 2)
     grouped = mapped(tmp_path / "g", Precision(granularity="head_group", group_tokens=4, keep_layers=(0,)), 2)
     other = mapped(tmp_path / "o", Precision(keep_layers=(1,)), 2)
-    assert _strided(grouped[0].payload[1]) is None
+    assert payload_plan(grouped[0].payload[1]) is None
     assert compiled.payload_layers(payloads(grouped), 2 * BS, torch.bfloat16) is None  # per-group scales
     assert Dequantizer("table").payload_layers(payloads(mixed), 2 * BS, torch.bfloat16) is None  # FP8 in table mode
     assert compiled.payload_layers(payloads(mixed[:1]), BS, torch.bfloat16) is None  # one block
@@ -179,7 +180,7 @@ def test_kept_bf16_widened_to_fp32_keeps_every_bit(tmp_path):
     layout = snaps[0].payload[1]
     with cf.ThreadPoolExecutor(1) as ex:
         auto = Dequantizer("auto", ex)
-        auto._pending.add(("payload", layout.nbytes, _strided(layout), torch.float32))
+        auto._pending.add(("payload", layout.nbytes, payload_plan(layout), torch.float32))
         got = auto.payload_layers(payloads(snaps), 2 * BS - 1, torch.float32)
     want = reference(snaps, 2 * BS - 1, torch.float32)
     assert same_bits(got, want)

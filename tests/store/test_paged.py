@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from store.loader import KVLoader
-from store.dequant import Dequantizer, _strided, dequantize_into
+from store.dequant import Dequantizer, dequantize_into
+from store.payload_plan import payload_plan
 from store.precision import Precision, dequantize, quantize
 from store.store import Store
 from tests.store.pool_workers import ACME, TINY, config, prefill_kv, prompt, tiny_model, write_prefix
@@ -243,7 +244,7 @@ def test_whole_payloads_fall_back_where_the_layout_is_not_regular(tmp_path):
 
     with cf.ThreadPoolExecutor(1) as ex:
         auto = Dequantizer("auto", ex)
-        auto._pending.add(("payload", fp8[0].payload[1].nbytes, _strided(fp8[0].payload[1]), torch.bfloat16))
+        auto._pending.add(("payload", fp8[0].payload[1].nbytes, payload_plan(fp8[0].payload[1]), torch.bfloat16))
         got = auto.payload_layers([s.payload for s in fp8], 2 * BS - 3, torch.bfloat16)
         assert all(torch.equal(a, b) for a, b in zip(got, per_part(fp8, 2 * BS - 3, torch.bfloat16)))
         assert not auto._ready and len(auto._pending) == 1
