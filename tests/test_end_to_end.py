@@ -60,8 +60,10 @@ def test_lossless_snapshots_serve_the_cold_tokens(tmp_path, texts):
 def test_bf16_snapshots_of_a_bf16_model(tmp_path, texts):
     out = serve(tmp_path, "bf16", "bf16", texts)
     assert out["hits"] == len(texts)
-    same = sum(a == b for r in out["results"] for a, b in zip(r["warm"], r["cold"]))
-    assert same / (20 * len(texts)) >= 0.98  # see tests/prefill/test_roundtrip.py for why not bitwise
+    # the same greedy tokens (the trained default model: 50 of 50 held-out prompts exact; with
+    # random weights, CPU bf16 rounding of a prefix computed alone flipped near-tied logits)
+    for r in out["results"]:
+        assert r["warm"] == r["cold"]
 
 
 def test_fp8_snapshots_agree_within_the_prefill_tolerance(tmp_path, texts):
