@@ -9,7 +9,6 @@ layer 0 is where FP8 loses most; docs/precision.md).
 """
 from __future__ import annotations
 
-import pytest
 import torch
 from transformers import DynamicCache
 
@@ -76,11 +75,12 @@ def test_lossless_storage_reproduces_greedy_generation(tiny, tmp_path):
     assert agreement(tiny, "fp32", tmp_path) == 1.0
 
 
-def test_bf16_storage_of_a_bf16_model_nearly_always_agrees(tiny_bf16, tmp_path):
-    # not bitwise: CPU bf16 kernels round a prefix computed alone differently from the
-    # same prefix inside the whole prompt, and random weights have near-ties
-    # (20 prompts: bf16 matmuls are slow on CPUs without bf16 units)
-    assert agreement(tiny_bf16, "bf16", tmp_path, n_prompts=20) >= 0.98
+def test_bf16_storage_of_a_bf16_model_gives_the_same_tokens(tiny_bf16, tmp_path):
+    # 20 prompts: bf16 matmuls are slow on CPUs without bf16 units (all 50 agree too: 245 s
+    # on the loaded 2-core machine, docs/precision.md). With random weights this was 99.3 %:
+    # CPU bf16 kernels round a prefix computed alone differently from the same prefix inside
+    # the whole prompt, which flipped near-tied logits; the trained model has no such ties here.
+    assert agreement(tiny_bf16, "bf16", tmp_path, n_prompts=20) == 1.0
 
 
 def test_fp8_storage_agreement(tiny, tmp_path):
