@@ -523,7 +523,7 @@ def _span(header: SnapshotHeader, parts: dict[str, pa.Buffer], addresses: list[i
     start = addresses[0]
     end = max(a + p.nbytes for a, p in zip(addresses, header.parts))
     if min(addresses) != start or end - start > 2 * header.payload_nbytes + 64 * len(addresses):
-        return None  # not the layout this format writes (parts in order, 64-byte padding)
+        return None  # not one region of parts in order (this format pads each to 8 bytes)
     if start < bounds[0] or end > bounds[1]:
         return None  # Arrow copied (realigned) some buffers: they are not in the source
     key = (_signature(header), tuple(a - start for a in addresses), end - start)
