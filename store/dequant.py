@@ -35,7 +35,7 @@ from store.payload_plan import NP_SAME_SIZE, PayloadPlan, payload_plan
 from store.precision import dequantize
 
 if TYPE_CHECKING:
-    from store.snapshot import PayloadLayout
+    from store.payload import PayloadLayout
 
 log = logging.getLogger("kvwarm.dequant")
 

@@ -43,7 +43,8 @@ from store.metrics import LoaderMetrics
 from store.dequant import Dequantizer, DequantMode
 from store.plan import Plan, read_plan
 from store.pool import Admit, PoolAttachRefused, SnapshotPool, default_pool_dir, readahead
-from store.snapshot import Snapshot, map_file, read_snapshot
+from store.payload import map_file
+from store.snapshot import Snapshot, read_snapshot
 from store.store import Store, tiers_from_url
 from store.tenant import PUBLIC, PUBLIC_TENANT, Tenant
 from store.tier import object_name

@@ -1,6 +1,6 @@
 """Where the K/V parts of a snapshot payload lie, as a plan for reading them in bulk.
 
-:class:`store.snapshot.PayloadLayout` says where each part of a payload is; a
+:class:`store.payload.PayloadLayout` says where each part of a payload is; a
 :class:`PayloadPlan` groups them for :meth:`store.dequant.Dequantizer.payload_layers`:
 the FP8 layers (with per-head fp32 scales) as one strided view of a staging row, the
 unquantised layers (bf16/fp16, e.g. the layers mixed precision keeps) as runs at regular
@@ -18,7 +18,7 @@ import torch
 from store.precision import STORAGE_DTYPES
 
 if TYPE_CHECKING:
-    from store.snapshot import PayloadLayout
+    from store.payload import PayloadLayout
 
 #: element size -> the numpy integer type that copies such elements bit-exactly
 NP_SAME_SIZE: dict[int, type] = {2: np.int16, 4: np.int32}

@@ -14,7 +14,8 @@ import torch
 from store.dequant import Dequantizer
 from store.payload_plan import payload_plan
 from store.precision import Precision, dequantize
-from store.snapshot import Snapshot, build_snapshot, map_file, read_snapshot, snapshot_bytes
+from store.payload import map_file
+from store.snapshot import Snapshot, build_snapshot, read_snapshot, snapshot_bytes
 from tests.store.factories import ACME, make_chain, make_root
 
 BS = 16

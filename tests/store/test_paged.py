@@ -178,7 +178,8 @@ def mapped_snapshots(tmp_path, precision: Precision, n: int, *, layers: int = 3,
                      seed: int = 3):
     """``n`` consecutive snapshots of random KV, written to files and mapped back as the loader maps them."""
     from store.keys import block_chain
-    from store.snapshot import build_snapshot, map_file, read_snapshot, snapshot_bytes
+    from store.payload import map_file
+    from store.snapshot import build_snapshot, read_snapshot, snapshot_bytes
 
     root = TINY.key_root(precision, BS, ACME.salt)
     g = torch.Generator().manual_seed(seed)
