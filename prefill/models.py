@@ -66,7 +66,7 @@ TRAINING: dict[str, TrainingRecipe] = {DEFAULT_MODEL: TrainingRecipe()}
 _BUILD_VERSION = 2
 _MARKER = "kvwarm-builtin.json"
 #: The first corpus prompts, never trained on: what accuracy is measured on.
-HELD_OUT_PROMPTS = TrainingRecipe().held_out
+HELD_OUT_PROMPTS = TRAINING[DEFAULT_MODEL].held_out
 DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp16": torch.float16, "float16": torch.float16}
 

@@ -72,10 +72,9 @@ def token_stream(tokenizer: Any, texts: Sequence[str]) -> torch.Tensor:
     """The texts' token ids, each followed by the end-of-text token, as one 1-D tensor."""
     eos = tokenizer.eos_token_id
     ids: list[int] = []
-    for batch_start in range(0, len(texts), 256):
-        for row in tokenizer(list(texts[batch_start:batch_start + 256]), add_special_tokens=False)["input_ids"]:
-            ids.extend(row)
-            ids.append(eos)
+    for row in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
+        ids.extend(row)
+        ids.append(eos)
     return torch.tensor(ids, dtype=torch.long)
 
 

@@ -81,10 +81,7 @@ def dequantize_into(out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor
             np.take(lut[h], idx[h], out=dst[h], mode="clip")
         return
     if cpu and scale is None and stored.dtype == out.dtype and out.element_size() in NP_SAME_SIZE:
-        # unquantised (kept layers, bf16 storage) into its own dtype: the stored bits, by numpy's
-        # copy (torch's starts an OpenMP team per part: ~50x slower on a busy 2-core host)
-        idt = _int_dtype(out.dtype)
-        np.copyto(out.view(idt).numpy(), stored.view(idt).numpy())
+        _copy_bits(out, stored)  # unquantised (kept layers, bf16 storage) into its own dtype
         return
     if cpu and scale is not None and scale.dim() == 1 and stored.dtype == torch.float8_e4m3fn \
             and out.element_size() in NP_SAME_SIZE:
@@ -99,6 +96,13 @@ def dequantize_into(out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor
 
 def _int_dtype(dtype: torch.dtype) -> torch.dtype:
     return {2: torch.int16, 4: torch.int32}[torch.empty((), dtype=dtype).element_size()]
+
+
+def _copy_bits(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[...] = src`` for CPU tensors of one 2- or 4-byte dtype, by numpy's copy of the bits
+    (torch's copy starts an OpenMP team per call: ~50x slower per part on a busy 2-core host)."""
+    idt = _int_dtype(dst.dtype)
+    np.copyto(dst.view(idt).numpy(), src.view(idt).numpy())
 
 
 def _fp8_layers(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -427,9 +431,8 @@ def fill_contiguous(out: torch.Tensor, parts: Sequence[BlockPart], group_tokens:
         else:  # the trimmed last block: dequantise whole (scales may be per group), keep the head
             tmp = torch.empty(stored.shape, dtype=out.dtype, device=out.device)
             dequant(tmp, stored, scale, group_tokens)
-            if out.device.type == "cpu" and out.element_size() in NP_SAME_SIZE:  # numpy: no OpenMP team
-                idt = _int_dtype(out.dtype)
-                np.copyto(out[:, t : t + n].view(idt).numpy(), tmp[:, :n].view(idt).numpy())
+            if out.device.type == "cpu" and out.element_size() in NP_SAME_SIZE:
+                _copy_bits(out[:, t : t + n], tmp[:, :n])
             else:
                 out[:, t : t + n].copy_(tmp[:, :n])
         t += n

@@ -166,7 +166,8 @@ def map_file(path: str | os.PathLike[str], *, willneed: bool = False) -> pa.Buff
 
     Pages are read when first touched; every process mapping the same file shares the
     page cache's one copy. ``willneed``: ask the kernel, once, to read the whole file ahead
-    (``MADV_WILLNEED``, asynchronous; pages already cached cost nothing to read). Unlike
+    (``MADV_WILLNEED``, asynchronous; the call itself walks the file's pages, ~0.3 ms for a
+    1.5 MiB file even when they are cached). Unlike
     ``pa.memory_map``, whose reads each make that ``madvise`` call again (~0.3 ms to open
     a 12-layer snapshot), reads through this buffer make no system call. The mapping goes
     when the last view of it does.

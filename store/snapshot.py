@@ -264,13 +264,12 @@ class Snapshot:
         self._part_views = parts  # None: cut from the span when first asked for
         self._source = source  # keeps the memory map alive
         self._span = span
-        self._closed = False
 
     @property
     def _parts(self) -> dict[str, pa.Buffer]:
         """Part name -> zero-copy buffer (built from the span on first use)."""
         if self._part_views is None:
-            if self._span is None or self._closed:
+            if self._span is None:
                 self._part_views = {}
             else:
                 buf, layout = self._span
@@ -319,9 +318,8 @@ class Snapshot:
 
     def close(self) -> None:
         """Drop the views and the mapping (views taken earlier must not be used after)."""
-        self._part_views = {}
+        self._part_views = {}  # not None: nothing is cut from the span after close
         self._span = None
-        self._closed = True
         close = getattr(self._source, "close", None)
         if close is not None:
             close()
@@ -370,7 +368,7 @@ def read_snapshot(source: pa.Buffer | pa.NativeFile, *, location: str = "", veri
         parts: dict[str, pa.Buffer] | None = None
         bounds = memory_bounds(source)
         span = known_span(header, batch, bounds)
-        if span is None:  # a layout not seen yet in this process (or not this format's): every column
+        if span is None:  # not laid out as this format's writer does, or not in the source's memory: every column
             parts, addresses = column_buffers(header, batch, location)
             span = span_of_columns(header, parts, addresses, bounds)
         if verify_payload:
@@ -390,13 +388,12 @@ def _verify(header: SnapshotHeader, parts: dict[str, pa.Buffer] | None,
     """Every part's xxh3 against the header's (from the span when there is one: no per-part objects)."""
     if span is not None:
         view = memoryview(span[0])
-        for part, off in zip(header.parts, span[1].offsets):
-            if xxhash.xxh3_64_hexdigest(view[off:off + part.nbytes]) != part.xxh3:
-                raise SnapshotCorrupt(f"payload checksum mismatch in part {part.name}", location=location)
-        return
-    assert parts is not None
-    for part in header.parts:
-        if xxhash.xxh3_64_hexdigest(memoryview(parts[part.name])) != part.xxh3:
+        chunks = (view[off:off + p.nbytes] for p, off in zip(header.parts, span[1].offsets))
+    else:
+        assert parts is not None
+        chunks = (memoryview(parts[p.name]) for p in header.parts)
+    for part, chunk in zip(header.parts, chunks):
+        if xxhash.xxh3_64_hexdigest(chunk) != part.xxh3:
             raise SnapshotCorrupt(f"payload checksum mismatch in part {part.name}", location=location)
 
 
