@@ -9,6 +9,7 @@ See ``docs/format.md`` for the layout and the one-block-per-file trade-off.
 """
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from functools import cached_property
@@ -63,11 +64,18 @@ class EncodedSnapshot:
         return pa.record_batch(columns, schema=schema)
 
     @cached_property
+    def pieces(self) -> tuple[bytes | pa.Buffer, ...]:
+        """The file, in order, as the pieces Arrow hands a sink: small ``bytes`` of IPC
+        framing and zero-copy views of the part buffers. A writer passes them to one
+        ``writev`` (:func:`write_pieces`); joined, they are the file's bytes."""
+        sink = _Pieces()
+        write_snapshot(pa.PythonFile(sink, mode="w"), self)
+        return tuple(sink.pieces)  # type: ignore[arg-type]
+
+    @cached_property
     def file_size(self) -> int:
         """Exact size in bytes of the file this snapshot becomes (computed without writing it)."""
-        mock = pa.MockOutputStream()
-        write_snapshot(mock, self)
-        return mock.size()
+        return sum(len(p) for p in self.pieces)
 
 
 def _bytes_of(t: torch.Tensor) -> np.ndarray:
@@ -245,9 +253,29 @@ class _Pieces:
 def snapshot_bytes(snap: EncodedSnapshot) -> bytes:
     """The file's bytes in memory (for object stores): one allocation and one copy of the
     payload, and ``bytes``, which botocore sends without another copy (not so ``bytearray``)."""
-    sink = _Pieces()
-    write_snapshot(pa.PythonFile(sink, mode="w"), snap)
-    return b"".join(sink.pieces)  # type: ignore[arg-type]
+    return b"".join(snap.pieces)  # type: ignore[arg-type]
+
+
+def write_pieces(fd: int, pieces: Sequence[bytes | pa.Buffer]) -> int:
+    """Write ``pieces`` to the file descriptor ``fd`` in order, with as few ``writev``
+    calls as the kernel allows (one for a snapshot of up to ~1000 parts; a short write
+    resumes where it stopped). Returns the bytes written.
+
+    One system call instead of one per part: 128 part-sized writes through a Python file
+    cost 16 MiB snapshots about 1.2 ms more than one ``write`` of the same bytes.
+    """
+    views = [memoryview(p).cast("B") for p in pieces if len(p)]
+    total, i = 0, 0
+    iov_max = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
+    while i < len(views):
+        n = os.writev(fd, views[i:i + iov_max])
+        total += n
+        while i < len(views) and n >= len(views[i]):  # drop what was written whole
+            n -= len(views[i])
+            i += 1
+        if n:  # a short write inside views[i]: the rest of it next
+            views[i] = views[i][n:]
+    return total
 
 
 class Snapshot:
@@ -323,6 +351,7 @@ class Snapshot:
         close = getattr(self._source, "close", None)
         if close is not None:
             close()
+        self._source = None  # a mapped buffer is unmapped when its last view goes
 
 
 def _open(source: pa.Buffer | pa.NativeFile, location: str) -> tuple[pa.ipc.RecordBatchFileReader, SnapshotHeader, bytes]:

@@ -241,8 +241,7 @@ class Store:
                 snap = read_snapshot(src, location=location)
                 snap.header.check_matches(block, root, location=location)
             except SnapshotError as exc:
-                if isinstance(src, pa.NativeFile):
-                    src.close()  # the mapping of a file we refuse must not outlive the refusal
+                src = None  # the mapping of a file we refuse must not outlive the refusal
                 error = self._bad(tier, name, exc)
                 continue
             if snap.header.expired(now):

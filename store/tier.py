@@ -57,8 +57,8 @@ class Tier(ABC):
     url: str = ""
 
     @abstractmethod
-    def read(self, name: str) -> pa.Buffer | pa.MemoryMappedFile | None:
-        """The object's bytes: a read-only memory map (local) or a buffer (remote)."""
+    def read(self, name: str) -> pa.Buffer | None:
+        """The object's bytes: a buffer over a read-only memory map (local) or in memory (remote)."""
 
     @abstractmethod
     def write(self, name: str, data: EncodedSnapshot | bytes | pa.Buffer, *, expires_at: float) -> bool:

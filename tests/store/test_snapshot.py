@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -12,7 +13,7 @@ import torch
 from store.errors import SnapshotCorrupt, SnapshotMismatch, UnknownFormatVersion
 from store.header import SnapshotHeader
 from store.precision import Precision
-from store.snapshot import build_snapshot, read_header, read_snapshot, snapshot_bytes, write_snapshot
+from store.snapshot import build_snapshot, read_header, read_snapshot, snapshot_bytes, write_pieces, write_snapshot
 from tests.store.factories import ACME, BOLT, make_chain, make_kv, make_root, make_snapshot
 
 
@@ -169,3 +170,28 @@ def test_build_refuses_inconsistent_input() -> None:
     with pytest.raises(ValueError, match="layer 1 K has shape"):
         build_snapshot(root=root, block=block, tenant="acme", kv=bad, precision=Precision(), created_at=0, ttl_s=1)
 
+
+
+def test_pieces_are_the_file_and_survive_short_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pieces a tier writes with writev are exactly the file, and a short write resumes mid-piece."""
+    snap = make_snapshot(make_root(), make_chain(make_root(), 1)[0])
+    data = _write(tmp_path, snap).read_bytes()
+    assert b"".join(snap.pieces) == data == snapshot_bytes(snap)
+    assert snap.file_size == len(data)
+
+    real_writev = os.writev
+    calls = []
+
+    def short_writev(fd: int, views) -> int:  # the kernel may write fewer bytes than asked
+        calls.append(len(views))
+        head = b"".join(bytes(v) for v in views)[:1000]
+        return real_writev(fd, [head])
+
+    monkeypatch.setattr(os, "writev", short_writev)
+    fd = os.open(tmp_path / "short.kvw", os.O_WRONLY | os.O_CREAT)
+    try:
+        assert write_pieces(fd, snap.pieces) == len(data)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "short.kvw").read_bytes() == data
+    assert len(calls) == -(-len(data) // 1000)

@@ -75,7 +75,7 @@ def test_read_through_from_s3_into_the_local_tier(tmp_path, s3_url, s3_config):
     # served from the local copy it just wrote: a memory map of the NVMe file
     assert got.location == local.describe(names[0])
     mapped = local.read(names[0])
-    assert mapped is not None and mapped.read() == snapshot_bytes(snaps[0])
+    assert mapped is not None and mapped.to_pybytes() == snapshot_bytes(snaps[0])
 
     again = store.get(ACME, chain[0], root)
     assert_same(again, snaps[0])
@@ -143,12 +143,12 @@ def test_s3_objects_are_encrypted_and_read_back_through_the_store(tmp_path, s3_u
                    bytes(snaps[0].buffers[0][:64])):
         assert secret not in blob
     assert len(blob) == len(MAGIC) + 8 + 12 + len(plain) + 16  # key id, nonce, ciphertext, GCM tag
-    assert local.read(names[0]).read() == plain  # the NVMe copy stays plaintext and mappable
+    assert local.read(names[0]).to_pybytes() == plain  # the NVMe copy stays plaintext and mappable
 
     local.delete(names[0])
     assert_same(store.get(tenant, chain[0], root), snaps[0])
     assert store.stats["read_through"] == 1
-    assert local.read(names[0]).read() == plain
+    assert local.read(names[0]).to_pybytes() == plain
 
     other, _, _ = node(tmp_path, "b", s3_url, s3_config)  # another node holding the same key
     assert_same(other.get(tenant, chain[0], root), snaps[0])
