@@ -113,7 +113,7 @@ def uncached(snap: EncodedSnapshot) -> EncodedSnapshot:
     """A new EncodedSnapshot of the same header and buffers, as a prefill job hands over:
     nothing the store might cache on the object (header JSON, Arrow wrappers) survives from
     an earlier repetition, so each timed write pays for them once, as a real write does."""
-    return EncodedSnapshot(replace(snap.header), snap.buffers)
+    return EncodedSnapshot(replace(snap.header), snap.payload)
 
 
 def fresh_name(tag: str) -> str:

@@ -17,7 +17,7 @@ from typing import NewType, Sequence
 import numpy as np
 
 #: Version of the snapshot format *and* of this key encoding. Part of every root key.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 BlockKey = NewType("BlockKey", str)
 """A 64-character lower-case hex SHA-256 digest naming one block of one chain."""

@@ -2,10 +2,11 @@
 
 A snapshot holds the KV of one block (``block_size`` tokens, every layer). On disk it
 is an uncompressed Arrow IPC file: the header (JSON) and its checksum live in the
-schema metadata; the payload is one record batch per part (``k.<layer>``,
-``v.<layer>``, ``k_scale.<layer>``, ``v_scale.<layer>``), each a single ``uint8``
-column whose data buffer maps straight into numpy and torch with no copy.
-See ``docs/format.md`` for the layout and the one-block-per-file trade-off.
+schema metadata; the payload is one record batch with one ``fixed_size_binary`` column
+whose one value holds every part (``k.<layer>``, ``v.<layer>``, ``k_scale.<layer>``,
+``v_scale.<layer>``) where :func:`store.payload.canonical_layout` puts it, so each part
+maps straight into numpy and torch with no copy. See ``docs/format.md`` for the layout
+and the one-block-per-file trade-off.
 """
 from __future__ import annotations
 
@@ -23,11 +24,12 @@ import xxhash
 from store.errors import SnapshotCorrupt, SnapshotError
 from store.header import Layout, Part, SnapshotHeader
 from store.keys import Block, KeyRoot, root_key, tokens_digest
-from store.payload import PayloadLayout, column_buffers, known_span, memory_bounds, span_of_columns
+from store.payload import PayloadLayout, canonical_layout, payload_span
 from store.precision import STORAGE_DTYPES, Precision, dequantize, quantize, relative_error
 
 _META_HEADER = b"kvwarm.header"
 _META_CHECKSUM = b"kvwarm.header_xxh3"
+_PAYLOAD = "payload"
 # What a damaged file can make pyarrow (or our parsing of what it returns) raise.
 # All of it means "corrupt"; none of it may escape untyped into the serving path.
 _DAMAGE = (pa.ArrowException, OSError, UnicodeDecodeError, KeyError, IndexError, ValueError, TypeError,
@@ -36,18 +38,30 @@ _DAMAGE = (pa.ArrowException, OSError, UnicodeDecodeError, KeyError, IndexError,
 
 @dataclass(frozen=True)
 class EncodedSnapshot:
-    """A snapshot ready to write: its header and one byte buffer per part, in order."""
+    """A snapshot ready to write: its header and its payload, every part laid out as
+    :func:`store.payload.canonical_layout` says (one ``uint8`` array)."""
 
     header: SnapshotHeader
-    buffers: tuple[np.ndarray, ...]
+    payload: np.ndarray
+
+    def __post_init__(self) -> None:
+        nbytes = canonical_layout(self.header).nbytes
+        if self.payload.dtype != np.uint8 or self.payload.ndim != 1 or self.payload.nbytes != nbytes:
+            raise ValueError(f"payload must be a 1-D uint8 array of the {nbytes} bytes the header lays out, "
+                             f"got {self.payload.dtype} {self.payload.shape}")
 
     @property
     def key(self) -> str:
         return self.header.key
 
+    @property
+    def buffers(self) -> tuple[np.ndarray, ...]:
+        """Each part's bytes in the header's order (views of the payload)."""
+        layout = canonical_layout(self.header)
+        return tuple(self.payload[off:off + p[3]] for p, off in zip(layout.parts, layout.offsets))
+
     # Built once per snapshot and reused by every write of it (the local tier sizes it,
-    # then writes it; the S3 tier serialises it again): the header JSON alone is ~0.5 ms
-    # and each part's Arrow wrappers ~5 us.
+    # then writes it; the S3 tier serialises it again): the header JSON alone is ~0.5 ms.
     @cached_property
     def schema(self) -> pa.Schema:
         """The Arrow schema, whose metadata carries the header and its checksum."""
@@ -56,12 +70,10 @@ class EncodedSnapshot:
     @cached_property
     def batch(self) -> pa.RecordBatch:
         """The payload: one record batch of length 1 with one ``fixed_size_binary`` column
-        per part, each viewing that part's buffer (no copy)."""
+        whose one value is the whole payload (viewed, not copied)."""
         schema = self.schema
-        columns = [
-            pa.Array.from_buffers(field.type, 1, [None, pa.py_buffer(buf)]) for field, buf in zip(schema, self.buffers)
-        ]
-        return pa.record_batch(columns, schema=schema)
+        column = pa.Array.from_buffers(schema.field(0).type, 1, [None, pa.py_buffer(self.payload)])
+        return pa.record_batch([column], schema=schema)
 
     @cached_property
     def pieces(self) -> tuple[bytes | pa.Buffer, ...]:
@@ -214,15 +226,19 @@ def encode_snapshot(
         quant_error=errors,
         format_version=root.format_version,
     )
-    return EncodedSnapshot(header, tuple(buffers))
+    layout = canonical_layout(header)
+    payload = np.zeros(layout.nbytes, dtype=np.uint8)  # zero padding between parts
+    for raw, off in zip(buffers, layout.offsets):
+        payload[off:off + raw.nbytes] = raw
+    return EncodedSnapshot(header, payload)
 
 
 def _schema(header: SnapshotHeader) -> pa.Schema:
-    # One column per part, all in one record batch: a file is one IPC message whatever
-    # its layer count (128 one-part batches cost ~3 ms a file to frame and parse).
+    # One column holding the whole payload: opening, framing and writing a file cost the
+    # same whatever its layer count (one column per part cost ~10 us a part at each end).
     raw = header.to_json()
     return pa.schema(
-        [(p.name, pa.binary(p.nbytes)) for p in header.parts],
+        [(_PAYLOAD, pa.binary(canonical_layout(header).nbytes))],
         metadata={_META_HEADER: raw, _META_CHECKSUM: SnapshotHeader.checksum(raw).encode()},
     )
 
@@ -285,17 +301,17 @@ class Snapshot:
     mapping) is alive.
     """
 
-    def __init__(self, header: SnapshotHeader, parts: dict[str, pa.Buffer] | None, source: object, location: str,
-                 span: tuple[pa.Buffer, "PayloadLayout"] | None = None) -> None:
+    def __init__(self, header: SnapshotHeader, span: tuple[pa.Buffer, PayloadLayout], source: object,
+                 location: str) -> None:
         self.header = header
         self.location = location
-        self._part_views = parts  # None: cut from the span when first asked for
+        self._part_views: dict[str, pa.Buffer] | None = None  # cut from the span when first asked for
         self._source = source  # keeps the memory map alive
-        self._span = span
+        self._span: tuple[pa.Buffer, PayloadLayout] | None = span
 
     @property
     def _parts(self) -> dict[str, pa.Buffer]:
-        """Part name -> zero-copy buffer (built from the span on first use)."""
+        """Part name -> zero-copy buffer (cut from the span on first use; empty once closed)."""
         if self._part_views is None:
             if self._span is None:
                 self._part_views = {}
@@ -307,13 +323,13 @@ class Snapshot:
     @property
     def payload(self) -> tuple[np.ndarray, "PayloadLayout"] | None:
         """Every part at once: one read-only ``uint8`` array spanning the payload (no copy),
-        and where each part lies in it; ``None`` when the parts are not in one region.
+        and where each part lies in it; ``None`` once closed.
 
         Snapshots of one geometry written by this format share their :class:`PayloadLayout`
         (the same object), so a reader can copy or dequantise many of them with one
         operation per snapshot instead of one per part.
         """
-        if self._span is None or not self.header.parts:
+        if self._span is None:
             return None
         return np.frombuffer(self._span[0], dtype=np.uint8), self._span[1]
 
@@ -391,17 +407,9 @@ def read_snapshot(source: pa.Buffer | pa.NativeFile, *, location: str = "", veri
         reader, header, raw = _open(source, location)
         if reader.num_record_batches != 1:
             raise SnapshotCorrupt("payload must be exactly one record batch", location=location)
-        batch = reader.get_batch(0)
-        if batch.num_columns != len(header.parts) or batch.num_rows != 1:
-            raise SnapshotCorrupt("payload part count differs from header", location=location)
-        parts: dict[str, pa.Buffer] | None = None
-        bounds = memory_bounds(source)
-        span = known_span(header, batch, bounds)
-        if span is None:  # not laid out as this format's writer does, or not in the source's memory: every column
-            parts, addresses = column_buffers(header, batch, location)
-            span = span_of_columns(header, parts, addresses, bounds)
+        span = payload_span(header, reader.get_batch(0), location)
         if verify_payload:
-            _verify(header, parts, span, location)
+            _verify(header, span, location)
         if full:
             _check_leading_schema(source, raw, location)
             header.check_consistent(location=location)
@@ -409,20 +417,14 @@ def read_snapshot(source: pa.Buffer | pa.NativeFile, *, location: str = "", veri
         raise
     except _DAMAGE as exc:
         raise SnapshotCorrupt(f"unreadable snapshot: {exc}", location=location) from None
-    return Snapshot(header, parts, source, location, span)
+    return Snapshot(header, span, source, location)
 
 
-def _verify(header: SnapshotHeader, parts: dict[str, pa.Buffer] | None,
-            span: tuple[pa.Buffer, "PayloadLayout"] | None, location: str) -> None:
-    """Every part's xxh3 against the header's (from the span when there is one: no per-part objects)."""
-    if span is not None:
-        view = memoryview(span[0])
-        chunks = (view[off:off + p.nbytes] for p, off in zip(header.parts, span[1].offsets))
-    else:
-        assert parts is not None
-        chunks = (memoryview(parts[p.name]) for p in header.parts)
-    for part, chunk in zip(header.parts, chunks):
-        if xxhash.xxh3_64_hexdigest(chunk) != part.xxh3:
+def _verify(header: SnapshotHeader, span: tuple[pa.Buffer, PayloadLayout], location: str) -> None:
+    """Every part's xxh3 against the header's."""
+    view = memoryview(span[0])
+    for part, off in zip(header.parts, span[1].offsets):
+        if xxhash.xxh3_64_hexdigest(view[off:off + part.nbytes]) != part.xxh3:
             raise SnapshotCorrupt(f"payload checksum mismatch in part {part.name}", location=location)
 
 

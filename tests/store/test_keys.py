@@ -18,8 +18,8 @@ from store.tenant import PUBLIC_TENANT, Tenant
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN_ROOT = KeyRoot(
     "llama-3-8b@abc123", "tok@def456", "fp8_e4m3", "fp8_e4m3/scale=fp32:head/keep=:bf16", 16,
-    bytes(range(32)), chat_template_hash="tmpl1", adapter_hash="",
-)
+    bytes(range(32)), chat_template_hash="tmpl1", adapter_hash="", format_version=1,
+)  # the version is explicit: these values pin the encoding, which a format change must not move
 
 
 def test_golden_values_pin_the_encoding() -> None:

@@ -78,8 +78,8 @@ def _part_bytes(s) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("prec", [Precision(), Precision(keep_layers=(1,)), Precision(compression="bf16")])
 def test_every_way_of_opening_gives_the_written_parts(tmp_path: Path, prec: Precision) -> None:
-    # the canonical-layout fast path (mapped file, in-memory buffer), the column walk (a
-    # buffer Arrow must realign, shifted by one byte), verified or not: the same bytes
+    # a mapped file, an in-memory buffer and a buffer Arrow must realign (shifted by one
+    # byte, so the payload is a copy), verified or not: the same bytes
     root = make_root(precision=prec)
     snap = make_snapshot(root, make_chain(root, 1)[0], precision=prec, layers=3)
     data = snapshot_bytes(snap)
@@ -91,10 +91,9 @@ def test_every_way_of_opening_gives_the_written_parts(tmp_path: Path, prec: Prec
         for verify in (True, False):
             s = read_snapshot(source(), verify_payload=verify)
             assert _part_bytes(s) == want
-            if s.payload is not None:  # one region: each part where the layout says
-                region, layout = s.payload
-                for (name, _, _, nbytes), off in zip(layout.parts, layout.offsets):
-                    assert region[off:off + nbytes].tobytes() == want[name]
+            region, layout = s.payload  # one region: each part where the layout says
+            for (name, _, _, nbytes), off in zip(layout.parts, layout.offsets):
+                assert region[off:off + nbytes].tobytes() == want[name]
             s.close()
 
 
@@ -195,3 +194,19 @@ def test_pieces_are_the_file_and_survive_short_writes(tmp_path: Path, monkeypatc
         os.close(fd)
     assert (tmp_path / "short.kvw").read_bytes() == data
     assert len(calls) == -(-len(data) // 1000)
+
+
+def test_a_version_1_file_is_refused_as_unknown(tmp_path: Path) -> None:
+    """A file of the old layout (one column per part, version 1) is an unknown version, not corrupt."""
+    root = make_root()
+    snap = make_snapshot(root, make_chain(root, 1)[0])
+    old = dataclasses.replace(snap.header, format_version=1)
+    raw = old.to_json()
+    schema = pa.schema([(p.name, pa.binary(p.nbytes)) for p in old.parts],
+                       metadata={b"kvwarm.header": raw, b"kvwarm.header_xxh3": SnapshotHeader.checksum(raw).encode()})
+    cols = [pa.Array.from_buffers(f.type, 1, [None, pa.py_buffer(b)]) for f, b in zip(schema, snap.buffers)]
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_file(sink, schema) as w:
+        w.write_batch(pa.record_batch(cols, schema=schema))
+    with pytest.raises(UnknownFormatVersion, match="version 1"):
+        read_snapshot(sink.getvalue())

@@ -116,7 +116,7 @@ def _variant(snap: EncodedSnapshot, v: int) -> EncodedSnapshot:
     size of a key differs between its variants), same payload."""
     created = 1_700_000_000.5 if v == 0 else 1_700_000_000.123456789
     ttl = snap.header.expires_at - snap.header.created_at
-    return EncodedSnapshot(replace(snap.header, created_at=created, expires_at=created + ttl), snap.buffers)
+    return EncodedSnapshot(replace(snap.header, created_at=created, expires_at=created + ttl), snap.payload)
 
 
 # -- zygote: forks writers that the parent kills ------------------------------------
