@@ -33,13 +33,15 @@ with ``PredictorConfig()`` (the chosen setting).
 
 Hit rates are deterministic; timings are medians over ``--repeats`` runs. The last
 line printed is one JSON object with every figure and whether each target is met
-(``--tune``: the grid and the choice).
+(``--tune``: the grid and the choice; ``--ceiling``: what ranking quality the targets
+need, from :mod:`forecasting.ceiling`, on the tuning points; it reads the future).
 
 Usage::
 
     .venv/bin/python bench/replay_bench.py            # 20-40 s on 2 cores
     .venv/bin/python bench/replay_bench.py --quick    # one restart, one repeat
     .venv/bin/python bench/replay_bench.py --tune     # choose the settings (about 1 min)
+    .venv/bin/python bench/replay_bench.py --ceiling  # how good a ranking the targets need (10 s)
     .venv/bin/python bench/replay_bench.py --data /path/to/shared/data --plots
     .venv/bin/python bench/replay_bench.py --trace other_mooncake.jsonl --out /tmp/replay
 """
@@ -59,7 +61,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.lib.timing import timed_median  # noqa: E402
-from forecasting.prewarm import first_use_order, kvwarm_prewarm, oracle_prewarm  # noqa: E402
+from forecasting import ceiling as calibration  # noqa: E402
+from forecasting.prewarm import first_use_order, kvwarm_prewarm, oracle_prewarm, ranked_prewarm  # noqa: E402
 from forecasting.replay import BlockIndex, LRUCache, PredictorConfig, replay  # noqa: E402
 from forecasting.simulate import STEADY_POLICIES, WARMUP_POLICIES, Scenario, SimResult, plot, simulate  # noqa: E402
 from forecasting.traces import read_mooncake  # noqa: E402
@@ -77,6 +80,8 @@ TUNE_STEADY = (2048, 8192)  # --tune: other capacities for the steady state
 TUNE_GRID = tuple(PredictorConfig(horizon_s=h, tau_s=t, refresh_s=r)
                   for h in (120.0, 300.0, 600.0) for t in (150.0, 300.0, 600.0) for r in (15.0, 60.0))
 TARGETS = {"prewarm": 0.70, "retention": 0.30}
+NOISE_SDS = (1.0, 2.0, 3.0, 4.0)  # --ceiling: per-request error of the degraded oracle ranking
+USED_WITHIN_S = 300.0  # --ceiling: a prewarmed block counts as useful if used this soon
 
 
 def _pct(x: float) -> float:
@@ -190,6 +195,54 @@ def tune(index: BlockIndex, args: argparse.Namespace) -> dict[str, object]:
         "chosen_is_default": is_default}
 
 
+def ceiling(index: BlockIndex, args: argparse.Namespace) -> dict[str, object]:
+    """What ranking quality the targets need, on the tuning points (reads the future).
+
+    Prewarm: gap closed and AUC ("used within :data:`USED_WITHIN_S`") of kvwarm's
+    ranking and of the oracle's degraded by a per-request error (:data:`NOISE_SDS`).
+    Retention: Belady's and retention's hits split into first and later reuses, and how
+    well the classes predict a new block's reuse within 180 s (in-sample AUC).
+    """
+    fractions = TUNE_FRACTIONS[1:2] if args.quick else TUNE_FRACTIONS
+    curves: dict[str, list[tuple[float, float | None]]] = {"kvwarm": []}
+    for f in fractions:
+        res = simulate(index, args.capacity, Scenario("restart", at_s=f * index.trace.duration_s,
+                                                      window_s=args.window), ["lru", "lru+kvwarm", "lru+oracle"])
+        ts = index.trace.timestamps_s
+        start = int(np.searchsorted(ts, res.window[0], side="left"))
+        served = np.arange(start, int(np.searchsorted(ts, res.window[1], side="left")), dtype=np.int64)
+        cold, best = (res.row(p).hit_rate_excl_root for p in ("lru", "lru+oracle"))
+        useful = calibration.first_use_delay(index, start, served) <= USED_WITHIN_S
+        ranked, closed = kvwarm_prewarm(index, start, index.n_unique)
+        curves["kvwarm"].append((calibration.ranking_auc(closed, useful[ranked]),
+                                 _gap(res.row("lru+kvwarm").hit_rate_excl_root, cold, best)))
+        for sd in NOISE_SDS:
+            blocks, closed = ranked_prewarm(index, start, calibration.noisy_oracle_scores(index, start, served, sd),
+                                            index.n_unique)
+            cache = LRUCache(args.capacity)
+            cache.load(blocks[-args.capacity:].tolist())
+            rate = _excl_root_rate(index, served, replay(index, cache, served))
+            curves.setdefault(f"oracle_error_sd{sd:g}", []).append((calibration.ranking_auc(closed, useful[blocks]),
+                                                                   _gap(rate, cold, best)))
+    prewarm = {k: {"auc": _round(_mean([a for a, _ in v])), "gap_closed": _round(_mean([g for _, g in v]))}
+               for k, v in curves.items()}
+    noisy = sorted((v["gap_closed"], v["auc"]) for k, v in prewarm.items() if k != "kvwarm" and v["gap_closed"])
+    needed = float(np.interp(TARGETS["prewarm"], *zip(*noisy))) if noisy else float("nan")
+    print(f"prewarm ranking quality (AUC of 'used within {USED_WITHIN_S:g} s') against gap closed, restarts at "
+          f"{', '.join(f'{int(f * 100)} %' for f in fractions)}; {TARGETS['prewarm']:.0%} needs AUC {needed:.3f}:")
+    for k, v in prewarm.items():
+        print(f"  {k:<22} AUC {v['auc']:.3f}  gap closed {_fmt(v['gap_closed'])} %")
+    retention = {}
+    for c in TUNE_STEADY[:1] if args.quick else TUNE_STEADY:
+        retention[str(c)] = split = calibration.steady_reuse_split(index, c)
+        print(f"steady {c} blocks, hit blocks on a first / a later reuse: " + "; ".join(
+            f"{k} {v['first_reuse']:,} / {v['later_reuse']:,}" for k, v in split.items()))
+    auc_new = calibration.first_use_auc(index, 180.0)
+    print(f"a new block's reuse within 180 s from its class (in-sample): AUC {auc_new:.3f}")
+    return {"fractions": list(fractions), "prewarm": prewarm, "auc_needed_for_target": _round(needed) if noisy
+            else None, "retention_hits": retention, "first_use_auc_180s": _round(auc_new)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data"), help="shared data directory")
@@ -199,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="the mid-trace restart only, one repeat")
     ap.add_argument("--tune", action="store_true", help="score predictor settings on restarts at 20/40/60/80 %% "
                     "and steady state at 2k/8k blocks (never the evaluation points) and print the choice")
+    ap.add_argument("--ceiling", action="store_true", help="what ranking quality the targets need, on the tuning "
+                    "points (reads the future)")
     ap.add_argument("--repeats", type=int, default=3, help="timed repetitions of each scenario (default 3)")
     ap.add_argument("--capacity", type=int, default=16384, help="cache blocks for the restarts (default 16384)")
     ap.add_argument("--steady-capacity", type=int, default=4096, help="cache blocks for steady state (default 4096)")
@@ -223,6 +278,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"bench": "replay", "mode": "tune", "quick": args.quick, "trace": str(path),
                           "capacity_blocks": args.capacity, "window_s": args.window, **tuned},
                          separators=(",", ":")))
+        return 0
+    if args.ceiling:
+        print(json.dumps({"bench": "replay", "mode": "ceiling", "quick": args.quick, "trace": str(path),
+                          "capacity_blocks": args.capacity, **ceiling(index, args)}, separators=(",", ":")))
         return 0
     predictor = PredictorConfig()  # settings chosen by --tune (see docs/simulate.md)
     figures: dict[str, float] = {}

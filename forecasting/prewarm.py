@@ -61,19 +61,43 @@ def kvwarm_prewarm(index: BlockIndex, start: int, capacity: int,
     """
     tr = index.trace
     t = tr.timestamps_s[start] if start < len(tr) else math.inf
-    z = int(tr.offsets[start])
     predictor = ReusePredictor(index, config)
     predictor.update(t)
-    last = np.full(index.n_unique, -1, dtype=np.int64)
-    np.maximum.at(last, index.ids[:z], np.arange(z))
+    last = last_uses(index, start)
     seen = np.flatnonzero(last >= 0)
     score = np.full(index.n_unique, -np.inf)
     occ = last[seen]
     score[seen] = (predictor.log_p[predictor.classes[occ]]
                    + tr.timestamps_s[index.request[occ]] / config.tau_s)
+    return ranked_prewarm(index, start, score, capacity)
+
+
+def last_uses(index: BlockIndex, start: int) -> np.ndarray:
+    """Per dense block id, its last occurrence before request ``start`` (-1: not seen before)."""
+    z = int(index.trace.offsets[start])
+    last = np.full(index.n_unique, -1, dtype=np.int64)
+    np.maximum.at(last, index.ids[:z], np.arange(z))
+    return last
+
+
+def ranked_prewarm(index: BlockIndex, start: int, score: np.ndarray,
+                   capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """The ``capacity`` blocks of highest ``score`` seen before request ``start``, closed under prefixes.
+
+    ``score`` is per dense block id (``-inf``: not a candidate). Each parent's score is
+    raised to its children's (a child hits only with its parent); ties go to the
+    shallower block.
+
+    Returns:
+        (blocks, closed scores), least valuable first.
+    """
+    z = int(index.trace.offsets[start])
+    known = np.zeros(index.n_unique, dtype=bool)
+    known[index.ids[:z]] = True
     depth_of = np.zeros(index.n_unique, dtype=np.int64)
     depth_of[index.ids[:z]] = index.depth[:z]
-    score = _close_under_prefix(index, score, depth_of)
+    score = _close_under_prefix(index, np.where(known, score, -np.inf), depth_of)
+    seen = np.flatnonzero(known & np.isfinite(score))
     order = np.lexsort((-depth_of[seen], score[seen]))
     chosen = seen[order][-capacity:] if capacity else seen[:0]
     return chosen, score[chosen]

@@ -2,9 +2,7 @@
 
 A :class:`Scenario` says what happens to the cache (nothing, a restart at ``T``, a new
 replica taking a share of the traffic from ``T``); a :class:`Policy` says how the cache
-evicts (``lru``; ``retention``: kvwarm's, by the hit density of each block's reuse class
-at its age, :class:`~forecasting.survival.SurvivalCache`; ``decay``: the earlier
-retention, ``log p(reuse) + t_last / tau``; ``belady``) and how it is prewarmed at ``T``:
+evicts (``lru``, ``retention``, ``belady``) and how it is prewarmed at ``T``:
 
 - ``naive``: the blocks with the most requests in the ``lookback_s`` before ``T``;
 - ``kvwarm``: the blocks with the highest predicted reuse at ``T``
@@ -38,7 +36,6 @@ from forecasting.replay import (
     next_use,
     replay,
 )
-from forecasting.survival import ReuseHazard, SurvivalCache, SurvivalConfig
 
 # NOTE: the prewarm functions live in forecasting.prewarm and are re-exported from here.
 __all__ = ["EVICTIONS", "PREWARMS", "SCENARIOS", "STEADY_POLICIES", "WARMUP_POLICIES", "CostModel", "Policy",
@@ -46,9 +43,9 @@ __all__ = ["EVICTIONS", "PREWARMS", "SCENARIOS", "STEADY_POLICIES", "WARMUP_POLI
            "simulate"]
 
 SCENARIOS = ("steady", "restart", "scale-out")
-EVICTIONS = ("lru", "retention", "decay", "belady")
+EVICTIONS = ("lru", "retention", "belady")
 PREWARMS = ("none", "naive", "kvwarm", "oracle")
-STEADY_POLICIES = ("lru", "decay", "retention", "belady")
+STEADY_POLICIES = ("lru", "retention", "belady")
 WARMUP_POLICIES = ("lru", "lru+naive", "lru+kvwarm", "lru+oracle", "retention", "retention+kvwarm", "belady")
 
 
@@ -235,14 +232,12 @@ def _plan(index: BlockIndex, scenario: Scenario) -> _Plan:
 
 
 def _make_cache(policy: Policy, capacity: int, index: BlockIndex, predictor: PredictorConfig,
-                survival: SurvivalConfig, served: np.ndarray) -> LRUCache | BeladyCache | RetentionCache | SurvivalCache:
+                served: np.ndarray) -> LRUCache | BeladyCache | RetentionCache:
     if policy.eviction == "lru":
         return LRUCache(capacity)
     if policy.eviction == "belady":
         return BeladyCache(capacity, next_use(index, served))
-    if policy.eviction == "decay":
-        return RetentionCache(capacity, ReusePredictor(index, predictor))
-    return SurvivalCache(capacity, ReuseHazard(index, survival))
+    return RetentionCache(capacity, ReusePredictor(index, predictor))
 
 
 def _prewarm(policy: Policy, index: BlockIndex, plan: _Plan, capacity: int, scenario: Scenario,
@@ -304,12 +299,8 @@ def _measure(name: str, index: BlockIndex, rows: np.ndarray, hits: np.ndarray, s
 
 
 def simulate(index: BlockIndex, capacity_blocks: int, scenario: Scenario, policies: Sequence[Policy | str],
-             *, predictor: PredictorConfig = PredictorConfig(), cost: CostModel = CostModel(),
-             survival: SurvivalConfig = SurvivalConfig()) -> SimResult:
+             *, predictor: PredictorConfig = PredictorConfig(), cost: CostModel = CostModel()) -> SimResult:
     """Replay ``index``'s trace under each policy in ``scenario``; metrics over its window.
-
-    ``predictor`` configures the kvwarm prewarm and the ``decay`` eviction,
-    ``survival`` the ``retention`` eviction.
 
     The reference row (``no-event``) is LRU without the restart, or, for a scale-out, an
     LRU replica that received the same share of traffic from the start.
@@ -332,7 +323,7 @@ def simulate(index: BlockIndex, capacity_blocks: int, scenario: Scenario, polici
     rows = []
     for policy in pols:
         t0 = time.perf_counter()
-        cache = _make_cache(policy, int(capacity_blocks), index, predictor, survival, plan.served)
+        cache = _make_cache(policy, int(capacity_blocks), index, predictor, plan.served)
         prewarmed = None
         if policy.prewarm != "none":
             prewarmed, scores = _prewarm(policy, index, plan, int(capacity_blocks), scenario, predictor)
@@ -340,10 +331,7 @@ def simulate(index: BlockIndex, capacity_blocks: int, scenario: Scenario, polici
                 # Other prewarms have no reuse score: rank them just under a fresh, typical block.
                 base = scenario.at_s / predictor.tau_s + math.log(predictor.prior_rate)
                 scores = base - 1e-6 * np.arange(len(prewarmed), 0, -1)
-            if isinstance(cache, SurvivalCache):
-                cache.load(prewarmed.tolist(), at_s=scenario.at_s)  # ranks blocks by its own model
-            else:
-                cache.load(prewarmed.tolist(), None if scores is None else scores.tolist())
+            cache.load(prewarmed.tolist(), None if scores is None else scores.tolist())
         hits = replay(index, cache, plan.served)
         rows.append(_measure(policy.name, index, plan.served, hits, scenario, plan.window, cost, reference,
                              prewarmed, plan.start, time.perf_counter() - t0))

@@ -67,28 +67,32 @@ def canonical_layout(header: SnapshotHeader) -> PayloadLayout:
 
 
 def payload_span(header: SnapshotHeader, batch: pa.RecordBatch, location: str) -> tuple[pa.Buffer, PayloadLayout]:
-    """The payload column's one buffer and the layout of the parts in it.
+    """The payload's bytes (zero-copy) and the layout of the parts in them.
 
-    The file's one record batch holds one ``fixed_size_binary`` column of length 1 whose
-    value is every part, laid out by :func:`canonical_layout`. Arrow has checked the
-    buffer against the file; this checks it against the header.
+    The file's one record batch holds one ``large_binary`` column of one value, the
+    payload, laid out by :func:`canonical_layout` and starting at offset 0 of the column's
+    data buffer (so 8-byte aligned in the file). Arrow has checked the buffers against
+    the file; this checks the value against the header.
 
     Raises:
-        SnapshotCorrupt: the batch is not one such column of the header's payload size.
+        SnapshotCorrupt: the batch is not one such value of the header's payload size.
     """
     if not header.parts:
         raise SnapshotCorrupt("the header lists no payload parts", location=location)
     layout = canonical_layout(header)
-    if batch.num_columns != 1 or batch.num_rows != 1:
-        raise SnapshotCorrupt(f"payload must be one column of one row, got {batch.num_columns} x {batch.num_rows}",
-                              location=location)
+    if batch.num_columns != 1 or batch.num_rows != 1 or batch.column(0).type != pa.large_binary():
+        raise SnapshotCorrupt(f"payload must be one large_binary value, got {batch.num_columns} column(s) of "
+                              f"{batch.num_rows} row(s), {batch.schema.types}", location=location)
     col = batch.column(0)
-    buf = col.buffers()[1] if col.type.num_buffers == 2 else None
-    if buf is None or getattr(col.type, "byte_width", None) != layout.nbytes or len(buf) < (col.offset + 1) * layout.nbytes:
-        raise SnapshotCorrupt(f"payload is not the {layout.nbytes} bytes the header lays out", location=location)
-    if col.offset or len(buf) != layout.nbytes:
-        buf = buf.slice(col.offset * layout.nbytes, layout.nbytes)
-    return buf, layout
+    _, offsets, data = col.buffers()
+    at = col.offset * 8
+    if offsets is None or data is None or len(offsets) < at + 16:
+        raise SnapshotCorrupt("payload buffers are missing", location=location)
+    start, end = (int(x) for x in memoryview(offsets)[at:at + 16].cast("q"))
+    if start != 0 or end != layout.nbytes or len(data) < end:
+        raise SnapshotCorrupt(f"payload is bytes {start}..{end} of a {len(data)}-byte buffer; the header lays out "
+                              f"0..{layout.nbytes}", location=location)
+    return (data if len(data) == end else data.slice(0, end)), layout
 
 
 def map_file(path: str | os.PathLike[str], *, willneed: bool = False) -> pa.Buffer:

@@ -2,7 +2,7 @@
 
 A snapshot holds the KV of one block (``block_size`` tokens, every layer). On disk it
 is an uncompressed Arrow IPC file: the header (JSON) and its checksum live in the
-schema metadata; the payload is one record batch with one ``fixed_size_binary`` column
+schema metadata; the payload is one record batch with one ``large_binary`` column
 whose one value holds every part (``k.<layer>``, ``v.<layer>``, ``k_scale.<layer>``,
 ``v_scale.<layer>``) where :func:`store.payload.canonical_layout` puts it, so each part
 maps straight into numpy and torch with no copy. See ``docs/format.md`` for the layout
@@ -69,11 +69,11 @@ class EncodedSnapshot:
 
     @cached_property
     def batch(self) -> pa.RecordBatch:
-        """The payload: one record batch of length 1 with one ``fixed_size_binary`` column
-        whose one value is the whole payload (viewed, not copied)."""
-        schema = self.schema
-        column = pa.Array.from_buffers(schema.field(0).type, 1, [None, pa.py_buffer(self.payload)])
-        return pa.record_batch([column], schema=schema)
+        """The payload: one record batch of length 1 with one ``large_binary`` column whose
+        one value is the whole payload (viewed, not copied)."""
+        offsets = pa.py_buffer(np.array([0, self.payload.nbytes], dtype=np.int64))
+        column = pa.Array.from_buffers(pa.large_binary(), 1, [None, offsets, pa.py_buffer(self.payload)])
+        return pa.record_batch([column], schema=self.schema)
 
     @cached_property
     def pieces(self) -> tuple[bytes | pa.Buffer, ...]:
@@ -238,7 +238,7 @@ def _schema(header: SnapshotHeader) -> pa.Schema:
     # same whatever its layer count (one column per part cost ~10 us a part at each end).
     raw = header.to_json()
     return pa.schema(
-        [(_PAYLOAD, pa.binary(canonical_layout(header).nbytes))],
+        [(_PAYLOAD, pa.large_binary())],  # not fixed_size_binary: Arrow caps its width at 256 MiB
         metadata={_META_HEADER: raw, _META_CHECKSUM: SnapshotHeader.checksum(raw).encode()},
     )
 

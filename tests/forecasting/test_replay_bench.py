@@ -58,3 +58,17 @@ def test_the_diagnostic_measures_as_the_simulator_does() -> None:
     diag = replay_bench.diagnose(index, result, 4096, PredictorConfig())
     # Here, as on the full trace, the oracle's set beats kvwarm's even in kvwarm's order: the shortfall is the set.
     assert diag["oracle_set_kvwarm_order"] >= result.row("lru+kvwarm").hit_rate_excl_root
+
+
+def test_ceiling_calibrates_on_the_tuning_points_only(capsys: pytest.CaptureFixture[str]) -> None:
+    assert replay_bench.main(SMALL + ["--ceiling"]) == 0
+    summary = _last_json(capsys)
+    assert summary["mode"] == "ceiling" and not set(summary["fractions"]) & set(replay_bench.EVAL_FRACTIONS)
+    curve = summary["prewarm"]
+    assert set(curve) == {"kvwarm"} | {f"oracle_error_sd{sd:g}" for sd in replay_bench.NOISE_SDS}
+    aucs = [curve[f"oracle_error_sd{sd:g}"]["auc"] for sd in replay_bench.NOISE_SDS]
+    assert aucs == sorted(aucs, reverse=True) and all(0.5 < a <= 1.0 for a in aucs)  # more error, worse ranking
+    assert 0.5 < summary["auc_needed_for_target"] < 1.0
+    split = summary["retention_hits"]["2048"]
+    assert split["belady"]["first_reuse"] >= split["retention"]["first_reuse"]
+    assert 0.0 < summary["first_use_auc_180s"] < 1.0
