@@ -108,7 +108,7 @@ def forecast_demand(store: str, run: str, horizon: int = 24, workers: int = 1, w
     bucket = str(demand.bucket)
     fc = forecast_task(demand.series, horizon, workers, bucket)
     total_fc = forecast_task(demand.total.assign(unique_id="total")[["unique_id", "ds", "y"]], horizon, 1, bucket)
-    window = window_task(total_fc, window_hours, offpeak_fraction, bucket)
+    window = window_task(total_fc, window_hours, offpeak_fraction, bucket, total_history=demand.total)
     save_frame(fc, out / "forecast.parquet")
     save_frame(total_fc, out / "total_forecast.parquet")
     save_json(window, out / "window.json")

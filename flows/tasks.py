@@ -19,12 +19,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from forecasting.demand import Demand, build_demand
@@ -33,7 +34,7 @@ from flows.partitions import Partition, PartitionRead, plan_partitions, where
 from forecasting.logs import Quarantined, RequestLog, read_logs
 from forecasting.mining import mine_text, tokenize_requests
 from forecasting.models import candidates
-from forecasting.offpeak import lowest_window, offpeak_windows
+from forecasting.offpeak import load_predictors, lowest_window, offpeak_windows, pick_window
 from forecasting.parallel import forecast_frame_parallel
 from forecasting.planner import Budget, CostModel, PlanPolicy, make_plan
 from prefill.monitoring import MonitoringError, run_directory
@@ -312,15 +313,37 @@ def forecast_task(series: pd.DataFrame, horizon: int, workers: int, bucket: str)
 
 
 @task(cache_policy=NO_CACHE)
-def window_task(total_forecast: pd.DataFrame, hours: float, fraction: float, bucket: str) -> dict[str, Any]:
-    """The off-peak window: the quietest ``hours`` of the forecast load, and the windows under ``fraction`` of peak."""
+def window_task(total_forecast: pd.DataFrame, hours: float, fraction: float, bucket: str,
+                total_history: pd.DataFrame | None = None) -> dict[str, Any]:
+    """The off-peak window: the quietest ``hours`` ahead, and the windows under ``fraction`` of peak.
+
+    With ``total_history`` (``ds``, ``y``) spanning at least three days, the quietest
+    window is found on the path of whichever load predictor (the forecast, the multi-day
+    profile, Holt-Winters on log counts) had the least regret on the past week
+    (:func:`forecasting.offpeak.pick_window`): the daily trough moves, and on real traffic
+    the profile picks quieter windows than the forecast does (docs/forecasting.md).
+    With less history, the forecast's quietest window.
+    """
     step = pd.Timedelta(bucket)
     load = total_forecast.set_index("ds")["y_hat"]
-    best = lowest_window(load, pd.Timedelta(hours=hours), bucket=step)
-    under = offpeak_windows(load, fraction=fraction, min_length=pd.Timedelta(hours=hours), bucket=step)
+    length = pd.Timedelta(hours=hours)
+    period = int(pd.Timedelta(days=1) / step)
+    source: dict[str, Any] = {"name": "forecast", "regrets": {}}
+    best = None
+    if total_history is not None and period >= 1 and len(total_history) >= 3 * period:
+        try:
+            best, choice = pick_window(total_history[["ds", "y"]], load_predictors(period), length=int(length / step),
+                                       period=period, horizon=len(load), bucket=step)
+            source = {"name": choice.name, "regrets": {k: (v if math.isfinite(v) else None)
+                                                       for k, v in choice.regrets.items()}}
+        except ValueError as exc:  # a gap or a window longer than the horizon: the forecast alone
+            get_run_logger().warning("off-peak choice fell back to the forecast: %s", exc)
+    if best is None:
+        best = lowest_window(load, length, bucket=step)
+    under = offpeak_windows(load, fraction=fraction, min_length=length, bucket=step)
     as_json = lambda w: {"start": str(w.start), "end": str(w.end), "mean_load": float(w.mean_load),  # noqa: E731
                          "max_load": float(w.max_load)}
-    return {"chosen": as_json(best), "offpeak": [as_json(w) for w in under], "fraction": fraction}
+    return {"chosen": as_json(best), "offpeak": [as_json(w) for w in under], "fraction": fraction, "source": source}
 
 
 @task(cache_policy=NO_CACHE)

@@ -22,6 +22,9 @@ from typing import Callable, Mapping
 import numpy as np
 import pandas as pd
 
+from forecasting.backtest import forecast_series
+from forecasting.models import HoltWinters, candidates
+
 #: a load predictor: history (1-D, oldest first) and horizon -> predicted path
 Predictor = Callable[[np.ndarray, int], np.ndarray]
 
@@ -155,6 +158,27 @@ def profile_path(history: np.ndarray, h: int, *, period: int = 24, days: int = 7
     return np.tile(prof, -(-h // period))[:h]
 
 
+#: Days in the multi-day profile (its median), and past days that score the predictors.
+#: Chosen on days 5-11 of ServeGen m-large, before the bench's test days (docs/forecasting.md).
+PROFILE_DAYS = 14
+CHOICE_DAYS = 7
+
+
+def load_predictors(period: int = 24) -> dict[str, Predictor]:
+    """kvwarm's predictors of total load for choosing the off-peak window.
+
+    ``forecast``: the per-series model chosen by backtest; ``profile``: the median day of
+    the last :data:`PROFILE_DAYS` (:func:`profile_path`); ``hw-log``: Holt-Winters on log
+    counts. :func:`pick_window` lets their regret on past days decide.
+    """
+    hw = HoltWinters(period, log=True)
+    return {
+        "forecast": lambda x, h: forecast_series(x, lambda y: candidates(y, period), h).forecast.mean,
+        "profile": lambda x, h: profile_path(x, h, period=period, days=PROFILE_DAYS),
+        "hw-log": lambda x, h: hw.fit(x).forecast(h).mean,
+    }
+
+
 def regret(predicted: np.ndarray, actual: np.ndarray, k: int) -> float:
     """How much more load the window picked on ``predicted`` carried than the best one: ``actual/best - 1``."""
     a = np.convolve(np.asarray(actual, dtype=np.float64), np.ones(k), mode="valid")
@@ -172,12 +196,12 @@ class SourceChoice:
 
 
 def choose_source(history: np.ndarray, sources: Mapping[str, Predictor], *, length: int, period: int = 24,
-                  days: int = 5, min_train: int = 48) -> SourceChoice:
+                  days: int = CHOICE_DAYS, min_train: int | None = None) -> SourceChoice:
     """Score each predictor by its mean :func:`regret` over the last ``days`` periods of ``history``.
 
     Each past period is predicted from the history before it (rolling origin), so the
-    scores are out of sample. A predictor that raises scores infinity. Ties go to the
-    first source given.
+    scores are out of sample; a period needs ``min_train`` buckets before it (default two
+    periods). A predictor that raises scores infinity. Ties go to the first source given.
 
     Raises:
         ValueError: no sources, or no past period with enough history before it.
@@ -185,6 +209,7 @@ def choose_source(history: np.ndarray, sources: Mapping[str, Predictor], *, leng
     if not sources:
         raise ValueError("choose_source needs at least one load predictor")
     x = np.asarray(history, dtype=np.float64)
+    min_train = 2 * period if min_train is None else min_train
     starts = [x.size - i * period for i in range(1, days + 1) if x.size - i * period >= min_train]
     if not starts:
         raise ValueError(f"no past period with {min_train} buckets of history before it; history has {x.size}")
@@ -200,15 +225,21 @@ def choose_source(history: np.ndarray, sources: Mapping[str, Predictor], *, leng
 
 
 def pick_window(history: pd.Series | pd.DataFrame, sources: Mapping[str, Predictor], *, length: int,
-                period: int = 24, days: int = 5, bucket: pd.Timedelta | None = None) -> tuple[Window, SourceChoice]:
-    """Tonight's quietest window of ``length`` buckets in the next ``period``, by the predictor with least regret.
+                period: int = 24, days: int = CHOICE_DAYS, horizon: int | None = None,
+                bucket: pd.Timedelta | None = None) -> tuple[Window, SourceChoice]:
+    """The quietest window of ``length`` buckets in the next ``horizon`` (default ``period``),
+    on the path of the predictor with least regret over the last ``days`` periods.
 
     ``history`` is the total load up to now (Series by bucket start or ``(ds, y)``).
     Returns the window (with the *predicted* load in it) and the choice made.
+
+    Raises:
+        ValueError: bad history, or not one past period with two periods of history before it.
     """
     s = _as_series(history, "history")
     step = _bucket(s, bucket)
+    h = period if horizon is None else horizon
     choice = choose_source(s.to_numpy(), sources, length=length, period=period, days=days)
-    path = np.asarray(sources[choice.name](s.to_numpy(), period), dtype=np.float64)
-    future = pd.Series(path, index=pd.DatetimeIndex([s.index[-1] + step * (i + 1) for i in range(period)]))
+    path = np.asarray(sources[choice.name](s.to_numpy(), h), dtype=np.float64)
+    future = pd.Series(path, index=pd.DatetimeIndex([s.index[-1] + step * (i + 1) for i in range(h)]))
     return lowest_window(future, length, bucket=step), choice

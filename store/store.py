@@ -35,7 +35,7 @@ from store.header import SnapshotHeader
 from store.snapshot import EncodedSnapshot, Snapshot, read_header, read_snapshot, snapshot_bytes
 from store.stats import StoreStats
 from store.tenant import PUBLIC, PUBLIC_TENANT, Tenant
-from store.tier import Entry, Tier, object_name
+from store.tier import Tier, object_name
 
 log = logging.getLogger("kvwarm.store")
 T = TypeVar("T")

@@ -33,6 +33,9 @@ def test_the_pipeline_mines_plans_prefills_and_reports(pipeline_run) -> None:
     plan = read_plan(out / "plan.json")
     assert plan.entries and plan.block_size == 16 and plan.model == "kvwarm-tiny"
     assert pd.Timestamp(plan.window_start, unit="s") >= pd.Timestamp(TRAIN_END)  # the window is in the future
+    window = json.loads((out / "window.json").read_text())
+    # under three days of history there are no past days to score load predictors on
+    assert window["source"] == {"name": "forecast", "regrets": {}}
     assert all(e.token_ids and len(e.token_ids) % 16 == 0 for e in plan.entries)
     prefill = json.loads((out / "prefill.json").read_text())
     assert prefill["blocks_written"] == prefill["blocks_total"] > 0

@@ -5,8 +5,16 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from forecasting.offpeak import choose_source, lowest_window, offpeak_windows, pick_window, profile_path, regret
-from tests.forecasting.synth import START, daily_means
+from forecasting.offpeak import (
+    choose_source,
+    load_predictors,
+    lowest_window,
+    offpeak_windows,
+    pick_window,
+    profile_path,
+    regret,
+)
+from tests.forecasting.synth import START, daily_means, poisson
 
 
 def _series(values: np.ndarray, start: pd.Timestamp = START) -> pd.Series:
@@ -75,3 +83,16 @@ def test_a_failing_source_scores_infinity() -> None:
 
     choice = choose_source(np.ones(24 * 4), {"broken": broken, "flat": lambda x, h: np.ones(h)}, length=3)
     assert choice.name == "flat" and choice.regrets["broken"] == float("inf")
+
+
+def test_the_shipped_predictors_find_a_noisy_daily_trough_within_the_horizon() -> None:
+    hist = _series(poisson(daily_means(10, base=200.0, amp=150.0, trough_hour=10), seed=1))
+    w, choice = pick_window(hist, load_predictors(24), length=3)
+    assert set(choice.regrets) == {"forecast", "profile", "hw-log"}
+    assert all(np.isfinite(r) for r in choice.regrets.values())
+    assert abs(w.start.hour + 1 - 10) <= 1  # the 3 quietest hours centre on 10:00
+    # a horizon shorter than a day: the window lies inside it
+    w6, _ = pick_window(hist, load_predictors(24), length=3, horizon=6)
+    assert hist.index[-1] < w6.start and w6.end <= hist.index[-1] + pd.Timedelta(hours=7)
+    with pytest.raises(ValueError, match="no past period"):
+        pick_window(hist.iloc[:48], load_predictors(24), length=3)
