@@ -33,25 +33,24 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from store.config import KvwarmConfig, load_config
-from store.errors import (SnapshotCorrupt, SnapshotError, SnapshotMismatch, StoreError, StoreUnavailable,
-                          TenantAccessDenied, UnknownFormatVersion)
+from store.errors import (SnapshotCorrupt, SnapshotError, SnapshotMismatch, StoreUnavailable, TenantAccessDenied,
+                          UnknownFormatVersion)
 from store.hit import LoaderHit
 from store.identity import ModelIdentity, identity_from_dir
 from store.keys import Block, KeyRoot, block_chain
 from store.local_tier import LocalTier
 from store.metrics import LoaderMetrics
 from store.dequant import Dequantizer, DequantMode
+from store.fetch import ERRORS, RemoteFetcher, Scope
 from store.plan import Plan, read_plan
 from store.pool import Admit, PoolAttachRefused, SnapshotPool, default_pool_dir, readahead
 from store.payload import map_file
 from store.snapshot import Snapshot, read_snapshot
 from store.store import Store, tiers_from_url
 from store.tenant import PUBLIC, PUBLIC_TENANT, Tenant
-from store.tier import object_name
 
 log = logging.getLogger("kvwarm.loader")
 FetchMode = Literal["background", "sync"]
-_ERRORS = (StoreError, OSError, sqlite3.Error)
 
 
 @dataclass
@@ -64,14 +63,6 @@ class PrefetchResult:
     mapped: int = 0  # mapped into this process and admitted to the pool
     skipped: int = 0  # plan entries for other tenants, or text without a tokenizer
     failed: dict[str, int] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class _Scope:
-    """Where a chain's snapshots live: the key root it is salted with and its namespace."""
-
-    root: KeyRoot
-    ns: str
 
 
 class KVLoader:
@@ -143,16 +134,14 @@ class KVLoader:
         self._model_config = model_config
         self.precision = self.config.kv_cache.precision()
         self.root: KeyRoot = self.identity.key_root(self.precision, self.config.kv_cache.block_size, self.tenant.salt)
-        self._own = _Scope(self.root, self.tenant.name)
+        self._own = Scope(self.root, self.tenant.name)
         # prefixes prefilled on purpose for everyone (a shared system prompt) live under
         # the public salt: a lookup also tries them and keeps the longer hit
-        self._public: _Scope | None = None
+        self._public: Scope | None = None
         if d.public_prefixes and self.tenant.name != PUBLIC:
-            self._public = _Scope(self.identity.key_root(self.precision, self.config.kv_cache.block_size,
+            self._public = Scope(self.identity.key_root(self.precision, self.config.kv_cache.block_size,
                                                          PUBLIC_TENANT.salt), PUBLIC)
         self.fetch_mode: FetchMode = fetch_mode
-        self.sync_fetch_timeout_s = float(sync_fetch_timeout_s)
-        self.s3_backoff_s = float(s3_backoff_s)
         self.verify_payload = verify_payload
         self.clock = clock
         self.metrics = LoaderMetrics(registry, tenant=self.tenant.name)
@@ -163,8 +152,6 @@ class KVLoader:
         self.local: LocalTier = tiers[0]
         self.store = Store(tiers, clock=clock)  # every tier: background and sync fetches
         self._local_store = Store([self.local], clock=clock)  # the hot path never waits on the network
-        self.has_remote = len(tiers) > 1
-        self._s3_down_until = 0.0
 
         self.pool = SnapshotPool(pool_dir or default_pool_dir(self.local.root), budget_bytes=pool_bytes,
                                  max_instances=self.config.kv_cache.max_shared_instances, clock=clock)
@@ -174,8 +161,9 @@ class KVLoader:
         self._mapped: dict[str, tuple[int, Snapshot]] = {}  # name -> (admission id, mapping)
         self._epoch = -1
         self._priority: dict[str, float] = {}
-        self._inflight: set[str] = set()
         self._executor = cf.ThreadPoolExecutor(max_workers=max(1, fetch_workers), thread_name_prefix="kvwarm-fetch")
+        self.fetcher = RemoteFetcher(self.store, self.local, self.tenant, self.metrics, self._executor,
+                                     timeout_s=sync_fetch_timeout_s, backoff_s=s3_backoff_s)
         self.dequantizer = dequant if isinstance(dequant, Dequantizer) else Dequantizer(dequant, self._executor)
         self._closed = False
 
@@ -194,6 +182,16 @@ class KVLoader:
             log.warning("%s; lookups miss until a slot frees", exc)
             return False
 
+    @property
+    def sync_fetch_timeout_s(self) -> float:
+        """The most a ``sync`` lookup waits for S3."""
+        return self.fetcher.timeout_s
+
+    @property
+    def s3_backoff_s(self) -> float:
+        """How long S3 is not asked again after it failed."""
+        return self.fetcher.backoff_s
+
     def model_config(self) -> Any:
         """The model's transformers config: as given, else read from the model directory (lazily)."""
         if self._model_config is None and self._model_dir is not None:
@@ -201,13 +199,6 @@ class KVLoader:
 
             self._model_config = AutoConfig.from_pretrained(self._model_dir)
         return self._model_config
-
-    def _s3_usable(self) -> bool:
-        return self.has_remote and time.monotonic() >= self._s3_down_until
-
-    def _s3_failed(self, exc: Exception) -> None:
-        self._s3_down_until = time.monotonic() + self.s3_backoff_s
-        log.warning("S3 tier unavailable, not asked again for %g s: %s", self.s3_backoff_s, exc)
 
     # -- lookup --------------------------------------------------------------
     def lookup(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> LoaderHit | None:
@@ -234,7 +225,7 @@ class KVLoader:
         except StoreUnavailable as exc:
             hit, reason = None, "store_unavailable"
             log.warning("lookup: %s", exc)
-        except _ERRORS as exc:
+        except ERRORS as exc:
             hit, reason = None, "error"
             log.exception("lookup failed, served as a miss: %s", exc)
         if hit is None:
@@ -265,7 +256,7 @@ class KVLoader:
             hit.release()
         return phit, preason
 
-    def _lookup(self, scope: "_Scope", blocks: list[Block], n_tokens: int) -> tuple[LoaderHit | None, str | None]:
+    def _lookup(self, scope: Scope, blocks: list[Block], n_tokens: int) -> tuple[LoaderHit | None, str | None]:
         if not blocks or n_tokens < 2:
             return None, "short_prompt"
         if not self._try_attach():
@@ -274,24 +265,20 @@ class KVLoader:
         count = self._local_store.probe(self.tenant, blocks, scope.root).count
         reason: str | None = None
         tier = "nvme"
-        if count < len(blocks) and self.has_remote:
-            if not self._s3_usable():
+        if count < len(blocks) and self.fetcher.has_remote:
+            if not self.fetcher.usable():
                 reason = "store_unavailable"
             elif self.fetch_mode == "sync":
-                got, reason = self._fetch_sync(scope, blocks, count)
+                got, reason = self.fetcher.fetch_sync(scope, blocks, count)
                 if got > count:
                     count, tier = got, "s3"
             else:
-                self._schedule(scope, blocks[count:])
+                self.fetcher.schedule(scope, blocks[count:])
                 reason = "fetch_scheduled"
         if count == 0:
             return None, reason or "absent"
         hit, stop = self._map_and_pin(blocks[:count], n_tokens, tier, scope)
         return hit, stop or (reason if hit is None else None)
-
-    def _names(self, blocks: Sequence[Block], scope: "_Scope | None" = None) -> list[str]:
-        ns = (scope or self._own).ns
-        return [object_name(ns, b.key) for b in blocks]
 
     def _reconcile(self) -> None:
         """Drop this process's mappings of snapshots evicted from the pool by anyone."""
@@ -309,8 +296,8 @@ class KVLoader:
             self._epoch = epoch
 
     def _map_and_pin(self, blocks: Sequence[Block], n_tokens: int, tier: str,
-                     scope: "_Scope") -> tuple[LoaderHit | None, str | None]:
-        names = self._names(blocks, scope)
+                     scope: Scope) -> tuple[LoaderHit | None, str | None]:
+        names = scope.names(blocks)
         in_pool = self.pool.admissions(names)
         now = self.clock()
         snaps: list[Snapshot] = []
@@ -379,65 +366,6 @@ class KVLoader:
         return reason
 
     # -- S3 -> NVMe ----------------------------------------------------------
-    def _fetch_sync(self, scope: "_Scope", blocks: list[Block], have: int) -> tuple[int, str | None]:
-        """Wait up to ``sync_fetch_timeout_s`` for S3; returns blocks now in NVMe and why not more."""
-        fut = self._executor.submit(self._fetch_chain, blocks, scope)
-        try:
-            got, reason = fut.result(timeout=self.sync_fetch_timeout_s)
-        except cf.TimeoutError:
-            return have, "fetch_timeout"  # it goes on in the background: next time it is local
-        return max(got, have), reason
-
-    def _schedule(self, scope: "_Scope", blocks: Sequence[Block]) -> None:
-        names = self._names(blocks, scope)
-        with self._lock:
-            if not names or names[0] in self._inflight or len(self._inflight) > 4096:
-                return
-            self._inflight.update(names)
-        fut = self._executor.submit(self._fetch_chain, list(blocks), scope)
-        fut.add_done_callback(lambda _: self._done(names))
-
-    def _done(self, names: list[str]) -> None:
-        with self._lock:
-            self._inflight.difference_update(names)
-
-    def _fetch_chain(self, blocks: list[Block], scope: "_Scope") -> tuple[int, str | None]:
-        """Copy the leading stored blocks of a chain from S3 into NVMe (read-through).
-
-        Returns how many leading blocks are now in NVMe (counting from ``blocks[0]``) and a
-        reason when fewer than the remote tier holds.
-        """
-        try:
-            # Store.probe counts an unreachable tier and answers from the others; the
-            # counter's move is how this fetch learns S3 is down (and backs off).
-            down_before = self.store.stats["unavailable"]
-            found = self.store.probe(self.tenant, blocks, scope.root).count
-            if self.store.stats["unavailable"] > down_before:
-                raise StoreUnavailable(f"the S3 tier did not answer a probe of {len(blocks)} blocks")
-            for i, block in enumerate(blocks[:found]):
-                if self.local.exists(object_name(scope.ns, block.key)):
-                    self.metrics.prefetched("present")
-                    continue
-                snap = self.store.get(self.tenant, block, scope.root)
-                if snap is None:
-                    return i, "expired"
-                self.metrics.prefetched("fetched")
-            return found, None
-        except StoreUnavailable as exc:
-            self._s3_failed(exc)
-            return 0, "store_unavailable"
-        except TenantAccessDenied as exc:
-            self.metrics.refused()
-            log.warning("fetch refused: %s", exc)
-            return 0, "tenant_refused"
-        except SnapshotCorrupt:
-            return 0, "corrupt"  # the store quarantined and counted it
-        except SnapshotMismatch:
-            return 0, "mismatch"
-        except _ERRORS as exc:
-            log.exception("background fetch failed: %s", exc)
-            return 0, "error"
-
     # -- prefetch ------------------------------------------------------------
     def prefetch(self, items: Plan | str | os.PathLike[str] | Iterable[Sequence[int]], *, map_ahead: bool = True,
                  tokenizer: Callable[[str], Sequence[int]] | None = None) -> "cf.Future[PrefetchResult]":
@@ -457,7 +385,7 @@ class KVLoader:
         """
         if isinstance(items, (str, os.PathLike)):
             items = read_plan(items)
-        prefixes: list[tuple[np.ndarray, float | None, _Scope]] = []
+        prefixes: list[tuple[np.ndarray, float | None, Scope]] = []
         skipped = 0
         scopes = {self.tenant.name: self._own, **({PUBLIC: self._public} if self._public else {})}
         if isinstance(items, Plan):
@@ -472,11 +400,11 @@ class KVLoader:
         chains = [(block_chain(scope.root, ids), score, scope) for ids, score, scope in prefixes]
         for chain, score, scope in chains:
             if score is not None:
-                for name in self._names(chain, scope):
+                for name in scope.names(chain):
                     self._priority[name] = max(score, self._priority.get(name, score))
         return self._executor.submit(self._prefetch, chains, map_ahead, skipped)
 
-    def _prefetch(self, chains: list[tuple[list[Block], float | None, "_Scope"]], map_ahead: bool,
+    def _prefetch(self, chains: list[tuple[list[Block], float | None, Scope]], map_ahead: bool,
                   skipped: int) -> PrefetchResult:
         res = PrefetchResult(prefixes=len(chains), skipped=skipped)
         for chain, _, scope in chains:
@@ -488,23 +416,23 @@ class KVLoader:
                 self.metrics.refused()
                 res.failed["tenant_refused"] = res.failed.get("tenant_refused", 0) + 1
                 continue
-            except _ERRORS as exc:
+            except ERRORS as exc:
                 log.exception("prefetch probe failed: %s", exc)
                 res.failed["error"] = res.failed.get("error", 0) + 1
                 continue
             res.present += have
-            if have < len(chain) and self._s3_usable():
-                got, reason = self._fetch_chain(chain, scope)
+            if have < len(chain) and self.fetcher.usable():
+                got, reason = self.fetcher.fetch_chain(chain, scope)
                 res.fetched += max(0, got - have)
                 have = max(have, got)
                 if reason:
                     res.failed[reason] = res.failed.get(reason, 0) + 1
             if map_ahead and have and self._try_attach():
                 try:
-                    for name in self._names(chain[:have], scope):
+                    for name in scope.names(chain[:have]):
                         readahead(self.local.path(name))
                     hit, _ = self._map_and_pin(chain[:have], have * self.root.block_size + 1, "nvme", scope)
-                except _ERRORS as exc:
+                except ERRORS as exc:
                     log.exception("prefetch mapping failed: %s", exc)
                     hit = None
                 if hit is not None:
@@ -523,7 +451,7 @@ class KVLoader:
         except sqlite3.Error as exc:
             log.warning("pool state unavailable: %s", exc)
         out.update(attached=self.pool.attached, fetch_mode=self.fetch_mode,
-                   s3_backoff=self.has_remote and not self._s3_usable(), mapped_here=len(self._mapped),
+                   s3_backoff=self.fetcher.has_remote and not self.fetcher.usable(), mapped_here=len(self._mapped),
                    store=self.store.stats.as_dict())
         return out
 

@@ -151,7 +151,7 @@ def test_prefetch_maps_ahead_and_plan_scores_decide_retention(tmp_path, bf16_mod
     for ids in (a, b, c):
         write(tmp_path, cfg, model, ids)
     probe = make_loader(tmp_path, cfg)
-    size = sum(probe.local.path(n).stat().st_size for n in probe._names(probe.lookup(a + [1]).blocks))
+    size = sum(probe.local.path(n).stat().st_size for n in probe._own.names(probe.lookup(a + [1]).blocks))
     probe.close()
     # room for two of the three prefixes
     loader = make_loader(tmp_path, cfg, pool_bytes=2 * size + size // 2, pool_dir=tmp_path / "pool2")
@@ -164,9 +164,9 @@ def test_prefetch_maps_ahead_and_plan_scores_decide_retention(tmp_path, bf16_mod
     hit.release()
     loader.lookup(b + [1]).release()  # b is now more recent than a
     loader.lookup(c + [1]).release()  # needs room: b goes (unscored), not a (scored), though a is older
-    held = loader.pool.admissions(loader._names(loader.lookup(a + [1]).blocks))
+    held = loader.pool.admissions(loader._own.names(loader.lookup(a + [1]).blocks))
     assert len(held) == 2
-    assert len(loader.pool.admissions(loader._names(probe_blocks(loader, b)))) < 2  # b gave up the room
+    assert len(loader.pool.admissions(loader._own.names(probe_blocks(loader, b)))) < 2  # b gave up the room
     loader.close()
 
 

@@ -61,7 +61,7 @@ def test_a_corrupt_block_shortens_the_hit_and_is_quarantined(tmp_path, model):
     ids = prompt(3 * BS + 2, seed=30)
     store = put(tmp_path, cfg, m, ids[: 3 * BS])
     ld = loader(tmp_path, cfg)
-    names = ld._names(ld.lookup(ids).blocks)  # maps all three (and verifies them) ...
+    names = ld._own.names(ld.lookup(ids).blocks)  # maps all three (and verifies them) ...
     ld.close()
     path = store.local.path(names[1])
     raw = bytearray(path.read_bytes())
@@ -86,12 +86,12 @@ def test_corrupt_first_block_expired_and_mismatched_snapshots_are_misses(tmp_pat
     store = put(tmp_path, cfg, m, a[: 2 * BS])
     write_prefix(store, cfg, m, b[: 2 * BS], created_at=time.time() - 5 * 3600, ttl_s=4 * 3600)  # expired
     ld = loader(tmp_path, cfg)
-    a_names = ld._names(ld.lookup(a).blocks)
+    a_names = ld._own.names(ld.lookup(a).blocks)
     ld.close()
     # c's first block becomes a copy of a's: intact, but not what c asks for
     from store.keys import block_chain
 
-    c_name = ld._names(block_chain(ld.root, c))[0]
+    c_name = ld._own.names(block_chain(ld.root, c))[0]
     store.local.path(c_name).parent.mkdir(parents=True, exist_ok=True)
     store.local.path(c_name).write_bytes(store.local.path(a_names[0]).read_bytes())
     path = store.local.path(a_names[0])
@@ -169,7 +169,7 @@ def test_seaweedfs_killed_mid_run(tmp_path, model, own_s3):
     assert serve(m, hit, p1) == cold(m, p1)
     assert bg.lookup(p2) is None  # the default: answer now, fetch for next time
     deadline = time.monotonic() + 60
-    while not all(bg.local.exists(n) for n in bg._names(_blocks(bg, p2))):
+    while not all(bg.local.exists(n) for n in bg._own.names(_blocks(bg, p2))):
         assert time.monotonic() < deadline, "background fetch did not land"
         time.sleep(0.1)
     hit = bg.lookup(p2)
@@ -213,7 +213,7 @@ def test_an_empty_snapshot_file_is_a_corrupt_miss(tmp_path, model):
     ld = loader(tmp_path, cfg)
     from store.keys import block_chain
 
-    store.local.path(ld._names(block_chain(ld.root, ids))[0]).write_bytes(b"")  # nothing to map
+    store.local.path(ld._own.names(block_chain(ld.root, ids))[0]).write_bytes(b"")  # nothing to map
     assert ld.lookup(ids) is None
     assert ld.stats()["misses_by_reason"] == {"corrupt": 1}
     assert serve(m, None, ids) == cold(m, ids)
