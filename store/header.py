@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import xxhash
 
@@ -64,9 +64,12 @@ class Layout:
                 raise ValueError(f"Layout.{name} must be a positive integer, got {value!r}")
 
 
-@dataclass(frozen=True)
-class Part:
-    """One contiguous array in the payload (a layer's K or V, or their scales)."""
+class Part(NamedTuple):
+    """One contiguous array in the payload (a layer's K or V, or their scales).
+
+    A named tuple, not a dataclass: a header has one Part per layer and K/V and scales
+    (128 for a 32-layer model), and a reader builds them all on every open.
+    """
 
     name: str
     dtype: str
@@ -75,25 +78,20 @@ class Part:
     xxh3: str
 
 
-_PART_KEYS = frozenset(f.name for f in fields(Part))
-
-
 def _parts(items: list[Any]) -> tuple[Part, ...]:
-    """``Part(**p)`` of each item, its shape as a tuple, without the frozen dataclass's
-    ``__init__`` (a header has one Part per layer and K/V and scales: 48 of them cost
-    ~70 us that way)."""
-    out = []
-    new, keys = object.__new__, _PART_KEYS
-    for p in items:
-        if type(p) is not dict or p.keys() != keys:
-            out.append(Part(**{**p, "shape": tuple(p["shape"])}))  # raises TypeError for the wrong keys
-            continue
-        part = new(Part)
-        fields_ = part.__dict__
-        fields_.update(p)
-        fields_["shape"] = tuple(p["shape"])
-        out.append(part)
-    return tuple(out)
+    """The header's part list (JSON objects with exactly Part's keys) as Parts.
+
+    Raises:
+        TypeError: an item is not such an object (the caller calls the header corrupt).
+    """
+    new = tuple.__new__
+    try:
+        out = tuple(new(Part, (p["name"], p["dtype"], tuple(p["shape"]), p["nbytes"], p["xxh3"])) for p in items)
+    except (KeyError, IndexError) as exc:
+        raise TypeError(f"a payload part lacks {exc}") from None
+    if any(type(p) is not dict or len(p) != len(Part._fields) for p in items):
+        raise TypeError(f"a payload part is not an object with exactly the keys {', '.join(Part._fields)}")
+    return out
 
 
 @dataclass(frozen=True)
@@ -132,8 +130,7 @@ class SnapshotHeader:
         d = _fields_of(self)
         d["layout"] = _fields_of(self.layout)
         d["precision"] = _fields_of(self.precision)
-        names = _field_names(Part)
-        d["parts"] = [{n: getattr(p, n) for n in names} for p in self.parts]
+        d["parts"] = [p._asdict() for p in self.parts]
         return json.dumps(d, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
     @staticmethod

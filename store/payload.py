@@ -53,7 +53,7 @@ def canonical_layout(header: SnapshotHeader) -> PayloadLayout:
     """Where the parts lie in the payload: one after the other in the header's order, each
     starting 8-byte aligned (zero padding between them), the last one unpadded. Computed
     from the header alone; one interned instance per geometry and precision."""
-    sig = tuple((p.name, p.dtype, p.shape, p.nbytes) for p in header.parts)
+    sig = tuple(p[:4] for p in header.parts)  # (name, dtype, shape, nbytes) of each
     layout = _BY_PARTS.get(sig)
     if layout is None:
         offsets, at = [], 0

@@ -103,7 +103,8 @@ def test_header_json_is_the_canonical_encoding_of_its_fields() -> None:
     prec = Precision(keep_layers=(1,))
     root = make_root(precision=prec)
     header = make_snapshot(root, make_chain(root, 1)[0], precision=prec, layers=3).header
-    canonical = json.dumps(dataclasses.asdict(header), sort_keys=True, separators=(",", ":")).encode()
+    fields = {**dataclasses.asdict(header), "parts": [p._asdict() for p in header.parts]}  # each part an object
+    canonical = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     assert header.to_json() == canonical
     assert SnapshotHeader.from_json(canonical) == header
 
@@ -232,3 +233,16 @@ def test_a_payload_over_256_mib_round_trips(tmp_path: Path) -> None:
     region, layout = s.payload
     assert layout.nbytes == region.nbytes == n
     assert s.array("k.0")[-8:].tolist() == [0] * 8
+
+
+@pytest.mark.parametrize("bad", [lambda p: p.pop("xxh3"), lambda p: p.update(extra=1),
+                                 lambda p: p.update(shape=7), "not an object"])
+def test_a_malformed_part_in_the_header_is_corrupt(bad) -> None:
+    root = make_root()
+    d = json.loads(make_snapshot(root, make_chain(root, 1)[0]).header.to_json())
+    if callable(bad):
+        bad(d["parts"][1])
+    else:
+        d["parts"][1] = bad
+    with pytest.raises(SnapshotCorrupt, match="header fields are invalid"):
+        SnapshotHeader.from_json(json.dumps(d).encode())
