@@ -51,8 +51,7 @@ def _header_expiry(path: Path, *, default: float) -> float:
     """A snapshot's expiry from its header; ``default`` (expire now) when unreadable:
     GC then verifies it and quarantines it if it is corrupt."""
     try:
-        with pa.memory_map(str(path), "r") as mm:
-            return read_header(mm).expires_at
+        return read_header(map_file(path)).expires_at
     except (SnapshotError, OSError):
         return default
 

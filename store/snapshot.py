@@ -392,7 +392,8 @@ def read_snapshot(source: pa.Buffer | pa.NativeFile, *, location: str = "", veri
     """Open a snapshot from a memory map or an in-memory buffer.
 
     Args:
-        source: ``pa.memory_map(path)`` (zero-copy) or a ``pa.Buffer``.
+        source: a mapped file (:func:`store.payload.map_file`, zero-copy; ``pa.memory_map``
+            works too) or a ``pa.Buffer``.
         location: where it came from, for error messages.
         verify_payload: check every part's checksum (xxh3, ~9 GB/s).
         full: also check the schema copy at the start of the file and the
