@@ -18,7 +18,7 @@ import torch
 
 from store.config import load_config
 from store.keys import KeyRoot, block_chain
-from store.snapshot import build_snapshot
+from store.encode import build_snapshot
 from store.store import Store
 
 SYSTEM_PROMPT = (

@@ -33,7 +33,7 @@ from prefill.schedule import Batch, PrefixJob, Segment, build_segments, plan_bat
 from store.errors import StoreError
 from store.keys import Block, block_chain
 from store.precision import Precision, dequantize, quantize, relative_errors
-from store.snapshot import StoredLayer, encode_snapshot
+from store.encode import StoredLayer, encode_snapshot
 from store.store import Store
 from store.tenant import Tenant
 

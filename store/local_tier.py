@@ -26,9 +26,10 @@ from typing import Callable, Iterator, Sequence
 
 import pyarrow as pa
 
+from store.encode import EncodedSnapshot, write_pieces
 from store.errors import SnapshotError, StoreFull
 from store.payload import map_file
-from store.snapshot import EncodedSnapshot, read_header, write_pieces
+from store.snapshot import read_header
 from store.tier import SUFFIX, Entry, Tier
 from store.tier_index import TierIndex, pid_alive
 

@@ -22,6 +22,12 @@ from store.errors import SnapshotCorrupt
 if TYPE_CHECKING:
     from store.header import SnapshotHeader
 
+#: schema metadata keys: the header's canonical JSON, and its xxh3-64 (hex)
+META_HEADER = b"kvwarm.header"
+META_CHECKSUM = b"kvwarm.header_xxh3"
+#: the one column of the one record batch: the payload
+PAYLOAD_COLUMN = "payload"
+
 
 @dataclass(frozen=True)
 class PayloadLayout:

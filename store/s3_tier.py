@@ -22,8 +22,8 @@ from botocore.exceptions import BotoCoreError, ClientError
 from fsspec.asyn import sync
 
 from store.config import S3Config
+from store.encode import EncodedSnapshot, snapshot_bytes
 from store.errors import ConfigError, StoreUnavailable
-from store.snapshot import EncodedSnapshot, snapshot_bytes
 from store.tier import SUFFIX, Entry, Tier
 
 T = TypeVar("T")

@@ -18,6 +18,7 @@ import pyarrow as pa
 
 from store.config import KvwarmConfig, StoreConfig, load_config
 from store.crypto import plaintext, seal
+from store.encode import EncodedSnapshot, snapshot_bytes
 from store.errors import (
     ConfigError,
     SnapshotCorrupt,
@@ -32,7 +33,7 @@ from store.errors import (
 from store.keys import Block, KeyRoot, check_key
 from store.local_tier import LocalTier
 from store.header import SnapshotHeader
-from store.snapshot import EncodedSnapshot, Snapshot, read_header, read_snapshot, snapshot_bytes
+from store.snapshot import Snapshot, read_header, read_snapshot
 from store.stats import StoreStats
 from store.tenant import PUBLIC, PUBLIC_TENANT, Tenant
 from store.tier import Tier, object_name

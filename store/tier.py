@@ -14,8 +14,8 @@ from typing import Iterator, Sequence
 
 import pyarrow as pa
 
+from store.encode import EncodedSnapshot
 from store.keys import check_key
-from store.snapshot import EncodedSnapshot
 from store.tenant import check_tenant_name
 
 SUFFIX = ".kvw"
