@@ -21,7 +21,7 @@ import xxhash
 
 from store.header import Layout, Part, SnapshotHeader
 from store.keys import Block, KeyRoot, root_key, tokens_digest
-from store.payload import META_CHECKSUM, META_HEADER, PAYLOAD_COLUMN, canonical_layout
+from store.payload import META_CHECKSUM, META_HEADER, PAYLOAD_COLUMN, PAYLOAD_TYPE, canonical_layout
 from store.precision import STORAGE_DTYPES, Precision, dequantize, quantize, relative_error
 
 
@@ -61,7 +61,7 @@ class EncodedSnapshot:
         """The payload: one record batch of length 1 with one ``large_binary`` column whose
         one value is the whole payload (viewed, not copied)."""
         offsets = pa.py_buffer(np.array([0, self.payload.nbytes], dtype=np.int64))
-        column = pa.Array.from_buffers(pa.large_binary(), 1, [None, offsets, pa.py_buffer(self.payload)])
+        column = pa.Array.from_buffers(PAYLOAD_TYPE, 1, [None, offsets, pa.py_buffer(self.payload)])
         return pa.record_batch([column], schema=self.schema)
 
     @cached_property
@@ -227,7 +227,7 @@ def _schema(header: SnapshotHeader) -> pa.Schema:
     # same whatever its layer count (one column per part cost ~10 us a part at each end).
     raw = header.to_json()
     return pa.schema(
-        [(PAYLOAD_COLUMN, pa.large_binary())],  # not fixed_size_binary: Arrow caps its width at 256 MiB
+        [(PAYLOAD_COLUMN, PAYLOAD_TYPE)],
         metadata={META_HEADER: raw, META_CHECKSUM: SnapshotHeader.checksum(raw).encode()},
     )
 

@@ -25,8 +25,10 @@ if TYPE_CHECKING:
 #: schema metadata keys: the header's canonical JSON, and its xxh3-64 (hex)
 META_HEADER = b"kvwarm.header"
 META_CHECKSUM = b"kvwarm.header_xxh3"
-#: the one column of the one record batch: the payload
+#: the one column of the one record batch, the payload, and its type: ``large_binary``,
+#: not ``fixed_size_binary``, whose width Arrow caps at 256 MiB
 PAYLOAD_COLUMN = "payload"
+PAYLOAD_TYPE = pa.large_binary()
 
 
 @dataclass(frozen=True)
@@ -86,7 +88,7 @@ def payload_span(header: SnapshotHeader, batch: pa.RecordBatch, location: str) -
     if not header.parts:
         raise SnapshotCorrupt("the header lists no payload parts", location=location)
     layout = canonical_layout(header)
-    if batch.num_columns != 1 or batch.num_rows != 1 or batch.column(0).type != pa.large_binary():
+    if batch.num_columns != 1 or batch.num_rows != 1 or batch.column(0).type != PAYLOAD_TYPE:
         raise SnapshotCorrupt(f"payload must be one large_binary value, got {batch.num_columns} column(s) of "
                               f"{batch.num_rows} row(s), {batch.schema.types}", location=location)
     col = batch.column(0)
