@@ -3,15 +3,14 @@
 Pure tensor code, no I/O. The stored dtype is dequantised straight into the
 destination where possible:
 
-- on the CPU, FP8 with per-head scales goes through a 256-entry table per head
-  (``fp32(value) * scale`` rounded to the output dtype once, for every FP8 byte), then
-  one gather per head. It gives the same bits as :func:`store.precision.dequantize` (the
-  same fp32 product, the same rounding) at the cost of a table lookup, where PyTorch's
-  eager FP8 cast takes a scalar path on the CPU; or (``compiled``) one ``torch.compile``
-  pass over whole payloads. Unquantised parts (bf16 storage, layers that mixed precision
+- on the CPU, FP8 with per-head scales goes through a 256-entry table per head and a
+  gather (:mod:`store.table`: the reference bits by construction; native with AVX-512
+  when built, numpy otherwise), or (``compiled``) one ``torch.compile`` pass of the
+  reference arithmetic. Unquantised parts (bf16 storage, layers that mixed precision
   keeps) are numpy copies of the stored bits (torch's copy starts an OpenMP team each time).
 - whole snapshot payloads on the CPU (:meth:`Dequantizer.payload_layers`), mixed precision
-  included: one operation per group (FP8 layers, kept layers) per snapshot.
+  included: one operation per group (FP8 layers, kept layers) per snapshot, or one native
+  gather for every FP8 part of a hit.
 - to a GPU, FP8 runs with per-head scales are gathered once into a reused pinned host
   buffer, moved in one copy (FP8 bytes, half of bf16's) and dequantised there by the
   reference arithmetic; anything else block by block through
@@ -33,13 +32,13 @@ import torch
 
 from store.payload_plan import NP_SAME_SIZE, PayloadPlan, payload_plan
 from store.precision import dequantize
+from store.table import bits_dtype, gather_parts, gather_payloads, native_isa
 
 if TYPE_CHECKING:
     from store.payload import PayloadLayout
 
 log = logging.getLogger("kvwarm.dequant")
 
-_FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
 _GATHER_THREADS = max(1, min(4, (os.cpu_count() or 1)))  # 4 numpy copies: 12.5 GB/s on the H200 host, 8 or 16: ~10
 _gather_executor: cf.ThreadPoolExecutor | None = None
 _KEEP_STAGING_BYTES = 256 << 20  # a CPU staging buffer up to this size is kept for the next hit
@@ -55,11 +54,6 @@ def _gather_pool() -> cf.ThreadPoolExecutor:
         return _gather_executor
 
 
-def _lut(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Per head, the output value of every FP8 byte: ``[heads, 256]`` in ``dtype``."""
-    return (_FP8_VALUES[None, :] * scale.to(torch.float32)[:, None]).to(dtype)
-
-
 def dequantize_into(out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor | None,
                     group_tokens: int = 0) -> None:
     """Write ``dequantize(stored, scale)`` into ``out`` (same shape ``[heads, tokens, dim]``, any strides).
@@ -69,16 +63,7 @@ def dequantize_into(out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor
     if out.shape != stored.shape:
         raise ValueError(f"output shape {tuple(out.shape)} differs from the stored part's {tuple(stored.shape)}")
     cpu = out.device.type == "cpu" and stored.device.type == "cpu"
-    if (
-        cpu and scale is not None and scale.dim() == 1 and stored.dtype == torch.float8_e4m3fn
-        and out.element_size() in NP_SAME_SIZE and out.stride(-1) == 1 and out.stride(-2) == out.shape[-1]
-    ):  # every head's [tokens, dim] is contiguous (true of slices of a [heads, T, dim] tensor)
-        lut = _lut(scale, out.dtype).view(_int_dtype(out.dtype)).numpy()
-        idx = stored.view(torch.uint8).numpy()
-        dst = out.view(_int_dtype(out.dtype)).numpy()
-        for h in range(stored.shape[0]):
-            # mode="clip": indices are bytes, always in range; "raise" would buffer the output.
-            np.take(lut[h], idx[h], out=dst[h], mode="clip")
+    if cpu and scale is not None and gather_parts(out, stored, scale):
         return
     if cpu and scale is None and stored.dtype == out.dtype and out.element_size() in NP_SAME_SIZE:
         _copy_bits(out, stored)  # unquantised (kept layers, bf16 storage) into its own dtype
@@ -94,14 +79,10 @@ def dequantize_into(out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor
                          group_tokens))
 
 
-def _int_dtype(dtype: torch.dtype) -> torch.dtype:
-    return {2: torch.int16, 4: torch.int32}[torch.empty((), dtype=dtype).element_size()]
-
-
 def _copy_bits(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst[...] = src`` for CPU tensors of one 2- or 4-byte dtype, by numpy's copy of the bits
     (torch's copy starts an OpenMP team per call: ~50x slower per part on a busy 2-core host)."""
-    idt = _int_dtype(dst.dtype)
+    idt = bits_dtype(dst.dtype)
     np.copyto(dst.view(idt).numpy(), src.view(idt).numpy())
 
 
@@ -123,14 +104,17 @@ DequantMode = Literal["auto", "table", "compiled"]
 class Dequantizer:
     """Dequantises runs of blocks (K and V of every layer) into ``[heads, tokens, dim]`` tensors.
 
-    ``table`` (default): per block, the per-head table and gather of :func:`dequantize_into`
-    (no warm-up). ``compiled``: CPU FP8 blocks with per-head scales go through one
-    ``torch.compile`` of the reference arithmetic over every layer at once (one call per
-    hit, the block count dynamic), built on first use of a geometry (seconds; inductor
-    caches it on disk). ``auto``: the table until that kernel has been built in the background,
-    so no request waits for a compiler (but the compile holds the GIL for seconds).
-    All give the bits of :func:`store.precision.dequantize`; a kernel that fails to build
-    leaves the table. Calling the object dequantises one block (always the table path).
+    ``table`` (default): the per-head tables of :mod:`store.table` (no warm-up); with the
+    native gather built, one call for every FP8 part of a hit (:meth:`payload_layers`),
+    otherwise numpy, block by block. ``compiled``: CPU FP8 blocks with per-head scales go
+    through one ``torch.compile`` of the reference arithmetic over every layer at once (one
+    call per hit, the block count dynamic), built on first use of a geometry (seconds;
+    inductor caches it on disk). ``auto``: the native table where it is built (faster than
+    the compiled kernel: ``docs/benchmarks.md``), otherwise the numpy table until that kernel
+    has been built in the background, so no request waits for a compiler (but the compile
+    holds the GIL for seconds). All give the bits of :func:`store.precision.dequantize`; a
+    kernel that fails to build leaves the table. Calling the object dequantises one block
+    (always the table path).
     """
 
     def __init__(self, mode: DequantMode = "table", executor: cf.Executor | None = None) -> None:
@@ -232,6 +216,10 @@ class Dequantizer:
             with self._lock:
                 self._pending.discard(key)
 
+    def _native(self) -> bool:
+        """Whether FP8 payloads go through the native table gather (not in ``compiled`` mode)."""
+        return self.mode != "compiled" and native_isa() is not None
+
     def _kernel_ready(self, key: tuple) -> bool:
         with self._lock:
             ready = key in self._ready
@@ -286,7 +274,8 @@ class Dequantizer:
         group = plan.fp8
         if group is None and plan.plain_dtype != dtype:
             return None
-        if group is not None and (self.mode == "table" or n < 2):
+        native = group is not None and self._native()
+        if group is not None and not native and (self.mode == "table" or n < 2):
             return None
         arrays = [a for a, _ in payloads]
         out: list[torch.Tensor] = [None] * plan.m  # type: ignore[list-item]
@@ -295,7 +284,11 @@ class Dequantizer:
             for p, layer in enumerate(plan.plain_layers):
                 out[2 * layer], out[2 * layer + 1] = kept[p, 0], kept[p, 1]
         if group is not None:
-            if self._kernel_ready(("payload", layout.nbytes, plan, dtype)):
+            if native:
+                y = gather_payloads(arrays, plan, tokens, dtype)
+                assert y is not None
+                fp8 = list(y)
+            elif self._kernel_ready(("payload", layout.nbytes, plan, dtype)):
                 y = self._payload_kernel(arrays, plan, dtype)
                 fp8 = [y[j] if y.shape[2] == tokens else y[j][:, :tokens] for j in range(len(group.data))]
             else:
@@ -318,7 +311,7 @@ class Dequantizer:
         # numpy, one pass and no OpenMP team: the stored bits, or bf16 -> fp32 as the bits moved
         # up 16 places (exactly what Tensor.to does); any other conversion through Tensor.copy_
         widen = stored == torch.bfloat16 and dtype == torch.float32
-        dst = out.view(_int_dtype(dtype)).numpy() if stored == dtype or widen else None
+        dst = out.view(bits_dtype(dtype)).numpy() if stored == dtype or widen else None
         t = 0
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # read-only mappings: torch cannot write to them
@@ -397,7 +390,7 @@ class Dequantizer:
         if uniform and dev.type != "cpu":
             y = self._to_device(parts, dtype, dev)
             return [y[j] if y.shape[2] == tokens else y[j][:, :tokens] for j in range(len(parts))]
-        if (self.mode != "table" and n >= 2 and dev.type == "cpu" and uniform and fp8
+        if (self.mode != "table" and not self._native() and n >= 2 and dev.type == "cpu" and uniform and fp8
                 and self._kernel_ready(((len(parts), *stored0.shape), dtype))):
             stacked = torch.stack([p.view(torch.uint8) for run in parts for p, _ in run])
             stacked = stacked.view(torch.float8_e4m3fn).view(len(parts), n, *stored0.shape)

@@ -94,11 +94,12 @@ class KVLoader:
             (reads it once per node); ``False`` reads nothing but headers until used.
         registry: Prometheus registry (default: one of the loader's own).
         fetch_workers: background fetch threads.
-        dequant: CPU FP8 dequantiser: ``table`` (default: no warm-up), ``compiled`` (a
-            torch.compile kernel built on first use of a block shape: seconds of compiling,
-            then faster), or ``auto`` (the table until the kernel is built in the background;
-            the compile holds the GIL for seconds, so prefer ``compiled`` and one warm-up
-            lookup at start); or a :class:`store.dequant.Dequantizer` shared by several loaders.
+        dequant: CPU FP8 dequantiser: ``table`` (default: per-head tables, no warm-up; the
+            fastest where the native gather ``store._fp8gather`` was built, see
+            :func:`store.table.native_isa`), ``compiled`` (a torch.compile kernel built on
+            first use of a block shape: seconds of compiling), or ``auto`` (the native table
+            where it is built, otherwise the numpy table until the kernel is built in the
+            background); or a :class:`store.dequant.Dequantizer` shared by several loaders.
         clock: time source (TTL, LRU).
     """
 

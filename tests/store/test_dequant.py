@@ -89,7 +89,7 @@ def test_compiled_mixed_payloads_give_the_bits_of_each_part_dequantised_alone(tm
 
 @pytest.mark.parametrize("keep", [(0,), (0, LAYERS - 1), (2,), (1, 3), (0, 1), (3, 4), (0, 2, 3)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_auto_before_its_kernel_is_built_reads_mixed_payloads_through_the_table(tmp_path, keep, dtype):
+def test_auto_before_its_kernel_is_built_reads_mixed_payloads_through_the_table(tmp_path, keep, dtype, numpy_table):
     snaps = mapped(tmp_path, Precision(keep_layers=keep), 2)
     layout = snaps[0].payload[1]
     with cf.ThreadPoolExecutor(1) as ex:
@@ -100,7 +100,8 @@ def test_auto_before_its_kernel_is_built_reads_mixed_payloads_through_the_table(
         assert not auto._ready and len(auto._pending) == 1  # no second kernel started
 
 
-def test_auto_uses_the_kernel_once_it_is_built(tmp_path):
+def test_auto_uses_the_kernel_once_it_is_built(tmp_path, numpy_table):
+    # without the native gather (an install with no C compiler); with it, auto never compiles (test_table.py)
     snaps = mapped(tmp_path, Precision(keep_layers=(0,)), 4)
     auto = Dequantizer("auto")  # no executor: builds on first use
     got = auto.payload_layers(payloads(snaps), 4 * BS - 7, torch.bfloat16)
@@ -120,7 +121,7 @@ def test_mixed_payloads_match_the_per_part_dequantizer(tmp_path, compiled, dtype
         assert same_bits(compiled.payload_layers(payloads(snaps), tokens, dtype), want)
 
 
-def test_kept_fp16_layers_are_converted_as_dequantize_converts(tmp_path):
+def test_kept_fp16_layers_are_converted_as_dequantize_converts(tmp_path, numpy_table):
     snaps = mapped(tmp_path, Precision(keep_layers=(1, 4), keep_dtype="fp16"), 2)
     layout = snaps[0].payload[1]
     with cf.ThreadPoolExecutor(1) as ex:
@@ -150,7 +151,7 @@ def test_one_copy_per_group_per_snapshot(tmp_path):
     assert plan((0,)) is first  # cached per (interned) layout
 
 
-def test_mixed_payloads_fall_back_where_this_path_does_not_apply(tmp_path, compiled):
+def test_mixed_payloads_fall_back_where_this_path_does_not_apply(tmp_path, compiled, numpy_table):
     mixed = mapped(tmp_path / "m", Precision(keep_layers=(0,)), 2)
     grouped = mapped(tmp_path / "g", Precision(granularity="head_group", group_tokens=4, keep_layers=(0,)), 2)
     other = mapped(tmp_path / "o", Precision(keep_layers=(1,)), 2)
@@ -162,7 +163,7 @@ def test_mixed_payloads_fall_back_where_this_path_does_not_apply(tmp_path, compi
     assert compiled.payload_layers(payloads(mixed), 2 * BS + 1, torch.bfloat16) is None  # too many tokens
 
 
-def test_kept_bf16_widened_to_fp32_keeps_every_bit(tmp_path):
+def test_kept_bf16_widened_to_fp32_keeps_every_bit(tmp_path, numpy_table):
     # signed zeros, subnormals and the largest bf16 values in the kept layer: the fp32 output
     # is exactly what Tensor.to gives, bit for bit
     precision = Precision(keep_layers=(0,))

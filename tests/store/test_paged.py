@@ -138,7 +138,7 @@ def test_dequantize_into_is_bit_identical_to_the_reference(dtype, precision):
 
 
 @pytest.mark.parametrize("mode", ["compiled", "auto"])
-def test_the_compiled_dequantiser_gives_the_same_bits(mode):
+def test_the_compiled_dequantiser_gives_the_same_bits(mode, numpy_table):  # auto compiles only without the native gather
     import concurrent.futures as cf
 
     g = torch.Generator().manual_seed(1)
@@ -228,7 +228,7 @@ def test_whole_payloads_give_the_bits_of_each_part_dequantised_alone(tmp_path, c
     assert all(not p[0].flags.writeable for p in payloads)
 
 
-def test_whole_payloads_fall_back_where_the_layout_is_not_regular(tmp_path):
+def test_whole_payloads_fall_back_where_the_layout_is_not_regular(tmp_path, numpy_table):
     # per-group scales, the table mode, a dtype other than the stored one: None, and the
     # per-part path (to_dynamic_cache) is used
     mixed = mapped_snapshots(tmp_path / "m", Precision(keep_layers=(1,)), 2)

@@ -1,0 +1,155 @@
+/* store._fp8gather: table gathers for dequantising FP8 KV on the CPU.
+ *
+ * Dequantising an FP8 (e4m3) byte with a per-head scale has 256 possible results per
+ * head, so store/dequant.py computes them once per head with PyTorch's own arithmetic
+ * (fp32(value) * scale, rounded to the output dtype) and this module only looks them up:
+ * dst[i] = table[src[i]]. The results are the reference bits by construction.
+ *
+ * One call runs a whole list of jobs (one per head of each stored part), so a hit costs
+ * one call, with the GIL released. The caller (store.dequant) computes the addresses from
+ * tensors it holds and checks every bound; nothing here is public API.
+ *
+ * On CPUs with AVX-512BW, 32 bytes at a time: four 64-entry word permutes cover the
+ * 256-entry table and bits 6 and 7 of each byte select among them, and large aligned
+ * outputs are written with streaming stores. Elsewhere, a plain loop.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define KVW_X86 1
+#include <immintrin.h>
+#endif
+
+static void gather16_scalar(const uint8_t *src, const uint16_t *lut, uint16_t *dst, size_t n) {
+    for (size_t i = 0; i < n; i++) dst[i] = lut[src[i]];
+}
+
+static void gather32_scalar(const uint8_t *src, const uint32_t *lut, uint32_t *dst, size_t n) {
+    for (size_t i = 0; i < n; i++) dst[i] = lut[src[i]];
+}
+
+#ifdef KVW_X86
+__attribute__((target("avx512f,avx512bw")))
+static void gather16_avx512(const uint8_t *src, const uint16_t *lut, uint16_t *dst, size_t n) {
+    /* Streaming stores when the output is large and aligned: the output is new memory the
+     * caller reads later, and plain stores would first read every line of it (22 MiB out,
+     * the loader bench's geometry: 5.3 ms with plain stores, 3.2 ms streaming). */
+    const int stream = n >= 2048 && ((uintptr_t)dst & 63) == 0;
+    const __m512i t0 = _mm512_loadu_si512((const void *)(lut + 0));
+    const __m512i t1 = _mm512_loadu_si512((const void *)(lut + 32));
+    const __m512i t2 = _mm512_loadu_si512((const void *)(lut + 64));
+    const __m512i t3 = _mm512_loadu_si512((const void *)(lut + 96));
+    const __m512i t4 = _mm512_loadu_si512((const void *)(lut + 128));
+    const __m512i t5 = _mm512_loadu_si512((const void *)(lut + 160));
+    const __m512i t6 = _mm512_loadu_si512((const void *)(lut + 192));
+    const __m512i t7 = _mm512_loadu_si512((const void *)(lut + 224));
+    const __m512i b6 = _mm512_set1_epi16(0x40), b7 = _mm512_set1_epi16(0x80);
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m512i idx = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(src + i)));
+        /* bit 5 picks between the two tables of each permute, bits 0-4 the entry */
+        __m512i r0 = _mm512_permutex2var_epi16(t0, idx, t1);  /* entries 0-63 */
+        __m512i r1 = _mm512_permutex2var_epi16(t2, idx, t3);  /* 64-127 */
+        __m512i r2 = _mm512_permutex2var_epi16(t4, idx, t5);  /* 128-191 */
+        __m512i r3 = _mm512_permutex2var_epi16(t6, idx, t7);  /* 192-255 */
+        __mmask32 m6 = _mm512_test_epi16_mask(idx, b6), m7 = _mm512_test_epi16_mask(idx, b7);
+        __m512i lo = _mm512_mask_blend_epi16(m6, r0, r1), hi = _mm512_mask_blend_epi16(m6, r2, r3);
+        __m512i r = _mm512_mask_blend_epi16(m7, lo, hi);
+        if (stream) _mm512_stream_si512((void *)(dst + i), r);
+        else _mm512_storeu_si512((void *)(dst + i), r);
+    }
+    if (stream) _mm_sfence();
+    gather16_scalar(src + i, lut, dst + i, n - i);
+}
+#endif
+
+typedef void (*gather16_fn)(const uint8_t *, const uint16_t *, uint16_t *, size_t);
+
+static gather16_fn pick_gather16(void) {
+#ifdef KVW_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return gather16_avx512;
+#endif
+    return gather16_scalar;
+}
+
+static gather16_fn gather16 = NULL;
+
+static int get_buffer(PyObject *obj, Py_buffer *view, Py_ssize_t need, int writable, const char *name) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) return -1;
+    if (view->len < need) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes, need %zd", name, view->len, need);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(gather_doc,
+"gather(src, dst, count, tables, esize) -> None\n\n"
+"For each job j: dst_j[i] = tables[j][src_j[i]] for i < count[j], where src_j and dst_j\n"
+"are addresses (uint64 buffers src and dst), tables a buffer of 256 entries of esize\n"
+"bytes (2 or 4) per job. Private to store.dequant, which checks every address.");
+
+static PyObject *gather(PyObject *self, PyObject *args) {
+    PyObject *osrc, *odst, *ocount, *otab;
+    int esize;
+    if (!PyArg_ParseTuple(args, "OOOOi", &osrc, &odst, &ocount, &otab, &esize)) return NULL;
+    if (esize != 2 && esize != 4) {
+        PyErr_Format(PyExc_ValueError, "esize must be 2 or 4, got %d", esize);
+        return NULL;
+    }
+    Py_buffer src, dst, count, tab;
+    if (PyObject_GetBuffer(osrc, &src, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    Py_ssize_t jobs = src.len / 8;
+    if (get_buffer(odst, &dst, jobs * 8, 0, "dst") < 0) { PyBuffer_Release(&src); return NULL; }
+    if (get_buffer(ocount, &count, jobs * 8, 0, "count") < 0) {
+        PyBuffer_Release(&src); PyBuffer_Release(&dst); return NULL;
+    }
+    if (get_buffer(otab, &tab, jobs * 256 * esize, 0, "tables") < 0) {
+        PyBuffer_Release(&src); PyBuffer_Release(&dst); PyBuffer_Release(&count); return NULL;
+    }
+    const uint64_t *s = (const uint64_t *)src.buf, *d = (const uint64_t *)dst.buf, *c = (const uint64_t *)count.buf;
+    const uint8_t *t = (const uint8_t *)tab.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < jobs; j++) {
+        if (esize == 2) {
+            uint16_t lut[256];  /* aligned copy: the tables buffer may be anywhere */
+            memcpy(lut, t + (size_t)j * 512, 512);
+            gather16((const uint8_t *)(uintptr_t)s[j], lut, (uint16_t *)(uintptr_t)d[j], (size_t)c[j]);
+        } else {
+            uint32_t lut[256];
+            memcpy(lut, t + (size_t)j * 1024, 1024);
+            gather32_scalar((const uint8_t *)(uintptr_t)s[j], lut, (uint32_t *)(uintptr_t)d[j], (size_t)c[j]);
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src); PyBuffer_Release(&dst); PyBuffer_Release(&count); PyBuffer_Release(&tab);
+    Py_RETURN_NONE;
+}
+
+static PyObject *isa(PyObject *self, PyObject *noargs) {
+#ifdef KVW_X86
+    if (gather16 == gather16_avx512) return PyUnicode_FromString("avx512bw");
+#endif
+    return PyUnicode_FromString("scalar");
+}
+
+static PyMethodDef methods[] = {
+    {"gather", gather, METH_VARARGS, gather_doc},
+    {"isa", isa, METH_NOARGS, "The instruction set the 2-byte gather uses on this CPU."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "store._fp8gather",
+    "Table gathers for dequantising FP8 KV on the CPU (private to store.dequant).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__fp8gather(void) {
+    gather16 = pick_gather16();
+    return PyModule_Create(&module);
+}

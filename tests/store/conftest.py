@@ -1,0 +1,12 @@
+"""Fixtures shared by the store tests."""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture
+def numpy_table(monkeypatch):
+    """Run as an install without the native gather (``store._fp8gather`` not built): numpy's take."""
+    import store.table
+
+    monkeypatch.setattr(store.table, "_native", None)

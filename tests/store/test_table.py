@@ -1,0 +1,113 @@
+"""FP8 dequantisation by table (store.table): the native gather and numpy's give the reference bits."""
+from __future__ import annotations
+
+import shutil
+import sysconfig
+
+import numpy as np
+import pytest
+import torch
+
+import store.table
+from store.dequant import Dequantizer, dequantize_into
+from store.precision import Precision, dequantize
+from store.table import gather_parts, gather_payloads, native_isa
+from store.payload_plan import payload_plan
+from tests.store.test_dequant import BS, mapped, reference, same_bits
+
+EVERY_BYTE = torch.arange(256, dtype=torch.uint8)
+
+
+@pytest.mark.skipif(shutil.which(sysconfig.get_config_var("CC").split()[0] if sysconfig.get_config_var("CC")
+                                 else "cc") is None, reason="no C compiler: the install has numpy only")
+def test_the_native_gather_is_built_where_a_compiler_is():
+    # setup.py builds it as optional; a silent build failure would leave every hit on numpy
+    assert native_isa() in ("avx512bw", "scalar")
+
+
+def special_parts(heads: int = 3, tokens: int = 40, dim: int = 64):
+    """Every FP8 byte (NaN and signed zeros included) in every head, shuffled, and scales that give
+    subnormal, ordinary and overflowing (inf) bf16 results."""
+    g = torch.Generator().manual_seed(3)
+    raw = torch.stack([EVERY_BYTE.repeat(tokens * dim // 256 + 1)[:tokens * dim][torch.randperm(tokens * dim, generator=g)]
+                       for _ in range(heads)]).view(heads, tokens, dim)
+    scale = torch.tensor([1e-40, 0.37, 3e36][:heads], dtype=torch.float32)
+    return raw.view(torch.float8_e4m3fn), scale
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("native", [True, False])
+def test_gather_parts_gives_the_reference_bits_for_every_byte(monkeypatch, dtype, native):
+    if native and native_isa() is None:
+        pytest.skip("native gather not built")
+    if not native:
+        monkeypatch.setattr(store.table, "_native", None)
+    stored, scale = special_parts()
+    want = dequantize(stored, scale, dtype)
+    assert torch.isnan(want).any() and torch.isinf(want).any()  # the specials are there
+    out = torch.empty(stored.shape, dtype=dtype)
+    assert gather_parts(out, stored, scale)
+    assert torch.equal(bits(out), bits(want))
+    # a stored part that is not contiguous per head (a slice across tokens) is read right too
+    sliced = stored[:, :, :32]
+    out2 = torch.empty(sliced.shape, dtype=dtype)
+    assert gather_parts(out2, sliced, scale)
+    assert torch.equal(bits(out2), bits(dequantize(sliced.contiguous(), scale, dtype)))
+
+
+def test_gather_parts_declines_what_it_does_not_cover():
+    stored, scale = special_parts()
+    wide = torch.zeros((3, 40, 128), dtype=torch.bfloat16)
+    out = wide[:, :, :64]  # heads not contiguous in the output
+    assert not gather_parts(out, stored, scale)
+    assert not wide.any()  # nothing written
+    dequantize_into(out, stored, scale)  # the caller's fallback: through a temporary
+    assert torch.equal(bits(out.contiguous()), bits(dequantize(stored, scale, torch.bfloat16)))
+    assert not gather_parts(torch.empty((3, 40, 64), dtype=torch.bfloat16), stored, scale[:2])  # scale per head
+    assert not gather_parts(torch.empty((3, 40, 64), dtype=torch.float64), stored, scale)  # 8-byte output
+    assert not gather_parts(torch.empty((3, 40, 64)), stored.view(torch.uint8), scale)  # not FP8
+
+
+needs_native = pytest.mark.skipif(native_isa() is None, reason="native gather not built")
+
+
+@needs_native
+@pytest.mark.parametrize("keep", [(), (0,), (0, 4), (2,), (1, 3)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_whole_payloads_through_the_native_gather_give_the_reference_bits(tmp_path, keep, dtype):
+    snaps = mapped(tmp_path, Precision(keep_layers=keep), 3)
+    table = Dequantizer("table")
+    for tokens in (3 * BS, 3 * BS - 5, BS + 1, 1):  # whole blocks, mid-block, a single token
+        assert same_bits(table.payload_layers([s.payload for s in snaps], tokens, dtype),
+                         reference(snaps, tokens, dtype))
+    one = table.payload_layers([snaps[0].payload], BS - 2, dtype)  # one block is fine here
+    assert same_bits(one, reference(snaps[:1], BS - 2, dtype))
+    assert all(not s.payload[0].flags.writeable for s in snaps)  # the mappings are read, never written
+
+
+@needs_native
+def test_auto_takes_the_native_gather_and_never_compiles(tmp_path):
+    snaps = mapped(tmp_path, Precision(keep_layers=(0,)), 2)
+    auto = Dequantizer("auto")  # no executor: a kernel would be built inline, on this call
+    got = auto.payload_layers([s.payload for s in snaps], 2 * BS, torch.bfloat16)
+    assert same_bits(got, reference(snaps, 2 * BS, torch.bfloat16))
+    assert not auto._ready and not auto._pending and auto._kernel is None
+
+
+@needs_native
+def test_payloads_that_do_not_match_the_plan_are_refused(tmp_path):
+    snaps = mapped(tmp_path, Precision(), 2)
+    plan = payload_plan(snaps[0].payload[1])
+    arrays = [s.payload[0] for s in snaps]
+    with pytest.raises(ValueError, match="do not match the plan"):
+        gather_payloads([arrays[0], arrays[1][:-8]], plan, 2 * BS, torch.bfloat16)  # a short payload
+    with pytest.raises(ValueError, match="do not match the plan"):
+        gather_payloads(arrays, plan, 2 * BS + 1, torch.bfloat16)  # more tokens than blocks
+    assert gather_payloads(arrays, plan, 2 * BS, torch.float64) is None  # no 8-byte tables
+    out = gather_payloads(arrays, plan, 2 * BS, torch.bfloat16)
+    assert out is not None and out.shape == (2 * 5, 2, 2 * BS, 8)
+    assert np.all([not a.flags.writeable for a in arrays])
