@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Callable, Literal, Sequence
 import numpy as np
 import torch
 
+from store import memory
 from store.payload_plan import NP_SAME_SIZE, PayloadPlan, payload_plan
 from store.precision import dequantize
 from store.table import bits_dtype, gather_parts, gather_payloads, native_isa
@@ -307,7 +308,7 @@ class Dequantizer:
         stored = plan.plain_dtype
         assert stored is not None
         esize = torch.empty((), dtype=stored).element_size()
-        out = torch.empty((len(plan.plain_layers), 2, heads, tokens, dim), dtype=dtype)
+        out = memory.empty((len(plan.plain_layers), 2, heads, tokens, dim), dtype)
         # numpy, one pass and no OpenMP team: the stored bits, or bf16 -> fp32 as the bits moved
         # up 16 places (exactly what Tensor.to does); any other conversion through Tensor.copy_
         widen = stored == torch.bfloat16 and dtype == torch.float32
@@ -400,7 +401,8 @@ class Dequantizer:
         out = []
         for run in parts:
             first = run[0][0]
-            t = torch.empty((first.shape[0], tokens, first.shape[2]), dtype=dtype, device=dev)
+            shape = (first.shape[0], tokens, first.shape[2])
+            t = memory.empty(shape, dtype) if dev.type == "cpu" else torch.empty(shape, dtype=dtype, device=dev)
             fill_contiguous(t, run, group_tokens, self)
             out.append(t)
         return out

@@ -79,12 +79,18 @@ def put_layer(cache: Any, i: int, k: torch.Tensor, v: torch.Tensor) -> None:
     """``cache.update(k, v, layer_idx=i)`` without its copy where that is exactly equivalent.
 
     A plain ``DynamicLayer`` concatenates what it is given to what it holds, so a first
-    update copies the whole prefix once more. Such a layer is initialised with an empty
-    update and then handed the tensors themselves; any other kind of layer (sliding
-    window, quantised...) gets the plain ``update``.
+    update copies the whole prefix once more. Such a layer is initialised as ``update``
+    would (``lazy_initialization``, or an empty update where the cache has yet to create
+    it) and then handed the tensors themselves; any other kind of layer (sliding window,
+    quantised...) gets the plain ``update``.
     """
     from transformers.cache_utils import DynamicLayer
 
+    layer = cache.layers[i] if i < len(cache.layers) else None
+    if type(layer) is DynamicLayer and getattr(layer, "is_initialized", True) is False:
+        layer.lazy_initialization(k, v)  # what update() does first; its concatenation is skipped
+        layer.keys, layer.values = k, v
+        return
     cache.update(k[:, :, :0], v[:, :, :0], layer_idx=i)  # creates and initialises the layer, adds nothing
     layer = cache.layers[i]
     if type(layer) is DynamicLayer and layer.keys.numel() == 0:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 import torch
 
+from store import memory
 from store.payload_plan import NP_SAME_SIZE
 
 if TYPE_CHECKING:
@@ -115,7 +116,7 @@ def gather_payloads(payloads: Sequence[np.ndarray], plan: "PayloadPlan", tokens:
     raw = np.stack([a[at[:, None] + np.arange(4)] for a in payloads])  # [n, m*heads, 4] bytes
     scale = torch.from_numpy(raw.view(np.float32).reshape(n, m, heads))
     lut = tables(scale, dtype).view(bits_dtype(dtype))
-    out = torch.empty((m, heads, tokens, dim), dtype=dtype)
+    out = memory.empty((m, heads, tokens, dim), dtype)
     i = np.arange(n, dtype=np.uint64)[:, None, None]
     j = np.arange(m, dtype=np.uint64)[None, :, None]
     h = np.arange(heads, dtype=np.uint64)[None, None, :]
