@@ -138,9 +138,26 @@ static PyObject *isa(PyObject *self, PyObject *noargs) {
     return PyUnicode_FromString("scalar");
 }
 
+static PyObject *use_isa(PyObject *self, PyObject *args) {
+    const char *name;
+    if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
+    if (strcmp(name, "scalar") == 0) {
+        gather16 = gather16_scalar;
+    } else if (strcmp(name, "best") == 0) {
+        gather16 = pick_gather16();
+    } else {
+        PyErr_Format(PyExc_ValueError, "unknown instruction set %s: use 'scalar' or 'best'", name);
+        return NULL;
+    }
+    return isa(self, NULL);
+}
+
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS, gather_doc},
     {"isa", isa, METH_NOARGS, "The instruction set the 2-byte gather uses on this CPU."},
+    {"use_isa", use_isa, METH_VARARGS,
+     "use_isa('scalar' | 'best') -> str: pin the plain loop (what CPUs without AVX-512BW run;\n"
+     "for tests) or go back to the best this CPU has. Not thread-safe against running gathers."},
     {NULL, NULL, 0, NULL},
 };
 

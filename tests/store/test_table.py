@@ -23,6 +23,9 @@ EVERY_BYTE = torch.arange(256, dtype=torch.uint8)
 def test_the_native_gather_is_built_where_a_compiler_is():
     # setup.py builds it as optional; a silent build failure would leave every hit on numpy
     assert native_isa() in ("avx512bw", "scalar")
+    with pytest.raises(ValueError, match="unknown instruction set"):
+        store.table._native.use_isa("sse9")
+    assert native_isa() in ("avx512bw", "scalar")
 
 
 def special_parts(heads: int = 3, tokens: int = 40, dim: int = 64):
@@ -39,13 +42,25 @@ def bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("native", [True, False])
-def test_gather_parts_gives_the_reference_bits_for_every_byte(monkeypatch, dtype, native):
-    if native and native_isa() is None:
-        pytest.skip("native gather not built")
-    if not native:
+@pytest.fixture(params=["best", "scalar", "numpy"])
+def gather_impl(request, monkeypatch):
+    """Each implementation of the gather: the native one with the CPU's best instruction set
+    (AVX-512BW here), the native plain loop (what other CPUs run), numpy's take."""
+    if request.param == "numpy":
         monkeypatch.setattr(store.table, "_native", None)
+        yield request.param
+        return
+    if native_isa() is None:
+        pytest.skip("native gather not built")
+    store.table._native.use_isa(request.param)
+    try:
+        yield request.param
+    finally:
+        store.table._native.use_isa("best")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gather_parts_gives_the_reference_bits_for_every_byte(gather_impl, dtype):
     stored, scale = special_parts()
     want = dequantize(stored, scale, dtype)
     assert torch.isnan(want).any() and torch.isinf(want).any()  # the specials are there
@@ -78,7 +93,16 @@ needs_native = pytest.mark.skipif(native_isa() is None, reason="native gather no
 @needs_native
 @pytest.mark.parametrize("keep", [(), (0,), (0, 4), (2,), (1, 3)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_whole_payloads_through_the_native_gather_give_the_reference_bits(tmp_path, keep, dtype):
+@pytest.mark.parametrize("isa", ["best", "scalar"])
+def test_whole_payloads_through_the_native_gather_give_the_reference_bits(tmp_path, keep, dtype, isa):
+    store.table._native.use_isa(isa)
+    try:
+        _whole_payloads_give_the_reference_bits(tmp_path, keep, dtype)
+    finally:
+        store.table._native.use_isa("best")
+
+
+def _whole_payloads_give_the_reference_bits(tmp_path, keep, dtype):
     snaps = mapped(tmp_path, Precision(keep_layers=keep), 3)
     table = Dequantizer("table")
     for tokens in (3 * BS, 3 * BS - 5, BS + 1, 1):  # whole blocks, mid-block, a single token
