@@ -275,7 +275,7 @@ class Dequantizer:
         group = plan.fp8
         if group is None and plan.plain_dtype != dtype:
             return None
-        native = group is not None and self._native()
+        native = group is not None and self._native() and torch.empty((), dtype=dtype).element_size() in NP_SAME_SIZE
         if group is not None and not native and (self.mode == "table" or n < 2):
             return None
         arrays = [a for a, _ in payloads]
@@ -285,9 +285,8 @@ class Dequantizer:
             for p, layer in enumerate(plan.plain_layers):
                 out[2 * layer], out[2 * layer + 1] = kept[p, 0], kept[p, 1]
         if group is not None:
-            if native:
-                y = gather_payloads(arrays, plan, tokens, dtype)
-                assert y is not None
+            y = gather_payloads(arrays, plan, tokens, dtype) if native else None
+            if y is not None:
                 fp8 = list(y)
             elif self._kernel_ready(("payload", layout.nbytes, plan, dtype)):
                 y = self._payload_kernel(arrays, plan, dtype)

@@ -114,6 +114,17 @@ def _whole_payloads_give_the_reference_bits(tmp_path, keep, dtype):
 
 
 @needs_native
+def test_an_output_dtype_without_tables_takes_the_per_part_path(tmp_path):
+    snaps = mapped(tmp_path, Precision(keep_layers=(0,)), 2)
+    table = Dequantizer("table")
+    assert table.payload_layers([s.payload for s in snaps], 2 * BS, torch.float64) is None  # no 8-byte tables
+    runs = [[(s.tensor(f"{n}.{i}"), s.tensor(f"{n}_scale.{i}") if f"{n}_scale.{i}" in s._parts else None)
+             for s in snaps] for i in range(5) for n in ("k", "v")]
+    got, want = table.layers(runs, 2 * BS, torch.float64), reference(snaps, 2 * BS, torch.float64)
+    assert all(a.dtype == torch.float64 and torch.equal(a, b) for a, b in zip(got, want))
+
+
+@needs_native
 def test_auto_takes_the_native_gather_and_never_compiles(tmp_path):
     snaps = mapped(tmp_path, Precision(keep_layers=(0,)), 2)
     auto = Dequantizer("auto")  # no executor: a kernel would be built inline, on this call
