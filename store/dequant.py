@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import os
 import threading
 import warnings
 from typing import TYPE_CHECKING, Callable, Literal, Sequence
@@ -33,26 +32,13 @@ import torch
 from store import memory
 from store.payload_plan import NP_SAME_SIZE, PayloadPlan, payload_plan
 from store.precision import dequantize
+from store.staging import Staging, gather_to_device
 from store.table import bits_dtype, gather_parts, gather_payloads, native_isa
 
 if TYPE_CHECKING:
     from store.payload import PayloadLayout
 
 log = logging.getLogger("kvwarm.dequant")
-
-_GATHER_THREADS = max(1, min(4, (os.cpu_count() or 1)))  # 4 numpy copies: 12.5 GB/s on the H200 host, 8 or 16: ~10
-_gather_executor: cf.ThreadPoolExecutor | None = None
-_KEEP_STAGING_BYTES = 256 << 20  # a CPU staging buffer up to this size is kept for the next hit
-_gather_lock = threading.Lock()
-
-
-def _gather_pool() -> cf.ThreadPoolExecutor:
-    """Threads that copy stored bytes out of the mappings (copies release the GIL)."""
-    global _gather_executor
-    with _gather_lock:
-        if _gather_executor is None:
-            _gather_executor = cf.ThreadPoolExecutor(_GATHER_THREADS, thread_name_prefix="kvwarm-gather")
-        return _gather_executor
 
 
 def dequantize_into(out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor | None,
@@ -127,60 +113,23 @@ class Dequantizer:
         self._ready: set[tuple] = set()
         self._pending: set[tuple] = set()
         self._kernel: Callable[..., torch.Tensor] | None = None
-        self._pinned: torch.Tensor | None = None  # host staging of hits bound for a GPU (see _to_device)
-        self._host_lock = threading.Lock()
-        self._host: torch.Tensor | None = None  # CPU staging of whole payloads (see payload_layers)
+        self._staging = Staging()  # host buffers: hits bound for a GPU, whole payloads for the kernel
 
     def __call__(self, out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor | None,
                  group_tokens: int = 0) -> None:
         dequantize_into(out, stored, scale, group_tokens)
-
-    def _staging(self, nbytes: int, *, pin: bool) -> torch.Tensor:
-        """A host buffer of ``nbytes`` for one hit; call with ``_host_lock`` held.
-
-        Reused across hits: a pinned one always (pinning costs milliseconds), a plain one up
-        to ``_KEEP_STAGING_BYTES``.
-        """
-        kept = self._pinned if pin else self._host
-        if kept is not None and kept.numel() >= nbytes:
-            return kept[:nbytes]
-        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-        if pin:
-            self._pinned = buf
-        elif nbytes <= _KEEP_STAGING_BYTES:
-            self._host = buf
-        return buf
 
     def _to_device(self, parts: Sequence[Sequence["BlockPart"]], dtype: torch.dtype,
                    dev: torch.device) -> torch.Tensor:
         """Uniform runs (FP8 with per-head scales, or unscaled) to ``[runs, heads, n*bs, dim]`` on ``dev``.
 
         The stored bytes are gathered from the mappings into a reused (pinned) host buffer
-        by a few threads, each sending its slice on as soon as it is gathered, so the
-        gather and the transfer overlap; the dequantisation runs on the device.
+        and sent on (:func:`store.staging.gather_to_device`); the dequantisation runs on the
+        device.
         """
         m, n = len(parts), len(parts[0])
         stored0, scale0 = parts[0][0]
-        raw = [p.view(torch.uint8) for run in parts for p, _ in run]
-        shape = raw[0].shape
-        count = m * n * shape.numel()
-        dst = torch.empty((m * n, *shape), dtype=torch.uint8, device=dev)
-        with self._host_lock:  # held until the copies out of the staging buffer are done
-            host = self._staging(count, pin=dev.type == "cuda" and torch.cuda.is_available()).view(m * n, *shape)
-            step = -(-len(raw) // _GATHER_THREADS)
-
-            host_np = host.numpy()
-
-            def gather(lo: int) -> None:
-                # numpy's copy: one thread per call and the GIL released (torch's copy would
-                # start an OpenMP team inside each of these threads)
-                hi = min(lo + step, len(raw))
-                for i in range(lo, hi):
-                    np.copyto(host_np[i], raw[i].numpy())
-                dst[lo:hi].copy_(host[lo:hi], non_blocking=True)
-            list(_gather_pool().map(gather, range(0, len(raw), step)))
-            if dev.type == "cuda":
-                torch.cuda.current_stream(dev).synchronize()  # the buffer is free again after this
+        dst = gather_to_device([p.view(torch.uint8) for run in parts for p, _ in run], dev, self._staging)
         stored = dst.view(stored0.dtype).view(m, n, *stored0.shape)
         if scale0 is None:
             return stored.to(dtype).permute(0, 2, 1, 3, 4).reshape(m, stored0.shape[0], n * stored0.shape[1], -1)
@@ -360,8 +309,8 @@ class Dequantizer:
         n, m = len(payloads), len(group.data)
         heads, bs, dim = plan.shape
         row = group.row
-        with self._host_lock:  # held until the kernel has read the staging buffer
-            host = self._staging(n * row, pin=False).view(n, row)
+        with self._staging.lock:  # held until the kernel has read the staging buffer
+            host = self._staging.buffer(n * row, pin=False).view(n, row)
             hnp = host.numpy()
             for i, arr in enumerate(payloads):
                 for lo, hi, at in group.segments:

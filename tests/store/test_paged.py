@@ -163,9 +163,9 @@ def test_the_device_path_gives_the_same_bits_and_reuses_its_staging_buffer():
     dq = Dequantizer("table")
     got = dq._to_device(runs, torch.bfloat16, torch.device("cpu"))
     assert all(torch.equal(got[j], want[j]) for j in range(4))
-    buf = dq._host
+    buf = dq._staging.host
     smaller = dq._to_device([run[:2] for run in runs], torch.bfloat16, torch.device("cpu"))
-    assert dq._host is buf  # reused, not reallocated
+    assert dq._staging.host is buf  # reused, not reallocated
     assert all(torch.equal(smaller[j], want[j][:, :32]) for j in range(4))
     # unscaled storage (bf16) takes the same path: the bytes, moved and laid out as they were
     plain = [[quantize(torch.randn((2, 16, 8), generator=g), Precision(compression="bf16"), 0) for _ in range(3)]
