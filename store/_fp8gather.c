@@ -1,7 +1,7 @@
 /* store._fp8gather: table gathers for dequantising FP8 KV on the CPU.
  *
  * Dequantising an FP8 (e4m3) byte with a per-head scale has 256 possible results per
- * head, so store/dequant.py computes them once per head with PyTorch's own arithmetic
+ * head, so store/table.py computes them once per head with PyTorch's own arithmetic
  * (fp32(value) * scale, rounded to the output dtype) and this module only looks them up:
  * dst[i] = table[src[i]]. The results are the reference bits by construction.
  *
