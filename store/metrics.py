@@ -30,6 +30,9 @@ MISS_REASONS: tuple[str, ...] = (
     "error",  # any other StoreError or OSError (logged with its traceback)
 )
 
+#: Operations whose latency the histogram records (its ``stage`` label).
+STAGES = ("lookup", "to_dynamic_cache", "copy_into_paged")
+
 #: Buckets of the load-latency histogram (seconds): lookups are ~0.1-10 ms, loads more.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -69,9 +72,15 @@ class LoaderMetrics:
         self._pool_budget = Gauge("kvwarm_pool_budget_bytes", "The node pool's byte budget.", registry=r)
         self._latency_h = Histogram("kvwarm_loader_load_seconds", "Latency of loader operations.", [*t, "stage"],
                                     buckets=LATENCY_BUCKETS, registry=r)
-        # Series of every reason exist from the start, so dashboards see zeros, not gaps.
+        # Every series exists from the start, so dashboards see zeros, not gaps (and the
+        # first request does not pay for creating them).
         for reason in MISS_REASONS:
             self._miss.labels(tenant, reason)
+            self._short.labels(tenant, reason)
+        for counter in (self._lookups, self._hits, self._tokens, self._mapped, self._refused):
+            counter.labels(tenant)
+        for stage in STAGES:
+            self._latency_h.labels(tenant, stage)
 
     def _incr(self, name: str, n: float = 1) -> None:
         with self._lock:
