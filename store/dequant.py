@@ -224,7 +224,7 @@ class Dequantizer:
         group = plan.fp8
         if group is None and plan.plain_dtype != dtype:
             return None
-        native = group is not None and self._native() and torch.empty((), dtype=dtype).element_size() in NP_SAME_SIZE
+        native = group is not None and self._native() and dtype.itemsize in NP_SAME_SIZE
         if group is not None and not native and (self.mode == "table" or n < 2):
             return None
         arrays = [a for a, _ in payloads]
@@ -255,7 +255,7 @@ class Dequantizer:
         heads, bs, dim = plan.shape
         stored = plan.plain_dtype
         assert stored is not None
-        esize = torch.empty((), dtype=stored).element_size()
+        esize = stored.itemsize
         out = memory.empty((len(plan.plain_layers), 2, heads, tokens, dim), dtype)
         # numpy, one pass and no OpenMP team: the stored bits, or bf16 -> fp32 as the bits moved
         # up 16 places (exactly what Tensor.to does); any other conversion through Tensor.copy_

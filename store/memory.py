@@ -16,6 +16,7 @@ mapping anyway.
 """
 from __future__ import annotations
 
+import math
 import mmap
 import os
 
@@ -35,10 +36,7 @@ def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     unmapped when the last tensor viewing it is freed. ``KVWARM_HUGE_PAGES=0`` turns the
     advice off (plain ``torch.empty``).
     """
-    numel = 1
-    for d in shape:
-        numel *= d
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if not _ENABLED or nbytes < HUGE_MIN_BYTES:
         return torch.empty(shape, dtype=dtype)
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

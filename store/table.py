@@ -46,7 +46,7 @@ def tables(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def bits_dtype(dtype: torch.dtype) -> torch.dtype:
     """The integer dtype of the same size as ``dtype`` (2 or 4 bytes): copies and gathers of its bits."""
-    return {2: torch.int16, 4: torch.int32}[torch.empty((), dtype=dtype).element_size()]
+    return {2: torch.int16, 4: torch.int32}[dtype.itemsize]
 
 
 def _address(a: np.ndarray) -> int:
@@ -99,7 +99,7 @@ def gather_payloads(payloads: Sequence[np.ndarray], plan: "PayloadPlan", tokens:
     module, for output dtypes other than 2 or 4 bytes, or when the plan has no FP8 group.
     """
     group = plan.fp8
-    esize = torch.empty((), dtype=dtype).element_size()
+    esize = dtype.itemsize
     if _native is None or group is None or esize not in NP_SAME_SIZE or not payloads:
         return None
     heads, bs, dim = plan.shape
