@@ -53,14 +53,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.lib.load import measure_load  # noqa: E402
 from bench.lib.shapes import SHAPES, shaped_model, synced  # noqa: E402
 from bench.lib.timing import median_time  # noqa: E402
 from store.config import parse_config  # noqa: E402
 from store.identity import ModelIdentity  # noqa: E402
 from store.keys import block_chain  # noqa: E402
 from store.loader import KVLoader  # noqa: E402
-from store.dequant import Dequantizer  # noqa: E402
-from store.table import native_isa  # noqa: E402
 from store.snapshot import build_snapshot  # noqa: E402
 from store.store import Store  # noqa: E402
 from store.tenant import Tenant  # noqa: E402
@@ -150,108 +149,9 @@ def bench_ttft_and_load(work: Path, args, out: dict) -> None:
             loader.close()
             continue
         # (b) map + dequantise against memcpy of the output bytes
-        out.setdefault("load", {})[compression] = measure_load(url, cfg, ident, mcfg, ids, work, compression,
+        out.setdefault("load", {})[compression] = measure_load(url, cfg, TENANT, ident, mcfg, ids, work, compression,
                                                                args.reps, loader)
         loader.close()
-
-
-def measure_load(url: str, cfg, ident, mcfg, ids, work: Path, compression: str, reps: int,
-                 loader: KVLoader | None = None) -> dict:
-    """(b): map + dequantise to bf16 on the CPU against ``clone()`` of the same output bytes.
-
-    Each FP8 dequantiser is timed from fresh mappings (a new pool per load) and the
-    faster is reported; then with payload checksums verified, and from snapshots this
-    process has already mapped (``loader``'s pool, or a new loader's after one load).
-    """
-    own = loader is None
-    if own:
-        loader = KVLoader(url, tenant=TENANT, model=ident, pool_bytes=64 << 30, config=cfg, model_config=mcfg,
-                          pool_dir=work / f"pool-{compression}-b")
-    hit = loader.lookup(ids)
-    lay = hit.layout
-    tokens = hit.usable_tokens
-    out_bytes = 2 * lay.num_layers * lay.num_kv_heads * tokens * lay.head_dim * 2
-    hit.release()
-    src = torch.empty(out_bytes // 2, dtype=torch.bfloat16).normal_()
-    copies: list[float] = []
-
-    def memcpy() -> None:
-        # timed right before each load: the two see the same machine (this VM's load varies)
-        t0 = time.perf_counter()
-        src.clone()
-        copies.append(time.perf_counter() - t0)
-    fresh = [0]
-    modes = ("table", "compiled") if compression == "fp8" else ("table",)
-    loads: dict[str, float] = {}
-    stages: dict[str, dict[str, float]] = {}
-    dqs: dict[str, Dequantizer] = {}
-
-    def map_and_dequant(dq: Dequantizer, timed: list[tuple[float, float]], verify: bool) -> None:
-        # a new pool each time: every snapshot is mapped (and its header parsed) anew
-        fresh[0] += 1
-        ld = KVLoader(url, tenant=TENANT, model=ident, pool_bytes=64 << 30, config=cfg, model_config=mcfg,
-                      pool_dir=work / f"fresh-{compression}-{lay.num_layers}-{fresh[0]}", verify_payload=verify,
-                      dequant=dq)
-        memcpy()
-        timed.append(timed_load(ld, ids))
-        ld.close()
-
-    def medians(timed: list[tuple[float, float]]) -> dict[str, float]:
-        rest = timed[1:]  # the first is a warm-up (and builds the compiled kernel, untimed)
-        return {"total_s": statistics.median(a + b for a, b in rest),
-                "lookup_s": statistics.median(a for a, _ in rest),
-                "to_dynamic_cache_s": statistics.median(b for _, b in rest)}
-
-    for mode in modes:
-        dq = dqs[mode] = Dequantizer(mode)  # shared by the fresh loaders: compiled once, untimed
-        timed: list[tuple[float, float]] = []
-        for _ in range(reps + 1):
-            # verify_payload=False: the payload is not checksummed here (a serving node's pool
-            # does it once per node, when a snapshot first enters it; that is measured below)
-            map_and_dequant(dq, timed, verify=False)
-        stages[mode] = medians(timed)
-        loads[mode] = stages[mode]["total_s"]
-    best = min(loads, key=loads.get)  # type: ignore[arg-type]
-    t_load = loads[best]
-    verified: list[tuple[float, float]] = []
-    for _ in range(reps + 1):  # the first entry into a node's pool, checksums verified (the default)
-        map_and_dequant(dqs[best], verified, verify=True)
-    t_verified = medians(verified)["total_s"]
-    loader.dequantizer = dqs[best]  # already built: (a) and the pooled figure use the same
-
-    hot: list[tuple[float, float]] = []
-    for _ in range(reps + 1):
-        memcpy()
-        hot.append(timed_load(loader, ids))
-    pooled = medians(hot)
-    t_hot = pooled["total_s"]
-    t_copy = statistics.median(copies)
-    if own:
-        loader.close()
-    res = {
-        "geometry": {"layers": lay.num_layers, "kv_heads": lay.num_kv_heads, "head_dim": lay.head_dim,
-                     "tokens": tokens},
-        "output_bytes": out_bytes, "memcpy_s": t_copy, "map_dequant_s": t_load, "pooled_dequant_s": t_hot,
-        "map_verify_dequant_s": t_verified, "fresh_verify_payload": False,
-        "dequant": best, "native_gather": native_isa(), "map_dequant_s_by_mode": loads,
-        "stages_fresh": stages[best], "stages_pooled": pooled,
-        "ratio_map_dequant": t_copy / t_load, "ratio_pooled": t_copy / t_hot,
-        "ratio_map_verify_dequant": t_copy / t_verified,
-        "gbps_map_dequant": out_bytes / t_load / 1e9, "gbps_memcpy": out_bytes / t_copy / 1e9}
-    for mode, t in loads.items():
-        st = stages[mode]
-        print(f"    map+dequant {compression} [{mode}]: {t * 1e3:.1f} ms ({out_bytes / t / 1e9:.2f} GB/s): "
-              f"lookup (map, parse headers, pin) {st['lookup_s'] * 1e3:.1f} ms + "
-              f"to_dynamic_cache {st['to_dynamic_cache_s'] * 1e3:.1f} ms")
-    print(f"    pooled: lookup {pooled['lookup_s'] * 1e3:.1f} ms + to_dynamic_cache "
-          f"{pooled['to_dynamic_cache_s'] * 1e3:.1f} ms; fresh with payload checksums verified "
-          f"{t_verified * 1e3:.1f} ms (ratio {t_copy / t_verified:.2f})")
-    print(f"(b) load {compression} [{best}], {lay.num_layers} layers x {lay.num_kv_heads} KV heads x "
-          f"{lay.head_dim}: {out_bytes / 2**20:.1f} MiB bf16 out; map+dequant {t_load * 1e3:.1f} ms "
-          f"({out_bytes / t_load / 1e9:.2f} GB/s), pooled {t_hot * 1e3:.1f} ms, memcpy {t_copy * 1e3:.1f} ms "
-          f"({out_bytes / t_copy / 1e9:.2f} GB/s): ratio {t_copy / t_load:.2f} (pooled {t_copy / t_hot:.2f})",
-          flush=True)
-    return res
 
 
 def bench_load_shape(work: Path, args, out: dict) -> None:
@@ -278,19 +178,8 @@ def bench_load_shape(work: Path, args, out: dict) -> None:
             store.put(TENANT, build_snapshot(root=root, block=b, tenant=TENANT.name, kv=kv, precision=precision,
                                              created_at=time.time(), ttl_s=4 * 3600))
         store.close()
-        res[compression] = measure_load(url, cfg, ident, mcfg, ids, work, compression, args.reps)
+        res[compression] = measure_load(url, cfg, TENANT, ident, mcfg, ids, work, compression, args.reps)
     out["load_shape"] = {"shape": args.load_shape, **res}
-
-
-def timed_load(loader, ids) -> tuple[float, float]:
-    """Seconds of ``lookup`` and of ``to_dynamic_cache`` (to the CPU, bf16) for one hit."""
-    t0 = time.perf_counter()
-    h = loader.lookup(ids)
-    t1 = time.perf_counter()
-    h.to_dynamic_cache("cpu", torch.bfloat16)
-    t2 = time.perf_counter()
-    h.release()
-    return t1 - t0, t2 - t1
 
 
 def bench_device_load(loader, ids, dev: torch.device, compression: str, reps: int, out: dict) -> None:
