@@ -6,7 +6,7 @@
  * dst[i] = table[src[i]]. The results are the reference bits by construction.
  *
  * One call runs a whole list of jobs (one per head of each stored part), so a hit costs
- * one call, with the GIL released. The caller (store.dequant) computes the addresses from
+ * one call, with the GIL released; copy() does the same for layers stored unquantised. The caller (store.dequant) computes the addresses from
  * tensors it holds and checks every bound; nothing here is public API.
  *
  * On CPUs with AVX-512BW, 32 bytes at a time: four 64-entry word permutes cover the
@@ -66,6 +66,30 @@ static void gather16_avx512(const uint8_t *src, const uint16_t *lut, uint16_t *d
 }
 #endif
 
+/* Plain copies (layers kept unquantised) into the same new output: streaming stores for
+ * large aligned destinations, for the reason given above; memcpy otherwise. */
+static void copy_plain(const uint8_t *src, uint8_t *dst, size_t n) {
+    memcpy(dst, src, n);
+}
+
+#ifdef KVW_X86
+__attribute__((target("avx512f")))
+static void copy_avx512(const uint8_t *src, uint8_t *dst, size_t n) {
+    if (n < 4096 || ((uintptr_t)dst & 63) != 0) {
+        memcpy(dst, src, n);
+        return;
+    }
+    size_t i = 0;
+    for (; i + 64 <= n; i += 64)
+        _mm512_stream_si512((void *)(dst + i), _mm512_loadu_si512((const void *)(src + i)));
+    _mm_sfence();
+    memcpy(dst + i, src + i, n - i);
+}
+#endif
+
+typedef void (*copy_fn)(const uint8_t *, uint8_t *, size_t);
+static copy_fn copy_bytes = copy_plain;
+
 typedef void (*gather16_fn)(const uint8_t *, const uint16_t *, uint16_t *, size_t);
 
 static gather16_fn pick_gather16(void) {
@@ -74,6 +98,14 @@ static gather16_fn pick_gather16(void) {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return gather16_avx512;
 #endif
     return gather16_scalar;
+}
+
+static copy_fn pick_copy(void) {
+#ifdef KVW_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return copy_avx512;
+#endif
+    return copy_plain;
 }
 
 static gather16_fn gather16 = NULL;
@@ -131,6 +163,30 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(copy_doc,
+"copy(src, dst, nbytes) -> None\n\n"
+"For each job j: nbytes[j] bytes from address src[j] to address dst[j] (uint64 buffers).\n"
+"Private to store.table, which checks every address.");
+
+static PyObject *copy(PyObject *self, PyObject *args) {
+    PyObject *osrc, *odst, *ocount;
+    if (!PyArg_ParseTuple(args, "OOO", &osrc, &odst, &ocount)) return NULL;
+    Py_buffer src, dst, count;
+    if (PyObject_GetBuffer(osrc, &src, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    Py_ssize_t jobs = src.len / 8;
+    if (get_buffer(odst, &dst, jobs * 8, 0, "dst") < 0) { PyBuffer_Release(&src); return NULL; }
+    if (get_buffer(ocount, &count, jobs * 8, 0, "nbytes") < 0) {
+        PyBuffer_Release(&src); PyBuffer_Release(&dst); return NULL;
+    }
+    const uint64_t *s = (const uint64_t *)src.buf, *d = (const uint64_t *)dst.buf, *c = (const uint64_t *)count.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < jobs; j++)
+        copy_bytes((const uint8_t *)(uintptr_t)s[j], (uint8_t *)(uintptr_t)d[j], (size_t)c[j]);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src); PyBuffer_Release(&dst); PyBuffer_Release(&count);
+    Py_RETURN_NONE;
+}
+
 static PyObject *isa(PyObject *self, PyObject *noargs) {
 #ifdef KVW_X86
     if (gather16 == gather16_avx512) return PyUnicode_FromString("avx512bw");
@@ -143,8 +199,10 @@ static PyObject *use_isa(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "s", &name)) return NULL;
     if (strcmp(name, "scalar") == 0) {
         gather16 = gather16_scalar;
+        copy_bytes = copy_plain;
     } else if (strcmp(name, "best") == 0) {
         gather16 = pick_gather16();
+        copy_bytes = pick_copy();
     } else {
         PyErr_Format(PyExc_ValueError, "unknown instruction set %s: use 'scalar' or 'best'", name);
         return NULL;
@@ -154,6 +212,7 @@ static PyObject *use_isa(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS, gather_doc},
+    {"copy", copy, METH_VARARGS, copy_doc},
     {"isa", isa, METH_NOARGS, "The instruction set the 2-byte gather uses on this CPU."},
     {"use_isa", use_isa, METH_VARARGS,
      "use_isa('scalar' | 'best') -> str: pin the plain loop (what CPUs without AVX-512BW run;\n"
@@ -168,5 +227,6 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__fp8gather(void) {
     gather16 = pick_gather16();
+    copy_bytes = pick_copy();
     return PyModule_Create(&module);
 }

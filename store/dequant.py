@@ -198,6 +198,10 @@ class Dequantizer:
         built) the table runs here, from the same views, so that :meth:`layers` does not
         start building another kernel.
 
+        With the native module (modes ``table`` and ``auto``), :func:`store.table.gather_payloads`
+        writes every part into one new ``[parts, heads, tokens, dim]`` tensor: FP8 layers
+        through their tables, unquantised layers stored in ``dtype`` copied. Otherwise:
+
         - unquantised layers (all of them, or those that mixed precision keeps): one
           strided copy per snapshot (per run of layers at regular steps: one for
           ``keep_layers`` ``[0]``, ``[0, last]`` or consecutive layers), from the mapping
@@ -224,20 +228,19 @@ class Dequantizer:
         group = plan.fp8
         if group is None and plan.plain_dtype != dtype:
             return None
-        native = group is not None and self._native() and dtype.itemsize in NP_SAME_SIZE
-        if group is not None and not native and (self.mode == "table" or n < 2):
-            return None
         arrays = [a for a, _ in payloads]
         out: list[torch.Tensor] = [None] * plan.m  # type: ignore[list-item]
-        if plan.plain:
+        y = gather_payloads(arrays, plan, tokens, dtype) if self._native() else None
+        if y is not None:
+            out = list(y)
+        elif group is not None and (self.mode == "table" or n < 2):
+            return None
+        if plan.plain and (y is None or plan.plain_dtype != dtype):  # not copied natively: converted here
             kept = self._copy_plain(arrays, plan, tokens, dtype)
             for p, layer in enumerate(plan.plain_layers):
                 out[2 * layer], out[2 * layer + 1] = kept[p, 0], kept[p, 1]
-        if group is not None:
-            y = gather_payloads(arrays, plan, tokens, dtype) if native else None
-            if y is not None:
-                fp8 = list(y)
-            elif self._kernel_ready(("payload", layout.nbytes, plan, dtype)):
+        if group is not None and y is None:
+            if self._kernel_ready(("payload", layout.nbytes, plan, dtype)):
                 y = self._payload_kernel(arrays, plan, dtype)
                 fp8 = [y[j] if y.shape[2] == tokens else y[j][:, :tokens] for j in range(len(group.data))]
             else:

@@ -8,13 +8,13 @@ dtype), so a gather through them gives the reference bits by construction.
 The gather itself is the native module ``store._fp8gather`` (built from
 ``store/_fp8gather.c`` at install; AVX-512 where the CPU has it, streaming stores into
 new memory) when it is there, numpy's ``take`` otherwise. :func:`gather_parts` runs every
-head of one stored part; :func:`gather_payloads` every FP8 part of whole snapshot
-payloads straight from their mappings into the final ``[heads, tokens, dim]`` layout, in
-one native call.
+head of one stored part; :func:`gather_payloads` every part of whole snapshot payloads
+straight from their mappings into the final ``[parts, heads, tokens, dim]`` layout: one
+native call for the FP8 layers, one for the layers kept unquantised (plain copies).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -88,44 +88,94 @@ def gather_parts(out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor) -
     return True
 
 
+class _Jobs(NamedTuple):
+    """Where each native job of a payload plan reads and writes, relative to a payload's
+    start and to the output's row ``(part, head)``; computed once per plan and element size."""
+
+    src: np.ndarray  # [J] uint64: byte offset in a payload of FP8 job j (one head of one part)
+    rows: np.ndarray  # [J] uint64: its output row, part * heads + head
+    scales: np.ndarray  # [J * 4] int64: the payload bytes of each job's fp32 scale
+    copy_src: np.ndarray  # [C] uint64: byte offset of copy job c (one head of K or V of a plain layer)
+    copy_rows: np.ndarray  # [C] uint64
+    end: int  # one past the last payload byte any job reads
+
+
+def _jobs(plan: "PayloadPlan") -> _Jobs:
+    cached = plan.__dict__.get("_jobs")
+    if cached is not None:
+        return cached
+    heads, bs, dim = plan.shape
+    h = np.arange(heads, dtype=np.uint64)
+    src, rows, scales, csrc, crows = [], [], [], [], []
+    group = plan.fp8
+    if group is not None:
+        for j, (d, sc) in enumerate(zip(group.data, group.scales)):
+            part = 2 * group.layers[j // 2] + j % 2
+            src.append(np.uint64(d) + h * np.uint64(bs * dim))
+            rows.append(np.uint64(part * heads) + h)
+            scales.append(sc + 4 * np.arange(heads)[:, None] + np.arange(4)[None, :])
+    esize = plan.plain_dtype.itemsize if plan.plain_dtype is not None else 0
+    for run in plan.plain:
+        for r in range(run.count):
+            layer = plan.plain_layers[run.first + r]
+            for kv in (0, 1):
+                off = run.base + r * run.layer_step + kv * run.kv_step
+                csrc.append(np.uint64(off) + h * np.uint64(bs * dim * esize))
+                crows.append(np.uint64((2 * layer + kv) * heads) + h)
+
+    def cat(xs: list, dtype: type) -> np.ndarray:
+        return np.concatenate(xs).astype(dtype).reshape(-1) if xs else np.zeros(0, dtype=dtype)
+    jobs = _Jobs(cat(src, np.uint64), cat(rows, np.uint64), cat(scales, np.int64), cat(csrc, np.uint64),
+                 cat(crows, np.uint64), 0)
+    ends = [int(jobs.src.max()) + bs * dim if len(jobs.src) else 0,
+            int(jobs.scales.max()) + 1 if len(jobs.scales) else 0,
+            int(jobs.copy_src.max()) + bs * dim * esize if len(jobs.copy_src) else 0]
+    jobs = jobs._replace(end=max(ends))
+    object.__setattr__(plan, "_jobs", jobs)  # a cache on the (frozen) plan, like the plan on its layout
+    return jobs
+
+
 def gather_payloads(payloads: Sequence[np.ndarray], plan: "PayloadPlan", tokens: int,
                     dtype: torch.dtype) -> torch.Tensor | None:
-    """Every FP8 part of consecutive snapshot payloads, as ``[parts, heads, tokens, dim]`` in ``dtype``.
+    """Every K/V part of consecutive snapshot payloads, as ``[parts, heads, tokens, dim]`` in ``dtype``.
 
     ``payloads`` are whole payloads (``uint8`` arrays of the plan's layout, e.g. the
-    mappings themselves) of consecutive blocks; part ``j`` is K or V of FP8 layer
-    ``plan.fp8.layers[j // 2]``. One native call reads every head of every part of every
-    block where it lies and writes it where it goes. Returns ``None`` without the native
-    module, for output dtypes other than 2 or 4 bytes, or when the plan has no FP8 group.
+    mappings themselves) of consecutive blocks; part ``2 * l + 0`` is K of layer ``l``,
+    ``2 * l + 1`` its V. Native calls read every head of every part of every block where
+    it lies and write it where it goes: the FP8 layers through their tables, the layers
+    stored unquantised copied, when they are stored in ``dtype`` (otherwise their parts are
+    left unwritten, for the caller to convert). Returns ``None`` without the native module,
+    for output dtypes other than 2 or 4 bytes, or when there is nothing to do natively.
+
+    Raises:
+        ValueError: the payloads are not of the plan's layout, or ``tokens`` is out of range.
     """
-    group = plan.fp8
     esize = dtype.itemsize
-    if _native is None or group is None or esize not in NP_SAME_SIZE or not payloads:
+    copies = plan.plain_dtype == dtype
+    if _native is None or esize not in NP_SAME_SIZE or not payloads or (plan.fp8 is None and not copies):
         return None
     heads, bs, dim = plan.shape
-    n, m = len(payloads), len(group.data)
+    n = len(payloads)
     nbytes = payloads[0].shape[0]
-    data = np.asarray(group.data, dtype=np.uint64)
-    scales = np.asarray(group.scales, dtype=np.int64)
-    if (tokens < 1 or tokens > n * bs or int(data.max()) + heads * bs * dim > nbytes
-            or int(scales.max()) + 4 * heads > nbytes
+    jobs = _jobs(plan)
+    if (tokens < 1 or tokens > n * bs or jobs.end > nbytes
             or any(a.dtype != np.uint8 or a.shape != (nbytes,) or not a.flags.c_contiguous for a in payloads)):
         raise ValueError(f"payloads do not match the plan: {n} payloads of {nbytes} bytes for {tokens} tokens")
-    # scales [n, m, heads]: each part's fp32 values, read from every payload at once
-    at = (scales[:, None] + 4 * np.arange(heads)[None, :]).reshape(-1)
-    raw = np.stack([a[at[:, None] + np.arange(4)] for a in payloads])  # [n, m*heads, 4] bytes
-    scale = torch.from_numpy(raw.view(np.float32).reshape(n, m, heads))
-    lut = tables(scale, dtype).view(bits_dtype(dtype))
-    out = memory.empty((m, heads, tokens, dim), dtype)
-    i = np.arange(n, dtype=np.uint64)[:, None, None]
-    j = np.arange(m, dtype=np.uint64)[None, :, None]
-    h = np.arange(heads, dtype=np.uint64)[None, None, :]
-    base = np.asarray([_address(a) for a in payloads], dtype=np.uint64)[:, None, None]
-    src = base + data[None, :, None] + h * np.uint64(bs * dim)
-    dst = np.uint64(out.data_ptr()) + ((j * np.uint64(heads) + h) * np.uint64(tokens) + i * np.uint64(bs)) \
-        * np.uint64(dim * esize)
-    rows = np.minimum(bs, tokens - np.arange(n) * bs).clip(0).astype(np.uint64)  # the last block may end early
-    count = np.broadcast_to(rows[:, None, None] * np.uint64(dim), (n, m, heads))
-    _native.gather(np.ascontiguousarray(src).reshape(-1), np.ascontiguousarray(dst).reshape(-1),
-                   np.ascontiguousarray(count).reshape(-1), lut.numpy().reshape(-1), esize)
+    out = memory.empty((plan.m, heads, tokens, dim), dtype)
+    base = np.fromiter((_address(a) for a in payloads), dtype=np.uint64, count=n)[:, None]
+    first = (np.arange(n, dtype=np.uint64) * np.uint64(bs))[:, None]  # each block's first token
+    rows = np.minimum(bs, tokens - np.arange(n) * bs).clip(0).astype(np.uint64)[:, None]  # the last may end early
+    row_bytes, ptr = np.uint64(tokens * dim * esize), np.uint64(out.data_ptr())
+    if len(jobs.src):
+        # scales [n, jobs]: each job's fp32 value, read from every payload at once
+        raw = np.stack([a[jobs.scales] for a in payloads])
+        lut = tables(torch.from_numpy(raw.view(np.float32)), dtype).view(bits_dtype(dtype))
+        dst = ptr + jobs.rows * row_bytes + first * np.uint64(dim * esize)
+        _native.gather((base + jobs.src).reshape(-1), dst.reshape(-1),
+                       np.broadcast_to(rows * np.uint64(dim), dst.shape).copy().reshape(-1), lut.numpy().reshape(-1),
+                       esize)
+    if copies and len(jobs.copy_src):
+        dst = ptr + jobs.copy_rows * row_bytes + first * np.uint64(dim * esize)
+        _native.copy((base + jobs.copy_src).reshape(-1), dst.reshape(-1),
+                     np.broadcast_to(rows * np.uint64(dim * esize), dst.shape).copy().reshape(-1))
     return out

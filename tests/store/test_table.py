@@ -146,3 +146,44 @@ def test_payloads_that_do_not_match_the_plan_are_refused(tmp_path):
     out = gather_payloads(arrays, plan, 2 * BS, torch.bfloat16)
     assert out is not None and out.shape == (2 * 5, 2, 2 * BS, 8)
     assert np.all([not a.flags.writeable for a in arrays])
+
+
+@needs_native
+@pytest.mark.parametrize("precision, dtype", [
+    (Precision(compression="bf16"), torch.bfloat16),  # no FP8 layer: plain copies only
+    (Precision(compression="fp16"), torch.float16),
+    (Precision(keep_layers=(1, 3), keep_dtype="fp16"), torch.float16),  # kept fp16 layers copied beside the gather
+    (Precision(keep_layers=(1, 3), keep_dtype="fp16"), torch.bfloat16),  # ... or converted when stored otherwise
+])
+@pytest.mark.parametrize("isa", ["best", "scalar"])
+def test_layers_stored_unquantised_are_copied_natively_with_their_bits(tmp_path, precision, dtype, isa):
+    snaps = mapped(tmp_path, precision, 3)
+    store.table._native.use_isa(isa)
+    try:
+        for tokens in (3 * BS, 2 * BS + 3, 1):
+            got = Dequantizer("table").payload_layers([s.payload for s in snaps], tokens, dtype)
+            assert same_bits(got, reference(snaps, tokens, dtype))
+    finally:
+        store.table._native.use_isa("best")
+
+
+@needs_native
+@pytest.mark.parametrize("isa", ["best", "scalar"])
+def test_native_copy_moves_exactly_the_bytes_asked(isa):
+    # large jobs take streaming stores when the destination is 64-byte aligned; the rest memcpy
+    g = np.random.default_rng(5)
+    src = g.integers(0, 256, 3 * 8192 + 77, dtype=np.uint8)
+    dst = np.zeros(4 * 8192 + 256, dtype=np.uint8)
+    base = dst.ctypes.data
+    at = [(-base) % 64, (-base) % 64 + 8192 + 64, (-base) % 64 + 2 * 8192 + 129]  # aligned, aligned, not
+    sizes = [8192 + 37, 100, 8192 + 11]
+    store.table._native.use_isa(isa)
+    try:
+        store.table._native.copy(np.array([src.ctypes.data, src.ctypes.data + 5, src.ctypes.data + 9000], np.uint64),
+                                 np.array([base + a for a in at], np.uint64), np.array(sizes, np.uint64))
+    finally:
+        store.table._native.use_isa("best")
+    want = np.zeros_like(dst)
+    for a, off, n in zip(at, [0, 5, 9000], sizes):
+        want[a:a + n] = src[off:off + n]
+    assert np.array_equal(dst, want)
