@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, NamedTuple
 
@@ -78,6 +79,9 @@ class Part(NamedTuple):
     xxh3: str
 
 
+_PART_FIELDS = operator.itemgetter(*Part._fields)
+
+
 def _parts(items: list[Any]) -> tuple[Part, ...]:
     """The header's part list (JSON objects with exactly Part's keys) as Parts.
 
@@ -86,7 +90,8 @@ def _parts(items: list[Any]) -> tuple[Part, ...]:
     """
     new = tuple.__new__
     try:
-        out = tuple(new(Part, (p["name"], p["dtype"], tuple(p["shape"]), p["nbytes"], p["xxh3"])) for p in items)
+        out = tuple(new(Part, (name, dtype, tuple(shape), nbytes, xxh3))
+                    for name, dtype, shape, nbytes, xxh3 in map(_PART_FIELDS, items))
     except (KeyError, IndexError) as exc:
         raise TypeError(f"a payload part lacks {exc}") from None
     if any(type(p) is not dict or len(p) != len(Part._fields) for p in items):

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 
 from store.keys import Block
-from store.paged import check_paged, fill_paged, put_layer
+from store.paged import check_paged, fill_paged, new_dynamic_cache, put_layer
 from store.pool import SnapshotPool
 from store.precision import STORAGE_DTYPES
 from store.snapshot import Snapshot
@@ -131,8 +131,6 @@ class LoaderHit:
             ValueError: the config's layer count differs from the snapshots'.
             RuntimeError: the hit was released.
         """
-        from transformers import DynamicCache  # serving nodes without transformers never get here
-
         self._check_live()
         t0 = time.perf_counter()
         cfg = model_config if model_config is not None else self._loader.model_config()
@@ -141,7 +139,7 @@ class LoaderHit:
             layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg.get_text_config(), "num_hidden_layers")
             if layers != lay.num_layers:
                 raise ValueError(f"the model config has {layers} layers; the snapshots have {lay.num_layers}")
-        cache = DynamicCache(config=cfg) if cfg is not None else DynamicCache()
+        cache = new_dynamic_cache(cfg)  # transformers is imported only here: serving nodes may lack it
         g = self.snapshots[0].header.precision.group_tokens if self.snapshots else 0
         dq = self._loader.dequantizer
         kv = None

@@ -8,6 +8,7 @@ identical across processes, machines and Python versions. Golden values in
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import struct
@@ -81,6 +82,18 @@ def _field(value: str | bytes) -> bytes:
 
 def root_key(root: KeyRoot) -> BlockKey:
     """The key a chain starts from: a digest of every field of ``root`` in a fixed order."""
+    try:
+        return _root_key_cached(root)
+    except TypeError:  # an unhashable field (a bytearray salt): computed each time
+        return _root_key(root)
+
+
+@functools.lru_cache(maxsize=64)  # the serving path checks every mapped snapshot against its root
+def _root_key_cached(root: KeyRoot) -> BlockKey:
+    return _root_key(root)
+
+
+def _root_key(root: KeyRoot) -> BlockKey:
     h = hashlib.sha256(_ROOT_DOMAIN)
     h.update(struct.pack("<II", root.format_version, root.block_size))
     for value in (

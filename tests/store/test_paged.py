@@ -6,6 +6,7 @@ import torch
 
 from store.loader import KVLoader
 from store.dequant import Dequantizer, dequantize_into
+from store.paged import new_dynamic_cache
 from store.payload_plan import payload_plan
 from store.precision import Precision, dequantize, quantize
 from store.store import Store
@@ -271,3 +272,22 @@ def test_to_dynamic_cache_from_whole_payloads_matches_the_per_part_path(tmp_path
     for i, layer in enumerate(cache.layers):
         assert torch.equal(layer.keys[0], want[2 * i]) and torch.equal(layer.values[0], want[2 * i + 1])
     ld.close()
+
+
+def test_new_dynamic_cache_is_what_the_constructor_makes():
+    from transformers import DynamicCache, LlamaConfig, MistralConfig
+
+    small = dict(num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                 num_key_value_heads=2)
+
+    def shape(cache):
+        return type(cache), {k: v for k, v in vars(cache).items() if k != "layers"}, \
+            [(type(layer), vars(layer)) for layer in cache.layers]
+    for cfg in (LlamaConfig(**small), MistralConfig(sliding_window=64, **small)):
+        want = shape(DynamicCache(config=cfg))
+        first, again = new_dynamic_cache(cfg), new_dynamic_cache(cfg)  # the second is the remembered path
+        assert shape(first) == want and shape(again) == want
+        assert again.layers[0] is not first.layers[0]  # fresh layers every time
+    assert [type(layer).__name__ for layer in new_dynamic_cache(MistralConfig(sliding_window=64, **small)).layers] \
+        == ["DynamicSlidingWindowLayer"] * 3
+    assert type(new_dynamic_cache(None)) is DynamicCache and not new_dynamic_cache(None).layers
