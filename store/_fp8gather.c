@@ -6,7 +6,9 @@
  * dst[i] = table[src[i]]. The results are the reference bits by construction.
  *
  * One call runs a whole list of jobs (one per head of each stored part), so a hit costs
- * one call, with the GIL released; copy() does the same for layers stored unquantised. The caller (store.dequant) computes the addresses from
+ * one call, with the GIL released. gather_blocks() and copy_blocks() take whole snapshot
+ * payloads block by block (the tables made here from each head's scale) and copy the layers
+ * stored unquantised. The caller (store.dequant) computes the addresses from
  * tensors it holds and checks every bound; nothing here is public API.
  *
  * On CPUs with AVX-512BW, 32 bytes at a time: four 64-entry word permutes cover the
@@ -163,27 +165,127 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-PyDoc_STRVAR(copy_doc,
-"copy(src, dst, nbytes) -> None\n\n"
-"For each job j: nbytes[j] bytes from address src[j] to address dst[j] (uint64 buffers).\n"
-"Private to store.table, which checks every address.");
+/* One table entry: fp32(value) * scale rounded once to the output dtype, as PyTorch rounds
+ * (store.table.tables is the reference; tests compare every byte value). bf16: round to
+ * nearest even, every NaN to 0xFFFF (what Tensor.to(torch.bfloat16) gives on the CPU). */
+static inline uint16_t bf16_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if (x != x) return 0xFFFF;
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
+}
 
-static PyObject *copy(PyObject *self, PyObject *args) {
-    PyObject *osrc, *odst, *ocount;
-    if (!PyArg_ParseTuple(args, "OOO", &osrc, &odst, &ocount)) return NULL;
-    Py_buffer src, dst, count;
-    if (PyObject_GetBuffer(osrc, &src, PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    Py_ssize_t jobs = src.len / 8;
-    if (get_buffer(odst, &dst, jobs * 8, 0, "dst") < 0) { PyBuffer_Release(&src); return NULL; }
-    if (get_buffer(ocount, &count, jobs * 8, 0, "nbytes") < 0) {
-        PyBuffer_Release(&src); PyBuffer_Release(&dst); return NULL;
+static int get_u64(PyObject *obj, Py_buffer *view, Py_ssize_t n, const char *name) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (view->len != n * 8) {
+        PyErr_Format(PyExc_ValueError, "%s: %zd bytes, need %zd", name, view->len, n * 8);
+        PyBuffer_Release(view);
+        return -1;
     }
-    const uint64_t *s = (const uint64_t *)src.buf, *d = (const uint64_t *)dst.buf, *c = (const uint64_t *)count.buf;
+    return 0;
+}
+
+PyDoc_STRVAR(gather_blocks_doc,
+"gather_blocks(bases, src, scale, rows, values, out, tokens, block, dim, esize) -> None\n\n"
+"Dequantise FP8 heads of consecutive snapshot payloads (at addresses bases[i]) into out\n"
+"(an address): job j of block i reads block*dim bytes at bases[i] + src[j] (at most the\n"
+"tokens left), its fp32 scale at bases[i] + scale[j], makes the head's table from values\n"
+"(the 256 FP8 values as float32) and writes row rows[j] of out, a [rows, tokens, dim]\n"
+"array of esize-byte elements (2: bf16, 4: fp32), from token i * block on. Private to\n"
+"store.table, which checks every address.");
+
+static PyObject *gather_blocks(PyObject *self, PyObject *args) {
+    PyObject *obases, *osrc, *oscale, *orows, *ovalues;
+    unsigned long long out;
+    Py_ssize_t tokens, block, dim;
+    int esize;
+    if (!PyArg_ParseTuple(args, "OOOOOKnnni", &obases, &osrc, &oscale, &orows, &ovalues, &out, &tokens, &block,
+                          &dim, &esize)) return NULL;
+    if (esize != 2 && esize != 4) {
+        PyErr_Format(PyExc_ValueError, "esize must be 2 (bf16) or 4 (fp32), got %d", esize);
+        return NULL;
+    }
+    Py_buffer bases, src, scale, rows, values;
+    if (PyObject_GetBuffer(obases, &bases, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    Py_ssize_t n = bases.len / 8;
+    if (PyObject_GetBuffer(osrc, &src, PyBUF_C_CONTIGUOUS) < 0) { PyBuffer_Release(&bases); return NULL; }
+    Py_ssize_t jobs = src.len / 8;
+    if (get_u64(oscale, &scale, jobs, "scale") < 0) { PyBuffer_Release(&bases); PyBuffer_Release(&src); return NULL; }
+    if (get_u64(orows, &rows, jobs, "rows") < 0) {
+        PyBuffer_Release(&bases); PyBuffer_Release(&src); PyBuffer_Release(&scale); return NULL;
+    }
+    if (get_buffer(ovalues, &values, 256 * 4, 0, "values") < 0) {
+        PyBuffer_Release(&bases); PyBuffer_Release(&src); PyBuffer_Release(&scale); PyBuffer_Release(&rows);
+        return NULL;
+    }
+    const uint64_t *b = (const uint64_t *)bases.buf, *so = (const uint64_t *)src.buf;
+    const uint64_t *sc = (const uint64_t *)scale.buf, *ro = (const uint64_t *)rows.buf;
+    float val[256];
+    memcpy(val, values.buf, sizeof val);
+    const size_t row_bytes = (size_t)tokens * (size_t)dim * (size_t)esize;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t j = 0; j < jobs; j++)
-        copy_bytes((const uint8_t *)(uintptr_t)s[j], (uint8_t *)(uintptr_t)d[j], (size_t)c[j]);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t left = tokens - i * block;
+        if (left <= 0) break;
+        size_t count = (size_t)(left < block ? left : block) * (size_t)dim;
+        uint8_t *dst0 = (uint8_t *)(uintptr_t)out + (size_t)i * (size_t)block * (size_t)dim * (size_t)esize;
+        for (Py_ssize_t j = 0; j < jobs; j++) {
+            float s;
+            memcpy(&s, (const uint8_t *)(uintptr_t)b[i] + sc[j], 4);
+            const uint8_t *from = (const uint8_t *)(uintptr_t)b[i] + so[j];
+            uint8_t *to = dst0 + ro[j] * row_bytes;
+            if (esize == 2) {
+                uint16_t lut[256];
+                for (int k = 0; k < 256; k++) lut[k] = bf16_bits(val[k] * s);
+                gather16(from, lut, (uint16_t *)to, count);
+            } else {
+                uint32_t lut[256];
+                for (int k = 0; k < 256; k++) {
+                    float x = val[k] * s;
+                    memcpy(&lut[k], &x, 4);
+                }
+                gather32_scalar(from, lut, (uint32_t *)to, count);
+            }
+        }
+    }
     Py_END_ALLOW_THREADS
-    PyBuffer_Release(&src); PyBuffer_Release(&dst); PyBuffer_Release(&count);
+    PyBuffer_Release(&bases); PyBuffer_Release(&src); PyBuffer_Release(&scale); PyBuffer_Release(&rows);
+    PyBuffer_Release(&values);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(copy_blocks_doc,
+"copy_blocks(bases, src, rows, out, tokens, block, dim, esize) -> None\n\n"
+"Copy heads stored unquantised: job j of block i copies up to block*dim esize-byte\n"
+"elements from bases[i] + src[j] to row rows[j] of out (a [rows, tokens, dim] array at\n"
+"that address) from token i * block on. Private to store.table, which checks every address.");
+
+static PyObject *copy_blocks(PyObject *self, PyObject *args) {
+    PyObject *obases, *osrc, *orows;
+    unsigned long long out;
+    Py_ssize_t tokens, block, dim;
+    int esize;
+    if (!PyArg_ParseTuple(args, "OOOKnnni", &obases, &osrc, &orows, &out, &tokens, &block, &dim, &esize))
+        return NULL;
+    Py_buffer bases, src, rows;
+    if (PyObject_GetBuffer(obases, &bases, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    Py_ssize_t n = bases.len / 8;
+    if (PyObject_GetBuffer(osrc, &src, PyBUF_C_CONTIGUOUS) < 0) { PyBuffer_Release(&bases); return NULL; }
+    Py_ssize_t jobs = src.len / 8;
+    if (get_u64(orows, &rows, jobs, "rows") < 0) { PyBuffer_Release(&bases); PyBuffer_Release(&src); return NULL; }
+    const uint64_t *b = (const uint64_t *)bases.buf, *so = (const uint64_t *)src.buf, *ro = (const uint64_t *)rows.buf;
+    const size_t row_bytes = (size_t)tokens * (size_t)dim * (size_t)esize;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t left = tokens - i * block;
+        if (left <= 0) break;
+        size_t nbytes = (size_t)(left < block ? left : block) * (size_t)dim * (size_t)esize;
+        uint8_t *dst0 = (uint8_t *)(uintptr_t)out + (size_t)i * (size_t)block * (size_t)dim * (size_t)esize;
+        for (Py_ssize_t j = 0; j < jobs; j++)
+            copy_bytes((const uint8_t *)(uintptr_t)b[i] + so[j], dst0 + ro[j] * row_bytes, nbytes);
+    }
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&bases); PyBuffer_Release(&src); PyBuffer_Release(&rows);
     Py_RETURN_NONE;
 }
 
@@ -212,7 +314,8 @@ static PyObject *use_isa(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS, gather_doc},
-    {"copy", copy, METH_VARARGS, copy_doc},
+    {"gather_blocks", gather_blocks, METH_VARARGS, gather_blocks_doc},
+    {"copy_blocks", copy_blocks, METH_VARARGS, copy_blocks_doc},
     {"isa", isa, METH_NOARGS, "The instruction set the 2-byte gather uses on this CPU."},
     {"use_isa", use_isa, METH_VARARGS,
      "use_isa('scalar' | 'best') -> str: pin the plain loop (what CPUs without AVX-512BW run;\n"

@@ -31,6 +31,9 @@ except ImportError:  # pragma: no cover - depends on the install
     _native = None
 
 _FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+_FP8_NP = _FP8_VALUES.numpy()
+#: output dtypes whose tables the native module makes itself (bf16 with PyTorch's rounding, fp32)
+_TABLES_IN_C = (torch.bfloat16, torch.float32)
 
 
 def native_isa() -> str | None:
@@ -90,11 +93,11 @@ def gather_parts(out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor) -
 
 class _Jobs(NamedTuple):
     """Where each native job of a payload plan reads and writes, relative to a payload's
-    start and to the output's row ``(part, head)``; computed once per plan and element size."""
+    start and to the output's rows ``(part, head)``; computed once per plan."""
 
     src: np.ndarray  # [J] uint64: byte offset in a payload of FP8 job j (one head of one part)
+    scale: np.ndarray  # [J] uint64: byte offset of its fp32 scale
     rows: np.ndarray  # [J] uint64: its output row, part * heads + head
-    scales: np.ndarray  # [J * 4] int64: the payload bytes of each job's fp32 scale
     copy_src: np.ndarray  # [C] uint64: byte offset of copy job c (one head of K or V of a plain layer)
     copy_rows: np.ndarray  # [C] uint64
     end: int  # one past the last payload byte any job reads
@@ -106,14 +109,14 @@ def _jobs(plan: "PayloadPlan") -> _Jobs:
         return cached
     heads, bs, dim = plan.shape
     h = np.arange(heads, dtype=np.uint64)
-    src, rows, scales, csrc, crows = [], [], [], [], []
+    src, scales, rows, csrc, crows = [], [], [], [], []
     group = plan.fp8
     if group is not None:
         for j, (d, sc) in enumerate(zip(group.data, group.scales)):
             part = 2 * group.layers[j // 2] + j % 2
             src.append(np.uint64(d) + h * np.uint64(bs * dim))
+            scales.append(np.uint64(sc) + h * np.uint64(4))
             rows.append(np.uint64(part * heads) + h)
-            scales.append(sc + 4 * np.arange(heads)[:, None] + np.arange(4)[None, :])
     esize = plan.plain_dtype.itemsize if plan.plain_dtype is not None else 0
     for run in plan.plain:
         for r in range(run.count):
@@ -123,12 +126,11 @@ def _jobs(plan: "PayloadPlan") -> _Jobs:
                 csrc.append(np.uint64(off) + h * np.uint64(bs * dim * esize))
                 crows.append(np.uint64((2 * layer + kv) * heads) + h)
 
-    def cat(xs: list, dtype: type) -> np.ndarray:
-        return np.concatenate(xs).astype(dtype).reshape(-1) if xs else np.zeros(0, dtype=dtype)
-    jobs = _Jobs(cat(src, np.uint64), cat(rows, np.uint64), cat(scales, np.int64), cat(csrc, np.uint64),
-                 cat(crows, np.uint64), 0)
+    def cat(xs: list) -> np.ndarray:
+        return np.concatenate(xs).astype(np.uint64) if xs else np.zeros(0, dtype=np.uint64)
+    jobs = _Jobs(cat(src), cat(scales), cat(rows), cat(csrc), cat(crows), 0)
     ends = [int(jobs.src.max()) + bs * dim if len(jobs.src) else 0,
-            int(jobs.scales.max()) + 1 if len(jobs.scales) else 0,
+            int(jobs.scale.max()) + 4 if len(jobs.scale) else 0,
             int(jobs.copy_src.max()) + bs * dim * esize if len(jobs.copy_src) else 0]
     jobs = jobs._replace(end=max(ends))
     object.__setattr__(plan, "_jobs", jobs)  # a cache on the (frozen) plan, like the plan on its layout
@@ -162,20 +164,20 @@ def gather_payloads(payloads: Sequence[np.ndarray], plan: "PayloadPlan", tokens:
             or any(a.dtype != np.uint8 or a.shape != (nbytes,) or not a.flags.c_contiguous for a in payloads)):
         raise ValueError(f"payloads do not match the plan: {n} payloads of {nbytes} bytes for {tokens} tokens")
     out = memory.empty((plan.m, heads, tokens, dim), dtype)
-    base = np.fromiter((_address(a) for a in payloads), dtype=np.uint64, count=n)[:, None]
-    first = (np.arange(n, dtype=np.uint64) * np.uint64(bs))[:, None]  # each block's first token
-    rows = np.minimum(bs, tokens - np.arange(n) * bs).clip(0).astype(np.uint64)[:, None]  # the last may end early
-    row_bytes, ptr = np.uint64(tokens * dim * esize), np.uint64(out.data_ptr())
-    if len(jobs.src):
-        # scales [n, jobs]: each job's fp32 value, read from every payload at once
-        raw = np.stack([a[jobs.scales] for a in payloads])
+    base = np.fromiter((_address(a) for a in payloads), dtype=np.uint64, count=n)
+    if len(jobs.src) and dtype in _TABLES_IN_C:
+        # each head's table is made in C from its scale, with the reference rounding
+        _native.gather_blocks(base, jobs.src, jobs.scale, jobs.rows, _FP8_NP, out.data_ptr(), tokens, bs, dim,
+                              esize)
+    elif len(jobs.src):  # fp16 out: the tables from torch, then the job-list gather
+        at = (jobs.scale[:, None] + np.arange(4, dtype=np.uint64)).reshape(-1)
+        raw = np.stack([a[at] for a in payloads])  # [n, jobs * 4] bytes: each job's fp32 scale
         lut = tables(torch.from_numpy(raw.view(np.float32)), dtype).view(bits_dtype(dtype))
-        dst = ptr + jobs.rows * row_bytes + first * np.uint64(dim * esize)
-        _native.gather((base + jobs.src).reshape(-1), dst.reshape(-1),
-                       np.broadcast_to(rows * np.uint64(dim), dst.shape).copy().reshape(-1), lut.numpy().reshape(-1),
-                       esize)
+        first = np.arange(n, dtype=np.uint64)[:, None] * np.uint64(bs * dim * esize)
+        dst = np.uint64(out.data_ptr()) + jobs.rows * np.uint64(tokens * dim * esize) + first
+        rows = np.minimum(bs, tokens - np.arange(n) * bs).clip(0).astype(np.uint64)[:, None] * np.uint64(dim)
+        _native.gather((base[:, None] + jobs.src).reshape(-1), dst.reshape(-1),
+                       np.broadcast_to(rows, dst.shape).copy().reshape(-1), lut.numpy().reshape(-1), esize)
     if copies and len(jobs.copy_src):
-        dst = ptr + jobs.copy_rows * row_bytes + first * np.uint64(dim * esize)
-        _native.copy((base + jobs.copy_src).reshape(-1), dst.reshape(-1),
-                     np.broadcast_to(rows * np.uint64(dim * esize), dst.shape).copy().reshape(-1))
+        _native.copy_blocks(base, jobs.copy_src, jobs.copy_rows, out.data_ptr(), tokens, bs, dim, esize)
     return out

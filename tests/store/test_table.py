@@ -169,21 +169,43 @@ def test_layers_stored_unquantised_are_copied_natively_with_their_bits(tmp_path,
 
 @needs_native
 @pytest.mark.parametrize("isa", ["best", "scalar"])
-def test_native_copy_moves_exactly_the_bytes_asked(isa):
-    # large jobs take streaming stores when the destination is 64-byte aligned; the rest memcpy
+def test_native_block_copies_move_exactly_the_bytes_asked(isa):
+    # rows of 8 KiB and more take streaming stores when 64-byte aligned (every row of an
+    # aligned output here); the last block's short rows and the rest memcpy
     g = np.random.default_rng(5)
-    src = g.integers(0, 256, 3 * 8192 + 77, dtype=np.uint8)
-    dst = np.zeros(4 * 8192 + 256, dtype=np.uint8)
-    base = dst.ctypes.data
-    at = [(-base) % 64, (-base) % 64 + 8192 + 64, (-base) % 64 + 2 * 8192 + 129]  # aligned, aligned, not
-    sizes = [8192 + 37, 100, 8192 + 11]
+    block, dim, tokens = 64, 64, 150  # 3 blocks, the last one 22 tokens
+    src = [g.integers(0, 256, 3 * block * dim * 2 + 64, dtype=np.uint8) for _ in range(3)]
+    out = np.zeros(2 * tokens * dim * 2 + 64, dtype=np.uint8)
+    start = (-out.ctypes.data) % 64
+    rows = np.array([1, 0], dtype=np.uint64)
+    offs = np.array([0, block * dim * 2 + 8], dtype=np.uint64)  # head 0 -> out row 1, head 1 -> row 0
     store.table._native.use_isa(isa)
     try:
-        store.table._native.copy(np.array([src.ctypes.data, src.ctypes.data + 5, src.ctypes.data + 9000], np.uint64),
-                                 np.array([base + a for a in at], np.uint64), np.array(sizes, np.uint64))
+        store.table._native.copy_blocks(np.array([a.ctypes.data for a in src], np.uint64), offs, rows,
+                                        out.ctypes.data + start, tokens, block, dim, 2)
     finally:
         store.table._native.use_isa("best")
-    want = np.zeros_like(dst)
-    for a, off, n in zip(at, [0, 5, 9000], sizes):
-        want[a:a + n] = src[off:off + n]
-    assert np.array_equal(dst, want)
+    got = out[start:start + 2 * tokens * dim * 2].view(np.int16).reshape(2, tokens, dim)
+    for i, a in enumerate(src):
+        n = min(block, tokens - i * block)
+        for off, row in zip(offs, rows):
+            want = a[int(off):int(off) + n * dim * 2].view(np.int16).reshape(n, dim)
+            assert np.array_equal(got[int(row), i * block:i * block + n], want)
+    assert not out[:start].any() and not out[start + 2 * tokens * dim * 2:].any()  # nothing outside
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tables_made_natively_are_torchs_for_every_byte_and_scale(dtype):
+    # gather_blocks makes each head's table in C; the reference is store.table.tables (torch)
+    scales = torch.tensor([1e-40, 2.5e-39, 0.37, 1.0, 448.0, 3e36, 1e38], dtype=torch.float32)
+    heads = len(scales)
+    payload = np.zeros(heads * 256 + 4 * heads, dtype=np.uint8)
+    payload[:heads * 256] = np.tile(np.arange(256, dtype=np.uint8), heads)
+    payload[heads * 256:] = scales.numpy().view(np.uint8)
+    out = torch.empty((heads, 1, 256), dtype=dtype)
+    h = np.arange(heads, dtype=np.uint64)
+    store.table._native.gather_blocks(np.array([payload.ctypes.data], np.uint64), h * np.uint64(256),
+                                      np.uint64(heads * 256) + 4 * h, h, store.table._FP8_NP, out.data_ptr(), 1,
+                                      1, 256, dtype.itemsize)
+    assert torch.equal(bits(out[:, 0]), bits(store.table.tables(scales, dtype)))
