@@ -134,6 +134,19 @@ class LoaderConfig(_Section):
         True, description="Also look up prefixes prefilled for tenant 'public' (shared system prompts) and keep "
                           "the longer hit.")
 
+    def with_overrides(self, **given: Any) -> "LoaderConfig":
+        """This section with each keyword that is not ``None`` in place of its value, validated
+        as the config file's values are (``KVLoader``'s keywords).
+
+        Raises:
+            ConfigError: one line per bad keyword: ``loader.key = value: what is allowed``.
+        """
+        update = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in given.items() if v is not None}
+        try:
+            return LoaderConfig.model_validate({**self.model_dump(), **update})
+        except ValidationError as exc:
+            raise ConfigError(_format_errors(exc, "KVLoader keywords").replace("\n  ", "\n  loader.")) from None
+
 
 class MonitoringConfig(_Section):
     """Prices for the economics family of ``prefill report`` and the flows' report."""

@@ -24,7 +24,6 @@ import os
 import sqlite3
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Sequence
 
@@ -42,8 +41,9 @@ from store.local_tier import LocalTier
 from store.metrics import LoaderMetrics
 from store.dequant import Dequantizer, DequantMode
 from store.fetch import ERRORS, RemoteFetcher, Scope
-from store.plan import Plan, read_plan
+from store.plan import Plan
 from store.pool import Admit, PoolAttachRefused, SnapshotPool, default_pool_dir, readahead
+from store.prefetch import PrefetchResult, plan_chains, run_prefetch
 from store.payload import map_file
 from store.snapshot import Snapshot, read_snapshot
 from store.store import Store, tiers_from_url
@@ -51,18 +51,6 @@ from store.tenant import PUBLIC, PUBLIC_TENANT, Tenant
 
 log = logging.getLogger("kvwarm.loader")
 FetchMode = Literal["background", "sync"]
-
-
-@dataclass
-class PrefetchResult:
-    """What a :meth:`KVLoader.prefetch` did: per-block outcomes and per-reason failures."""
-
-    prefixes: int = 0
-    fetched: int = 0  # copied S3 -> NVMe
-    present: int = 0  # already in NVMe
-    mapped: int = 0  # mapped into this process and admitted to the pool
-    skipped: int = 0  # plan entries for other tenants, or text without a tokenizer
-    failed: dict[str, int] = field(default_factory=dict)
 
 
 class KVLoader:
@@ -112,19 +100,13 @@ class KVLoader:
                  fetch_workers: int | None = None, dequant: DequantMode | Dequantizer | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.config = config if isinstance(config, KvwarmConfig) else load_config(config)
-        d = self.config.loader  # keywords left as None take the config's loader section
-        pool_bytes = int(d.pool_bytes) if pool_bytes is None else pool_bytes
-        fetch_mode = d.fetch_mode if fetch_mode is None else fetch_mode
-        sync_fetch_timeout_s = d.sync_fetch_timeout_s if sync_fetch_timeout_s is None else sync_fetch_timeout_s
-        s3_backoff_s = d.s3_backoff_s if s3_backoff_s is None else s3_backoff_s
-        pool_dir = d.pool_dir if pool_dir is None else pool_dir
-        verify_payload = d.verify_payload if verify_payload is None else verify_payload
-        fetch_workers = d.fetch_workers if fetch_workers is None else fetch_workers
-        dequant = d.dequant if dequant is None else dequant
-        if fetch_mode not in ("background", "sync"):
-            raise ValueError(f"fetch_mode {fetch_mode!r} is not allowed; choose 'background' or 'sync'")
-        if sync_fetch_timeout_s <= 0:
-            raise ValueError(f"sync_fetch_timeout_s must be positive, got {sync_fetch_timeout_s}")
+        # keywords left as None take the config's loader section; the rest are checked as it is
+        d = self.config.loader.with_overrides(
+            pool_bytes=pool_bytes, fetch_mode=fetch_mode, sync_fetch_timeout_s=sync_fetch_timeout_s,
+            s3_backoff_s=s3_backoff_s, pool_dir=pool_dir, verify_payload=verify_payload, fetch_workers=fetch_workers,
+            dequant=None if isinstance(dequant, Dequantizer) else dequant)
+        pool_bytes, pool_dir, fetch_workers = int(d.pool_bytes), d.pool_dir, d.fetch_workers
+        dequant = dequant if isinstance(dequant, Dequantizer) else d.dequant
         self.tenant = tenant if isinstance(tenant, Tenant) else self.config.tenant(tenant)
         self._model_dir: Path | None = None
         if isinstance(model, ModelIdentity):
@@ -142,8 +124,8 @@ class KVLoader:
         if d.public_prefixes and self.tenant.name != PUBLIC:
             self._public = Scope(self.identity.key_root(self.precision, self.config.kv_cache.block_size,
                                                          PUBLIC_TENANT.salt), PUBLIC)
-        self.fetch_mode: FetchMode = fetch_mode
-        self.verify_payload = verify_payload
+        self.fetch_mode: FetchMode = d.fetch_mode
+        self.verify_payload = d.verify_payload
         self.clock = clock
         self.metrics = LoaderMetrics(registry, tenant=self.tenant.name)
 
@@ -164,7 +146,7 @@ class KVLoader:
         self._priority: dict[str, float] = {}
         self._executor = cf.ThreadPoolExecutor(max_workers=max(1, fetch_workers), thread_name_prefix="kvwarm-fetch")
         self.fetcher = RemoteFetcher(self.store, self.local, self.tenant, self.metrics, self._executor,
-                                     timeout_s=sync_fetch_timeout_s, backoff_s=s3_backoff_s)
+                                     timeout_s=d.sync_fetch_timeout_s, backoff_s=d.s3_backoff_s)
         self.dequantizer = dequant if isinstance(dequant, Dequantizer) else Dequantizer(dequant, self._executor)
         self._closed = False
 
@@ -346,13 +328,14 @@ class KVLoader:
             return "absent"  # evicted from NVMe since the probe
         self.local.touch(name)
         location = self.local.describe(name)
+        size = src.size
         try:
             snap = read_snapshot(src, location=location, verify_payload=verify)
             snap.header.check_matches(block, root, location=location)
         except SnapshotError as exc:
             del src  # unmapped with its last view
             return self._refuse_file(name, exc)
-        snap.source_size = src.size  # type: ignore[attr-defined]
+        snap.source_size = size  # type: ignore[attr-defined]
         self.metrics.mapped(snap.source_size)  # type: ignore[attr-defined]
         return snap
 
@@ -384,63 +367,30 @@ class KVLoader:
         Returns:
             A future of a :class:`PrefetchResult`; it never raises for store trouble.
         """
-        if isinstance(items, (str, os.PathLike)):
-            items = read_plan(items)
-        prefixes: list[tuple[np.ndarray, float | None, Scope]] = []
-        skipped = 0
         scopes = {self.tenant.name: self._own, **({PUBLIC: self._public} if self._public else {})}
-        if isinstance(items, Plan):
-            for e in items.entries:
-                if e.tenant not in scopes or (e.token_ids is None and tokenizer is None):
-                    skipped += 1
-                    continue
-                ids = e.token_ids if e.token_ids is not None else tokenizer(e.text or "")  # type: ignore[misc]
-                prefixes.append((np.asarray(ids), float(e.score), scopes[e.tenant]))
-        else:
-            prefixes = [(np.asarray(p), None, self._own) for p in items]
-        chains = [(block_chain(scope.root, ids), score, scope) for ids, score, scope in prefixes]
+        chains, skipped = plan_chains(items, self._own, scopes, tokenizer)
         for chain, score, scope in chains:
             if score is not None:
                 for name in scope.names(chain):
                     self._priority[name] = max(score, self._priority.get(name, score))
-        return self._executor.submit(self._prefetch, chains, map_ahead, skipped)
+        return self._executor.submit(run_prefetch, chains, skipped, probe=self._probe_local, fetcher=self.fetcher,
+                                     map_ahead=self._map_ahead if map_ahead else None, metrics=self.metrics)
 
-    def _prefetch(self, chains: list[tuple[list[Block], float | None, Scope]], map_ahead: bool,
-                  skipped: int) -> PrefetchResult:
-        res = PrefetchResult(prefixes=len(chains), skipped=skipped)
-        for chain, _, scope in chains:
-            if not chain:
-                continue
-            try:
-                have = self._local_store.probe(self.tenant, chain, scope.root).count
-            except TenantAccessDenied:
-                self.metrics.refused()
-                res.failed["tenant_refused"] = res.failed.get("tenant_refused", 0) + 1
-                continue
-            except ERRORS as exc:
-                log.exception("prefetch probe failed: %s", exc)
-                res.failed["error"] = res.failed.get("error", 0) + 1
-                continue
-            res.present += have
-            if have < len(chain) and self.fetcher.usable():
-                got, reason = self.fetcher.fetch_chain(chain, scope)
-                res.fetched += max(0, got - have)
-                have = max(have, got)
-                if reason:
-                    res.failed[reason] = res.failed.get(reason, 0) + 1
-            if map_ahead and have and self._try_attach():
-                try:
-                    for name in scope.names(chain[:have]):
-                        readahead(self.local.path(name))
-                    hit, _ = self._map_and_pin(chain[:have], have * self.root.block_size + 1, "nvme", scope)
-                except ERRORS as exc:
-                    log.exception("prefetch mapping failed: %s", exc)
-                    hit = None
-                if hit is not None:
-                    res.mapped += len(hit.snapshots)
-                    self.metrics.prefetched("mapped", len(hit.snapshots))
-                    hit.release()
-        return res
+    def _probe_local(self, chain: list[Block], scope: Scope) -> int:
+        return self._local_store.probe(self.tenant, chain, scope.root).count
+
+    def _map_ahead(self, chain: list[Block], scope: Scope) -> int:
+        """Read ``chain``'s files ahead, map and admit them (pinned only for this call)."""
+        if not self._try_attach():
+            return 0
+        for name in scope.names(chain):
+            readahead(self.local.path(name))
+        hit, _ = self._map_and_pin(chain, len(chain) * self.root.block_size + 1, "nvme", scope)
+        if hit is None:
+            return 0
+        mapped = len(hit.snapshots)
+        hit.release()
+        return mapped
 
     # -- reporting and shutdown ----------------------------------------------
     def stats(self) -> dict[str, Any]:

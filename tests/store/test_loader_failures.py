@@ -5,7 +5,6 @@ Time bounds here are hang guards (configured timeout plus generous slack), not b
 """
 from __future__ import annotations
 
-import os
 import time
 import uuid
 
@@ -245,3 +244,28 @@ def test_the_fast_header_parse_reads_what_was_written_and_refuses_what_was_not()
     del d["parts"][0]["extra"], d["parts"][0]["xxh3"]
     with pytest.raises(SnapshotCorrupt, match="header fields are invalid"):
         SnapshotHeader.from_json(json.dumps(d).encode())
+
+
+@pytest.mark.parametrize("kw, named", [
+    (dict(fetch_mode="sometimes"), "loader.fetch_mode = 'sometimes'"),
+    (dict(fetch_workers=0), "loader.fetch_workers = 0"),
+    (dict(sync_fetch_timeout_s=-1.0), "loader.sync_fetch_timeout_s = -1.0"),
+    (dict(dequant="fast"), "loader.dequant = 'fast'"),
+])
+def test_bad_keywords_are_named_before_anything_is_opened(tmp_path, kw, named):
+    from store.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="KVLoader keywords") as err:
+        KVLoader(f"file://{tmp_path}/nvme", tenant=ACME, model=TINY, config=config(16, "fp8"), **kw)
+    assert named in str(err.value)
+    assert not (tmp_path / "nvme").exists()  # nothing created: the keywords are checked first
+
+
+def test_keywords_override_the_config_section(tmp_path):
+    cfg = parse_config({"loader": {"fetch_mode": "sync", "verify_payload": False}})
+    ld = KVLoader(f"file://{tmp_path}/nvme", tenant=ACME, model=TINY, config=cfg, pool_dir=tmp_path / "pool",
+                  verify_payload=True)
+    try:
+        assert ld.fetch_mode == "sync" and ld.verify_payload is True  # from the config; from the keyword
+    finally:
+        ld.close()
