@@ -57,7 +57,7 @@ def test_verify_exits_nonzero_and_lists_corrupt(populated, capsys) -> None:
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
     code, out, _ = run(capsys, "store", "--config", str(cfg), "--store", url, "verify")
-    assert code == 1 and f"CORRUPT" in out and chain[2].key in out and "quarantined ->" in out
+    assert code == 1 and "CORRUPT" in out and chain[2].key in out and "quarantined ->" in out
     code, out, _ = run(capsys, "store", "--config", str(cfg), "--store", url, "verify")
     assert code == 0 and "2 ok, 0 bad" in out  # the bad one is in quarantine now, not deleted
     assert list(Path(url[7:]).glob("quarantine/*.kvw"))

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 
 from store.errors import SnapshotMismatch, TenantAccessDenied
-from store.keys import block_chain
 from store.local_tier import LocalTier
 from store.store import Store
 from store.tenant import PUBLIC, PUBLIC_TENANT, Tenant

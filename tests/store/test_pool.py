@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from store.pool import Admit, PoolAttachRefused, SnapshotPool
+from store.pool import Admit, SnapshotPool
 from store.store import Store
 from tests.store.pool_workers import config, pss_kib, prompt, synthetic_prefix
 

@@ -68,7 +68,6 @@ def test_payload_maps_zero_copy(tmp_path: Path) -> None:
     mm = pa.memory_map(str(path))
     s = read_snapshot(mm)
     t = s.tensor("k.0")
-    base = mm.read_at(0, 0)  # noqa: F841 - keeps API symmetric; the address check below is what matters
     buf = s._parts["k.0"]
     assert t.data_ptr() == buf.address  # the tensor is the mapped file, not a copy
     assert not s.array("k.0").flags.writeable

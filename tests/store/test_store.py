@@ -4,7 +4,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from store.local_tier import LocalTier
 from store.store import Store, tiers_from_url
