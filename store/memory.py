@@ -61,6 +61,17 @@ _free_bytes = 0
 _returned: collections.deque[mmap.mmap] = collections.deque()
 
 
+def _after_fork_in_child() -> None:
+    # a fork while another thread held the lock would leave it held forever in the child;
+    # the child starts with a lock of its own and keeps the (copied) free list
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class _Exporter(np.ndarray):
     """The array a recycled tensor's storage holds: when torch frees the storage (the last
     view of the tensor), this array goes, and its mapping is returned to the free list."""

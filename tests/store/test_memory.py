@@ -113,3 +113,29 @@ def test_a_bad_recycle_cap_is_named(monkeypatch):
         memory._cap_from_env()
     monkeypatch.setenv("KVWARM_RECYCLE_BYTES", "0")
     assert memory._cap_from_env() == 0
+
+
+@needs_mappings
+def test_a_child_forked_while_the_lock_is_held_can_still_allocate():
+    import os
+
+    with memory._lock:  # another thread inside empty() at the moment of the fork
+        pid = os.fork()
+        if pid == 0:  # the child: must not wait on a lock nobody will release
+            try:
+                t = memory.empty((2 * MIB,), torch.uint8)
+                t[-1] = 1  # one element: no intra-op threads, which a forked child must not start
+                os._exit(0 if int(t[-1]) == 1 else 1)
+            except BaseException:
+                os._exit(2)
+    import signal
+    import time
+
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:  # still waiting on the lock: kill it and fail
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung in memory.empty (its lock was held at the fork)")
+    assert os.waitstatus_to_exitcode(done[1]) == 0
