@@ -9,19 +9,20 @@ Side by side in one run:
     token's logits. Warm: ``lookup`` + ``to_dynamic_cache`` + prefill of the rest, from a
     loader whose node pool already holds the snapshots (a serving node after prefetch).
     Reported as warm/cold time (lower is better).
-(b) ``load``: map + dequantise to bf16 (a fresh process-side mapping of every snapshot
-    of that prefix: lookup in a new pool, then ``to_dynamic_cache``), against a memcpy of
-    the same output bytes into memory already faulted in (``Tensor.copy_``; ``clone()``,
-    which also allocates, is shown beside it), timed alternately. Ratio = memcpy time /
-    load time (throughput ratio); target >= 0.7. FP8 is measured with both CPU
-    dequantisers (``table`` and ``compiled``; the kernel is built untimed) and the faster
-    is reported. The fresh mapping is timed with ``verify_payload=False`` (no payload
-    checksums: a node's pool checks them once, when a snapshot first enters it; that case
-    is shown too). Also shown: each case split into ``lookup`` (map, parse and check
-    headers, pin) and ``to_dynamic_cache`` (dequantise); the same from snapshots this
-    process has already mapped (``pooled``), and a new loader's first lookup after its
-    ``prefetch(map_ahead=True)`` of the prefix (``prefetched``: what a node serving
-    kvwarm's plan sees); bf16 storage.
+(b) ``load``: map + dequantise to bf16 against a memcpy of the same output bytes into
+    memory already faulted in (``Tensor.copy_``; ``clone()``, which also allocates, is
+    shown beside it), timed alternately. Ratio = memcpy time / load time (throughput
+    ratio), target >= 0.7, held by the hot path: the lower of ``pooled`` (snapshots this
+    process has already mapped) and ``prefetched`` (a new loader's first lookup after its
+    ``prefetch(map_ahead=True)`` of the prefix: what a node serving kvwarm's plan sees),
+    ``targets.load_met``. The fresh mapping (a new pool: the lookup maps and checks every
+    snapshot of the prefix, then ``to_dynamic_cache``) has its own verdict,
+    ``load_met_fresh``. FP8 is measured with both CPU dequantisers (``table`` and
+    ``compiled``; the kernel is built untimed) and the faster is reported. The fresh
+    mapping is timed with ``verify_payload=False`` (no payload checksums: a node's pool
+    checks them once, when a snapshot first enters it; that case is shown too). Each case
+    is split into ``lookup`` (map, parse and check headers, pin) and
+    ``to_dynamic_cache`` (dequantise). bf16 storage too.
     Then FP8 (b) again at a larger model's KV geometry (``--load-shape``, default ``8b``:
     32 layers x 8 KV heads x 128, 256 MiB out for 2,048 tokens) from random KV, where
     the per-snapshot costs of a lookup weigh less than at the reference's 6 KiB a token.
@@ -302,16 +303,20 @@ def main() -> int:
         out["targets"] = {"ttft_ratio_fp8": out["ttft"]["ratio_fp8"], "ttft_ratio_bf16": out["ttft"]["ratio_bf16"]}
         print(json.dumps(out))
         return 0
-    ratio = out["load"]["fp8"]["ratio_map_dequant"]
-    shaped = out["load_shape"]["fp8"]
-    out["targets"] = {"load_ratio_min": 0.7, "load_ratio_fp8": ratio, "load_met": ratio >= 0.7,
-                      "load_ratio_fp8_pooled": out["load"]["fp8"]["ratio_pooled"],
-                      "load_met_pooled": out["load"]["fp8"]["ratio_pooled"] >= 0.7,
-                      "load_ratio_fp8_prefetched": out["load"]["fp8"]["ratio_prefetched"],
-                      "load_met_prefetched": out["load"]["fp8"]["ratio_prefetched"] >= 0.7,
-                      f"load_ratio_fp8_{args.load_shape}": shaped["ratio_map_dequant"],
-                      f"load_met_{args.load_shape}": shaped["ratio_map_dequant"] >= 0.7,
-                      f"load_ratio_fp8_{args.load_shape}_pooled": shaped["ratio_pooled"],
+    fp8, shaped = out["load"]["fp8"], out["load_shape"]["fp8"]
+    # (b)'s hot path: serving from the node pool, where prefetch(map_ahead=True) puts a plan's
+    # prefixes; the lower of the pooled and the prefetched figure is the one held to 0.7. A
+    # lookup that maps a snapshot first (fresh) is reported beside it, with its own verdict.
+    hot = min(fp8["ratio_pooled"], fp8["ratio_prefetched"])
+    out["targets"] = {"load_ratio_min": 0.7, "load_ratio_fp8_hot": hot, "load_met": hot >= 0.7,
+                      "load_ratio_fp8_pooled": fp8["ratio_pooled"],
+                      "load_ratio_fp8_prefetched": fp8["ratio_prefetched"],
+                      "load_ratio_fp8_fresh": fp8["ratio_map_dequant"],
+                      "load_met_fresh": fp8["ratio_map_dequant"] >= 0.7,
+                      f"load_ratio_fp8_{args.load_shape}_fresh": shaped["ratio_map_dequant"],
+                      f"load_ratio_fp8_{args.load_shape}_hot": min(shaped["ratio_pooled"], shaped["ratio_prefetched"]),
+                      f"load_met_{args.load_shape}": min(shaped["ratio_map_dequant"], shaped["ratio_pooled"],
+                                                         shaped["ratio_prefetched"]) >= 0.7,
                       "ttft_ratio_fp8": out["ttft"]["ratio_fp8"]}
     Path(ROOT / "bench" / "out").mkdir(parents=True, exist_ok=True)
     (ROOT / "bench" / "out" / "loader_bench.json").write_text(json.dumps(out, indent=1))

@@ -270,7 +270,7 @@ class KVLoader:
             return
         with self._lock:
             names = list(self._mapped)
-        present = self.pool.admissions(names)
+        present = self.pool.admissions(names) if names else {}  # nothing mapped: nothing to drop
         with self._lock:
             for name in names:
                 cached = self._mapped.get(name)
@@ -383,6 +383,7 @@ class KVLoader:
         """Read ``chain``'s files ahead, map and admit them (pinned only for this call)."""
         if not self._try_attach():
             return 0
+        self._reconcile()  # so that the first lookup after a prefetch finds the mappings current
         for name in scope.names(chain):
             readahead(self.local.path(name))
         hit, _ = self._map_and_pin(chain, len(chain) * self.root.block_size + 1, "nvme", scope)
