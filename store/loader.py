@@ -105,8 +105,6 @@ class KVLoader:
             pool_bytes=pool_bytes, fetch_mode=fetch_mode, sync_fetch_timeout_s=sync_fetch_timeout_s,
             s3_backoff_s=s3_backoff_s, pool_dir=pool_dir, verify_payload=verify_payload, fetch_workers=fetch_workers,
             dequant=None if isinstance(dequant, Dequantizer) else dequant)
-        pool_bytes, pool_dir, fetch_workers = int(d.pool_bytes), d.pool_dir, d.fetch_workers
-        dequant = dequant if isinstance(dequant, Dequantizer) else d.dequant
         self.tenant = tenant if isinstance(tenant, Tenant) else self.config.tenant(tenant)
         self._model_dir: Path | None = None
         if isinstance(model, ModelIdentity):
@@ -136,7 +134,7 @@ class KVLoader:
         self.store = Store(tiers, clock=clock)  # every tier: background and sync fetches
         self._local_store = Store([self.local], clock=clock)  # the hot path never waits on the network
 
-        self.pool = SnapshotPool(pool_dir or default_pool_dir(self.local.root), budget_bytes=pool_bytes,
+        self.pool = SnapshotPool(d.pool_dir or default_pool_dir(self.local.root), budget_bytes=int(d.pool_bytes),
                                  max_instances=self.config.kv_cache.max_shared_instances, clock=clock)
         self._attach_next = 0.0
         self._try_attach()
@@ -144,10 +142,10 @@ class KVLoader:
         self._mapped: dict[str, tuple[int, Snapshot]] = {}  # name -> (admission id, mapping)
         self._epoch = -1
         self._priority: dict[str, float] = {}
-        self._executor = cf.ThreadPoolExecutor(max_workers=max(1, fetch_workers), thread_name_prefix="kvwarm-fetch")
+        self._executor = cf.ThreadPoolExecutor(max_workers=d.fetch_workers, thread_name_prefix="kvwarm-fetch")
         self.fetcher = RemoteFetcher(self.store, self.local, self.tenant, self.metrics, self._executor,
                                      timeout_s=d.sync_fetch_timeout_s, backoff_s=d.s3_backoff_s)
-        self.dequantizer = dequant if isinstance(dequant, Dequantizer) else Dequantizer(dequant, self._executor)
+        self.dequantizer = dequant if isinstance(dequant, Dequantizer) else Dequantizer(d.dequant, self._executor)
         self._closed = False
 
     # -- setup helpers -------------------------------------------------------

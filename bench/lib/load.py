@@ -26,10 +26,14 @@ def measure_load(url: str, cfg, tenant: Tenant, ident, mcfg, ids, work: Path, co
     has already mapped (``loader``'s pool, or a new loader's after one load), and from a
     new loader's first lookup after its ``prefetch(map_ahead=True)`` of the prefix.
     """
+    def new_loader(pool: str, **kw) -> KVLoader:
+        # a loader with a pool of its own (a new process's view of the node), big enough for anything
+        return KVLoader(url, tenant=tenant, model=ident, pool_bytes=64 << 30, config=cfg, model_config=mcfg,
+                        pool_dir=work / pool, **kw)
+
     own = loader is None
     if own:
-        loader = KVLoader(url, tenant=tenant, model=ident, pool_bytes=64 << 30, config=cfg, model_config=mcfg,
-                          pool_dir=work / f"pool-{compression}-b")
+        loader = new_loader(f"pool-{compression}-b")
     hit = loader.lookup(ids)
     lay = hit.layout
     tokens = hit.usable_tokens
@@ -60,9 +64,7 @@ def measure_load(url: str, cfg, tenant: Tenant, ident, mcfg, ids, work: Path, co
     def map_and_dequant(dq: Dequantizer, timed: list[tuple[float, float]], verify: bool) -> None:
         # a new pool each time: every snapshot is mapped (and its header parsed) anew
         fresh[0] += 1
-        ld = KVLoader(url, tenant=tenant, model=ident, pool_bytes=64 << 30, config=cfg, model_config=mcfg,
-                      pool_dir=work / f"fresh-{compression}-{lay.num_layers}-{fresh[0]}", verify_payload=verify,
-                      dequant=dq)
+        ld = new_loader(f"fresh-{compression}-{lay.num_layers}-{fresh[0]}", verify_payload=verify, dequant=dq)
         memcpy()
         timed.append(timed_load(ld, ids))
         ld.close()
@@ -101,8 +103,7 @@ def measure_load(url: str, cfg, tenant: Tenant, ident, mcfg, ids, work: Path, co
     # would in the off-peak window; then the request's first lookup + to_dynamic_cache.
     ahead: list[tuple[float, float]] = []
     for i in range(reps + 1):
-        ld = KVLoader(url, tenant=tenant, model=ident, pool_bytes=64 << 30, config=cfg, model_config=mcfg,
-                      pool_dir=work / f"ahead-{compression}-{lay.num_layers}-{i}", dequant=dqs[best])
+        ld = new_loader(f"ahead-{compression}-{lay.num_layers}-{i}", dequant=dqs[best])
         done = ld.prefetch([ids[:tokens]]).result()
         assert done.mapped == tokens // lay.block_size, done
         memcpy()
