@@ -15,6 +15,10 @@
 4. Each prewarmed loader's ``stats()`` is saved under ``<run>/loader_stats/``; the four
    monitoring families (:mod:`prefill.monitoring`) are computed from them and the run's
    files, added to the report and printed (``prefill report`` prints the same table).
+5. A what-if (:func:`whatif`): the same period replayed by ``prefill simulate`` against a
+   prefix cache of :data:`WHATIF_BLOCKS` blocks restarted at the window's end: cold LRU,
+   LRU prewarmed with the plan, and the best possible prewarm. The tokenised log is kept
+   as ``<run>/trace.jsonl`` and the command that reruns it is printed.
 """
 from __future__ import annotations
 
@@ -34,6 +38,8 @@ import pandas as pd  # noqa: E402
 SAMPLE = Path(__file__).resolve().parent / "data" / "sample_logs.jsonl.gz"
 #: the GPU price per hour the demo's economics assume when none is configured
 ASSUMED_GPU_PRICE = 2.0
+#: blocks of the prefix cache the demo's what-if replays (:func:`whatif`)
+WHATIF_BLOCKS = 256
 
 
 def replay(requests: pd.DataFrame, *, store: str, config: Any, loaded: Any, model: str, pool_dir: Path,
@@ -144,6 +150,40 @@ def _dump_stats(directory: Path, loaders: dict[str, Any], elapsed: dict[str, flo
         (directory / f"{tenant}.json").write_text(json.dumps(dump, indent=2, default=str))
 
 
+def whatif(requests: pd.DataFrame, tokenizer: Any, plan_path: Path, out: Path, *, block_size: int,
+           start: pd.Timestamp, end: pd.Timestamp, capacity: int = WHATIF_BLOCKS) -> dict[str, Any]:
+    """Replay ``requests`` through ``prefill simulate``'s cache model: a restart at ``start``, measured to ``end``.
+
+    Writes the requests' token ids as a kvwarm-format trace (``out/trace.jsonl``) and
+    returns the hit rates (excluding nothing: every token counts) of cold LRU, LRU
+    prewarmed with the plan at ``plan_path`` and LRU with the best possible prewarm, the
+    plan's warm-up precision in that cache, and the command that reruns it.
+    """
+    from forecasting.mining import tokenize_requests
+    from forecasting.prewarm import plan_blocks
+    from forecasting.replay import BlockIndex
+    from forecasting.simulate import Scenario, simulate
+    from forecasting.traces import read_kvwarm
+    from store.plan import read_plan
+
+    rows = tokenize_requests(requests.sort_values("timestamp", kind="stable"), tokenizer)
+    path = out / "trace.jsonl"
+    with open(path, "w") as f:
+        for r in rows.itertuples(index=False):
+            f.write(json.dumps({"timestamp": r.timestamp.timestamp(), "tenant": r.tenant,
+                                "token_ids": [int(t) for t in r.token_ids]}) + "\n")
+    index = BlockIndex.build(read_kvwarm(path, block_size=block_size))
+    at = start.timestamp() - index.trace.start_s
+    window = (end - start).total_seconds()
+    result = simulate(index, capacity, Scenario("restart", at_s=at, window_s=window),
+                      ["lru", "lru+plan", "lru+oracle"], plan_blocks=plan_blocks(index, read_plan(plan_path)))
+    cold, warm, best = (result.row(p) for p in ("lru", "lru+plan", "lru+oracle"))
+    command = (f"prefill simulate --trace {path} --format kvwarm --block-size {block_size} --capacity-blocks "
+               f"{capacity} --scenario restart --at {at:.0f} --window {window:.0f} --plan {plan_path}")
+    return {"capacity_blocks": capacity, "cold_lru": cold.hit_rate, "plan": warm.hit_rate, "best": best.hit_rate,
+            "plan_precision": warm.warmup_precision, "plan_blocks": warm.prewarm_blocks, "command": command}
+
+
 def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_size: int = 16,
         config_path: str | None = None, model: str = "kvwarm-tiny", window_hours: float = 3.0,
         workers: int = 1, replay_bucket: str = "30min", gpu_price_per_hour: float | None = None) -> dict[str, Any]:
@@ -195,7 +235,10 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
     actual_prefix = {e.prefix_id: [[str(d), float(y)] for d, y in
                                    observed.series.loc[observed.series["unique_id"] == e.prefix_id, ["ds", "y"]].itertuples(index=False)]
                      for e in plan.entries}
+    what = whatif(everything, loaded.tokenizer, out / "plan.json", out, block_size=config.kv_cache.block_size,
+                  start=we, end=period_end)
     extra = {"replay": {k: v for k, v in rep.items() if k != "per_tenant"},
+             "whatif": what,
              "replay_period": {"start": str(we), "end": str(period_end)},
              "warmup_accuracy": acc.to_json(),
              "ttft_saved": {"prefill_tokens_saved": rep["cached_tokens"], "prefill_tokens_per_s": rate,
@@ -228,6 +271,10 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
           f"recall {acc.recall:.2f} (requests that began with a planned prefix)")
     print(f"  TTFT saved: {rep['cached_tokens']} prefill tokens = {saved_s:.2f} s of prefill at the measured "
           f"{rate:.0f} tokens/s")
+    print(f"  what-if, a {what['capacity_blocks']}-block prefix cache restarted at {we:%H:%M} (prefill simulate): "
+          f"cold LRU {what['cold_lru']:.1%}, prewarmed with the plan {what['plan']:.1%} ({what['plan_blocks']} blocks, "
+          f"precision {what['plan_precision']:.2f}), best possible prewarm {what['best']:.1%}")
+    print(f"    rerun: {what['command']}")
     plots = {**summary["plots"], "hitrate": str(hitrate_png)}
     print(f"  plots: {plots['forecast']}")
     print(f"         {plots['offpeak']}")
@@ -237,7 +284,7 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
     print(format_table(monitoring))
     print(f"  (GPU price {monitoring.economics.gpu_price_per_hour} per hour: --gpu-price-per-hour or ${PRICE_ENV}; "
           f"the same table: prefill report --store {store} --run {run_name})")
-    return {"plan_entries": len(plan.entries), "replay": rep, "accuracy": acc.to_json(), "seconds_saved": saved_s,
+    return {"plan_entries": len(plan.entries), "replay": rep, "whatif": what, "accuracy": acc.to_json(), "seconds_saved": saved_s,
             "plots": plots, "prefill": prefill, "monitoring": monitoring.as_dict(), "buckets": buckets}
 
 

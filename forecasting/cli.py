@@ -2,6 +2,8 @@
 
     prefill simulate --trace conversation_trace.jsonl --capacity-blocks 16384 \\
         --scenario restart --at 50% [--policy lru,lru+kvwarm,...] [--plots DIR] [--json]
+    prefill simulate --trace requests.jsonl --format kvwarm --block-size 16 --capacity-blocks 2048 \\
+        --scenario restart --at 86400 --plan plan.json      # adds lru+plan: the pipeline's own plan
 
 Prints a table (or, with ``--json``, one JSON object) with each policy's token hit rate,
 hit rate excluding the shared root block, first-minute hit rate, minutes to recover,
@@ -15,6 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from forecasting.prewarm import plan_blocks
 from forecasting.replay import BlockIndex, PredictorConfig
 from forecasting.simulate import (
     SCENARIOS,
@@ -27,6 +30,7 @@ from forecasting.simulate import (
     simulate,
 )
 from forecasting.traces import FORMATS, TraceError, read_trace
+from store.plan import read_plan
 
 #: KV bytes per token assumed by ``--capacity-bytes``: an 8B GQA model (32 layers,
 #: 8 KV heads of 128) stored in FP8: 2 * 32 * 8 * 128 * 1 byte.
@@ -57,7 +61,10 @@ def add_simulate_command(sub: Any) -> None:
                    help="recovered once a minute reaches this fraction of the no-event hit rate (default 0.9)")
     p.add_argument("--policy", action="append",
                    help="eviction[+prewarm], repeatable or comma-separated: lru, retention, belady; prewarms "
-                        "naive, kvwarm, oracle (default: all that apply to the scenario)")
+                        "naive, kvwarm, oracle, plan (default: all that apply to the scenario, and lru+plan "
+                        "with --plan)")
+    p.add_argument("--plan", help="a kvwarm plan file (docs/plan.md) for the 'plan' prewarm: its prefixes' token "
+                                  "ids are keyed like the trace's (kvwarm format, token_ids rows)")
     p.add_argument("--horizon", type=float, default=PredictorConfig.horizon_s,
                    help="reuse horizon of the predictor, s (default %(default)s)")
     p.add_argument("--tau", type=float, default=PredictorConfig.tau_s,
@@ -83,7 +90,10 @@ def _event_time(text: str, duration_s: float) -> float:
 
 def _policies(args: argparse.Namespace) -> list[Policy]:
     if not args.policy:
-        return [Policy.parse(p) for p in (STEADY_POLICIES if args.scenario == "steady" else WARMUP_POLICIES)]
+        names = STEADY_POLICIES if args.scenario == "steady" else WARMUP_POLICIES
+        if args.plan and args.scenario != "steady":
+            names = (*names[:4], "lru+plan", *names[4:])
+        return [Policy.parse(p) for p in names]
     return [Policy.parse(p) for group in args.policy for p in group.split(",") if p.strip()]
 
 
@@ -114,8 +124,10 @@ def run_simulate(args: argparse.Namespace) -> int:
                             args.seed, args.lookback, recovery_fraction=args.recovery)
         predictor = PredictorConfig(horizon_s=args.horizon, tau_s=args.tau)
         cost = CostModel(args.s_per_token, args.s_per_token_pair)
-        result = simulate(BlockIndex.build(trace), capacity, scenario, _policies(args), predictor=predictor,
-                          cost=cost)
+        index = BlockIndex.build(trace)
+        planned = plan_blocks(index, read_plan(args.plan)) if args.plan else None
+        result = simulate(index, capacity, scenario, _policies(args), predictor=predictor, cost=cost,
+                          plan_blocks=planned)
         plot_path = None
         if args.plots:
             plot_path = plot(result, Path(args.plots) / f"simulate-{args.scenario}-{capacity}.png")
@@ -125,6 +137,9 @@ def run_simulate(args: argparse.Namespace) -> int:
     out = result.to_json()
     out["trace"] = {"path": str(args.trace), "format": args.format, "requests": len(trace),
                     "blocks": trace.n_blocks, "duration_s": trace.duration_s}
+    if planned is not None:
+        out["plan"] = {"path": str(args.plan), "blocks": len(planned),
+                       "blocks_in_trace": int((planned < index.n_unique).sum())}
     if plot_path is not None:
         out["plot"] = str(plot_path)
     if args.json:
@@ -134,6 +149,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     event = "" if sc.kind == "steady" else f" at {sc.at_s:g} s, window {sc.window_s:g} s"
     print(f"{args.trace}: {len(trace)} requests, {trace.n_blocks} blocks over {trace.duration_s:.0f} s; "
           f"{capacity} blocks of {trace.block_tokens} tokens; {sc.kind}{event}")
+    if planned is not None:
+        print(f"plan {args.plan}: {len(planned)} blocks, {int((planned < index.n_unique).sum())} of them in the trace")
     print(result.table())
     if plot_path is not None:
         print(f"plot: {plot_path}")

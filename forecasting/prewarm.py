@@ -4,6 +4,8 @@
 - :func:`kvwarm_prewarm`: the blocks with the highest predicted reuse at ``T``
   (:class:`~forecasting.replay.ReusePredictor`), closed under prefixes;
 - :func:`oracle_prewarm`: the best possible prewarm from blocks seen before ``T`` (the ceiling);
+- :func:`plan_blocks` / :func:`planned_prewarm`: the blocks of a kvwarm plan file, the prewarm
+  the real pipeline would have made (its forecasts saw whatever logs it was given);
 - :func:`first_use_order`: any block set in the oracle's order (a diagnostic that reads the future).
 
 Each returns block ids least valuable first, from the trace before ``T`` only (the
@@ -16,6 +18,9 @@ import math
 import numpy as np
 
 from forecasting.replay import NEVER, BlockIndex, PredictorConfig, ReusePredictor
+from forecasting.traces import simulation_root
+from store.keys import KeyRoot, block_keys
+from store.plan import Plan
 
 
 def naive_prewarm(index: BlockIndex, start: int, capacity: int, lookback_s: float) -> np.ndarray:
@@ -144,3 +149,58 @@ def _occurrences(index: BlockIndex, rows: np.ndarray) -> np.ndarray:
     starts = np.zeros(len(rows), dtype=np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
     return np.repeat(offsets[rows] - starts, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+def plan_blocks(index: BlockIndex, plan: Plan, *, model: str = "simulate") -> np.ndarray:
+    """Block ids of a kvwarm plan's prefixes, most valuable first: the order the prefill job computes them.
+
+    Each entry's ``token_ids`` are keyed the way :func:`forecasting.traces.read_kvwarm`
+    keys ``token_ids`` rows (:func:`~forecasting.traces.simulation_root` of the entry's
+    tenant, ``model`` and the trace's block size; full blocks only, as the prefill job
+    stores), so a plan mined from a log's token ids meets that log's blocks. When the
+    trace holds serving keys (``block_keys`` rows), an entry whose ``prefix_id`` the
+    trace has stands for that block and its ancestors instead. A block shared by several
+    entries is listed once, at its first (most valuable) entry, parents before children.
+
+    Blocks the trace never uses get ids from ``index.n_unique`` up: they take cache
+    space and never hit, as a prewarmed snapshot that no request asks for does.
+
+    Raises:
+        ValueError: the trace has no block keys (a Mooncake trace), or an entry has
+            text but no token ids (named by its position).
+    """
+    names = index.trace.key_names
+    if names is None:
+        raise ValueError("a plan prewarm needs a kvwarm-format trace (--format kvwarm): "
+                         "this trace has no block keys to match the plan's prefixes against")
+    dense = {names[int(orig)]: i for i, orig in enumerate(index.original)}
+    roots: dict[str, KeyRoot] = {}
+    order: dict[int, None] = {}
+    extra: dict[str, int] = {}
+    for pos, entry in enumerate(plan.entries):
+        if entry.token_ids is None:
+            raise ValueError(f"plan entry {pos} (tenant {entry.tenant!r}) has text but no token_ids: the "
+                             "simulation keys token ids; write the plan from tokenised logs (the pipeline's "
+                             "plans carry token_ids)")
+        if entry.tenant not in roots:
+            roots[entry.tenant] = simulation_root(entry.tenant, index.trace.block_tokens, model=model)
+        keys = block_keys(roots[entry.tenant], entry.token_ids)
+        if keys and keys[-1] not in dense and entry.prefix_id in dense:
+            chain, b = [], dense[entry.prefix_id]
+            while b >= 0:
+                chain.append(b)
+                b = int(index.parent[b])
+            ids = chain[::-1]
+        else:
+            ids = [dense[k] if k in dense else extra.setdefault(k, index.n_unique + len(extra)) for k in keys]
+        for b in ids:
+            order.setdefault(b, None)
+    return np.fromiter(order, dtype=np.int64, count=len(order))
+
+
+def planned_prewarm(blocks: np.ndarray, capacity: int) -> np.ndarray:
+    """The ``capacity`` most valuable of a plan's ``blocks`` (from :func:`plan_blocks`), least valuable first.
+
+    Cut in the plan's order, so every kept block keeps its parent.
+    """
+    return np.asarray(blocks, dtype=np.int64)[:max(int(capacity), 0)][::-1].copy()

@@ -9,10 +9,13 @@ evicts (``lru``, ``retention``, ``belady``) and how it is prewarmed at ``T``:
   (:class:`~forecasting.replay.ReusePredictor`: class reuse rates from closed outcomes,
   recency, conversation structure), closed under prefixes;
 - ``oracle``: the best possible prewarm from blocks seen before ``T``: those used in
-  the evaluation window, the soonest used kept longest (the ceiling for prewarming).
+  the evaluation window, the soonest used kept longest (the ceiling for prewarming);
+- ``plan``: the prefixes of a kvwarm plan file (what ``prefill warm --plan`` stores), in
+  the plan's priority order: the prewarm the real pipeline made.
 
 Every prewarm is a function of the trace before ``T`` only (the oracle excepted, by
-definition). :func:`simulate` runs each policy and returns a :class:`SimResult` of
+definition; a plan is causal when it was made from logs before ``T``, which the
+simulation cannot check). :func:`simulate` runs each policy and returns a :class:`SimResult` of
 metrics over the evaluation window; :func:`plot` draws the per-minute hit rates.
 """
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from forecasting.prewarm import _occurrences, kvwarm_prewarm, naive_prewarm, oracle_prewarm
+from forecasting.prewarm import _occurrences, kvwarm_prewarm, naive_prewarm, oracle_prewarm, planned_prewarm
 from forecasting.replay import (
     BeladyCache,
     BlockIndex,
@@ -44,7 +47,7 @@ __all__ = ["EVICTIONS", "PREWARMS", "SCENARIOS", "STEADY_POLICIES", "WARMUP_POLI
 
 SCENARIOS = ("steady", "restart", "scale-out")
 EVICTIONS = ("lru", "retention", "belady")
-PREWARMS = ("none", "naive", "kvwarm", "oracle")
+PREWARMS = ("none", "naive", "kvwarm", "oracle", "plan")
 STEADY_POLICIES = ("lru", "retention", "belady")
 WARMUP_POLICIES = ("lru", "lru+naive", "lru+kvwarm", "lru+oracle", "retention", "retention+kvwarm", "belady")
 
@@ -241,7 +244,10 @@ def _make_cache(policy: Policy, capacity: int, index: BlockIndex, predictor: Pre
 
 
 def _prewarm(policy: Policy, index: BlockIndex, plan: _Plan, capacity: int, scenario: Scenario,
-             predictor: PredictorConfig) -> tuple[np.ndarray, np.ndarray | None]:
+             predictor: PredictorConfig, planned: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    if policy.prewarm == "plan":
+        assert planned is not None  # simulate() checks before any replay
+        return planned_prewarm(planned, capacity), None
     if policy.prewarm == "naive":
         return naive_prewarm(index, plan.start, capacity, scenario.lookback_s), None
     if policy.prewarm == "kvwarm":
@@ -281,7 +287,7 @@ def _measure(name: str, index: BlockIndex, rows: np.ndarray, hits: np.ndarray, s
         used[index.ids[_occurrences(index, rows)]] = True
         seen = np.zeros(index.n_unique, dtype=bool)
         seen[index.ids[: tr.offsets[start]]] = True
-        good = int(used[prewarmed].sum())
+        good = int(used[prewarmed[prewarmed < index.n_unique]].sum())  # plan blocks the trace lacks never hit
         precision = good / len(prewarmed) if len(prewarmed) else 0.0
         possible = int((used & seen).sum())
         recall = good / possible if possible else 0.0
@@ -299,20 +305,26 @@ def _measure(name: str, index: BlockIndex, rows: np.ndarray, hits: np.ndarray, s
 
 
 def simulate(index: BlockIndex, capacity_blocks: int, scenario: Scenario, policies: Sequence[Policy | str],
-             *, predictor: PredictorConfig = PredictorConfig(), cost: CostModel = CostModel()) -> SimResult:
+             *, predictor: PredictorConfig = PredictorConfig(), cost: CostModel = CostModel(),
+             plan_blocks: np.ndarray | None = None) -> SimResult:
     """Replay ``index``'s trace under each policy in ``scenario``; metrics over its window.
 
     The reference row (``no-event``) is LRU without the restart, or, for a scale-out, an
-    LRU replica that received the same share of traffic from the start.
+    LRU replica that received the same share of traffic from the start. ``plan_blocks``
+    (:func:`forecasting.prewarm.plan_blocks`, most valuable first) is what the ``plan``
+    prewarm loads.
 
     Raises:
-        ValueError: a bad capacity, event time or policy (prewarms need a restart or scale-out).
+        ValueError: a bad capacity, event time or policy (prewarms need a restart or
+            scale-out; the ``plan`` prewarm needs ``plan_blocks``).
     """
     if not isinstance(capacity_blocks, (int, np.integer)) or capacity_blocks < 1:
         raise ValueError(f"capacity must be at least one block, got {capacity_blocks!r}")
     pols = [p if isinstance(p, Policy) else Policy.parse(p) for p in policies]
     if scenario.kind == "steady" and any(p.prewarm != "none" for p in pols):
         raise ValueError("prewarm policies need an event to prewarm for: use --scenario restart or scale-out")
+    if plan_blocks is None and any(p.prewarm == "plan" for p in pols):
+        raise ValueError("the plan prewarm needs a plan: pass --plan FILE (a kvwarm plan, docs/plan.md)")
     plan = _plan(index, scenario)
     reference = None
     if plan.reference is not None:
@@ -326,7 +338,8 @@ def simulate(index: BlockIndex, capacity_blocks: int, scenario: Scenario, polici
         cache = _make_cache(policy, int(capacity_blocks), index, predictor, plan.served)
         prewarmed = None
         if policy.prewarm != "none":
-            prewarmed, scores = _prewarm(policy, index, plan, int(capacity_blocks), scenario, predictor)
+            prewarmed, scores = _prewarm(policy, index, plan, int(capacity_blocks), scenario, predictor,
+                                         plan_blocks)
             if scores is None and isinstance(cache, RetentionCache):
                 # Other prewarms have no reuse score: rank them just under a fresh, typical block.
                 base = scenario.at_s / predictor.tau_s + math.log(predictor.prior_rate)

@@ -113,3 +113,11 @@ def test_the_demo_replays_the_planned_period_through_the_loader(prefect_harness,
     assert "hit rate:" in text and "warm-up accuracy:" in text and "TTFT saved:" in text
     for png in out["plots"].values():
         assert Path(png).exists()
+    # The what-if replays the same period in the simulator's cache model. A reactive LRU cache
+    # is what the cold store with write-back is, so, with no evictions in a period this small,
+    # the simulator reproduces the store's baseline to the token.
+    what = out["whatif"]
+    assert what["cold_lru"] == pytest.approx(rep["cold_cached_tokens"] / rep["prompt_tokens"])
+    assert what["cold_lru"] <= what["plan"] <= what["best"] and what["plan_blocks"] > 0
+    assert "what-if, a 256-block prefix cache" in text and "--plan" in what["command"]
+    assert (tmp_path / "store" / "_flows" / "demo" / "trace.jsonl").exists()

@@ -1,14 +1,25 @@
 """Prewarm choices: hand-made traces for the naive and oracle orders, causality for kvwarm's."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from forecasting.prewarm import first_use_order, kvwarm_prewarm, naive_prewarm, oracle_prewarm, ranked_prewarm
+from forecasting.prewarm import (
+    first_use_order,
+    kvwarm_prewarm,
+    naive_prewarm,
+    oracle_prewarm,
+    plan_blocks,
+    planned_prewarm,
+    ranked_prewarm,
+)
 from forecasting.replay import BlockIndex, PredictorConfig
-from forecasting.traces import from_chains, read_mooncake
+from forecasting.traces import from_chains, read_kvwarm, read_mooncake, simulation_root
+from store.keys import block_keys
+from store.plan import Plan, PlanEntry
 from tests.forecasting.test_replay import _perturbed
 
 MOONCAKE = Path(__file__).resolve().parents[1] / "data" / "mooncake" / "conversation_head.jsonl"
@@ -97,3 +108,61 @@ def test_ranked_prewarm_keeps_parents_with_their_children_and_only_blocks_seen(h
     assert closed.tolist() == [10.0, 10.0, 10.0]
     everything, _ = ranked_prewarm(hand, 5, score, hand.n_unique)
     assert sorted(_orig(hand, everything)) == [1, 2, 3, 4, 5]  # 9 is no candidate, 6 and 7 unseen
+
+# ------------------------------------------------------------------ plan prewarm
+
+
+def _kvwarm_log(tmp_path: Path, rows: list[dict]) -> Path:
+    path = tmp_path / "log.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _sim_keys(tenant: str, tokens: list[int], block_size: int = 2) -> list[str]:
+    return block_keys(simulation_root(tenant, block_size), tokens)
+
+
+def test_plan_blocks_key_token_ids_like_the_trace_and_list_shared_blocks_once(tmp_path: Path) -> None:
+    log = _kvwarm_log(tmp_path, [
+        {"timestamp": 0, "tenant": "a", "token_ids": [1, 2, 3, 4, 5]},
+        {"timestamp": 1, "tenant": "a", "token_ids": [1, 2, 7, 8]},
+        {"timestamp": 2, "tenant": "b", "token_ids": [1, 2, 3, 4]},
+    ])
+    index = BlockIndex.build(read_kvwarm(log, block_size=2))
+    names = index.trace.key_names
+    dense = {names[int(o)]: i for i, o in enumerate(index.original)}
+    plan = Plan((PlanEntry("a", token_ids=(1, 2, 7, 8, 9)),      # two full blocks, both in the trace
+                 PlanEntry("a", token_ids=(1, 2, 3, 4)),         # shares its first block with the entry above
+                 PlanEntry("b", token_ids=(1, 2, 6, 6)),         # b's root is in the trace, (6, 6) is not
+                 PlanEntry("c", token_ids=(1, 2))))              # a tenant the trace never saw
+    got = plan_blocks(index, plan).tolist()
+    a, b = _sim_keys("a", [1, 2, 7, 8]), _sim_keys("a", [1, 2, 3, 4])
+    assert got[:3] == [dense[a[0]], dense[a[1]], dense[b[1]]]
+    assert got[3] == dense[_sim_keys("b", [1, 2])[0]]
+    # Blocks the trace never uses get ids past the trace's, one per distinct key.
+    assert got[4:] == [index.n_unique, index.n_unique + 1]
+    # The cut keeps the most valuable blocks, parents with children, and loads the least valuable first.
+    assert planned_prewarm(np.array(got), 3).tolist() == [dense[b[1]], dense[a[1]], dense[a[0]]]
+    assert planned_prewarm(np.array(got), 0).tolist() == []
+
+
+def test_plan_blocks_find_serving_keys_by_prefix_id(tmp_path: Path) -> None:
+    keys = [f"{i:064x}" for i in (11, 12, 13)]
+    log = _kvwarm_log(tmp_path, [{"timestamp": 0, "tenant": "a", "block_keys": keys},
+                                 {"timestamp": 1, "tenant": "a", "block_keys": keys[:1]}])
+    index = BlockIndex.build(read_kvwarm(log, block_size=2))
+    names = index.trace.key_names
+    dense = {names[int(o)]: i for i, o in enumerate(index.original)}
+    # The plan's token ids were keyed with the serving model's root, which the simulation does not
+    # know; its prefix_id (the key of the prefix's last full block) is in the trace.
+    plan = Plan((PlanEntry("a", token_ids=(5, 5, 5, 5), prefix_id=keys[1]),))
+    assert plan_blocks(index, plan).tolist() == [dense[keys[0]], dense[keys[1]]]
+
+
+def test_plan_blocks_need_block_keys_and_token_ids(hand: BlockIndex, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="kvwarm-format trace"):
+        plan_blocks(hand, Plan((PlanEntry("a", token_ids=(1, 2)),)))
+    index = BlockIndex.build(read_kvwarm(_kvwarm_log(tmp_path, [{"timestamp": 0, "tenant": "a",
+                                                                 "token_ids": [1, 2]}]), block_size=2))
+    with pytest.raises(ValueError, match=r"plan entry 1 \(tenant 'a'\) has text but no token_ids"):
+        plan_blocks(index, Plan((PlanEntry("a", token_ids=(1, 2)), PlanEntry("a", text="hello"))))

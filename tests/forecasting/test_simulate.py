@@ -21,6 +21,7 @@ from forecasting.simulate import (
     simulate,
 )
 from forecasting.traces import from_chains, read_mooncake
+from store.plan import Plan, PlanEntry, write_plan
 from tests.forecasting.test_replay import CHAINS, _perturbed
 
 MOONCAKE = Path(__file__).resolve().parents[1] / "data" / "mooncake" / "conversation_head.jsonl"
@@ -199,3 +200,40 @@ def test_plot_writes_a_png(mooncake: BlockIndex, tmp_path: Path) -> None:
     result = simulate(mooncake, 512, Scenario("restart", at_s=300.0, window_s=120.0), ["lru", "lru+oracle"])
     path = plot(result, tmp_path / "plots" / "r.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_prewarm_replays_the_pipelines_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Blocks of two tokens. Before the restart at t=2: A B and C D; after it: A B (+ a partial block), then C.
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"timestamp": t, "tenant": "a", "token_ids": ids}) + "\n" for t, ids in
+                           [(0, [1, 2, 3, 4]), (1, [5, 6, 7, 8]), (2, [1, 2, 3, 4, 9]), (3, [5, 6])]))
+    plan = tmp_path / "plan.json"
+    write_plan(Plan((PlanEntry("a", token_ids=(1, 2, 3, 4)),)), plan)
+    argv = ["simulate", "--trace", str(log), "--format", "kvwarm", "--block-size", "2", "--capacity-blocks", "2",
+            "--scenario", "restart", "--at", "2", "--window", "10"]
+    rc, out, _ = _run(argv + ["--plan", str(plan), "--json"], capsys)
+    assert rc == 0
+    doc = json.loads(out.strip().splitlines()[-1])
+    rows = {r["policy"]: r for r in doc["rows"]}
+    assert "lru+plan" in rows and doc["plan"] == {"path": str(plan), "blocks": 2, "blocks_in_trace": 2}
+    assert rows["lru"]["hit_tokens"] == 0 and rows["lru"]["tokens"] == 7
+    # The plan's A B serve the first request after the restart; C was not planned.
+    warm = rows["lru+plan"]
+    assert warm["hit_tokens"] == 4 and warm["prewarm_blocks"] == 2
+    assert warm["warmup_precision"] == 1.0 and warm["warmup_recall"] == pytest.approx(2 / 3)
+    assert rows["lru+oracle"]["hit_tokens"] == 4
+    # A plan whose most valuable entry the trace never asks for fills the cache with dead blocks.
+    write_plan(Plan((PlanEntry("a", token_ids=(9, 9, 9, 9)), PlanEntry("a", token_ids=(1, 2, 3, 4)))), plan)
+    rc, out, _ = _run(argv + ["--plan", str(plan), "--policy", "lru+plan", "--json"], capsys)
+    row = json.loads(out.strip().splitlines()[-1])["rows"][0]
+    assert rc == 0 and row["hit_tokens"] == 0 and row["warmup_precision"] == 0.0
+    # The table names the plan; a plan prewarm without a plan, or a missing file, is a clear error.
+    rc, out, _ = _run(argv + ["--plan", str(plan)], capsys)
+    assert rc == 0 and f"plan {plan}: 4 blocks, 2 of them in the trace" in out and "lru+plan" in out
+    rc, _, err = _run(argv + ["--policy", "lru+plan"], capsys)
+    assert rc == 2 and "the plan prewarm needs a plan: pass --plan FILE" in err
+    rc, _, err = _run(argv + ["--plan", str(tmp_path / "nope.json")], capsys)
+    assert rc == 2 and "nope.json' does not exist" in err
+    rc, _, err = _run(["simulate", "--trace", str(MOONCAKE), "--capacity-blocks", "8", "--scenario", "restart",
+                       "--plan", str(plan)], capsys)
+    assert rc == 2 and "needs a kvwarm-format trace" in err
