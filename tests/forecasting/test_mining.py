@@ -10,8 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from forecasting.block_paths import build_paths, content_ids
 from forecasting.logs import read_logs
-from forecasting.mining import (MiningError, _build_paths, _content_ids, bucket_counts, candidates, mine_hash_ids,
+from forecasting.mining import (MiningError, PrefixTree, bucket_counts, candidates, mine_hash_ids,
                                 mine_hash_log, mine_text, mine_trace)
 from forecasting.traces import from_chains
 from store.keys import block_keys
@@ -162,7 +163,7 @@ def test_tree_counts_match_brute_force(chains: list[list[int]], tenants: list[in
     assert got == brute
     assert np.all(tree.parent < np.arange(tree.n_nodes))  # parents are numbered first
     # The depth-by-depth builder partitions the blocks into the same nodes.
-    slow = _build_paths(_content_ids(ids), lengths, codes)[0]
+    slow = build_paths(content_ids(ids), lengths, codes)[0]
     assert len(np.unique(slow)) == tree.n_nodes
     assert len(np.unique(np.stack([slow, tree.path_nodes]), axis=1)[0]) == tree.n_nodes
 
