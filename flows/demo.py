@@ -17,8 +17,8 @@
    files, added to the report and printed (``prefill report`` prints the same table).
 5. A what-if (:func:`whatif`): the same period replayed by ``prefill simulate`` against a
    prefix cache of :data:`WHATIF_BLOCKS` blocks restarted at the window's end: cold LRU,
-   LRU prewarmed with the plan, and the best possible prewarm. The tokenised log is kept
-   as ``<run>/trace.jsonl`` and the command that reruns it is printed.
+   LRU prewarmed with the plan, and the best possible prewarm; it prints the command that
+   reruns it on the logs (``--format logs``).
 """
 from __future__ import annotations
 
@@ -150,36 +150,30 @@ def _dump_stats(directory: Path, loaders: dict[str, Any], elapsed: dict[str, flo
         (directory / f"{tenant}.json").write_text(json.dumps(dump, indent=2, default=str))
 
 
-def whatif(requests: pd.DataFrame, tokenizer: Any, plan_path: Path, out: Path, *, block_size: int,
+def whatif(requests: pd.DataFrame, tokenizer: Any, plan_path: Path, *, logs: str, block_size: int,
            start: pd.Timestamp, end: pd.Timestamp, capacity: int = WHATIF_BLOCKS) -> dict[str, Any]:
     """Replay ``requests`` through ``prefill simulate``'s cache model: a restart at ``start``, measured to ``end``.
 
-    Writes the requests' token ids as a kvwarm-format trace (``out/trace.jsonl``) and
-    returns the hit rates (excluding nothing: every token counts) of cold LRU, LRU
-    prewarmed with the plan at ``plan_path`` and LRU with the best possible prewarm, the
-    plan's warm-up precision in that cache, and the command that reruns it.
+    Returns the token hit rates of cold LRU, LRU prewarmed with the plan at ``plan_path``
+    and LRU with the best possible prewarm, the plan's warm-up precision in that cache,
+    and the ``prefill simulate`` command that reruns it on ``logs``.
     """
+    from forecasting.log_trace import trace_from_requests
     from forecasting.mining import tokenize_requests
     from forecasting.prewarm import plan_blocks
     from forecasting.replay import BlockIndex
     from forecasting.simulate import Scenario, simulate
-    from forecasting.traces import read_kvwarm
     from store.plan import read_plan
 
-    rows = tokenize_requests(requests.sort_values("timestamp", kind="stable"), tokenizer)
-    path = out / "trace.jsonl"
-    with open(path, "w") as f:
-        for r in rows.itertuples(index=False):
-            f.write(json.dumps({"timestamp": r.timestamp.timestamp(), "tenant": r.tenant,
-                                "token_ids": [int(t) for t in r.token_ids]}) + "\n")
-    index = BlockIndex.build(read_kvwarm(path, block_size=block_size))
-    at = start.timestamp() - index.trace.start_s
+    trace = trace_from_requests(tokenize_requests(requests, tokenizer), block_size=block_size, source=logs)
+    index = BlockIndex.build(trace)
+    at = start.timestamp() - trace.start_s
     window = (end - start).total_seconds()
     result = simulate(index, capacity, Scenario("restart", at_s=at, window_s=window),
                       ["lru", "lru+plan", "lru+oracle"], plan_blocks=plan_blocks(index, read_plan(plan_path)))
     cold, warm, best = (result.row(p) for p in ("lru", "lru+plan", "lru+oracle"))
-    command = (f"prefill simulate --trace {path} --format kvwarm --block-size {block_size} --capacity-blocks "
-               f"{capacity} --scenario restart --at {at:.0f} --window {window:.0f} --plan {plan_path}")
+    command = (f"prefill simulate --trace {logs} --format logs --block-size {block_size} --capacity-blocks "
+               f"{capacity} --scenario restart --at {at:.3f} --window {window:.0f} --plan {plan_path}")
     return {"capacity_blocks": capacity, "cold_lru": cold.hit_rate, "plan": warm.hit_rate, "best": best.hit_rate,
             "plan_precision": warm.warmup_precision, "plan_blocks": warm.prewarm_blocks, "command": command}
 
@@ -235,7 +229,7 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
     actual_prefix = {e.prefix_id: [[str(d), float(y)] for d, y in
                                    observed.series.loc[observed.series["unique_id"] == e.prefix_id, ["ds", "y"]].itertuples(index=False)]
                      for e in plan.entries}
-    what = whatif(everything, loaded.tokenizer, out / "plan.json", out, block_size=config.kv_cache.block_size,
+    what = whatif(everything, loaded.tokenizer, out / "plan.json", logs=logs, block_size=config.kv_cache.block_size,
                   start=we, end=period_end)
     extra = {"replay": {k: v for k, v in rep.items() if k != "per_tenant"},
              "whatif": what,

@@ -2,8 +2,8 @@
 
     prefill simulate --trace conversation_trace.jsonl --capacity-blocks 16384 \\
         --scenario restart --at 50% [--policy lru,lru+kvwarm,...] [--plots DIR] [--json]
-    prefill simulate --trace requests.jsonl --format kvwarm --block-size 16 --capacity-blocks 2048 \\
-        --scenario restart --at 86400 --plan plan.json      # adds lru+plan: the pipeline's own plan
+    prefill simulate --trace logs/ --format logs --model kvwarm-tiny --block-size 16 --capacity-blocks 2048 \\
+        --scenario restart --at 86400 --plan plan.json      # the pipeline's logs, and its plan (lru+plan)
 
 Prints a table (or, with ``--json``, one JSON object) with each policy's token hit rate,
 hit rate excluding the shared root block, first-minute hit rate, minutes to recover,
@@ -15,7 +15,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from forecasting.prewarm import plan_blocks
 from forecasting.replay import BlockIndex, PredictorConfig
@@ -29,21 +29,34 @@ from forecasting.simulate import (
     plot,
     simulate,
 )
-from forecasting.traces import FORMATS, TraceError, read_trace
+from forecasting.log_trace import read_log_trace
+from forecasting.mining import Tokenizer
+from forecasting.traces import FORMATS, Trace, TraceError, read_trace
 from store.plan import read_plan
 
 #: KV bytes per token assumed by ``--capacity-bytes``: an 8B GQA model (32 layers,
 #: 8 KV heads of 128) stored in FP8: 2 * 32 * 8 * 128 * 1 byte.
 DEFAULT_KV_BYTES_PER_TOKEN = 65536
+#: tokens per block of kvwarm traces and logs when --block-size is not given (kvwarm's configured default)
+DEFAULT_BLOCK_SIZE = 256
 
 
-def add_simulate_command(sub: Any) -> None:
-    """Register ``simulate`` on an argparse subparsers object (``func(args) -> exit code``)."""
+def add_simulate_command(sub: Any, load_tokenizer: Callable[[str], Tokenizer] | None = None) -> None:
+    """Register ``simulate`` on an argparse subparsers object (``func(args) -> exit code``).
+
+    ``load_tokenizer(model)`` gives the tokenizer for ``--format logs`` rows with prompt
+    text (the ``prefill`` command passes the one of :mod:`prefill.models`; forecasting
+    does not load models itself).
+    """
     p = sub.add_parser("simulate", help="what-if replay of a trace: prewarming and retention vs reactive caches",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", required=True, help="trace file (Mooncake JSONL, or kvwarm JSONL/Parquet)")
-    p.add_argument("--format", choices=FORMATS, default="mooncake", help="trace format (default: mooncake)")
-    p.add_argument("--block-size", type=int, help="tokens per block for kvwarm logs (default 256)")
+    p.add_argument("--format", choices=(*FORMATS, "logs"), default="mooncake",
+                   help="mooncake; kvwarm (timestamp s, tenant, block_keys or token_ids); or logs: the request "
+                        "logs the pipeline mines, a file, directory or URL (docs/logs.md) (default: mooncake)")
+    p.add_argument("--block-size", type=int, help="tokens per block for kvwarm traces and logs (default 256)")
+    p.add_argument("--model", help="--format logs: the model whose rows to replay and whose tokenizer reads "
+                                   "prompt text (default: the logs' only model)")
     p.add_argument("--tenant", default="mooncake", help="tenant name given to Mooncake requests")
     cap = p.add_mutually_exclusive_group(required=True)
     cap.add_argument("--capacity-blocks", type=int, help="cache capacity in blocks")
@@ -75,7 +88,7 @@ def add_simulate_command(sub: Any) -> None:
                    help="prefill seconds per attention token pair, quadratic term (default %(default)s)")
     p.add_argument("--plots", help="directory to write a PNG of per-minute hit rates to")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.set_defaults(func=run_simulate)
+    p.set_defaults(func=run_simulate, load_tokenizer=load_tokenizer)
 
 
 def _event_time(text: str, duration_s: float) -> float:
@@ -92,9 +105,18 @@ def _policies(args: argparse.Namespace) -> list[Policy]:
     if not args.policy:
         names = STEADY_POLICIES if args.scenario == "steady" else WARMUP_POLICIES
         if args.plan and args.scenario != "steady":
-            names = (*names[:4], "lru+plan", *names[4:])
+            names = (*names[:3], "lru+plan", *names[3:])
         return [Policy.parse(p) for p in names]
     return [Policy.parse(p) for group in args.policy for p in group.split(",") if p.strip()]
+
+
+def _read(args: argparse.Namespace) -> tuple[Trace, str]:
+    """The trace, and for ``--format logs`` the read's summary (rows used, quarantined)."""
+    if args.format != "logs":
+        return read_trace(args.trace, args.format, block_size=args.block_size, tenant=args.tenant), ""
+    trace, report = read_log_trace(args.trace, block_size=args.block_size or DEFAULT_BLOCK_SIZE,
+                                   load_tokenizer=args.load_tokenizer, model=args.model)
+    return trace, f"; logs: {report.summary()}"
 
 
 def _check_plotting() -> None:
@@ -110,7 +132,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     try:
         if args.plots:
             _check_plotting()
-        trace = read_trace(args.trace, args.format, block_size=args.block_size, tenant=args.tenant)
+        trace, read_note = _read(args)
         if args.capacity_blocks is not None:
             capacity = args.capacity_blocks
         else:
@@ -148,7 +170,7 @@ def run_simulate(args: argparse.Namespace) -> int:
     sc = result.scenario
     event = "" if sc.kind == "steady" else f" at {sc.at_s:g} s, window {sc.window_s:g} s"
     print(f"{args.trace}: {len(trace)} requests, {trace.n_blocks} blocks over {trace.duration_s:.0f} s; "
-          f"{capacity} blocks of {trace.block_tokens} tokens; {sc.kind}{event}")
+          f"{capacity} blocks of {trace.block_tokens} tokens; {sc.kind}{event}{read_note}")
     if planned is not None:
         print(f"plan {args.plan}: {len(planned)} blocks, {int((planned < index.n_unique).sum())} of them in the trace")
     print(result.table())

@@ -158,7 +158,7 @@ def mine_text(requests: pd.DataFrame, tokenizer: Tokenizer | None, roots: KeyRoo
         MiningError: several models and no ``model``; a tenant without a root; tenants
             sharing one root (their keys would collide); text rows and no tokenizer.
     """
-    requests = _one_model(requests, model)
+    requests = one_model(requests, model)
     tenants, codes = _tenants(requests)
     root_list = _roots(roots, tenants)
     block = root_list[0].block_size if root_list else 1
@@ -240,7 +240,7 @@ def mine_hash_ids(times_us: np.ndarray, hash_ids: np.ndarray, offsets: np.ndarra
 
 def mine_hash_log(requests: pd.DataFrame, *, block_size: int, model: str | None = None) -> PrefixTree:
     """:func:`mine_hash_ids` on a log frame's ``hash_ids`` column (rows without ids: no blocks)."""
-    requests = _one_model(requests, model)
+    requests = one_model(requests, model)
     tenants, codes = _tenants(requests)
     seqs = [s if s is not None else () for s in requests["hash_ids"]]
     lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
@@ -317,7 +317,12 @@ def _tree_from_tokens(times: np.ndarray, codes: np.ndarray, tenants: tuple[str, 
                       np.bincount(nodes, minlength=len(parent)), rep, "tokens", flat, seq_offsets, block, roots)
 
 
-def _one_model(requests: pd.DataFrame, model: str | None) -> pd.DataFrame:
+def one_model(requests: pd.DataFrame, model: str | None) -> pd.DataFrame:
+    """The rows of ``model``, or all rows when the log holds one model (each model has its own keys).
+
+    Raises:
+        MiningError: ``model`` is None and the log holds several models.
+    """
     if "model" not in requests:
         return requests
     if model is not None:

@@ -205,8 +205,15 @@ def _json_lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
             yield where, row
 
 
-def _assemble(ts: list[float], inp: list[int], out: list[int], chains: list[list[int]], tenants: list[str],
-              block_tokens: int, key_names: tuple[str, ...] | None, path: Path) -> Trace:
+def assemble(ts: Sequence[float], inp: Sequence[int], out: Sequence[int], chains: list[list[int]], tenants: list[str],
+             block_tokens: int, key_names: tuple[str, ...] | None, path: str | Path) -> Trace:
+    """A trace from per-request lists (any order; sorted by time here, times shifted to start at 0).
+
+    ``path`` only names the source in the error for an empty trace.
+
+    Raises:
+        TraceError: there are no requests.
+    """
     if not ts:
         raise TraceError(f"trace {path} has no requests")
     times = np.asarray(ts, dtype=np.float64)
@@ -250,7 +257,7 @@ def read_mooncake(path: str | Path, *, tenant: str = "mooncake") -> Trace:
         if not isinstance(ids, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in ids):
             raise TraceError(f"{where}: field 'hash_ids' must be a list of integers, got {str(ids)[:60]!r}")
         chains.append(ids)
-    return _assemble(ts, inp, out, chains, [tenant] * len(ts), MOONCAKE_BLOCK_TOKENS, None, path)
+    return assemble(ts, inp, out, chains, [tenant] * len(ts), MOONCAKE_BLOCK_TOKENS, None, path)
 
 
 def simulation_root(tenant: str, block_size: int, *, model: str = "simulate") -> KeyRoot:
@@ -262,6 +269,46 @@ def simulation_root(tenant: str, block_size: int, *, model: str = "simulate") ->
     precision = Precision()
     return KeyRoot(model, "simulate", precision.kv_dtype, precision.scheme_id(), block_size,
                    Tenant.derive(tenant).salt)
+
+
+class TraceBuilder:
+    """Collects requests as block keys (strings) and token counts; :meth:`build` makes the :class:`Trace`.
+
+    Keys are interned to ids in order of first appearance (``Trace.key_names``); token
+    ids are keyed with :func:`simulation_root` per tenant (:meth:`root`).
+    """
+
+    def __init__(self, block_size: int, *, model: str = "simulate") -> None:
+        if block_size < 1:
+            raise TraceError(f"block size must be positive, got {block_size}")
+        self.block_size, self.model = int(block_size), model
+        self._intern: dict[str, int] = {}
+        self._roots: dict[str, KeyRoot] = {}
+        self._ts: list[float] = []
+        self._inp: list[int] = []
+        self._out: list[int] = []
+        self._chains: list[list[int]] = []
+        self._tenants: list[str] = []
+
+    def root(self, tenant: str) -> KeyRoot:
+        """The simulation key root of ``tenant`` (raises ValueError for a bad tenant name)."""
+        if tenant not in self._roots:
+            self._roots[tenant] = simulation_root(tenant, self.block_size, model=self.model)
+        return self._roots[tenant]
+
+    def add(self, t: float, tenant: str, keys: Sequence[str], input_tokens: int, output_tokens: int) -> None:
+        """One request at ``t`` seconds whose full blocks have ``keys`` (root block first)."""
+        intern = self._intern
+        self._chains.append([intern.setdefault(k, len(intern)) for k in keys])
+        self._ts.append(t)
+        self._inp.append(input_tokens)
+        self._out.append(output_tokens)
+        self._tenants.append(tenant)
+
+    def build(self, source: str | Path) -> Trace:
+        """The trace, sorted by time (raises TraceError naming ``source`` when it is empty)."""
+        return assemble(self._ts, self._inp, self._out, self._chains, self._tenants, self.block_size,
+                        tuple(self._intern), source)
 
 
 def _kvwarm_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -297,18 +344,9 @@ def read_kvwarm(path: str | Path, *, block_size: int | None = None, model: str =
         TraceError: unreadable file or a malformed row (named with its line and field).
     """
     path = Path(path)
-    size = 256 if block_size is None else int(block_size)
-    if size < 1:
-        raise TraceError(f"block size must be positive, got {block_size}")
-    intern: dict[str, int] = {}
-    roots: dict[str, KeyRoot] = {}
-    ts: list[float] = []
-    inp: list[int] = []
-    out: list[int] = []
-    chains: list[list[int]] = []
-    tenants: list[str] = []
+    built = TraceBuilder(256 if block_size is None else int(block_size), model=model)
     for where, row in _kvwarm_rows(path):
-        ts.append(_number(row, "timestamp", where))
+        t = _number(row, "timestamp", where)
         tenant = row.get("tenant")
         if not isinstance(tenant, str) or not tenant:
             raise TraceError(f"{where}: field 'tenant' must be a non-empty string, got {tenant!r}")
@@ -322,13 +360,12 @@ def read_kvwarm(path: str | Path, *, block_size: int | None = None, model: str =
                 isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in tokens
             ):
                 raise TraceError(f"{where}: field 'token_ids' must be a list of integers in [0, 2**32)")
-            if tenant not in roots:
-                try:
-                    roots[tenant] = simulation_root(tenant, size, model=model)
-                except ValueError as exc:
-                    raise TraceError(f"{where}: field 'tenant': {exc}") from exc
             try:
-                keys = block_keys(roots[tenant], tokens)
+                root = built.root(tenant)
+            except ValueError as exc:
+                raise TraceError(f"{where}: field 'tenant': {exc}") from exc
+            try:
+                keys = block_keys(root, tokens)
             except ValueError as exc:
                 raise TraceError(f"{where}: field 'token_ids': {exc}") from exc
             n_tokens = len(tokens)
@@ -340,12 +377,11 @@ def read_kvwarm(path: str | Path, *, block_size: int | None = None, model: str =
                     check_key(k)
                 except ValueError as exc:
                     raise TraceError(f"{where}: field 'block_keys': {exc}") from exc
-            n_tokens = len(keys) * size
-        chains.append([intern.setdefault(k, len(intern)) for k in keys])
-        inp.append(_int(row, "input_tokens", where) if row.get("input_tokens") is not None else n_tokens)
-        out.append(_int(row, "output_tokens", where) if row.get("output_tokens") is not None else 0)
-        tenants.append(tenant)
-    return _assemble(ts, inp, out, chains, tenants, size, tuple(intern), path)
+            n_tokens = len(keys) * built.block_size
+        built.add(t, tenant, keys,
+                  _int(row, "input_tokens", where) if row.get("input_tokens") is not None else n_tokens,
+                  _int(row, "output_tokens", where) if row.get("output_tokens") is not None else 0)
+    return built.build(path)
 
 
 def read_trace(path: str | Path, fmt: str = "mooncake", *, block_size: int | None = None,

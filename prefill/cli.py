@@ -30,7 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     from forecasting.cli import add_simulate_command
 
     add_warm_command(sub)
-    add_simulate_command(sub)
+    from prefill.models import load_tokenizer
+
+    add_simulate_command(sub, load_tokenizer=load_tokenizer)
     add_demo_command(sub)
     add_report_command(sub)
     return parser

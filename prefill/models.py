@@ -262,3 +262,10 @@ def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype: str | torch.dtype = 
     chat_identity = identity_from_dir(path, chat=True) if getattr(tokenizer, "chat_template", None) else None
     return LoadedModel(name=name_or_path, path=path, model=model, tokenizer=tokenizer, config=model.config,
                        identity=identity, chat_identity=chat_identity, device=dev, dtype=dtype)
+
+
+def load_tokenizer(name_or_path: str = DEFAULT_MODEL) -> Any:
+    """The tokenizer of a model (built-in, local directory or hub id), without loading its weights."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve(name_or_path))

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pandas as pd
@@ -119,5 +120,11 @@ def test_the_demo_replays_the_planned_period_through_the_loader(prefect_harness,
     what = out["whatif"]
     assert what["cold_lru"] == pytest.approx(rep["cold_cached_tokens"] / rep["prompt_tokens"])
     assert what["cold_lru"] <= what["plan"] <= what["best"] and what["plan_blocks"] > 0
-    assert "what-if, a 256-block prefix cache" in text and "--plan" in what["command"]
-    assert (tmp_path / "store" / "_flows" / "demo" / "trace.jsonl").exists()
+    assert "what-if, a 256-block prefix cache" in text and f"rerun: {what['command']}" in text
+    # The printed command reruns it from the logs themselves, to the same figures.
+    from prefill.cli import main
+
+    assert main(shlex.split(what["command"])[1:] + ["--policy", "lru,lru+plan", "--json"]) == 0
+    rows = {r["policy"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]}
+    assert rows["lru"]["hit_rate"] == pytest.approx(what["cold_lru"])
+    assert rows["lru+plan"]["hit_rate"] == pytest.approx(what["plan"])
