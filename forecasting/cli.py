@@ -82,10 +82,14 @@ def add_simulate_command(sub: Any, load_tokenizer: Callable[[str], Tokenizer] | 
                    help="reuse horizon of the predictor, s (default %(default)s)")
     p.add_argument("--tau", type=float, default=PredictorConfig.tau_s,
                    help="recency scale of retention priorities, s (default %(default)s)")
-    p.add_argument("--s-per-token", type=float, default=CostModel.s_per_token,
-                   help="prefill seconds per token, linear term (default %(default)s)")
-    p.add_argument("--s-per-token-pair", type=float, default=CostModel.s_per_token_pair,
-                   help="prefill seconds per attention token pair, quadratic term (default %(default)s)")
+    p.add_argument("--s-per-token", type=float,
+                   help=f"prefill seconds per token, linear term (default {CostModel.s_per_token}: an 8B model "
+                        "on an H200)")
+    p.add_argument("--s-per-token-pair", type=float,
+                   help=f"prefill seconds per attention token pair, quadratic term (default "
+                        f"{CostModel.s_per_token_pair})")
+    p.add_argument("--cost-from", help="fit both prefill terms to a bench/prefill_bench.py --shape run's output "
+                                       "(its last line, JSON), e.g. bench/calibration/prefill-h200-8b.json")
     p.add_argument("--plots", help="directory to write a PNG of per-minute hit rates to")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=run_simulate, load_tokenizer=load_tokenizer)
@@ -119,6 +123,36 @@ def _read(args: argparse.Namespace) -> tuple[Trace, str]:
     return trace, f"; logs: {report.summary()}"
 
 
+def _bench_result(text: str) -> dict[str, Any]:
+    """A bench's JSON result: the whole text, or (a bench's captured output) its last line."""
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        lines = [line for line in text.splitlines() if line.strip()]
+        doc = json.loads(lines[-1]) if lines else None
+    if not isinstance(doc, dict):
+        raise ValueError("expected a JSON object")
+    return doc
+
+
+def _cost(args: argparse.Namespace) -> CostModel:
+    """The TTFT cost model: fitted to a prefill benchmark (--cost-from), or the given or default terms."""
+    if args.cost_from:
+        if args.s_per_token is not None or args.s_per_token_pair is not None:
+            raise ValueError("give --cost-from or --s-per-token/--s-per-token-pair, not both")
+        try:
+            doc = _bench_result(Path(args.cost_from).read_text())
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--cost-from {args.cost_from}: cannot read a JSON result from it ({exc})") from None
+        try:
+            return CostModel.from_prefill_bench(doc)
+        except ValueError as exc:
+            raise ValueError(f"--cost-from {args.cost_from}: {exc}") from None
+    default = CostModel()
+    return CostModel(default.s_per_token if args.s_per_token is None else args.s_per_token,
+                     default.s_per_token_pair if args.s_per_token_pair is None else args.s_per_token_pair)
+
+
 def _check_plotting() -> None:
     """Fail before the replay, not after it, when --plots cannot be honoured."""
     try:
@@ -145,7 +179,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         scenario = Scenario(args.scenario, _event_time(args.at, trace.duration_s), args.window, args.share,
                             args.seed, args.lookback, recovery_fraction=args.recovery)
         predictor = PredictorConfig(horizon_s=args.horizon, tau_s=args.tau)
-        cost = CostModel(args.s_per_token, args.s_per_token_pair)
+        cost = _cost(args)
         index = BlockIndex.build(trace)
         planned = plan_blocks(index, read_plan(args.plan)) if args.plan else None
         result = simulate(index, capacity, scenario, _policies(args), predictor=predictor, cost=cost,

@@ -66,6 +66,51 @@ def test_cost_model_saves_linear_and_quadratic_time() -> None:
     assert r.ttft_saved_mean_s == pytest.approx(r.ttft_saved_s / 2)
 
 
+CALIBRATION = Path(__file__).resolve().parents[2] / "bench" / "calibration" / "prefill-h200-8b.json"
+
+
+def test_cost_model_is_fitted_to_the_prefill_bench() -> None:
+    # Exact on two lengths: t = a n + b n (n + 1) / 2.
+    truth = CostModel(2e-5, 1e-9)
+    points = [(n, float(truth.prefill_s(np.array([n]))[0])) for n in (1024, 4096, 16384)]
+    fitted = CostModel.fit(points)
+    assert fitted.s_per_token == pytest.approx(2e-5) and fitted.s_per_token_pair == pytest.approx(1e-9)
+    # One length cannot separate the terms: all of it goes to the linear one.
+    assert CostModel.fit([(1000, 0.05)]) == CostModel(5e-5, 0.0)
+    # Time per token falling with length would need a negative attention term: linear only.
+    assert CostModel.fit([(1000, 0.05), (4000, 0.1)]).s_per_token_pair == 0.0
+    with pytest.raises(ValueError, match="all positive"):
+        CostModel.fit([(0, 1.0)])
+    # The defaults are the fit of the H200 run that ships with the bench.
+    h200 = CostModel.from_prefill_bench(json.loads(CALIBRATION.read_text()))
+    assert h200.s_per_token == pytest.approx(CostModel().s_per_token, rel=1e-3)
+    assert h200.s_per_token_pair == pytest.approx(CostModel().s_per_token_pair, rel=1e-3)
+    assert 8192 / h200.prefill_s(np.array([8192]))[0] == pytest.approx(31298, rel=1e-3)
+    with pytest.raises(ValueError, match="no by_tokens figures"):
+        CostModel.from_prefill_bench({"prefill": {"forward_tokens_per_s": 400.0}})
+
+
+def test_simulate_command_takes_its_cost_model_from_a_bench_result(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["simulate", "--trace", str(MOONCAKE), "--capacity-blocks", "512", "--policy", "lru", "--json"]
+    rc, out, _ = _run(base, capsys)
+    default = json.loads(out.strip().splitlines()[-1])["rows"][0]
+    # A captured run of the bench (progress lines, then the JSON) twice as fast as the H200's figures.
+    doc = json.loads(CALIBRATION.read_text())
+    for r in doc["by_tokens"].values():
+        r["prefill"]["forward_tokens_per_s"] *= 2
+    log = tmp_path / "prefill_bench.log"
+    log.write_text("8b: 8030M parameters\n2048 tokens: ...\n" + json.dumps(doc) + "\n")
+    rc, out, _ = _run(base + ["--cost-from", str(log)], capsys)
+    fast = json.loads(out.strip().splitlines()[-1])["rows"][0]
+    assert rc == 0 and fast["ttft_saved_s"] == pytest.approx(default["ttft_saved_s"] / 2, rel=1e-3)
+    rc, _, err = _run(base + ["--cost-from", str(log), "--s-per-token", "1e-4"], capsys)
+    assert rc == 2 and "not both" in err
+    log.write_text("no json here\n")
+    rc, _, err = _run(base + ["--cost-from", str(log)], capsys)
+    assert rc == 2 and "cannot read a JSON result" in err
+
+
 def test_policy_and_scenario_arguments_are_checked(mooncake: BlockIndex) -> None:
     assert Policy.parse("retention+kvwarm") == Policy("retention", "kvwarm")
     assert Policy.parse("lru").name == "lru"
