@@ -171,7 +171,7 @@ def plan_blocks(index: BlockIndex, plan: Plan, *, model: str = "simulate") -> np
     """
     names = index.trace.key_names
     if names is None:
-        raise ValueError("a plan prewarm needs a kvwarm-format trace (--format kvwarm): "
+        raise ValueError("a plan prewarm needs a trace with block keys (--format kvwarm or logs): "
                          "this trace has no block keys to match the plan's prefixes against")
     dense = {names[int(orig)]: i for i, orig in enumerate(index.original)}
     roots: dict[str, KeyRoot] = {}

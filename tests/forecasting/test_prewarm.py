@@ -160,7 +160,7 @@ def test_plan_blocks_find_serving_keys_by_prefix_id(tmp_path: Path) -> None:
 
 
 def test_plan_blocks_need_block_keys_and_token_ids(hand: BlockIndex, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="kvwarm-format trace"):
+    with pytest.raises(ValueError, match="needs a trace with block keys"):
         plan_blocks(hand, Plan((PlanEntry("a", token_ids=(1, 2)),)))
     index = BlockIndex.build(read_kvwarm(_kvwarm_log(tmp_path, [{"timestamp": 0, "tenant": "a",
                                                                  "token_ids": [1, 2]}]), block_size=2))

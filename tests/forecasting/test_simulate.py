@@ -281,4 +281,4 @@ def test_plan_prewarm_replays_the_pipelines_plan(tmp_path: Path, capsys: pytest.
     assert rc == 2 and "nope.json' does not exist" in err
     rc, _, err = _run(["simulate", "--trace", str(MOONCAKE), "--capacity-blocks", "8", "--scenario", "restart",
                        "--plan", str(plan)], capsys)
-    assert rc == 2 and "needs a kvwarm-format trace" in err
+    assert rc == 2 and "needs a trace with block keys" in err
