@@ -201,6 +201,8 @@ class PolicyResult:
     prefill_tokens_saved: int
     ttft_saved_s: float
     ttft_saved_mean_s: float
+    ttft_p50_s: float
+    ttft_p99_s: float
     prewarm_blocks: int
     warmup_precision: float | None
     warmup_recall: float | None
@@ -235,7 +237,7 @@ class SimResult:
     def table(self) -> str:
         """A plain-text table, one line per policy."""
         head = (f"{'policy':<20}{'hit%':>7}{'excl0%':>8}{'1st-min%':>9}{'recover':>8}"
-                f"{'saved tok':>12}{'TTFT s':>10}{'prec%':>7}{'rec%':>7}")
+                f"{'saved tok':>12}{'TTFT s':>10}{'p99 s':>7}{'prec%':>7}{'rec%':>7}")
         lines = [head]
         for r in ([self.reference] if self.reference else []) + list(self.rows):
             rec = "-" if r.minutes_to_recover is None else f"{r.minutes_to_recover:g}"
@@ -243,7 +245,7 @@ class SimResult:
             recall = "-" if r.warmup_recall is None else f"{100 * r.warmup_recall:.1f}"
             lines.append(f"{r.policy:<20}{100 * r.hit_rate:>7.1f}{100 * r.hit_rate_excl_root:>8.1f}"
                          f"{100 * r.first_bucket_hit_rate_excl_root:>9.1f}{rec:>8}{r.prefill_tokens_saved:>12,}"
-                         f"{r.ttft_saved_s:>10.1f}{prec:>7}{recall:>7}")
+                         f"{r.ttft_saved_s:>10.1f}{r.ttft_p99_s:>7.2f}{prec:>7}{recall:>7}")
         return "\n".join(lines)
 
 
@@ -335,6 +337,8 @@ def _measure(name: str, index: BlockIndex, rows: np.ndarray, hits: np.ndarray, s
         possible = int((used & seen).sum())
         recall = good / possible if possible else 0.0
     saved = cost.saved_s(hit_tok)
+    ttft = cost.prefill_s(total) - saved  # the uncached suffix's prefill; no queueing
+    p50, p99 = np.percentile(ttft, [50, 99]) if len(ttft) else (0.0, 0.0)
     return PolicyResult(
         policy=name, requests=len(rows), tokens=int(total.sum()), hit_tokens=int(hit_tok.sum()),
         hit_rate=float(hit_tok.sum() / max(total.sum(), 1)),
@@ -342,6 +346,7 @@ def _measure(name: str, index: BlockIndex, rows: np.ndarray, hits: np.ndarray, s
         first_bucket_hit_rate_excl_root=float(rates[0]) if n_buckets else 0.0,
         minutes_to_recover=recover, prefill_tokens_saved=int(hit_tok.sum()),
         ttft_saved_s=float(saved.sum()), ttft_saved_mean_s=float(saved.mean()) if len(saved) else 0.0,
+        ttft_p50_s=float(p50), ttft_p99_s=float(p99),
         prewarm_blocks=0 if prewarmed is None else len(prewarmed), warmup_precision=precision,
         warmup_recall=recall, per_bucket=per_bucket, seconds=seconds,
     )

@@ -64,6 +64,9 @@ def test_cost_model_saves_linear_and_quadratic_time() -> None:
     r = simulate(index, 8, Scenario("steady"), ["lru"], cost=cost).row("lru")
     assert r.hit_tokens == 200 and r.ttft_saved_s == pytest.approx(float(cost.saved_s(np.array([200]))[0]))
     assert r.ttft_saved_mean_s == pytest.approx(r.ttft_saved_s / 2)
+    # Time to first token: the first request prefills all 200 tokens, the second none.
+    full = float(cost.prefill_s(np.array([200]))[0])
+    assert r.ttft_p50_s == pytest.approx(full / 2) and r.ttft_p99_s == pytest.approx(0.99 * full)
 
 
 CALIBRATION = Path(__file__).resolve().parents[2] / "bench" / "calibration" / "prefill-h200-8b.json"
