@@ -27,6 +27,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows import partitions
 from flows import report as reports
+from flows import similarity as similarities
 from flows.scheduling import schedule_prefill_task
 from flows.tasks import (FlowInputError, check_bucket, flow_config, forecast_task, gc_task, kv_bytes_per_token,
                          list_partitions_task, load_demand, load_model_task, mine_task, need, plan_task, prefill_task,
@@ -67,8 +68,11 @@ def mine_logs(logs: str, store: str, run: str, config_path: str | None = None, m
     merged and mined once, so the demand is exactly what one partition gives: candidate
     prefixes need every request's count, and the MinHash families need every prompt.
 
-    Returns the demand directory. Malformed log rows go to ``quarantine`` (default
-    ``<run>/quarantine.jsonl``); ``mine.json`` records each partition and where it ran.
+    Families group prompts at the MinHash LSH threshold ``similarity`` when given, else
+    the last measured run's threshold adapted by its hit rate, else the config's
+    (:mod:`flows.similarity`). Returns the demand directory. Malformed log rows go to
+    ``quarantine`` (default ``<run>/quarantine.jsonl``); ``mine.json`` records each
+    partition and where it ran, and the threshold with where it came from.
     """
     out = run_dir(store, run)
     config = flow_config(config_path, block_size)
@@ -86,12 +90,15 @@ def mine_logs(logs: str, store: str, run: str, config_path: str | None = None, m
         raise FlowInputError(f"the logs {logs!r} hold no usable request in [{start or 'first'}, {end or 'last'}): "
                              f"{merged.report.summary()}. Fix the rows listed in {qpath} (each with its reason) "
                              f"or widen start/end")
-    demand = mine_task(merged.requests, loaded, config, k=k, bucket=bucket, similarity=similarity)
+    choice = similarities.choose_threshold(out, config.kv_cache.similarity_threshold, similarity)
+    get_run_logger().info(choice.describe())
+    demand = mine_task(merged.requests, loaded, config, k=k, bucket=bucket, similarity=choice.threshold)
     path = save_demand(demand, out / "demand")
     report = merged.report
     save_json({"logs": logs, "start": start, "end": end, "read": report.summary(),
                "rows_used": report.rows_used, "rows_quarantined": report.rows_quarantined,
                "prefixes": int(len(demand.prefixes)), "families": int(demand.families["unique_id"].nunique()),
+               "similarity": choice.as_dict(),
                "requests": float(demand.total["y"].sum()), "task_runner": task_runner,
                "partitions": [r.summary() for r in reads]}, out / "mine.json")
     get_run_logger().info("mined %d prefixes from %d requests in %d partition(s) on %s: %s", len(demand.prefixes),

@@ -128,3 +128,15 @@ def test_the_demo_replays_the_planned_period_through_the_loader(prefect_harness,
     rows = {r["policy"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]}
     assert rows["lru"]["hit_rate"] == pytest.approx(what["cold_lru"])
     assert rows["lru+plan"]["hit_rate"] == pytest.approx(what["plan"])
+    # The next run of this store adapts the LSH threshold by the hit rate the demo's loaders measured.
+    from flows.pipeline import mine_logs
+    from forecasting.families import adapt_threshold
+
+    store = f"file://{tmp_path / 'store'}"
+    first = json.loads((run_dir(store, "demo") / "mine.json").read_text())["similarity"]
+    assert first["source"] == "config" and first["threshold"] == 0.85
+    mine_logs(small_logs, store, "next")
+    chosen = json.loads((run_dir(store, "next") / "mine.json").read_text())["similarity"]
+    assert chosen["source"] == "adapted" and chosen["from_run"] == "demo"
+    assert chosen["hit_rate"] == pytest.approx(out["monitoring"]["cache_efficiency"]["request_hit_rate"])
+    assert chosen["threshold"] == pytest.approx(adapt_threshold(0.85, chosen["hit_rate"]))
