@@ -16,6 +16,7 @@ or Dask; :mod:`flows.partitions`) and mines their merged requests once.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -27,7 +28,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows import partitions
 from flows import report as reports
-from flows import similarity as similarities
+from flows import history
 from flows.scheduling import schedule_prefill_task
 from flows.tasks import (FlowInputError, check_bucket, flow_config, forecast_task, gc_task, kv_bytes_per_token,
                          list_partitions_task, load_demand, load_model_task, mine_task, need, plan_task, prefill_task,
@@ -70,7 +71,7 @@ def mine_logs(logs: str, store: str, run: str, config_path: str | None = None, m
 
     Families group prompts at the MinHash LSH threshold ``similarity`` when given, else
     the last measured run's threshold adapted by its hit rate, else the config's
-    (:mod:`flows.similarity`). Returns the demand directory. Malformed log rows go to
+    (:mod:`flows.history`). Returns the demand directory. Malformed log rows go to
     ``quarantine`` (default ``<run>/quarantine.jsonl``); ``mine.json`` records each
     partition and where it ran, and the threshold with where it came from.
     """
@@ -90,7 +91,7 @@ def mine_logs(logs: str, store: str, run: str, config_path: str | None = None, m
         raise FlowInputError(f"the logs {logs!r} hold no usable request in [{start or 'first'}, {end or 'last'}): "
                              f"{merged.report.summary()}. Fix the rows listed in {qpath} (each with its reason) "
                              f"or widen start/end")
-    choice = similarities.choose_threshold(out, config.kv_cache.similarity_threshold, similarity)
+    choice = history.choose_threshold(out, config.kv_cache.similarity_threshold, similarity)
     get_run_logger().info(choice.describe())
     demand = mine_task(merged.requests, loaded, config, k=k, bucket=bucket, similarity=choice.threshold)
     path = save_demand(demand, out / "demand")
@@ -126,10 +127,14 @@ def forecast_demand(store: str, run: str, horizon: int = 24, workers: int = 1, w
 
 @flow(name="plan-prewarm")
 def plan_prewarm(store: str, run: str, config_path: str | None = None, model: str = DEFAULT_MODEL,
-                 block_size: int | None = DEFAULT_BLOCK, prefill_tokens_per_s: float = 2000.0,
+                 block_size: int | None = DEFAULT_BLOCK, prefill_tokens_per_s: float | None = None,
                  budget_gpu_s: float = 3600.0, budget_store_bytes: float = float(1 << 30),
                  gpu_s_per_gib_hour: float = 0.5, schedule_prefill: str | None = None) -> str:
     """Choose what to prefill in the window; write ``plan.json``.
+
+    GPU seconds are budgeted at ``prefill_tokens_per_s``, else the rate the store's most
+    recent prefill of ``model`` measured, else 2,000 tokens/s (:func:`flows.history.
+    choose_prefill_rate`); the plan's ``extra.prefill_rate`` says which.
 
     ``schedule_prefill``: a deployment name (``prefill-plan/NAME``) to schedule at the
     window's start with ``run_deployment`` (see :mod:`flows.scheduling`: once per run and
@@ -142,9 +147,11 @@ def plan_prewarm(store: str, run: str, config_path: str | None = None, model: st
     fc = pd.read_parquet(need(out / "forecast.parquet", "forecast_demand"))
     window = json.loads(need(out / "window.json", "forecast_demand").read_text())
     bpt = kv_bytes_per_token(_model_config(model), config.kv_cache.compression)
-    plan = plan_task(demand, fc, window, config, model=model, tokens_per_s=prefill_tokens_per_s,
+    rate = history.choose_prefill_rate(out, model, prefill_tokens_per_s)
+    plan = plan_task(demand, fc, window, config, model=model, tokens_per_s=rate.tokens_per_s,
                      bytes_per_token=bpt, budget_gpu_s=budget_gpu_s, budget_store_bytes=budget_store_bytes,
                      gpu_s_per_gib_hour=gpu_s_per_gib_hour)
+    plan = dataclasses.replace(plan, extra={**plan.extra, "prefill_rate": rate.as_dict()})
     path = save_plan(plan, out / "plan.json")
     get_run_logger().info("planned %d prefixes (%s)", len(plan.entries), plan.extra)
     if schedule_prefill:
@@ -243,7 +250,7 @@ def report(store: str, run: str, extra: dict[str, Any] | None = None,
 def kvwarm_pipeline(logs: str, store: str, run: str | None = None, config_path: str | None = None,
                     model: str = DEFAULT_MODEL, block_size: int | None = DEFAULT_BLOCK, bucket: str = "1h", k: int = 3,
                     start: str | None = None, train_end: str | None = None, horizon: int = 24, workers: int = 1,
-                    window_hours: float = 3.0, offpeak_fraction: float = 0.6, prefill_tokens_per_s: float = 2000.0,
+                    window_hours: float = 3.0, offpeak_fraction: float = 0.6, prefill_tokens_per_s: float | None = None,
                     budget_gpu_s: float = 3600.0, budget_store_bytes: float = float(1 << 30),
                     gpu_s_per_gib_hour: float = 0.5, prefill: bool = True, gc: bool = True,
                     report_extra: dict[str, Any] | None = None, task_runner: str = "threads",

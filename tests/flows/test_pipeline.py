@@ -129,7 +129,7 @@ def test_the_demo_replays_the_planned_period_through_the_loader(prefect_harness,
     assert rows["lru"]["hit_rate"] == pytest.approx(what["cold_lru"])
     assert rows["lru+plan"]["hit_rate"] == pytest.approx(what["plan"])
     # The next run of this store adapts the LSH threshold by the hit rate the demo's loaders measured.
-    from flows.pipeline import mine_logs
+    from flows.pipeline import forecast_demand, mine_logs
     from forecasting.families import adapt_threshold
 
     store = f"file://{tmp_path / 'store'}"
@@ -140,3 +140,9 @@ def test_the_demo_replays_the_planned_period_through_the_loader(prefect_harness,
     assert chosen["source"] == "adapted" and chosen["from_run"] == "demo"
     assert chosen["hit_rate"] == pytest.approx(out["monitoring"]["cache_efficiency"]["request_hit_rate"])
     assert chosen["threshold"] == pytest.approx(adapt_threshold(0.85, chosen["hit_rate"]))
+    # ... and its planner budgets GPU seconds at the prefill rate the demo's prefill measured.
+    forecast_demand(store, "next")
+    plan_prewarm(store, "next")
+    rate = read_plan(run_dir(store, "next") / "plan.json").extra["prefill_rate"]
+    assert rate["source"] == "measured" and rate["from_run"] == "demo"
+    assert rate["tokens_per_s"] == pytest.approx(out["prefill"]["tokens_per_s"])

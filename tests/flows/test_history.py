@@ -1,4 +1,4 @@
-"""The LSH threshold across runs: pinned, adapted from the last measured run (the write-up's rule), or configured."""
+"""What earlier runs measured feeds the next: the LSH threshold (the write-up's rule) and the planner's prefill rate."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.similarity import choose_threshold
+from flows.history import DEFAULT_PREFILL_TOKENS_PER_S, choose_prefill_rate, choose_threshold
 
 
 def make_run(root: Path, name: str, *, threshold: float | None, hits: int | None = None, lookups: int = 100,
@@ -67,3 +67,32 @@ def test_runs_without_a_measurement_or_unreadable_are_passed_over(tmp_path: Path
     assert choice.as_dict()["skipped"] == list(choice.skipped)
     # The run being mined never adapts from itself (a rerun of a measured run).
     assert choose_threshold(flows / "measured", 0.85).from_run != "measured"
+
+
+def prefill_run(root: Path, name: str, *, model: str, rate: float, computed: int = 400, mtime: float,
+                report: str | None = None) -> Path:
+    """A run whose prefill measured ``rate`` tokens/s for ``model``."""
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "plan.json").write_text(json.dumps({"kvwarm_plan": 1, "model": model, "entries": []}))
+    (d / "prefill.json").write_text(report if report is not None else json.dumps(
+        {"tokens_per_s": rate, "tokens_computed": computed, "seconds": computed / max(rate, 1e-9)}))
+    os.utime(d / "prefill.json", (mtime, mtime))
+    return d
+
+
+def test_the_planner_budgets_with_the_last_measured_rate_of_the_same_model(tmp_path: Path) -> None:
+    flows = tmp_path / "_flows"
+    first = choose_prefill_rate(flows / "new", "kvwarm-tiny")
+    assert (first.tokens_per_s, first.source) == (DEFAULT_PREFILL_TOKENS_PER_S, "default")
+    prefill_run(flows, "old", model="kvwarm-tiny", rate=1800.0, mtime=1000)
+    prefill_run(flows, "newer", model="kvwarm-tiny", rate=2400.0, mtime=2000)
+    prefill_run(flows, "other-model", model="llama-8b", rate=30000.0, mtime=3000)
+    prefill_run(flows, "nothing-computed", model="kvwarm-tiny", rate=0.0, computed=0, mtime=4000)
+    prefill_run(flows, "broken", model="kvwarm-tiny", rate=0.0, mtime=5000, report="[1, 2]")
+    got = choose_prefill_rate(flows / "new", "kvwarm-tiny")
+    assert (got.tokens_per_s, got.source, got.from_run) == (2400.0, "measured", "newer")
+    assert [s.split(":")[0] for s in got.skipped] == ["broken"]
+    assert choose_prefill_rate(flows / "new", "llama-8b").tokens_per_s == 30000.0
+    assert choose_prefill_rate(flows / "new", "kvwarm-tiny", 5000.0).source == "parameter"
+    assert got.as_dict()["from_run"] == "newer"
