@@ -41,8 +41,15 @@ def _earlier(run_dir: Path, marker: str) -> list[Path]:
     root = run_dir.parent
     if not root.is_dir():
         return []
-    found = [d for d in root.iterdir() if d.is_dir() and d.name != run_dir.name and (d / marker).is_file()]
-    return sorted(found, key=lambda d: (d / marker).stat().st_mtime, reverse=True)
+    found: list[tuple[float, Path]] = []
+    for d in root.iterdir():
+        if d.name == run_dir.name:
+            continue
+        try:
+            found.append(((d / marker).stat().st_mtime, d))
+        except OSError:  # not a run of that stage (or removed meanwhile)
+            continue
+    return [d for _, d in sorted(found, key=lambda x: x[0], reverse=True)]
 
 
 @dataclass(frozen=True)
