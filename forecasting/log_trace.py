@@ -18,9 +18,9 @@ import numpy as np
 import pandas as pd
 
 from forecasting.logs import ReadReport, read_logs
-from forecasting.mining import Tokenizer, one_model, tokenize_requests
-from forecasting.traces import Trace, TraceBuilder, TraceError
-from store.keys import block_keys
+from forecasting.mining import Tokenizer, mine_text, one_model, tokenize_requests
+from forecasting.traces import Trace, TraceError, assemble, simulation_root
+from store.keys import tree_keys
 
 
 def trace_from_requests(requests: pd.DataFrame, *, block_size: int, model: str = "simulate",
@@ -28,37 +28,60 @@ def trace_from_requests(requests: pd.DataFrame, *, block_size: int, model: str =
     """A trace of ``requests`` (columns as :func:`forecasting.logs.read_logs` gives them).
 
     Rows with ``token_ids`` are keyed with :func:`~forecasting.traces.simulation_root`
-    of their tenant (full blocks of ``block_size`` tokens); rows with ``hash_ids`` (one
-    chained id per block) keep their ids, per tenant. The prompt length is
-    ``prompt_tokens`` when logged, else the token count (or ``block_size`` per hash id).
+    of their tenant (full blocks of ``block_size`` tokens). They are walked into prefix
+    trees the way mining walks them (:func:`forecasting.mining.mine_text`, vectorised)
+    and each distinct block is keyed once (:func:`store.keys.tree_keys`), so the cost
+    follows the distinct prefixes, not the requests. Rows with ``hash_ids`` (one chained
+    id per block) keep their ids, per tenant. The prompt length is ``prompt_tokens`` when
+    logged, else the token count (or ``block_size`` per hash id).
 
     Raises:
-        TraceError: no rows, a bad block size, or rows with prompt text only (tokenise
-            them first: :func:`forecasting.mining.tokenize_requests`).
+        TraceError: no rows, a bad block size or tenant, or rows with prompt text only
+            (tokenise them first: :func:`forecasting.mining.tokenize_requests`).
     """
-    built = TraceBuilder(block_size, model=model)
-    texts_only = 0
-    times = pd.to_datetime(requests["timestamp"]).to_numpy(dtype="datetime64[us]").astype(np.int64) / 1e6
-    col = {name: requests[name].tolist() if name in requests else [None] * len(requests)
-           for name in ("tenant", "token_ids", "hash_ids", "prompt_tokens", "output_tokens")}
-    for i, t in enumerate(times.tolist()):
-        tenant, tokens, hashes = col["tenant"][i], col["token_ids"][i], col["hash_ids"][i]
-        if tokens is not None:
-            keys = block_keys(built.root(tenant), tokens)
-            n_tokens = len(tokens)
-        elif hashes is not None:
-            keys = [f"{tenant}/{int(h)}" for h in hashes]
-            n_tokens = len(hashes) * block_size
-        else:
-            texts_only += 1
-            continue
-        logged, gen = col["prompt_tokens"][i], col["output_tokens"][i]
-        built.add(t, tenant, keys, n_tokens if logged is None or logged is pd.NA else int(logged),
-                  0 if gen is None or gen is pd.NA else int(gen))
+    if block_size < 1:
+        raise TraceError(f"block size must be positive, got {block_size}")
+    n = len(requests)
+    none = pd.Series([None] * n, index=requests.index, dtype=object)
+    tokens = requests["token_ids"] if "token_ids" in requests else none
+    hashes = requests["hash_ids"] if "hash_ids" in requests else none
+    has_tokens = tokens.notna().to_numpy()
+    has_hashes = ~has_tokens & hashes.notna().to_numpy()
+    texts_only = int(n - has_tokens.sum() - has_hashes.sum())
     if texts_only:
         raise TraceError(f"{source}: {texts_only} row(s) have prompt text only: pass the model whose tokenizer "
                          "wrote them (--model) to tokenise them")
-    return built.build(source)
+    tenants = requests["tenant"].astype(str).to_numpy()
+    chains: list[list[int]] = [[] for _ in range(n)]
+    names: list[str] = []
+    lengths = np.zeros(n, dtype=np.int64)
+    rows = np.flatnonzero(has_tokens)
+    if len(rows):
+        try:
+            roots = {t: simulation_root(t, block_size, model=model) for t in sorted(set(tenants[rows]))}
+        except ValueError as exc:
+            raise TraceError(f"{source}: field 'tenant': {exc}") from exc
+        part = pd.DataFrame({"timestamp": requests["timestamp"].to_numpy()[rows], "tenant": tenants[rows],
+                             "token_ids": tokens.to_numpy()[rows]})
+        tree = mine_text(part, None, roots)
+        starts = tree.seq_offsets[tree.rep_request] + (tree.depth.astype(np.int64) - 1) * block_size
+        blocks = tree.seq_values[starts[:, None] + np.arange(block_size)] if tree.n_nodes else np.zeros((0, block_size))
+        names = list(tree_keys(tree.parent, tree.roots, tree.node_tenant, blocks))
+        for k, i in enumerate(rows.tolist()):
+            chains[i] = tree.path_nodes[tree.offsets[k]:tree.offsets[k + 1]].tolist()
+        lengths[rows] = np.diff(tree.seq_offsets)
+    intern: dict[str, int] = {}
+    for i in np.flatnonzero(has_hashes).tolist():
+        ids = hashes.iat[i]
+        chains[i] = [intern.setdefault(f"{tenants[i]}/{int(h)}", len(names) + len(intern)) for h in ids]
+        lengths[i] = len(ids) * block_size
+    times = pd.to_datetime(requests["timestamp"]).to_numpy(dtype="datetime64[us]").astype(np.int64) / 1e6
+    logged = requests["prompt_tokens"] if "prompt_tokens" in requests else none
+    out = requests["output_tokens"] if "output_tokens" in requests else none
+    inp = np.where(logged.notna().to_numpy(), pd.to_numeric(logged, errors="coerce").fillna(0).to_numpy(), lengths)
+    gen = pd.to_numeric(out, errors="coerce").fillna(0).to_numpy()
+    return assemble(times.tolist(), inp.astype(np.int64).tolist(), gen.astype(np.int64).tolist(), chains,
+                    tenants.tolist(), block_size, tuple(names) + tuple(intern), source)
 
 
 def read_log_trace(source: str | Path, *, block_size: int, load_tokenizer: Callable[[str], Tokenizer] | None = None,

@@ -176,8 +176,7 @@ def mine_text(requests: pd.DataFrame, tokenizer: Tokenizer | None, roots: KeyRoo
         for i, toks in zip(idx, ids):
             seqs[i] = toks
     lengths = np.fromiter((0 if s is None else len(s) for s in seqs), dtype=np.int64, count=len(seqs))
-    flat = np.fromiter(itertools.chain.from_iterable(s for s in seqs if s is not None), dtype=np.uint32,
-                       count=int(lengths.sum()))
+    flat = _flat_tokens([s for s in seqs if s is not None], int(lengths.sum()))
     return _tree_from_tokens(_times_us(requests), codes, tenants, flat, lengths, block, tuple(root_list))
 
 
@@ -299,6 +298,20 @@ def bucket_counts(tree: PrefixTree, nodes: np.ndarray, bucket_us: int, start_us:
     flat = row_index[keep] * n_buckets + slot[row_request[keep]]
     per_node = np.bincount(flat, minlength=len(nodes) * n_buckets).astype(np.float64).reshape(len(nodes), n_buckets)
     return per_node, total
+
+
+def _flat_tokens(seqs: list[Any], total: int) -> np.ndarray:
+    """Every prompt's token ids end to end, as uint32 (arrays are joined in C, not element by element).
+
+    Raises:
+        MiningError: an id outside [0, 2**32).
+    """
+    if not total:
+        return np.zeros(0, dtype=np.uint32)
+    joined = np.concatenate([np.asarray(s) for s in seqs if len(s)])
+    if joined.dtype.kind not in "iu" or int(joined.min()) < 0 or int(joined.max()) > 2**32 - 1:
+        raise MiningError("token ids must be integers in [0, 2**32)")
+    return joined.astype(np.uint32, copy=False)
 
 
 def _tree_from_tokens(times: np.ndarray, codes: np.ndarray, tenants: tuple[str, ...], flat: np.ndarray,

@@ -124,11 +124,20 @@ def chain_key(parent: BlockKey, block_tokens: Sequence[int] | np.ndarray) -> Blo
 
 
 def _chain_key(parent: BlockKey, tok: bytes) -> BlockKey:
-    h = hashlib.sha256(_BLOCK_DOMAIN)
-    h.update(bytes.fromhex(parent))
+    return BlockKey(_chain_digest(bytes.fromhex(parent), tok).hex())
+
+
+#: SHA-256 with the block domain already absorbed: each block key starts from a copy.
+_BLOCK_HASH = hashlib.sha256(_BLOCK_DOMAIN)
+
+
+def _chain_digest(parent: bytes, tok: bytes) -> bytes:
+    """The raw digest of a block key: domain, parent key (raw), token count, token bytes."""
+    h = _BLOCK_HASH.copy()
+    h.update(parent)
     h.update(struct.pack("<I", len(tok) // 4))
     h.update(tok)
-    return BlockKey(h.hexdigest())
+    return h.digest()
 
 
 def tokens_digest(block_tokens: Sequence[int] | np.ndarray) -> str:
@@ -173,6 +182,32 @@ def block_chain(root: KeyRoot, token_ids: Sequence[int] | np.ndarray) -> list[Bl
 def block_keys(root: KeyRoot, token_ids: Sequence[int] | np.ndarray) -> list[BlockKey]:
     """Keys of the full blocks of ``token_ids`` (see :func:`block_chain`)."""
     return [b.key for b in block_chain(root, token_ids)]
+
+
+def tree_keys(parent: np.ndarray, roots: Sequence[KeyRoot], root_of: np.ndarray,
+              blocks: np.ndarray) -> list[BlockKey]:
+    """Keys of every node of a prefix tree, each the :func:`chain_key` of its parent's (or its root's).
+
+    Node ``i`` is the block of tokens ``blocks[i]`` under node ``parent[i]``, or, where
+    ``parent[i] < 0``, directly under ``roots[root_of[i]]``. Parents must be numbered
+    before their children (as :mod:`forecasting.block_paths` numbers them, depth by
+    depth). Equal to keying each node's prefix with :func:`block_keys`, in one pass.
+
+    Raises:
+        ValueError: a parent numbered after its child, or token ids outside [0, 2**32).
+    """
+    parent = np.asarray(parent, dtype=np.int64)
+    n = len(parent)
+    if n and np.any(parent >= np.arange(n)):
+        raise ValueError("tree_keys needs every parent numbered before its children")
+    blocks = np.asarray(blocks)
+    encoded = _token_bytes(blocks.reshape(-1)) if blocks.size else b""
+    width = 4 * (blocks.shape[1] if blocks.ndim == 2 else 0)
+    tops = [bytes.fromhex(root_key(r)) for r in roots]
+    raw: list[bytes] = []
+    for i, (p, r) in enumerate(zip(parent.tolist(), np.asarray(root_of).tolist())):
+        raw.append(_chain_digest(raw[p] if p >= 0 else tops[r], encoded[i * width:(i + 1) * width]))
+    return [BlockKey(d.hex()) for d in raw]
 
 
 def check_key(key: str) -> BlockKey:

@@ -111,6 +111,11 @@ def test_bad_inputs_raise_clear_errors(requests, tok) -> None:
     with pytest.raises(MiningError, match="pass model="):
         mine_text(two, tok, roots())
     assert mine_text(two, tok, roots(), model="other").n_requests == len(requests) // 2
+    one = requests.iloc[:3].assign(tenant="acme")
+    for bad in ([5, -1, 7], [5, 2**32, 7], [1.5, 2.0]):
+        rows = one.assign(token_ids=[np.array([1, 2]), bad, []])
+        with pytest.raises(MiningError, match=r"token ids must be integers in \[0, 2\*\*32\)"):
+            mine_text(rows, None, {"acme": roots()["acme"]})
 
 
 def test_candidates_keep_only_where_requests_part_ways() -> None:

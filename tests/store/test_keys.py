@@ -12,7 +12,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from store.keys import BlockKey, KeyRoot, block_chain, block_keys, chain_key, check_key, root_key, tokens_digest
+from store.keys import (
+    BlockKey,
+    KeyRoot,
+    block_chain,
+    block_keys,
+    chain_key,
+    check_key,
+    root_key,
+    tokens_digest,
+    tree_keys,
+)
 from store.tenant import PUBLIC_TENANT, Tenant
 
 REPO = Path(__file__).resolve().parents[2]
@@ -154,3 +164,21 @@ def test_block_chain_keys_each_block_as_chain_key_does_and_refuses_bad_ids_anywh
         block_chain(root, ids[:8] + [-1])  # a bad id in the partial tail is still bad input
     with pytest.raises(ValueError, match="token ids"):
         block_chain(root, [-1])
+
+
+def test_tree_keys_equal_keying_each_prefix() -> None:
+    rng = np.random.default_rng(3)
+    roots = [KeyRoot("m", "t", "fp8_e4m3", "s", 4, b"a" * 16), KeyRoot("m", "t", "fp8_e4m3", "s", 4, b"b" * 16)]
+    # Two tenants' trees, parents numbered first: 0 <- 2 <- 4, 0 <- 3, and 1 <- 5 under the second root.
+    parent = np.array([-1, -1, 0, 0, 2, 1])
+    root_of = np.array([0, 1, 0, 0, 0, 1])
+    blocks = rng.integers(0, 2**32, size=(6, 4), dtype=np.uint64)
+    keys = tree_keys(parent, roots, root_of, blocks)
+    for node, path in {4: [0, 2, 4], 3: [0, 3], 5: [1, 5]}.items():
+        tokens = np.concatenate([blocks[i] for i in path])
+        assert keys[node] == block_keys(roots[root_of[node]], tokens)[-1]
+    assert keys[0] != keys[1]  # same position, other tenant's salt
+    with pytest.raises(ValueError, match="parent numbered before"):
+        tree_keys(np.array([1, -1]), roots, np.array([0, 0]), blocks[:2])
+    with pytest.raises(ValueError, match=r"\[0, 2\*\*32\)"):
+        tree_keys(np.array([-1]), roots, np.array([0]), np.array([[-1, 0, 0, 0]]))
