@@ -224,7 +224,10 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
     in_period = observed.series[(observed.series["ds"] >= we) & (observed.series["ds"] < period_end)]
     total_in_period = float(observed.total.loc[(observed.total["ds"] >= we) & (observed.total["ds"] < period_end), "y"].sum())
     acc = warmup_accuracy(plan, in_period, total_requests=total_in_period)
-    rate = float(prefill.get("tokens_per_s") or 0.0)
+    rate, rate_from = float(prefill.get("tokens_per_s") or 0.0), "measured"
+    budget = plan.extra.get("prefill_rate", {})
+    if rate <= 0 and budget.get("source") == "measured":  # everything was stored already: nothing to time
+        rate, rate_from = float(budget["tokens_per_s"]), f"run {budget['from_run']}'s measured"
     saved_s = rep["cached_tokens"] / rate if rate > 0 else float("nan")
     actual_prefix = {e.prefix_id: [[str(d), float(y)] for d, y in
                                    observed.series.loc[observed.series["unique_id"] == e.prefix_id, ["ds", "y"]].itertuples(index=False)]
@@ -254,6 +257,11 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
     print(f"  prefill window {ws:%Y-%m-%d %H:%M} to {we:%H:%M} UTC; plan: {len(plan.entries)} prefixes, "
           f"{prefill.get('blocks_written', 0)} blocks written ({prefill.get('tokens_computed', 0)} tokens at "
           f"{rate:.0f} tokens/s)")
+    mined = json.loads((out / "mine.json").read_text()).get("similarity", {})
+    print(f"  families at LSH threshold {mined.get('threshold', float('nan')):.3g} ({mined.get('source', '?')}"
+          f"{', from run ' + mined['from_run'] if mined.get('from_run') else ''}); GPU budget at "
+          f"{budget.get('tokens_per_s', float('nan')):.0f} prefill tokens/s ({budget.get('source', '?')}"
+          f"{', from run ' + budget['from_run'] if budget.get('from_run') else ''})")
     print(f"  replay {we:%m-%d %H:%M} to {period_end:%m-%d %H:%M} (the snapshots' TTL): {rep['requests']} requests")
     print(f"  hit rate: {rep['requests_hit']}/{rep['requests']} requests ({rep['request_hit_rate']:.1%}) got a hit; "
           f"{rep['cached_tokens']}/{rep['prompt_tokens']} prompt tokens served from cache ({rep['token_hit_rate']:.1%}); "
@@ -263,7 +271,7 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
         print(f"    {tenant}: {t['hits']}/{t['requests']} requests hit, {t['cached_tokens']}/{t['prompt_tokens']} tokens")
     print(f"  warm-up accuracy: precision {acc.precision:.2f} (planned prefixes used), "
           f"recall {acc.recall:.2f} (requests that began with a planned prefix)")
-    print(f"  TTFT saved: {rep['cached_tokens']} prefill tokens = {saved_s:.2f} s of prefill at the measured "
+    print(f"  TTFT saved: {rep['cached_tokens']} prefill tokens = {saved_s:.2f} s of prefill at the {rate_from} "
           f"{rate:.0f} tokens/s")
     print(f"  what-if, a {what['capacity_blocks']}-block prefix cache restarted at {we:%H:%M} (prefill simulate): "
           f"cold LRU {what['cold_lru']:.1%}, prewarmed with the plan {what['plan']:.1%} ({what['plan_blocks']} blocks, "

@@ -16,6 +16,7 @@ table artifact, and :func:`markdown` renders them as a table.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -27,6 +28,8 @@ from prefill.report_cli import format_value, rows_of
 
 #: where a run keeps the serving loaders' stats dumps (``KVLoader.stats()`` as JSON, one per loader)
 LOADER_STATS_DIR = "loader_stats"
+#: a nested field of the report up to this long is shown inline in the markdown artifact
+MARKDOWN_INLINE_CHARS = 200
 #: columns of the per-request replay outcomes :func:`replay_buckets` reads
 OUTCOME_COLUMNS = ("timestamp", "tenant", "prompt_tokens", "cached_tokens", "cold_cached_tokens", "planned")
 
@@ -268,7 +271,8 @@ def markdown(summary: Mapping[str, Any]) -> str:
         lines += [f"## {section}", "", "| key | value |", "|---|---|"]
         for key, value in body.items():
             if isinstance(value, (list, dict)):
-                value = f"{len(value)} item(s)"
+                text = json.dumps(value, default=str, separators=(", ", ": "))
+                value = f"`{text}`" if len(text) <= MARKDOWN_INLINE_CHARS else f"{len(value)} item(s)"
             lines.append(f"| {key} | {value} |")
         lines.append("")
     return "\n".join(lines)

@@ -90,6 +90,11 @@ def test_markdown_renders_the_families_as_one_table(tmp_path) -> None:
     assert "| security_audit | refused_cross_tenant | 2 |" in text
     assert "| economics | cost_per_1k_requests_warm | 0.15 |" in text
     assert "| entries | 2 |" in text  # other sections as before
+    # Small nested fields are shown inline; long ones are counted.
+    text = reports.markdown({"run": "r1", "mine": {"similarity": {"threshold": 0.935, "source": "adapted"},
+                                                   "partitions": [f"part-{i}: " + "x" * 40 for i in range(9)]}})
+    assert '| similarity | `{"threshold": 0.935, "source": "adapted"}` |' in text
+    assert "| partitions | 9 item(s) |" in text
 
 
 def test_the_families_are_published_as_a_table_artifact(prefect_harness, tmp_path) -> None:
