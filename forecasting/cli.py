@@ -166,6 +166,8 @@ def run_simulate(args: argparse.Namespace) -> int:
     try:
         if args.plots:
             _check_plotting()
+        cost = _cost(args)  # the cheap arguments first: a bad one fails before the trace is read
+        plan = read_plan(args.plan) if args.plan else None
         trace, read_note = _read(args)
         if args.capacity_blocks is not None:
             capacity = args.capacity_blocks
@@ -179,9 +181,8 @@ def run_simulate(args: argparse.Namespace) -> int:
         scenario = Scenario(args.scenario, _event_time(args.at, trace.duration_s), args.window, args.share,
                             args.seed, args.lookback, recovery_fraction=args.recovery)
         predictor = PredictorConfig(horizon_s=args.horizon, tau_s=args.tau)
-        cost = _cost(args)
         index = BlockIndex.build(trace)
-        planned = plan_blocks(index, read_plan(args.plan)) if args.plan else None
+        planned = plan_blocks(index, plan) if plan is not None else None
         result = simulate(index, capacity, scenario, _policies(args), predictor=predictor, cost=cost,
                           plan_blocks=planned)
         plot_path = None
