@@ -237,7 +237,7 @@ class SimResult:
     def table(self) -> str:
         """A plain-text table, one line per policy."""
         head = (f"{'policy':<20}{'hit%':>7}{'excl0%':>8}{'1st-min%':>9}{'recover':>8}"
-                f"{'saved tok':>12}{'TTFT s':>10}{'p99 s':>7}{'prec%':>7}{'rec%':>7}")
+                f"{'saved tok':>12}{'TTFT s':>10}{'p99 ms':>9}{'prec%':>7}{'rec%':>7}")
         lines = [head]
         for r in ([self.reference] if self.reference else []) + list(self.rows):
             rec = "-" if r.minutes_to_recover is None else f"{r.minutes_to_recover:g}"
@@ -245,7 +245,7 @@ class SimResult:
             recall = "-" if r.warmup_recall is None else f"{100 * r.warmup_recall:.1f}"
             lines.append(f"{r.policy:<20}{100 * r.hit_rate:>7.1f}{100 * r.hit_rate_excl_root:>8.1f}"
                          f"{100 * r.first_bucket_hit_rate_excl_root:>9.1f}{rec:>8}{r.prefill_tokens_saved:>12,}"
-                         f"{r.ttft_saved_s:>10.1f}{r.ttft_p99_s:>7.2f}{prec:>7}{recall:>7}")
+                         f"{r.ttft_saved_s:>10.1f}{1e3 * r.ttft_p99_s:>9.1f}{prec:>7}{recall:>7}")
         return "\n".join(lines)
 
 
