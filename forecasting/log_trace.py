@@ -20,7 +20,6 @@ import pandas as pd
 from forecasting.logs import ReadReport, read_logs
 from forecasting.mining import Tokenizer, mine_text, one_model, tokenize_requests
 from forecasting.traces import Trace, TraceError, assemble, simulation_root
-from store.keys import tree_keys
 
 
 def trace_from_requests(requests: pd.DataFrame, *, block_size: int, model: str = "simulate",
@@ -30,7 +29,7 @@ def trace_from_requests(requests: pd.DataFrame, *, block_size: int, model: str =
     Rows with ``token_ids`` are keyed with :func:`~forecasting.traces.simulation_root`
     of their tenant (full blocks of ``block_size`` tokens). They are walked into prefix
     trees the way mining walks them (:func:`forecasting.mining.mine_text`, vectorised)
-    and each distinct block is keyed once (:func:`store.keys.tree_keys`), so the cost
+    and each distinct block is keyed once (:meth:`~forecasting.mining.PrefixTree.all_node_keys`), so the cost
     follows the distinct prefixes, not the requests. Rows with ``hash_ids`` (one chained
     id per block) keep their ids, per tenant. The prompt length is ``prompt_tokens`` when
     logged, else the token count (or ``block_size`` per hash id).
@@ -64,9 +63,7 @@ def trace_from_requests(requests: pd.DataFrame, *, block_size: int, model: str =
         part = pd.DataFrame({"timestamp": requests["timestamp"].to_numpy()[rows], "tenant": tenants[rows],
                              "token_ids": tokens.to_numpy()[rows]})
         tree = mine_text(part, None, roots)
-        starts = tree.seq_offsets[tree.rep_request] + (tree.depth.astype(np.int64) - 1) * block_size
-        blocks = tree.seq_values[starts[:, None] + np.arange(block_size)] if tree.n_nodes else np.zeros((0, block_size))
-        names = list(tree_keys(tree.parent, tree.roots, tree.node_tenant, blocks))
+        names = tree.all_node_keys()
         for k, i in enumerate(rows.tolist()):
             chains[i] = tree.path_nodes[tree.offsets[k]:tree.offsets[k + 1]].tolist()
         lengths[rows] = np.diff(tree.seq_offsets)

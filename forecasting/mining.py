@@ -30,7 +30,7 @@ import pandas as pd
 
 from forecasting.block_paths import build_paths, chained_paths, content_ids
 from forecasting.traces import Trace
-from store.keys import BlockKey, KeyRoot, chain_key, root_key
+from store.keys import BlockKey, KeyRoot, chain_key, root_key, tree_keys
 
 #: ``tokenizer(texts, add_special_tokens=False)["input_ids"]``: a HF PreTrainedTokenizerFast fits.
 Tokenizer = Callable[..., Mapping[str, Sequence[Sequence[int]]]]
@@ -113,6 +113,18 @@ class PrefixTree:
         memo: dict[int, str] = {}
         return [self._key(int(n), memo) for n in nodes]
 
+    def all_node_keys(self) -> list[str]:
+        """Every node's store key (a ``tokens`` tree), each computed once, parents first (:func:`store.keys.tree_keys`).
+
+        Raises:
+            MiningError: a ``hash_ids`` tree (its nodes have no store keys).
+        """
+        if self.unit != "tokens":
+            raise MiningError("only a tree of token ids has store keys for every node")
+        starts = self.seq_offsets[self.rep_request] + (self.depth.astype(np.int64) - 1) * self.block_size
+        blocks = self.seq_values[starts[:, None] + np.arange(self.block_size)]
+        return tree_keys(self.parent, [self._root_of(c) for c in range(len(self.tenants))], self.node_tenant, blocks)
+
     def _key(self, node: int, memo: dict[int, str]) -> str:
         if self.unit == "hash_ids":
             # The whole path of ids in one digest: stable across runs, no ancestor chain needed.
@@ -131,9 +143,12 @@ class PrefixTree:
         return memo[chain[0]] if chain else memo[node]
 
     def _root(self, node: int) -> KeyRoot:
-        root = self.roots[int(self.node_tenant[node])]
+        return self._root_of(int(self.node_tenant[node]))
+
+    def _root_of(self, code: int) -> KeyRoot:
+        root = self.roots[code] if code < len(self.roots) else None
         if root is None:
-            raise MiningError(f"no KeyRoot for tenant {self.tenants[self.node_tenant[node]]!r}")
+            raise MiningError(f"no KeyRoot for tenant {self.tenants[code]!r}")
         return root
 
 

@@ -19,7 +19,7 @@ import numpy as np
 
 from forecasting.replay import NEVER, BlockIndex, PredictorConfig, ReusePredictor
 from forecasting.traces import simulation_root
-from store.keys import KeyRoot, block_keys
+from store.keys import block_keys
 from store.plan import Plan
 
 
@@ -174,7 +174,6 @@ def plan_blocks(index: BlockIndex, plan: Plan, *, model: str = "simulate") -> np
         raise ValueError("a plan prewarm needs a trace with block keys (--format kvwarm or logs): "
                          "this trace has no block keys to match the plan's prefixes against")
     dense = {names[int(orig)]: i for i, orig in enumerate(index.original)}
-    roots: dict[str, KeyRoot] = {}
     order: dict[int, None] = {}
     extra: dict[str, int] = {}
     for pos, entry in enumerate(plan.entries):
@@ -182,9 +181,7 @@ def plan_blocks(index: BlockIndex, plan: Plan, *, model: str = "simulate") -> np
             raise ValueError(f"plan entry {pos} (tenant {entry.tenant!r}) has text but no token_ids: the "
                              "simulation keys token ids; write the plan from tokenised logs (the pipeline's "
                              "plans carry token_ids)")
-        if entry.tenant not in roots:
-            roots[entry.tenant] = simulation_root(entry.tenant, index.trace.block_tokens, model=model)
-        keys = block_keys(roots[entry.tenant], entry.token_ids)
+        keys = block_keys(simulation_root(entry.tenant, index.trace.block_tokens, model=model), entry.token_ids)
         if keys and keys[-1] not in dense and entry.prefix_id in dense:
             chain, b = [], dense[entry.prefix_id]
             while b >= 0:

@@ -20,6 +20,7 @@ Malformed rows raise :class:`TraceError` naming the file, the line (or row) and 
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -260,8 +261,11 @@ def read_mooncake(path: str | Path, *, tenant: str = "mooncake") -> Trace:
     return assemble(ts, inp, out, chains, [tenant] * len(ts), MOONCAKE_BLOCK_TOKENS, None, path)
 
 
+@functools.lru_cache(maxsize=4096)
 def simulation_root(tenant: str, block_size: int, *, model: str = "simulate") -> KeyRoot:
     """The key root used to key ``token_ids`` logs for simulation (not a serving root).
+
+    Remembered per arguments: every reader and the plan's keying ask for it once a tenant.
 
     Equal token prefixes of one tenant get equal keys; tenants never share keys. The
     keys do not match a real model's snapshots, which a simulation does not need.
@@ -269,46 +273,6 @@ def simulation_root(tenant: str, block_size: int, *, model: str = "simulate") ->
     precision = Precision()
     return KeyRoot(model, "simulate", precision.kv_dtype, precision.scheme_id(), block_size,
                    Tenant.derive(tenant).salt)
-
-
-class TraceBuilder:
-    """Collects requests as block keys (strings) and token counts; :meth:`build` makes the :class:`Trace`.
-
-    Keys are interned to ids in order of first appearance (``Trace.key_names``); token
-    ids are keyed with :func:`simulation_root` per tenant (:meth:`root`).
-    """
-
-    def __init__(self, block_size: int, *, model: str = "simulate") -> None:
-        if block_size < 1:
-            raise TraceError(f"block size must be positive, got {block_size}")
-        self.block_size, self.model = int(block_size), model
-        self._intern: dict[str, int] = {}
-        self._roots: dict[str, KeyRoot] = {}
-        self._ts: list[float] = []
-        self._inp: list[int] = []
-        self._out: list[int] = []
-        self._chains: list[list[int]] = []
-        self._tenants: list[str] = []
-
-    def root(self, tenant: str) -> KeyRoot:
-        """The simulation key root of ``tenant`` (raises ValueError for a bad tenant name)."""
-        if tenant not in self._roots:
-            self._roots[tenant] = simulation_root(tenant, self.block_size, model=self.model)
-        return self._roots[tenant]
-
-    def add(self, t: float, tenant: str, keys: Sequence[str], input_tokens: int, output_tokens: int) -> None:
-        """One request at ``t`` seconds whose full blocks have ``keys`` (root block first)."""
-        intern = self._intern
-        self._chains.append([intern.setdefault(k, len(intern)) for k in keys])
-        self._ts.append(t)
-        self._inp.append(input_tokens)
-        self._out.append(output_tokens)
-        self._tenants.append(tenant)
-
-    def build(self, source: str | Path) -> Trace:
-        """The trace, sorted by time (raises TraceError naming ``source`` when it is empty)."""
-        return assemble(self._ts, self._inp, self._out, self._chains, self._tenants, self.block_size,
-                        tuple(self._intern), source)
 
 
 def _kvwarm_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
@@ -344,9 +308,17 @@ def read_kvwarm(path: str | Path, *, block_size: int | None = None, model: str =
         TraceError: unreadable file or a malformed row (named with its line and field).
     """
     path = Path(path)
-    built = TraceBuilder(256 if block_size is None else int(block_size), model=model)
+    size = 256 if block_size is None else int(block_size)
+    if size < 1:
+        raise TraceError(f"block size must be positive, got {block_size}")
+    intern: dict[str, int] = {}
+    ts: list[float] = []
+    inp: list[int] = []
+    out: list[int] = []
+    chains: list[list[int]] = []
+    tenants: list[str] = []
     for where, row in _kvwarm_rows(path):
-        t = _number(row, "timestamp", where)
+        ts.append(_number(row, "timestamp", where))
         tenant = row.get("tenant")
         if not isinstance(tenant, str) or not tenant:
             raise TraceError(f"{where}: field 'tenant' must be a non-empty string, got {tenant!r}")
@@ -361,7 +333,7 @@ def read_kvwarm(path: str | Path, *, block_size: int | None = None, model: str =
             ):
                 raise TraceError(f"{where}: field 'token_ids' must be a list of integers in [0, 2**32)")
             try:
-                root = built.root(tenant)
+                root = simulation_root(tenant, size, model=model)
             except ValueError as exc:
                 raise TraceError(f"{where}: field 'tenant': {exc}") from exc
             try:
@@ -377,11 +349,12 @@ def read_kvwarm(path: str | Path, *, block_size: int | None = None, model: str =
                     check_key(k)
                 except ValueError as exc:
                     raise TraceError(f"{where}: field 'block_keys': {exc}") from exc
-            n_tokens = len(keys) * built.block_size
-        built.add(t, tenant, keys,
-                  _int(row, "input_tokens", where) if row.get("input_tokens") is not None else n_tokens,
-                  _int(row, "output_tokens", where) if row.get("output_tokens") is not None else 0)
-    return built.build(path)
+            n_tokens = len(keys) * size
+        chains.append([intern.setdefault(k, len(intern)) for k in keys])
+        inp.append(_int(row, "input_tokens", where) if row.get("input_tokens") is not None else n_tokens)
+        out.append(_int(row, "output_tokens", where) if row.get("output_tokens") is not None else 0)
+        tenants.append(tenant)
+    return assemble(ts, inp, out, chains, tenants, size, tuple(intern), path)
 
 
 def read_trace(path: str | Path, fmt: str = "mooncake", *, block_size: int | None = None,

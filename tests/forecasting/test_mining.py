@@ -134,6 +134,8 @@ def test_hash_ids_are_compared_along_the_whole_path() -> None:
     tree = mine_trace(from_chains(range(4), [[1, 7], [2, 7], [1, 7], [2, 7, 8]], block_tokens=4))
     assert sorted(int(tree.count[n]) for n in range(tree.n_nodes)) == [1, 2, 2, 2, 2]
     assert len(set(tree.node_keys(range(tree.n_nodes)))) == tree.n_nodes
+    with pytest.raises(MiningError, match="only a tree of token ids"):
+        tree.all_node_keys()
 
 
 def test_hash_id_logs_mine_without_a_tokenizer(tmp_path) -> None:
@@ -182,6 +184,7 @@ def test_token_trees_use_the_store_keys(prompts: list[list[int]]) -> None:
     tree = mine_text(frame, None, root)
     expected = Counter(k for p in prompts for k in block_keys(root, p))
     assert Counter(dict(zip(tree.node_keys(range(tree.n_nodes)), tree.count.tolist()))) == expected
+    assert tree.all_node_keys() == tree.node_keys(range(tree.n_nodes))  # every node at once, the same keys
 
 
 def test_bucket_counts_per_node_and_total() -> None:
