@@ -49,21 +49,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.lib.replay_analysis import (  # noqa: E402
+    ceiling,
+    diagnose,
+    fmt,
+    gap,
+    mean_of,
+    ratio,
+    rounded,
+    tune,
+)
 from bench.lib.timing import timed_median  # noqa: E402
-from forecasting import ceiling as calibration  # noqa: E402
-from forecasting.prewarm import first_use_order, kvwarm_prewarm, oracle_prewarm, ranked_prewarm  # noqa: E402
-from forecasting.replay import BlockIndex, LRUCache, PredictorConfig, replay  # noqa: E402
+from forecasting.replay import BlockIndex, PredictorConfig  # noqa: E402
 from forecasting.simulate import (  # noqa: E402
     STEADY_POLICIES,
     WARMUP_POLICIES,
@@ -83,172 +89,11 @@ KNOWN = {  # issue 7, mid-trace restart, 16k blocks, 10 minutes; steady state at
 
 
 EVAL_FRACTIONS = (0.3, 0.5, 0.7)  # the evaluation: never used to choose a setting
-TUNE_FRACTIONS = (0.2, 0.4, 0.6, 0.8)  # --tune: other restart times
-TUNE_STEADY = (2048, 8192)  # --tune: other capacities for the steady state
-TUNE_GRID = tuple(PredictorConfig(horizon_s=h, tau_s=t, refresh_s=r)
-                  for h in (120.0, 300.0, 600.0) for t in (150.0, 300.0, 600.0) for r in (15.0, 60.0))
-TARGETS = {"prewarm": 0.70, "retention": 0.30}
-NOISE_SDS = (1.0, 2.0, 3.0, 4.0)  # --ceiling: per-request error of the degraded oracle ranking
-USED_WITHIN_S = 300.0  # --ceiling: a prewarmed block counts as useful if used this soon
+
 
 
 def _pct(x: float) -> float:
     return round(100 * x, 2)
-
-
-def _excl_root_rate(index: BlockIndex, rows: np.ndarray, hits: np.ndarray) -> float:
-    """Token hit rate without each request's first block (``PolicyResult.hit_rate_excl_root``)."""
-    tr = index.trace
-    cum = np.concatenate([[0], np.cumsum(index.tokens)])
-    a = tr.offsets[rows]
-    root = np.where(tr.offsets[rows + 1] > a, index.tokens[np.minimum(a, len(index.tokens) - 1)], 0)
-    hit = cum[a + hits] - cum[a] - np.where(hits > 0, root, 0)
-    return float(hit.sum() / max((tr.input_tokens[rows] - root).sum(), 1))
-
-
-def diagnose(index: BlockIndex, result: SimResult, capacity: int, predictor: PredictorConfig) -> dict[str, float]:
-    """Split kvwarm's prewarm shortfall into its set and its order (reads the future: a diagnostic).
-
-    Replays LRU prewarmed with kvwarm's blocks in the oracle's order (first use), and
-    with the oracle's blocks in kvwarm's order; returns their hit rates excluding block 0.
-    """
-    ts = index.trace.timestamps_s
-    start = int(np.searchsorted(ts, result.window[0], side="left"))
-    served = np.arange(start, int(np.searchsorted(ts, result.window[1], side="left")), dtype=np.int64)
-    ranked, _ = kvwarm_prewarm(index, start, index.n_unique, predictor)  # every block seen, least valuable first
-    oracle = oracle_prewarm(index, start, served, capacity)
-    loads = {"kvwarm_set_oracle_order": first_use_order(index, ranked[-capacity:], served),
-             "oracle_set_kvwarm_order": ranked[np.isin(ranked, oracle)][-capacity:]}
-    rates = {}
-    for name, blocks in loads.items():
-        cache = LRUCache(capacity)
-        cache.load(blocks.tolist())
-        rates[name] = _excl_root_rate(index, served, replay(index, cache, served))
-    return rates
-
-
-def _ratio(num: float, den: float) -> float | None:
-    """``num / den``, or None when ``den`` is 0 (e.g. a short trace with no hit in the first minute)."""
-    return num / den if den else None
-
-
-def _gap(value: float, low: float, high: float) -> float | None:
-    return _ratio(value - low, high - low)
-
-
-def _round(x: float | None, digits: int = 3) -> float | None:
-    return None if x is None else round(x, digits)
-
-
-def _fmt(x: float | None) -> str:
-    """A fraction as a percentage for the printed lines ('n/a' when undefined)."""
-    return "n/a" if x is None else f"{100 * x:.1f}"
-
-
-def _mean(values: list[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return statistics.mean(known) if known else None
-
-
-def tune(index: BlockIndex, args: argparse.Namespace) -> dict[str, object]:
-    """Score each predictor setting on decision points outside the evaluation; pick one.
-
-    Restarts at :data:`TUNE_FRACTIONS` (gap closed by ``lru+kvwarm`` and
-    ``retention+kvwarm``) and the steady state at :data:`TUNE_STEADY` blocks (gap
-    closed by retention). The choice maximises the mean, over the two unmet targets, of
-    figure / target (prewarm with LRU, steady retention).
-    """
-    duration = index.trace.duration_s
-    fractions = TUNE_FRACTIONS[1:2] if args.quick else TUNE_FRACTIONS
-    steadies = TUNE_STEADY[:1] if args.quick else TUNE_STEADY
-    grid = (PredictorConfig(), PredictorConfig(horizon_s=600.0, tau_s=600.0)) if args.quick else TUNE_GRID
-    restarts = {f: Scenario("restart", at_s=f * duration, window_s=args.window) for f in fractions}
-    base = {f: simulate(index, args.capacity, sc, ["lru", "lru+oracle"]) for f, sc in restarts.items()}
-    steady_base = {c: simulate(index, c, Scenario("steady"), ["lru", "belady"]) for c in steadies}
-    print(f"tuning on restarts at {', '.join(f'{int(f * 100)} %' for f in fractions)} and steady state at "
-          f"{', '.join(map(str, steadies))} blocks (the evaluation uses 30/50/70 % and 4096 blocks)")
-    print(f"{'horizon_s':>9}{'tau_s':>7}{'refresh_s':>10}{'lru+kvwarm':>12}{'ret+kvwarm':>12}{'retention':>11}"
-          f"{'score':>8}")
-    rows = []
-    for cfg in grid:
-        pre, both = [], []
-        for f, sc in restarts.items():
-            r = simulate(index, args.capacity, sc, ["lru+kvwarm", "retention+kvwarm"], predictor=cfg)
-            cold, best = (base[f].row(p).hit_rate_excl_root for p in ("lru", "lru+oracle"))
-            pre.append(_gap(r.row("lru+kvwarm").hit_rate_excl_root, cold, best))
-            both.append(_gap(r.row("retention+kvwarm").hit_rate_excl_root, cold, best))
-        ret = []
-        for c in steadies:
-            r = simulate(index, c, Scenario("steady"), ["retention"], predictor=cfg)
-            lru, bel = (steady_base[c].row(p).hit_rate_excl_root for p in ("lru", "belady"))
-            ret.append(_gap(r.row("retention").hit_rate_excl_root, lru, bel))
-        row = {"horizon_s": cfg.horizon_s, "tau_s": cfg.tau_s, "refresh_s": cfg.refresh_s,
-               "prewarm_gap_closed.lru+kvwarm": _mean(pre), "prewarm_gap_closed.retention+kvwarm": _mean(both),
-               "retention_gap_closed": _mean(ret)}
-        pre_m, ret_m = row["prewarm_gap_closed.lru+kvwarm"], row["retention_gap_closed"]
-        row["score"] = _mean([None if pre_m is None else pre_m / TARGETS["prewarm"],
-                              None if ret_m is None else ret_m / TARGETS["retention"]])
-        rows.append(row)
-        score = "n/a" if row["score"] is None else f"{row['score']:.3f}"
-        print(f"{cfg.horizon_s:>9g}{cfg.tau_s:>7g}{cfg.refresh_s:>10g}{_fmt(pre_m):>11}%"
-              f"{_fmt(row['prewarm_gap_closed.retention+kvwarm']):>11}%{_fmt(ret_m):>10}%{score:>8}")
-    chosen = max(rows, key=lambda r: -float("inf") if r["score"] is None else r["score"])
-    default = PredictorConfig()
-    keys = ("horizon_s", "tau_s", "refresh_s")
-    is_default = all(chosen[k] == getattr(default, k) for k in keys)
-    print("chosen: " + ", ".join(f"{k}={chosen[k]:g}" for k in keys)
-          + (f"{' (the default PredictorConfig)' if is_default else ' (differs from the default PredictorConfig)'}"))
-    return {"fractions": list(fractions), "steady_capacities": list(steadies), "grid": [
-        {k: _round(v, 4) for k, v in r.items()} for r in rows], "chosen": {k: _round(v, 4) for k, v in chosen.items()},
-        "chosen_is_default": is_default}
-
-
-def ceiling(index: BlockIndex, args: argparse.Namespace) -> dict[str, object]:
-    """What ranking quality the targets need, on the tuning points (reads the future).
-
-    Prewarm: gap closed and AUC ("used within :data:`USED_WITHIN_S`") of kvwarm's
-    ranking and of the oracle's degraded by a per-request error (:data:`NOISE_SDS`).
-    Retention: Belady's and retention's hits split into first and later reuses, and how
-    well the classes predict a new block's reuse within 180 s (in-sample AUC).
-    """
-    fractions = TUNE_FRACTIONS[1:2] if args.quick else TUNE_FRACTIONS
-    curves: dict[str, list[tuple[float, float | None]]] = {"kvwarm": []}
-    for f in fractions:
-        res = simulate(index, args.capacity, Scenario("restart", at_s=f * index.trace.duration_s,
-                                                      window_s=args.window), ["lru", "lru+kvwarm", "lru+oracle"])
-        ts = index.trace.timestamps_s
-        start = int(np.searchsorted(ts, res.window[0], side="left"))
-        served = np.arange(start, int(np.searchsorted(ts, res.window[1], side="left")), dtype=np.int64)
-        cold, best = (res.row(p).hit_rate_excl_root for p in ("lru", "lru+oracle"))
-        useful = calibration.first_use_delay(index, start, served) <= USED_WITHIN_S
-        ranked, closed = kvwarm_prewarm(index, start, index.n_unique)
-        curves["kvwarm"].append((calibration.ranking_auc(closed, useful[ranked]),
-                                 _gap(res.row("lru+kvwarm").hit_rate_excl_root, cold, best)))
-        for sd in NOISE_SDS:
-            blocks, closed = ranked_prewarm(index, start, calibration.noisy_oracle_scores(index, start, served, sd),
-                                            index.n_unique)
-            cache = LRUCache(args.capacity)
-            cache.load(blocks[-args.capacity:].tolist())
-            rate = _excl_root_rate(index, served, replay(index, cache, served))
-            curves.setdefault(f"oracle_error_sd{sd:g}", []).append((calibration.ranking_auc(closed, useful[blocks]),
-                                                                   _gap(rate, cold, best)))
-    prewarm = {k: {"auc": _round(_mean([a for a, _ in v])), "gap_closed": _round(_mean([g for _, g in v]))}
-               for k, v in curves.items()}
-    noisy = sorted((v["gap_closed"], v["auc"]) for k, v in prewarm.items() if k != "kvwarm" and v["gap_closed"])
-    needed = float(np.interp(TARGETS["prewarm"], *zip(*noisy))) if noisy else float("nan")
-    print(f"prewarm ranking quality (AUC of 'used within {USED_WITHIN_S:g} s') against gap closed, restarts at "
-          f"{', '.join(f'{int(f * 100)} %' for f in fractions)}; {TARGETS['prewarm']:.0%} needs AUC {needed:.3f}:")
-    for k, v in prewarm.items():
-        print(f"  {k:<22} AUC {v['auc']:.3f}  gap closed {_fmt(v['gap_closed'])} %")
-    retention = {}
-    for c in TUNE_STEADY[:1] if args.quick else TUNE_STEADY:
-        retention[str(c)] = split = calibration.steady_reuse_split(index, c)
-        print(f"steady {c} blocks, hit blocks on a first / a later reuse: " + "; ".join(
-            f"{k} {v['first_reuse']:,} / {v['later_reuse']:,}" for k, v in split.items()))
-    auc_new = calibration.first_use_auc(index, 180.0)
-    print(f"a new block's reuse within 180 s from its class (in-sample): AUC {auc_new:.3f}")
-    return {"fractions": list(fractions), "prewarm": prewarm, "auc_needed_for_target": _round(needed) if noisy
-            else None, "retention_hits": retention, "first_use_auc_180s": _round(auc_new)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,9 +160,9 @@ def main(argv: list[str] | None = None) -> int:
         results[name] = result.to_json()
         cold, best = (result.row(p).hit_rate_excl_root for p in ("lru", "lru+oracle"))
         diag = diagnose(index, result, args.capacity, predictor)
-        diagnostics[name] = {k: _round(_gap(v, cold, best)) for k, v in diag.items()}
+        diagnostics[name] = {k: rounded(gap(v, cold, best)) for k, v in diag.items()}
         print("diagnostic (reads the future): LRU + " + "; ".join(
-            f"{k.replace('_', ' ')} {100 * v:.1f} % ({_fmt(_gap(v, cold, best))} % of the gap)"
+            f"{k.replace('_', ' ')} {100 * v:.1f} % ({fmt(gap(v, cold, best))} % of the gap)"
             for k, v in diag.items()))
         if args.plots:
             plot(result, out_dir / f"replay-{name}.png")
@@ -356,26 +201,26 @@ def main(argv: list[str] | None = None) -> int:
               f"{'ok' if ok else 'DIFFERS'}")
 
     def gap_closed(policy: str) -> float | None:
-        return _mean([_gap(res.row(policy).hit_rate_excl_root, res.row("lru").hit_rate_excl_root,
+        return mean_of([gap(res.row(policy).hit_rate_excl_root, res.row("lru").hit_rate_excl_root,
                            res.row("lru+oracle").hit_rate_excl_root) for res in restarts.values()])
 
     def first_min_ratio(policy: str) -> float | None:
-        return _mean([_ratio(res.row(policy).first_bucket_hit_rate_excl_root,
+        return mean_of([ratio(res.row(policy).first_bucket_hit_rate_excl_root,
                              res.reference.first_bucket_hit_rate_excl_root) for res in restarts.values()])
 
     # TTFT the prewarm saves per request in the window, over cold LRU (CostModel: fitted to the H200 prefill bench).
-    ttft_ms = {p: _round(1e3 * _mean([(res.row(p).ttft_saved_s - res.row("lru").ttft_saved_s) / max(res.row(p).requests, 1)
+    ttft_ms = {p: rounded(1e3 * mean_of([(res.row(p).ttft_saved_s - res.row("lru").ttft_saved_s) / max(res.row(p).requests, 1)
                                       for res in restarts.values()]), 1)
                for p in ("lru+naive", "lru+kvwarm", "retention+kvwarm", "lru+oracle")}
-    full_ms = _round(1e3 * float(CostModel().prefill_s(trace.input_tokens).mean()), 1)
+    full_ms = rounded(1e3 * float(CostModel().prefill_s(trace.input_tokens).mean()), 1)
     print("\n== TTFT saved per request in the window over cold LRU, mean of the restarts (8B on an H200: "
           "docs/simulate.md): " + ", ".join(f"{p} {v} ms" for p, v in ttft_ms.items())
           + f"; a request's whole prefill averages {full_ms} ms")
     # The write-up claims P99 latency -31 %: the modelled P99 TTFT, against cold LRU after a restart.
-    p99 = {p: _round(_mean([res.row(p).ttft_p99_s for res in restarts.values()]), 3)
+    p99 = {p: rounded(mean_of([res.row(p).ttft_p99_s for res in restarts.values()]), 3)
            for p in ("lru", "lru+naive", "lru+kvwarm", "retention+kvwarm", "lru+oracle")}
-    p99["no-event"] = _round(_mean([res.reference.ttft_p99_s for res in restarts.values()]), 3)
-    p99_change = {p: _round(v / p99["lru"] - 1, 3) for p, v in p99.items() if p != "lru" and p99["lru"]}
+    p99["no-event"] = rounded(mean_of([res.reference.ttft_p99_s for res in restarts.values()]), 3)
+    p99_change = {p: rounded(v / p99["lru"] - 1, 3) for p, v in p99.items() if p != "lru" and p99["lru"]}
     print("P99 TTFT in the window (model, mean of the restarts): " + ", ".join(f"{p} {v} s" for p, v in p99.items())
           + "; against cold LRU " + ", ".join(f"{p} {100 * v:+.1f} %" for p, v in p99_change.items()))
     lru4, bel4, ret4 = (steady.row(p).hit_rate_excl_root for p in ("lru", "belady", "retention"))
@@ -386,23 +231,23 @@ def main(argv: list[str] | None = None) -> int:
         "first_min_vs_no_restart.lru+kvwarm": (first_min_ratio("lru+kvwarm"), 0.95),
         "first_min_vs_no_restart.retention+kvwarm": (first_min_ratio("retention+kvwarm"), 0.95),
         "first_min_vs_no_restart.lru+naive": (first_min_ratio("lru+naive"), None),
-        "retention_gap_closed_4k": (_gap(ret4, lru4, bel4), 0.30),
+        "retention_gap_closed_4k": (gap(ret4, lru4, bel4), 0.30),
     }
     print(f"\n== targets (mean over restarts at {', '.join(f'{int(f * 100)} %' for f in fractions)})")
     checks = {}
     for key, (value, target) in targets.items():
         met = None if target is None or value is None else value >= target
-        checks[key] = {"value": _round(value), "target": target, "met": met}
+        checks[key] = {"value": rounded(value), "target": target, "met": met}
         verdict = ("informational" if target is None else "UNDEFINED" if value is None
                    else "MET" if met else "NOT MET")
-        print(f"{key:<44}{_fmt(value):>6} %   target {'-' if target is None else f'>= {100 * target:.0f} %':<9}"
+        print(f"{key:<44}{fmt(value):>6} %   target {'-' if target is None else f'>= {100 * target:.0f} %':<9}"
               f" {verdict}")
     timings.update(read_s=round(t_read, 3), index_s=round(t_index, 3))
     total = sum(v for k, v in timings.items() if k not in ("read_s", "index_s"))
-    diag_mean = {k: _round(_mean([d[k] for d in diagnostics.values()])) for k in next(iter(diagnostics.values()))}
+    diag_mean = {k: rounded(mean_of([d[k] for d in diagnostics.values()])) for k in next(iter(diagnostics.values()))}
     print(f"diagnostic, gap closed by LRU prewarmed with kvwarm's set in the oracle's order "
-          f"{_fmt(diag_mean['kvwarm_set_oracle_order'])} %, the oracle's set in kvwarm's order "
-          f"{_fmt(diag_mean['oracle_set_kvwarm_order'])} %")
+          f"{fmt(diag_mean['kvwarm_set_oracle_order'])} %, the oracle's set in kvwarm's order "
+          f"{fmt(diag_mean['oracle_set_kvwarm_order'])} %")
     print(f"\nreplay time, every scenario and policy (medians summed): {total:.1f} s")
     (out_dir / "replay_bench.json").write_text(json.dumps(results, indent=1))
     summary = {"bench": "replay", "quick": args.quick, "trace": str(path), "requests": len(trace),

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from bench import replay_bench
+from bench.lib import replay_analysis
 from forecasting.prewarm import kvwarm_prewarm, oracle_prewarm
 from forecasting.replay import BlockIndex, LRUCache, PredictorConfig, replay
 from forecasting.simulate import Scenario, simulate
@@ -40,7 +41,7 @@ def test_tuning_never_uses_the_evaluation_points(capsys: pytest.CaptureFixture[s
     assert not set(summary["fractions"]) & set(replay_bench.EVAL_FRACTIONS)
     assert 4096 not in summary["steady_capacities"]
     assert len(summary["grid"]) == 2 and summary["chosen"] in summary["grid"]
-    assert not set(replay_bench.TUNE_FRACTIONS) & set(replay_bench.EVAL_FRACTIONS)
+    assert not set(replay_analysis.TUNE_FRACTIONS) & set(replay_bench.EVAL_FRACTIONS)
 
 
 def test_the_diagnostic_measures_as_the_simulator_does() -> None:
@@ -53,9 +54,9 @@ def test_the_diagnostic_measures_as_the_simulator_does() -> None:
                            ("lru+oracle", oracle_prewarm(index, start, served, 4096))):
         cache = LRUCache(4096)
         cache.load(blocks.tolist())
-        rate = replay_bench._excl_root_rate(index, served, replay(index, cache, served))
+        rate = replay_analysis.excl_root_rate(index, served, replay(index, cache, served))
         assert rate == pytest.approx(result.row(policy).hit_rate_excl_root)
-    diag = replay_bench.diagnose(index, result, 4096, PredictorConfig())
+    diag = replay_analysis.diagnose(index, result, 4096, PredictorConfig())
     # Here, as on the full trace, the oracle's set beats kvwarm's even in kvwarm's order: the shortfall is the set.
     assert diag["oracle_set_kvwarm_order"] >= result.row("lru+kvwarm").hit_rate_excl_root
 
@@ -65,8 +66,8 @@ def test_ceiling_calibrates_on_the_tuning_points_only(capsys: pytest.CaptureFixt
     summary = _last_json(capsys)
     assert summary["mode"] == "ceiling" and not set(summary["fractions"]) & set(replay_bench.EVAL_FRACTIONS)
     curve = summary["prewarm"]
-    assert set(curve) == {"kvwarm"} | {f"oracle_error_sd{sd:g}" for sd in replay_bench.NOISE_SDS}
-    aucs = [curve[f"oracle_error_sd{sd:g}"]["auc"] for sd in replay_bench.NOISE_SDS]
+    assert set(curve) == {"kvwarm"} | {f"oracle_error_sd{sd:g}" for sd in replay_analysis.NOISE_SDS}
+    aucs = [curve[f"oracle_error_sd{sd:g}"]["auc"] for sd in replay_analysis.NOISE_SDS]
     assert aucs == sorted(aucs, reverse=True) and all(0.5 < a <= 1.0 for a in aucs)  # more error, worse ranking
     assert 0.5 < summary["auc_needed_for_target"] < 1.0
     split = summary["retention_hits"]["2048"]
