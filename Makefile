@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 
 .PHONY: demo test install bench clean
 
-$(STAMP): pyproject.toml setup.py store/_fp8gather.c
+$(STAMP): pyproject.toml setup.py store/kernels/_fp8gather.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH)"
 	$(PY) -m pip install -q -e ".[pipeline,test]"

@@ -6,8 +6,8 @@ test day's start (the history grows by a day each time). Clients with steady tra
 in training (at least half the hours non-zero and at least 10 requests an hour) are
 scored by MASE, scaled by the in-sample daily seasonal naive error over days 1-11.
 
-Side by side in one run: our per-series choice (forecasting.backtest.forecast_series
-with forecasting.models.candidates), seasonal naive (daily) and statsforecast's
+Side by side in one run: our per-series choice (forecasting.models.selection.forecast_series
+with forecasting.models.catalog.candidates), seasonal naive (daily) and statsforecast's
 AutoETS, on raw and on log1p counts (bench only; the package never imports
 statsforecast). Then the off-peak check: each test day's contiguous 3-hour window of
 lowest predicted total load against the day's true quietest 3 hours. Then the scale
@@ -35,12 +35,13 @@ import pandas as pd
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from forecasting.backtest import forecast_series, mase_scale  # noqa: E402
-from forecasting.hierarchy import historical_shares, top_down  # noqa: E402
-from forecasting.models import SeasonalNaive, candidates, is_dense, sparse_models  # noqa: E402
-from forecasting.offpeak import load_predictors, pick_window, profile_path, regret  # noqa: E402
-from forecasting.parallel import forecast_frame_parallel  # noqa: E402
-from forecasting.servegen import load_servegen  # noqa: E402
+from bench.lib.hierarchy import historical_shares, top_down  # noqa: E402
+from bench.lib.servegen import load_servegen  # noqa: E402
+from forecasting.models.catalog import candidates, is_dense, sparse_models  # noqa: E402
+from forecasting.models.parallel import forecast_frame_parallel  # noqa: E402
+from forecasting.models.seasonal import SeasonalNaive  # noqa: E402
+from forecasting.models.selection import forecast_series, mase_scale  # noqa: E402
+from forecasting.planning.offpeak import load_predictors, pick_window, profile_path, regret  # noqa: E402
 
 DAY = 24
 TRAIN_DAYS = 11

@@ -1,6 +1,6 @@
 """Gather micro-benchmark: copying many snapshot parts into one pinned buffer and on to a device.
 
-What the loader does for a hit bound for a GPU (``store.staging.gather_to_device``):
+What the loader does for a hit bound for a GPU (``store.kernels.staging.gather_to_device``):
 ``--parts`` parts of ``[8, 256, 128]`` bytes (one 8B-shaped FP8 block's K or V of one layer)
 are copied into a (pinned) host buffer by T threads, each sending its slice on to the
 device as soon as it is copied. Side by side for T in ``--threads``: numpy copies (one

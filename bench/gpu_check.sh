@@ -14,10 +14,10 @@ mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')" || exit 1
 "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
-# the optional native FP8 gather (store/_fp8gather.c), as `pip install` builds it; without a
+# the optional native FP8 gather (store/kernels/_fp8gather.c), as `pip install` builds it; without a
 # compiler the loader uses numpy on the CPU side and nothing else changes
 "$PY" setup.py -q build_ext --inplace >/dev/null 2>&1 && rm -rf build || echo "native FP8 gather not built (numpy fallback)"
-"$PY" -c "from store.table import native_isa; print('native FP8 gather:', native_isa())"
+"$PY" -c "from store.kernels.table import native_isa; print('native FP8 gather:', native_isa())"
 rc=0
 timeout "${PREFILL_LIMIT:-300}" "$PY" bench/prefill_bench.py --shape 8b --device cuda --tokens 2048,8192 --reps 3 \
   2>&1 | tee "$LOGS/gpu_prefill.log" || rc=1

@@ -61,12 +61,12 @@ from bench.lib.load import measure_load  # noqa: E402
 from bench.lib.shapes import SHAPES, shaped_model, synced  # noqa: E402
 from bench.lib.timing import median_time  # noqa: E402
 from store.config import parse_config  # noqa: E402
-from store.identity import ModelIdentity  # noqa: E402
-from store.keys import block_chain  # noqa: E402
-from store.loader import KVLoader  # noqa: E402
-from store.snapshot import build_snapshot  # noqa: E402
-from store.store import Store  # noqa: E402
-from store.tenant import Tenant  # noqa: E402
+from store.format.encode import build_snapshot  # noqa: E402
+from store.identity.fingerprint import ModelIdentity  # noqa: E402
+from store.identity.keys import block_chain  # noqa: E402
+from store.identity.tenant import Tenant  # noqa: E402
+from store.serving.loader import KVLoader  # noqa: E402
+from store.tiers.store import Store  # noqa: E402
 
 TENANT = Tenant.derive("bench", "bench-secret")
 

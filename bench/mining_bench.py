@@ -33,13 +33,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from bench.lib.timing import timed_median  # noqa: E402
-from forecasting.demand import build_demand  # noqa: E402
-from forecasting.families import find_families  # noqa: E402
-from forecasting.mining import bucket_counts, candidates, mine_text, mine_trace  # noqa: E402
-from forecasting.traces import read_mooncake  # noqa: E402
-from store.keys import KeyRoot  # noqa: E402
-from store.precision import Precision  # noqa: E402
-from store.tenant import Tenant  # noqa: E402
+from forecasting.ingest.traces import read_mooncake  # noqa: E402
+from forecasting.mining.demand import build_demand  # noqa: E402
+from forecasting.mining.families import find_families  # noqa: E402
+from forecasting.mining.prefix_tree import bucket_counts, candidates, mine_text, mine_trace  # noqa: E402
+from store.format.precision import Precision  # noqa: E402
+from store.identity.keys import KeyRoot  # noqa: E402
+from store.identity.tenant import Tenant  # noqa: E402
 
 BLOCKS_PER_S_TARGET = 1_000_000
 RATIO_TARGET = 1.5

@@ -36,17 +36,17 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.lib.precision_loss import precision_loss  # noqa: E402
 from bench.lib.shapes import SHAPES, shaped_model, synced  # noqa: E402
 from bench.lib.timing import median_time  # noqa: E402
-from prefill.accuracy import precision_loss  # noqa: E402
 from prefill.models import REFERENCE_MODEL, _corpus, load_model  # noqa: E402
-from prefill.runner import PrefillOptions, Prefiller, PrefixRequest  # noqa: E402
+from prefill.runner import Prefiller, PrefillOptions, PrefixRequest  # noqa: E402
 from store.config import parse_config  # noqa: E402
-from store.keys import block_chain  # noqa: E402
-from store.precision import Precision, dequantize, quantize  # noqa: E402
-from store.snapshot import build_snapshot  # noqa: E402
-from store.store import Store  # noqa: E402
-from store.tenant import Tenant  # noqa: E402
+from store.format.encode import build_snapshot  # noqa: E402
+from store.format.precision import Precision, dequantize, quantize  # noqa: E402
+from store.identity.keys import block_chain  # noqa: E402
+from store.identity.tenant import Tenant  # noqa: E402
+from store.tiers.store import Store  # noqa: E402
 
 TENANT = Tenant.derive("bench", "bench-secret")
 WRITE_UP_LOSS = 0.005

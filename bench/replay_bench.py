@@ -27,14 +27,14 @@ oracle's order (first use), and with the oracle's blocks in kvwarm's order.
 
 Honesty: the restarts at 30/50/70 % and the 4k steady state are the evaluation. The
 predictor's settings are chosen with ``--tune``, which scores a grid of
-:class:`~forecasting.replay.PredictorConfig` on restarts at 20/40/60/80 % and on the
+:class:`~forecasting.simulate.replay.PredictorConfig` on restarts at 20/40/60/80 % and on the
 steady state at 2k and 8k blocks only, and prints its choice; the evaluation then runs
 with ``PredictorConfig()`` (the chosen setting).
 
 Hit rates are deterministic; timings are medians over ``--repeats`` runs. The last
 line printed is one JSON object with every figure and whether each target is met
 (``--tune``: the grid and the choice; ``--ceiling``: what ranking quality the targets
-need, from :mod:`forecasting.ceiling`, on the tuning points; it reads the future).
+need, from :mod:`bench.lib.ceiling`, on the tuning points; it reads the future).
 
 Usage::
 
@@ -54,7 +54,6 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -69,17 +68,10 @@ from bench.lib.replay_analysis import (  # noqa: E402
     tune,
 )
 from bench.lib.timing import timed_median  # noqa: E402
-from forecasting.replay import BlockIndex, PredictorConfig  # noqa: E402
-from forecasting.simulate import (  # noqa: E402
-    STEADY_POLICIES,
-    WARMUP_POLICIES,
-    CostModel,
-    Scenario,
-    SimResult,
-    plot,
-    simulate,
-)
-from forecasting.traces import read_mooncake  # noqa: E402
+from forecasting.ingest.traces import read_mooncake  # noqa: E402
+from forecasting.simulate.replay import BlockIndex, PredictorConfig  # noqa: E402
+from forecasting.simulate.simulation import STEADY_POLICIES, WARMUP_POLICIES, Scenario, SimResult, plot, simulate  # noqa: E402
+from forecasting.simulate.ttft import CostModel  # noqa: E402
 
 KNOWN = {  # issue 7, mid-trace restart, 16k blocks, 10 minutes; steady state at 4k blocks
     "restart50.lru": 19.7, "restart50.lru+naive": 23.7, "restart50.lru+oracle": 28.4, "restart50.no-event": 24.0,

@@ -18,7 +18,7 @@ reused, already-touched buffer: raw without the cost of fresh memory) and
 ``nvme_read_cold`` (both after dropping the page cache; needs root, measured last
 because dropping the cache disturbs memory for whatever runs next).
 
-Snapshots are real: ``store.snapshot.build_snapshot`` (FP8, per-head fp32 scales) of a
+Snapshots are real: ``store.format.snapshot.build_snapshot`` (FP8, per-head fp32 scales) of a
 Llama-3-8B-shaped layout (32 layers, 8 KV heads, head_dim 128: 128 parts), with the
 block size chosen so that the payload is N MiB (16 tokens per MiB) plus 2 KiB of
 scales. Quantisation is not timed (it is the prefill job's cost). Each timed write is
@@ -65,12 +65,13 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import xxhash  # noqa: E402
 
-from store.keys import KeyRoot, block_chain  # noqa: E402
-from store.local_tier import LocalTier  # noqa: E402
-from store.precision import Precision  # noqa: E402
-from store.snapshot import EncodedSnapshot, build_snapshot, read_snapshot, snapshot_bytes  # noqa: E402
-from store.tenant import Tenant  # noqa: E402
-from store.tier import object_name  # noqa: E402
+from store.format.encode import EncodedSnapshot, build_snapshot, snapshot_bytes  # noqa: E402
+from store.format.precision import Precision  # noqa: E402
+from store.format.snapshot import read_snapshot  # noqa: E402
+from store.identity.keys import KeyRoot, block_chain  # noqa: E402
+from store.identity.tenant import Tenant  # noqa: E402
+from store.tiers.base import object_name  # noqa: E402
+from store.tiers.local import LocalTier  # noqa: E402
 
 MiB = 1 << 20
 DEFAULT_SIZES = (1, 4, 16, 64, 256)
@@ -380,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
             import s3fs
 
             from store.config import S3Config
-            from store.s3_tier import S3Tier
+            from store.tiers.s3 import S3Tier
             from tests.seaweedfs import SeaweedFS
 
             print("starting SeaweedFS on 127.0.0.1 ...", flush=True)

@@ -4,7 +4,7 @@
    store) on every day of ``flows/data/sample_logs.jsonl.gz`` but the last: mine,
    forecast, choose the off-peak window of the last day, plan, prefill, GC, report.
 2. Replays the requests the plan is for (from the end of the prefill window for the
-   plan's longest TTL: the snapshots' lifetime) through :class:`store.loader.KVLoader`,
+   plan's longest TTL: the snapshots' lifetime) through :class:`store.serving.loader.KVLoader`,
    as a serving node would, and prints the hit rate, the warm-up accuracy of the plan
    against what those requests actually used, the prefill saved (tokens, and seconds at
    the prefill rate measured by the run) and the paths of the plots.
@@ -56,7 +56,7 @@ def replay(requests: pd.DataFrame, *, store: str, config: Any, loaded: Any, mode
     of :data:`flows.report.OUTCOME_COLUMNS`).
     """
     from prefill.models import resolve
-    from store.loader import KVLoader
+    from store.serving.loader import KVLoader
 
     entries = [e for e in (plan.entries if plan is not None else []) if e.token_ids and e.prefix_id]
     identity = resolve(model)
@@ -124,7 +124,7 @@ def _served(loader: Any, ids: list[int]) -> int:
 def _cold_writer(url: str | None, config: Any) -> Any:
     if url is None:
         return None
-    from store.store import Store
+    from store.tiers.store import Store
 
     return Store.open(url, config)
 
@@ -158,11 +158,11 @@ def whatif(requests: pd.DataFrame, tokenizer: Any, plan_path: Path, *, logs: str
     and LRU with the best possible prewarm, the plan's warm-up precision in that cache,
     and the ``prefill simulate`` command that reruns it on ``logs``.
     """
-    from forecasting.log_trace import trace_from_requests
-    from forecasting.mining import tokenize_requests
-    from forecasting.prewarm import plan_blocks
-    from forecasting.replay import BlockIndex
-    from forecasting.simulate import Scenario, simulate
+    from forecasting.ingest.log_trace import trace_from_requests
+    from forecasting.mining.prefix_tree import tokenize_requests
+    from forecasting.simulate.prewarm import plan_blocks
+    from forecasting.simulate.replay import BlockIndex
+    from forecasting.simulate.simulation import Scenario, simulate
     from store.plan import read_plan
 
     trace = trace_from_requests(tokenize_requests(requests, tokenizer), block_size=block_size, source=logs)
@@ -189,7 +189,7 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
     from flows import report as reports
     from flows.pipeline import kvwarm_pipeline, report
     from flows.tasks import flow_config, load_model_task, mine_task, read_logs_task, run_dir
-    from forecasting.accuracy import warmup_accuracy
+    from forecasting.planning.accuracy import warmup_accuracy
     from prefill.monitoring import PRICE_ENV, Prices, compute, read_loader_stats, read_run
     from prefill.report_cli import format_table
     from store.plan import read_plan

@@ -5,7 +5,7 @@ once served, what it achieved. Two knobs of a new run come from there unless its
 parameters pin them:
 
 - :func:`choose_threshold`, the MinHash LSH threshold mining groups prompts with. The
-  SageMaker write-up's rule (:func:`forecasting.families.adapt_threshold`): when the
+  SageMaker write-up's rule (:func:`forecasting.mining.families.adapt_threshold`): when the
   measured hit rate is under 50 %, families were too strict to find shared prefixes, so
   the next run lowers the threshold by 10 % (not below 0.7); otherwise it raises it by
   10 % (not above 0.95). Each run records its threshold in ``mine.json``
@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from flows.report import monitoring_summary
-from forecasting.families import adapt_threshold
+from forecasting.mining.families import adapt_threshold
 from prefill.monitoring import MonitoringError
-
 
 #: the planner's prefill rate when no earlier run of the model measured one (tokens/s)
 DEFAULT_PREFILL_TOKENS_PER_S = 2000.0

@@ -3,7 +3,7 @@
 ``mine_logs`` fans out over log *partitions*:
 
 - a directory (or bucket prefix) of log files: one partition per file, JSONL files
-  first then Parquet, each kind in name order (the order :func:`forecasting.logs.read_logs`
+  first then Parquet, each kind in name order (the order :func:`forecasting.ingest.logs.read_logs`
   reads them in); Hive directories ``date=YYYY-MM-DD[/hour=HH]`` outside ``[start, end)``
   are skipped without being opened;
 - one file: ``slices`` consecutive time slices of ``[start, end)`` (both needed), each
@@ -33,7 +33,7 @@ from typing import Any, Sequence
 import fsspec
 import pandas as pd
 
-from forecasting.logs import FORMATS, LogError, Quarantined, ReadReport, window_us
+from forecasting.ingest.logs import FORMATS, LogError, Quarantined, ReadReport, window_us
 
 RUNNERS = ("threads", "dask")
 
@@ -86,7 +86,7 @@ class MergedRead:
 
 
 def log_format(path: str) -> str | None:
-    """``jsonl`` or ``parquet`` by the file name (:data:`forecasting.logs.FORMATS`), else None."""
+    """``jsonl`` or ``parquet`` by the file name (:data:`forecasting.ingest.logs.FORMATS`), else None."""
     name = path.lower()
     return next((kind for ext, kind in FORMATS.items() if name.endswith(ext)), None)
 
@@ -134,7 +134,7 @@ def merge_reads(reads: Sequence[PartitionRead], quarantine_path: str | None = No
     """Join the partitions' reads into what one read of the whole source gives.
 
     Requests: concatenated in partition order, then sorted by time (stable), the order
-    :func:`forecasting.logs.read_logs` produces. Reports: summed for files; for time
+    :func:`forecasting.ingest.logs.read_logs` produces. Reports: summed for files; for time
     slices of one file every slice read (and quarantined) the same rows, so the rows
     read, quarantined and files come from the first slice and the rows outside the
     window are what no slice used.
@@ -242,5 +242,3 @@ def _hive_span(relative: str) -> tuple[int, int] | None:
     return us, us + int(length.value // 1000)
 
 
-__all__ = ["RUNNERS", "Partition", "PartitionError", "PartitionRead", "MergedRead", "log_format",
-           "plan_partitions", "merge_reads", "task_runner", "where"]

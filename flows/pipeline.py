@@ -26,14 +26,33 @@ import pandas as pd
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from flows import partitions
+from flows import history, partitions
 from flows import report as reports
-from flows import history
 from flows.scheduling import schedule_prefill_task
-from flows.tasks import (FlowInputError, check_bucket, flow_config, forecast_task, gc_task, kv_bytes_per_token,
-                         list_partitions_task, load_demand, load_model_task, mine_task, need, plan_task, prefill_task,
-                         read_partition_task, run_dir, save_demand, save_frame, save_json, save_plan,
-                         save_quarantine, transient, window_task)
+from flows.tasks import (
+    FlowInputError,
+    check_bucket,
+    flow_config,
+    forecast_task,
+    gc_task,
+    kv_bytes_per_token,
+    list_partitions_task,
+    load_demand,
+    load_model_task,
+    mine_task,
+    need,
+    plan_task,
+    prefill_task,
+    read_partition_task,
+    run_dir,
+    save_demand,
+    save_frame,
+    save_json,
+    save_plan,
+    save_quarantine,
+    transient,
+    window_task,
+)
 from store.plan import read_plan
 
 DEFAULT_MODEL = "kvwarm-tiny"

@@ -138,4 +138,3 @@ def schedule_prefill(store: str, run: str, window: Mapping[str, Any], deployment
 #: :func:`schedule_prefill` as a task, for use inside the plan flow (shows in the run graph).
 schedule_prefill_task = task(schedule_prefill, name="schedule-prefill", cache_policy=NO_CACHE)
 
-__all__ = ["DEFAULT_PREFILL_DEPLOYMENT", "window_bounds", "prefill_time", "schedule_prefill", "schedule_prefill_task"]

@@ -28,15 +28,15 @@ import pandas as pd
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from forecasting.demand import Demand, build_demand
-from forecasting.families import find_families
 from flows.partitions import Partition, PartitionRead, plan_partitions, where
-from forecasting.logs import Quarantined, RequestLog, read_logs
-from forecasting.mining import mine_text, tokenize_requests
-from forecasting.models import candidates
-from forecasting.offpeak import load_predictors, lowest_window, offpeak_windows, pick_window
-from forecasting.parallel import forecast_frame_parallel
-from forecasting.planner import Budget, CostModel, PlanPolicy, make_plan
+from forecasting.ingest.logs import Quarantined, RequestLog, read_logs
+from forecasting.mining.demand import Demand, build_demand
+from forecasting.mining.families import find_families
+from forecasting.mining.prefix_tree import mine_text, tokenize_requests
+from forecasting.models.catalog import candidates
+from forecasting.models.parallel import forecast_frame_parallel
+from forecasting.planning.offpeak import load_predictors, lowest_window, offpeak_windows, pick_window
+from forecasting.planning.planner import Budget, CostModel, PlanPolicy, make_plan
 from prefill.monitoring import MonitoringError, run_directory
 from store.config import KvwarmConfig, load_config, parse_config
 from store.errors import StoreUnavailable
@@ -110,7 +110,7 @@ def need(path: Path, stage: str) -> Path:
 
 def transient(task: Any, task_run: Any, state: Any) -> bool:
     """Retry condition: retry I/O failures, never bad input (a retry cannot fix a wrong path or a bad plan)."""
-    from forecasting.logs import LogError
+    from forecasting.ingest.logs import LogError
     from prefill.runner import PrefillError
     from store.errors import ConfigError
 
@@ -251,7 +251,7 @@ def prefill_task(plan_path: Path, loaded: Any, store_url: str, config: KvwarmCon
     """Prefill the plan's entries into the store (``prefill.warm.warm``); blocks already stored are skipped,
     so a retry or a rerun writes only what is missing."""
     from prefill.warm import warm
-    from store.store import Store
+    from store.tiers.store import Store
 
     plan = read_plan(need(plan_path, "plan_prewarm"))
     if plan.block_size is not None and plan.block_size != config.kv_cache.block_size:
@@ -272,9 +272,9 @@ def prefill_task(plan_path: Path, loaded: Any, store_url: str, config: KvwarmCon
 
 @task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
 def gc_task(store_url: str, config: KvwarmConfig, now: float | None = None) -> dict[str, Any]:
-    """Collect the store's garbage (``store.maintenance.gc``) with the config's TTL bound."""
-    from store.maintenance import gc
-    from store.store import Store
+    """Collect the store's garbage (``store.tiers.maintenance.gc``) with the config's TTL bound."""
+    from store.tiers.maintenance import gc
+    from store.tiers.store import Store
 
     store = Store.open(store_url, config)
     try:
@@ -320,7 +320,7 @@ def window_task(total_forecast: pd.DataFrame, hours: float, fraction: float, buc
     With ``total_history`` (``ds``, ``y``) spanning at least three days, the quietest
     window is found on the path of whichever load predictor (the forecast, the multi-day
     profile, Holt-Winters on log counts) had the least regret on the past week
-    (:func:`forecasting.offpeak.pick_window`): the daily trough moves, and on real traffic
+    (:func:`forecasting.planning.offpeak.pick_window`): the daily trough moves, and on real traffic
     the profile picks quieter windows than the forecast does (docs/forecasting.md).
     With less history, the forecast's quietest window.
     """
@@ -350,7 +350,7 @@ def window_task(total_forecast: pd.DataFrame, hours: float, fraction: float, buc
 def plan_task(demand: Demand, forecast: pd.DataFrame, window: dict[str, Any], config: KvwarmConfig, *,
               model: str, tokens_per_s: float, bytes_per_token: float, budget_gpu_s: float,
               budget_store_bytes: float, gpu_s_per_gib_hour: float) -> Plan:
-    """The prewarm plan for the chosen window (``forecasting.planner.make_plan``)."""
+    """The prewarm plan for the chosen window (``forecasting.planning.planner.make_plan``)."""
     cost = CostModel(tokens_per_s=tokens_per_s, bytes_per_token=bytes_per_token,
                      gpu_s_per_gib_hour=gpu_s_per_gib_hour)
     return make_plan(demand, forecast, cost=cost, budget=Budget(gpu_s=budget_gpu_s, store_bytes=budget_store_bytes),
@@ -367,7 +367,3 @@ def kv_bytes_per_token(model_config: Any, compression: str) -> float:
     return float(model_config.num_hidden_layers * 2 * heads * head_dim * KV_BYTES[compression])
 
 
-__all__ = ["FlowInputError", "StoreUnreachable", "run_dir", "flow_config", "check_bucket", "load_demand",
-           "kv_bytes_per_token", "read_logs_task", "list_partitions_task", "read_partition_task", "save_quarantine",
-           "s3_reachable", "load_model_task", "save_demand", "save_json", "save_frame", "save_plan",
-           "prefill_task", "gc_task", "mine_task", "forecast_task", "window_task", "plan_task"]

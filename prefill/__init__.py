@@ -3,5 +3,5 @@
 Public face: ``prefill.models`` (``load_model``, ``LoadedModel``, the built-ins
 ``kvwarm-tiny`` and ``kvwarm-ref``), ``prefill.runner`` (``Prefiller``, ``PrefillOptions``,
 ``PrefixRequest``, ``PrefillReport``), ``prefill.warm`` (``warm``: what the flows call),
-``prefill.accuracy`` (``precision_loss``), ``prefill.schedule`` (the radix segments).
+``bench.lib.precision_loss`` (``precision_loss``), ``prefill.schedule`` (the radix segments).
 """

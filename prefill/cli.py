@@ -23,11 +23,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = parser.add_subparsers(dest="command", required=True)
     add_store_commands(sub)
+    from forecasting.simulate.cli import add_simulate_command
     from prefill.demo import add_demo_command
     from prefill.report_cli import add_report_command
     from prefill.warm import add_warm_command
-
-    from forecasting.cli import add_simulate_command
 
     add_warm_command(sub)
     from prefill.models import load_tokenizer

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 
 from store.config import load_config
-from store.keys import KeyRoot, block_chain
-from store.encode import build_snapshot
-from store.store import Store
+from store.format.encode import build_snapshot
+from store.identity.keys import KeyRoot, block_chain
+from store.tiers.store import Store
 
 SYSTEM_PROMPT = (
     "You are a support assistant for an online bookshop. Answer politely and briefly, "

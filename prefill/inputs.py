@@ -11,7 +11,6 @@ and what is wrong; nothing here touches the store.
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 from typing import Iterable, Sequence
 

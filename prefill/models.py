@@ -35,9 +35,9 @@ from typing import Any
 import torch
 
 from prefill.training import TrainingRecipe, token_stream, train
-from store.identity import ModelIdentity, identity_from_dir
-from store.keys import KeyRoot
-from store.precision import Precision
+from store.format.precision import Precision
+from store.identity.fingerprint import ModelIdentity, identity_from_dir
+from store.identity.keys import KeyRoot
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ Inputs, all plain JSON (this module does no other I/O than reading them):
   (the KV bytes per token: ``planned_store_bytes`` over the planned tokens), and
   optionally ``mine.json``, ``gc.json``, ``report.json`` (its ``replay`` section, written
   by the demo, stands in for loader stats when none are given);
-- zero or more loader stats dumps: the dict :meth:`store.loader.KVLoader.stats` returns,
+- zero or more loader stats dumps: the dict :meth:`store.serving.loader.KVLoader.stats` returns,
   saved as JSON, optionally with two keys the dumping process adds: ``elapsed_s`` (the
   seconds the loader served: gives throughput) and ``prompt_tokens`` (the prompt tokens
   it looked up: gives the token hit rate);
@@ -396,6 +396,3 @@ def _economics(cache: CacheEfficiency, rate: float | None, spent: float | None, 
     return Economics(rate, saved, spent, net, price, cost(saved), cost(spent), cold, warm, per_1k(cost(net)))
 
 
-__all__ = ["PRICE_ENV", "CacheEfficiency", "Economics", "Monitoring", "MonitoringError", "Prices", "SecurityAudit",
-           "ServiceQuality", "compute", "kv_bytes_per_token", "monitoring_for_run", "read_loader_stats",
-           "read_run", "run_directory"]

@@ -3,7 +3,7 @@
 ``Prefiller(loaded, store, options).run(requests)``:
 
 1. keys every prefix's full blocks (the final partial block is never stored: see
-   :func:`store.keys.block_chain`) and asks the store how many leading blocks exist;
+   :func:`store.identity.keys.block_chain`) and asks the store how many leading blocks exist;
 2. merges what is missing into segments (``prefill.schedule``), so a system prompt
    shared by many prefixes is computed once, and continues each segment from its
    parent's KV (computed in this run) or from the stored KV (loaded from the store);
@@ -31,11 +31,11 @@ from prefill.models import LoadedModel
 from prefill.progress import Progress
 from prefill.schedule import Batch, PrefixJob, Segment, build_segments, plan_batches, split
 from store.errors import StoreError
-from store.keys import Block, block_chain
-from store.precision import Precision, dequantize, quantize, relative_errors
-from store.encode import StoredLayer, encode_snapshot
-from store.store import Store
-from store.tenant import Tenant
+from store.format.encode import StoredLayer, encode_snapshot
+from store.format.precision import Precision, dequantize, quantize, relative_errors
+from store.identity.keys import Block, block_chain
+from store.identity.tenant import Tenant
+from store.tiers.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -368,7 +368,7 @@ class Prefiller:
         On a GPU this is a handful of kernels per layer over all blocks at once and one
         copy of the stored bytes (not the bf16 KV) to the host, instead of a dozen small
         kernels and a synchronisation per block, layer and K/V. Each block is quantised
-        exactly as :func:`store.snapshot.build_snapshot` would quantise it alone.
+        exactly as :func:`store.format.snapshot.build_snapshot` would quantise it alone.
         """
         out = _Quantised()
         if not where:

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
-from store.keys import Block, KeyRoot
+from store.identity.keys import Block, KeyRoot
 
 
 @dataclass(frozen=True)

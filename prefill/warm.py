@@ -12,16 +12,15 @@ import time
 from dataclasses import replace
 from typing import Any, Sequence
 
-from prefill.inputs import (InputError, entries_from_file, entries_from_texts, parse_deadline,
-                            requests_from_plan)
+from prefill.inputs import InputError, entries_from_file, entries_from_texts, parse_deadline, requests_from_plan
 from prefill.models import DEFAULT_MODEL, LoadedModel, load_model
 from prefill.numa import pin_to_device
 from prefill.progress import Progress
-from prefill.runner import DeadlinePassed, PrefillOptions, PrefillReport, Prefiller, check_deadline
+from prefill.runner import DeadlinePassed, Prefiller, PrefillOptions, PrefillReport, check_deadline
 from store.config import KvwarmConfig, load_config
+from store.format.precision import Precision
 from store.plan import PlanEntry, read_plan
-from store.precision import Precision
-from store.store import Store
+from store.tiers.store import Store
 
 log = logging.getLogger(__name__)
 

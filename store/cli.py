@@ -19,8 +19,8 @@ from typing import Any
 
 from store.config import KvwarmConfig, load_config
 from store.errors import StoreError
-from store.maintenance import gc, verify
-from store.store import Store
+from store.tiers.maintenance import gc, verify
+from store.tiers.store import Store
 
 
 def add_store_commands(sub: Any) -> None:

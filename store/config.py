@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import json
 import os
-import tomllib
 from pathlib import Path
 from typing import Any, Literal, Optional
 
+import tomllib
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
 from store.errors import ConfigError
-from store.precision import Precision
-from store.tenant import PUBLIC, Tenant, check_tenant_name
+from store.format.precision import Precision
+from store.identity.tenant import PUBLIC, Tenant, check_tenant_name
 
 #: environment variable naming the config file when none is passed
 CONFIG_ENV = "KVWARM_CONFIG"
@@ -119,7 +119,7 @@ class StoreConfig(_Section):
 
 
 class LoaderConfig(_Section):
-    """Serving-side loader defaults (``store.loader.KVLoader`` keywords override them)."""
+    """Serving-side loader defaults (``store.serving.loader.KVLoader`` keywords override them)."""
 
     pool_bytes: ByteSize = Field(ByteSize(8 << 30), description="Most snapshot bytes a node keeps mapped, e.g. '16GiB'.")
     pool_dir: Optional[str] = Field(None, description="Where the node pool's state lives (default under /dev/shm).")

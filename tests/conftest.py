@@ -1,4 +1,4 @@
-"""Shared fixtures: one real SeaweedFS S3 server for the whole session.
+"""Shared fixtures: one real SeaweedFS S3 server for the whole session, and the tiny model.
 
 Tests that need S3 are marked ``pytest.mark.s3``. Every test gets its own prefix in
 one session bucket: SeaweedFS gives each bucket its own collection of volumes, and a
@@ -7,16 +7,22 @@ test server can run short of volumes when every test makes buckets.
 from __future__ import annotations
 
 import uuid
-from typing import Iterator
 
 import pytest
 
+from prefill.models import load_model
 from store.config import S3Config
 from tests.seaweedfs import SeaweedFS
 
 #: credentials are read from the env vars an S3Config names; SeaweedFS accepts any key
 KEY_ENV, SECRET_ENV = "KVWARM_TEST_KEY", "KVWARM_TEST_SECRET"
 BUCKET = "kvwarm-tests"
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """The built-in ``kvwarm-tiny`` model in fp32 on the CPU (built once per machine, then cached)."""
+    return load_model("kvwarm-tiny", dtype="fp32", device="cpu")
 
 
 @pytest.fixture(scope="session")

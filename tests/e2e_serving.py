@@ -15,7 +15,7 @@ def main(store_url: str, config_path: str, model_dir: str, dtype: str, prompts_j
     from transformers import AutoModelForCausalLM
 
     from store.config import load_config
-    from store.loader import KVLoader
+    from store.serving.loader import KVLoader
 
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).eval()

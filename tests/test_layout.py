@@ -32,9 +32,16 @@ def test_dependencies_point_one_way(package: str) -> None:
         assert used <= ALLOWED[package], f"{path.relative_to(REPO)} imports {sorted(used - ALLOWED[package])}"
 
 
+@pytest.mark.parametrize("package", PACKAGES)
+def test_product_code_never_imports_bench_or_tests(package: str) -> None:
+    for path in (REPO / package).rglob("*.py"):
+        used = _imports(path) & {"bench", "tests"}
+        assert not used, f"{path.relative_to(REPO)} imports {sorted(used)}: research and test code stay out of the product"
+
+
 def test_serving_path_imports_only_store_and_its_light_deps() -> None:
     code = (
-        "import sys; import store.store, store.snapshot, store.keys, store.local_tier;"
+        "import sys; import store.tiers.store, store.format.snapshot, store.identity.keys, store.tiers.local;"
         "heavy = [m for m in ('prefect', 'statsmodels', 'transformers', 'datasketch', 'flows', 'prefill', 'forecasting', 's3fs')"
         " if m in sys.modules]; print(','.join(heavy))"
     )

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from store.dequant import Dequantizer
-from store.loader import KVLoader
-from store.table import native_isa
-from store.tenant import Tenant
+from store.identity.tenant import Tenant
+from store.kernels.dequant import Dequantizer
+from store.kernels.table import native_isa
+from store.serving.loader import KVLoader
 
 
 def measure_load(url: str, cfg, tenant: Tenant, ident, mcfg, ids, work: Path, compression: str, reps: int,

@@ -10,10 +10,10 @@ import statistics
 
 import numpy as np
 
-from forecasting import ceiling as calibration
-from forecasting.prewarm import first_use_order, kvwarm_prewarm, oracle_prewarm, ranked_prewarm
-from forecasting.replay import BlockIndex, LRUCache, PredictorConfig, replay
-from forecasting.simulate import Scenario, SimResult, simulate
+from bench.lib import ceiling as calibration
+from forecasting.simulate.prewarm import first_use_order, kvwarm_prewarm, oracle_prewarm, ranked_prewarm
+from forecasting.simulate.replay import BlockIndex, LRUCache, PredictorConfig, replay
+from forecasting.simulate.simulation import Scenario, SimResult, simulate
 
 TUNE_FRACTIONS = (0.2, 0.4, 0.6, 0.8)  # --tune: other restart times
 TUNE_STEADY = (2048, 8192)  # --tune: other capacities for the steady state

@@ -38,7 +38,7 @@ def shaped_model(shape: str, device: str, dtype: torch.dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from prefill.models import LoadedModel, load_model
-    from store.identity import ModelIdentity
+    from store.identity.fingerprint import ModelIdentity
 
     tok = load_model("kvwarm-tiny").tokenizer  # only its pad id is used; ids are drawn at random
     cfg = LlamaConfig(**SHAPES[shape])

@@ -19,7 +19,7 @@ def prefect_harness():
 @pytest.fixture(scope="session")
 def small_logs(tmp_path_factory) -> str:
     """Three days of sample logs, small enough for a quick end-to-end run."""
-    from flows.sample_logs import SampleSpec, generate, write
+    from bench.lib.sample_logs import SampleSpec, generate, write
 
     path = tmp_path_factory.mktemp("logs") / "logs.jsonl"
     write(generate(SampleSpec(days=3, requests=900)), path)

@@ -13,13 +13,12 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from uuid import UUID
 
-import pytest
 import yaml
 
 from flows.scheduling import DEFAULT_PREFILL_DEPLOYMENT, schedule_prefill
 from store.config import KvwarmConfig
-from store.store import Store
-from store.tier import object_name
+from store.tiers.base import object_name
+from store.tiers.store import Store
 from tests.flows.prefect_server import ROOT, cpu_worker, kvwarm_deployments, prefect_server  # noqa: F401 - fixtures
 from tests.store.factories import ACME, make_chain, make_root, make_snapshot
 

@@ -17,8 +17,8 @@ import pytest
 from flows.pipeline import forecast_demand, gc_store, kvwarm_pipeline, mine_logs, plan_prewarm, prefill_plan
 from flows.tasks import StoreUnreachable, run_dir
 from store.plan import read_plan
-from store.store import Store
-from store.tier import SUFFIX
+from store.tiers.base import SUFFIX
+from store.tiers.store import Store
 
 KEY_ENV, SECRET_ENV = "KVWARM_FLOW_TEST_KEY", "KVWARM_FLOW_TEST_SECRET"
 

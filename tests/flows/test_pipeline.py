@@ -130,7 +130,7 @@ def test_the_demo_replays_the_planned_period_through_the_loader(prefect_harness,
     assert rows["lru+plan"]["hit_rate"] == pytest.approx(what["plan"])
     # The next run of this store adapts the LSH threshold by the hit rate the demo's loaders measured.
     from flows.pipeline import forecast_demand, mine_logs
-    from forecasting.families import adapt_threshold
+    from forecasting.mining.families import adapt_threshold
 
     store = f"file://{tmp_path / 'store'}"
     first = json.loads((run_dir(store, "demo") / "mine.json").read_text())["similarity"]

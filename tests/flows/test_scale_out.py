@@ -145,8 +145,8 @@ def test_the_task_runner_is_chosen_by_name() -> None:
 def test_tokenising_partitions_apart_builds_the_tree_mining_text_builds(small_logs) -> None:
     import numpy as np
 
-    from forecasting.logs import read_logs
-    from forecasting.mining import mine_text, tokenize_requests
+    from forecasting.ingest.logs import read_logs
+    from forecasting.mining.prefix_tree import mine_text, tokenize_requests
     from prefill.models import load_model
     from store.config import load_config
 

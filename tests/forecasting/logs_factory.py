@@ -30,8 +30,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from store.keys import KeyRoot
-from store.tenant import Tenant
+from store.identity.keys import KeyRoot
+from store.identity.tenant import Tenant
 from tests.store.factories import make_root
 
 PROMPTS_CSV = Path(__file__).resolve().parents[1] / "data" / "prompts" / "prompts.csv"

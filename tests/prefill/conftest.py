@@ -1,18 +1,13 @@
-"""Fixtures for prefill tests: the built-in tiny model (built once per machine) and a local store."""
+"""Fixtures for prefill tests: the tiny model in bf16, and a local store (``tiny``, fp32, is in tests/conftest.py)."""
 from __future__ import annotations
 
 import pytest
 
 from prefill.models import load_model
 from store.config import parse_config
-from store.store import Store
+from store.tiers.store import Store
 
 BLOCK = 16
-
-
-@pytest.fixture(scope="session")
-def tiny():
-    return load_model("kvwarm-tiny", dtype="fp32", device="cpu")
 
 
 @pytest.fixture(scope="session")

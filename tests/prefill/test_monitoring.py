@@ -7,8 +7,16 @@ from typing import Any
 
 import pytest
 
-from prefill.monitoring import (MonitoringError, Prices, compute, kv_bytes_per_token, monitoring_for_run,
-                                read_loader_stats, read_run, run_directory)
+from prefill.monitoring import (
+    MonitoringError,
+    Prices,
+    compute,
+    kv_bytes_per_token,
+    monitoring_for_run,
+    read_loader_stats,
+    read_run,
+    run_directory,
+)
 
 # Two loaders (two serving nodes) over one run. Every figure below is computed by hand from these.
 DUMP_A: dict[str, Any] = {

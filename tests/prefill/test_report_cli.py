@@ -8,9 +8,9 @@ import pytest
 from prefill.cli import main
 from prefill.monitoring import Prices, compute, monitoring_for_run, read_run
 from prefill.report_cli import format_table
-from store.loader import KVLoader
-from store.store import Store
-from store.tenant import Tenant
+from store.identity.tenant import Tenant
+from store.serving.loader import KVLoader
+from store.tiers.store import Store
 from tests.prefill.test_monitoring import PLAN, build_run
 from tests.store.pool_workers import ACME, TINY, config, prompt, synthetic_prefix
 

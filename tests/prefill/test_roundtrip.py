@@ -13,10 +13,10 @@ import torch
 from transformers import DynamicCache
 
 from prefill.models import _corpus
-from prefill.runner import PrefillOptions, Prefiller, PrefixRequest
-from store.keys import block_chain
-from store.store import Store
-from store.tenant import Tenant
+from prefill.runner import Prefiller, PrefillOptions, PrefixRequest
+from store.identity.keys import block_chain
+from store.identity.tenant import Tenant
+from store.tiers.store import Store
 from tests.prefill.conftest import BLOCK, config_for
 
 ACME = Tenant.derive("acme", "s3cret")

@@ -7,10 +7,10 @@ import time
 import pytest
 import torch
 
-from prefill.runner import DeadlinePassed, PrefillError, PrefillOptions, Prefiller, PrefixRequest
-from store.keys import block_chain
-from store.precision import relative_error
-from store.tenant import Tenant
+from prefill.runner import DeadlinePassed, Prefiller, PrefillError, PrefillOptions, PrefixRequest
+from store.format.precision import relative_error
+from store.identity.keys import block_chain
+from store.identity.tenant import Tenant
 from tests.prefill.conftest import BLOCK
 
 ACME = Tenant.derive("acme", "s3cret")
@@ -65,8 +65,8 @@ def test_rerun_skips_what_exists_and_extends_from_stored_kv(tiny, store, config)
 
 
 def test_continuing_from_stored_kv_matches_a_full_prefill(tiny, tmp_path):
+    from store.tiers.store import Store
     from tests.prefill.conftest import config_for
-    from store.store import Store
 
     cfg = config_for("bf16")
     ids = prompts(1, suffix_blocks=2)[0]
@@ -161,7 +161,7 @@ def test_a_prefix_shorter_than_a_block_is_refused(tiny, store, config):
 
 
 def test_writer_threads_store_the_same_snapshots_as_one_writer(tiny, config, tmp_path):
-    from store.store import Store
+    from store.tiers.store import Store
 
     stores = {n: Store.open(f"file://{tmp_path}/w{n}", config) for n in (1, 4)}
     reports = {n: Prefiller(tiny, s, opts(config, write_threads=n)).run([req(p, i) for i, p in enumerate(prompts(4))])

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from prefill.schedule import PrefixJob, build_segments, plan_batches, split
-from store.keys import block_chain
+from store.identity.keys import block_chain
 from tests.store.factories import ACME, make_root
 
 BS = 4

@@ -6,7 +6,7 @@ import pytest
 
 @pytest.fixture
 def numpy_table(monkeypatch):
-    """Run as an install without the native gather (``store._fp8gather`` not built): numpy's take."""
-    import store.table
+    """Run as an install without the native gather (``store.kernels._fp8gather`` not built): numpy's take."""
+    import store.kernels.table
 
-    monkeypatch.setattr(store.table, "_native", None)
+    monkeypatch.setattr(store.kernels.table, "_native", None)

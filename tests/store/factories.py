@@ -5,10 +5,10 @@ import time
 
 import torch
 
-from store.keys import Block, KeyRoot, block_chain
-from store.precision import Precision
-from store.snapshot import EncodedSnapshot, build_snapshot
-from store.tenant import Tenant
+from store.format.encode import EncodedSnapshot, build_snapshot
+from store.format.precision import Precision
+from store.identity.keys import Block, KeyRoot, block_chain
+from store.identity.tenant import Tenant
 
 ACME = Tenant.derive("acme", "acme-secret")
 BOLT = Tenant.derive("bolt", "bolt-secret")

@@ -18,11 +18,11 @@ import numpy as np
 import torch
 
 from store.config import KvwarmConfig, parse_config
-from store.identity import ModelIdentity
-from store.keys import block_chain
-from store.snapshot import build_snapshot
-from store.store import Store
-from store.tenant import Tenant
+from store.format.encode import build_snapshot
+from store.identity.fingerprint import ModelIdentity
+from store.identity.keys import block_chain
+from store.identity.tenant import Tenant
+from store.tiers.store import Store
 
 TINY = ModelIdentity(model_fingerprint="kvwarm-test-tiny-llama@seed0", tokenizer_fingerprint="test-bytes", name="tiny")
 ACME = Tenant.derive("acme", "acme-secret")
@@ -98,7 +98,7 @@ def pss_kib(pid: int) -> int:
 # -- worker processes -----------------------------------------------------------
 
 def _loader(args: argparse.Namespace):  # type: ignore[no-untyped-def]
-    from store.loader import KVLoader
+    from store.serving.loader import KVLoader
 
     return KVLoader(f"file://{args.store}", tenant=ACME, model=TINY, pool_bytes=args.budget,
                     config=config(args.block_size, args.compression, args.max_instances), pool_dir=args.pool)

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 
 from prefill.cli import main
-from store.local_tier import LocalTier
-from store.store import Store
-from tests.store.factories import make_chain, make_root, make_snapshot
 from store.config import parse_config
+from store.tiers.local import LocalTier
+from store.tiers.store import Store
+from tests.store.factories import make_chain, make_root, make_snapshot
 
 
 @pytest.fixture()

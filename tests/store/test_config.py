@@ -8,7 +8,7 @@ import pytest
 
 from store.config import load_config, parse_config
 from store.errors import ConfigError
-from store.precision import Precision
+from store.format.precision import Precision
 
 
 def test_defaults_match_the_documented_policy() -> None:

@@ -34,10 +34,11 @@ import torch
 import xxhash
 
 from store.errors import SnapshotError, StoreFull
-from store.local_tier import LocalTier
-from store.snapshot import EncodedSnapshot, read_snapshot, snapshot_bytes
-from store.store import Store
-from store.tier import parse_object_name
+from store.format.encode import EncodedSnapshot, snapshot_bytes
+from store.format.snapshot import read_snapshot
+from store.tiers.base import parse_object_name
+from store.tiers.local import LocalTier
+from store.tiers.store import Store
 from tests.store.factories import ACME, make_chain, make_root, make_snapshot
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,0 +1,300 @@
+"""The prewarm plan: which prefixes to prefill tonight, in what order, with what TTL.
+
+For each candidate prefix, over the *target period* (from the end of the off-peak
+window for the prefix's TTL):
+
+    value = expected hits x prefill seconds one hit saves
+            - prefill seconds to compute it now
+            - storage cost (bytes x TTL, priced in GPU-seconds)
+
+Prefill time grows faster than the token count because attention is quadratic:
+``seconds(n) = n / tokens_per_s x (1 + n / quadratic_at)``, where ``quadratic_at``
+is the length at which attention costs as much as the rest of the layer.
+
+A request gets the *longest* prewarmed prefix it begins with. So a prefix whose
+ancestor (``prefixes.parent``) is already planned saves only its extra tokens, and an
+ancestor of a planned prefix serves only the requests that do not go on to that
+prefix. Selection is lazy greedy by value per unit of budget (GPU-seconds and store
+bytes, each as a fraction of its budget), recomputing a candidate's marginal value
+when it reaches the top. The plan lists the chosen prefixes by value, most valuable
+first: the prefill job works down the list and stops at its deadline.
+
+TTL: the forecast says until when a prefix is likely to be asked for (the last bucket
+whose probability of a request is at least ``ttl_p``); the TTL runs to there from
+the window's end, clamped to the configured bounds (``kv_cache.ttl_min_hours`` ..
+``ttl_max_hours``).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import pandas as pd
+
+from store.plan import Plan, PlanEntry
+
+
+class DemandLike(Protocol):
+    """What the planner reads of :class:`forecasting.mining.demand.Demand`: the ``prefixes`` table."""
+
+    prefixes: pd.DataFrame
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What prefill and storage cost, in GPU-seconds.
+
+    Attributes:
+        tokens_per_s: measured prefill rate on the prefill GPU (short prompts, linear regime).
+        quadratic_at: prompt length (tokens) at which attention doubles the per-token cost.
+        bytes_per_token: KV bytes stored per token (layers x 2 x kv_heads x head_dim x dtype bytes).
+        gpu_s_per_gib_hour: price of keeping 1 GiB for an hour, in GPU-seconds.
+    """
+
+    tokens_per_s: float
+    bytes_per_token: float
+    quadratic_at: float = 32768.0
+    gpu_s_per_gib_hour: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("tokens_per_s", "bytes_per_token", "quadratic_at"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
+                raise ValueError(f"CostModel.{name} must be a positive number, got {v!r}")
+        if not (self.gpu_s_per_gib_hour >= 0 and math.isfinite(self.gpu_s_per_gib_hour)):
+            raise ValueError(f"CostModel.gpu_s_per_gib_hour must be >= 0, got {self.gpu_s_per_gib_hour!r}")
+
+    def prefill_s(self, n_tokens: float) -> float:
+        """GPU-seconds to prefill ``n_tokens`` (linear part plus attention's quadratic part)."""
+        return n_tokens / self.tokens_per_s * (1.0 + n_tokens / self.quadratic_at)
+
+    def bytes(self, n_tokens: float) -> float:
+        return n_tokens * self.bytes_per_token
+
+    def storage_s(self, n_tokens: float, ttl_s: float) -> float:
+        """Storage cost in GPU-seconds of ``n_tokens`` of KV kept ``ttl_s``."""
+        return self.bytes(n_tokens) / 2**30 * ttl_s / 3600.0 * self.gpu_s_per_gib_hour
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What tonight's prefill may spend: GPU-seconds (window x GPUs x utilisation) and store bytes."""
+
+    gpu_s: float
+    store_bytes: float
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_s", "store_bytes"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v >= 0 and math.isfinite(v)):
+                raise ValueError(f"Budget.{name} must be a finite number >= 0, got {v!r}")
+
+
+@dataclass(frozen=True)
+class PlanPolicy:
+    """Knobs of the plan. TTL bounds come from ``store.config`` (``kv_cache.ttl_min_hours``/``ttl_max_hours``)."""
+
+    ttl_min_s: float = 2 * 3600.0
+    ttl_max_s: float = 6 * 3600.0
+    ttl_p: float = 0.5
+    min_value: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.ttl_min_s <= self.ttl_max_s:
+            raise ValueError(f"TTL bounds must satisfy 0 < min <= max, got {self.ttl_min_s}, {self.ttl_max_s}")
+        if not 0.0 < self.ttl_p <= 1.0:
+            raise ValueError(f"ttl_p must be in (0, 1], got {self.ttl_p!r}")
+
+    @classmethod
+    def from_config(cls, kv_cache: Any, **kw: Any) -> "PlanPolicy":
+        """From a ``store.config.KvCacheConfig`` (``ttl_min_hours``, ``ttl_max_hours``)."""
+        return cls(ttl_min_s=kv_cache.ttl_min_hours * 3600.0, ttl_max_s=kv_cache.ttl_max_hours * 3600.0, **kw)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One prefix as the planner sees it (see :func:`candidates_from`)."""
+
+    prefix_id: str
+    tenant: str
+    n_tokens: int
+    expected_hits: float
+    ttl_s: float
+    parent: str | None
+    family: str | None
+    token_ids: tuple[int, ...] | None
+    text: str | None
+
+
+def _ts(value: Any) -> pd.Timestamp:
+    return pd.Timestamp(value)
+
+
+def candidates_from(demand: DemandLike, forecast: pd.DataFrame, target_start: Any, policy: PlanPolicy,
+                    bucket: pd.Timedelta) -> tuple[list[Candidate], int]:
+    """Join the prefixes with their forecasts; TTL and expected hits per prefix.
+
+    ``forecast`` is a long table ``unique_id, ds, y_hat, p_any`` covering the target
+    period. Returns the candidates and how many prefixes were skipped because they
+    have neither token ids nor text (a plan entry needs one).
+    """
+    missing = {"unique_id", "ds", "y_hat", "p_any"} - set(forecast.columns)
+    if missing:
+        raise ValueError(f"forecast lacks column(s) {sorted(missing)}; use forecasting.models.selection.forecast_frame")
+    start = _ts(target_start)
+    fc = forecast[forecast["ds"] >= start - bucket + pd.Timedelta(1)].sort_values(["unique_id", "ds"])
+    by_id = {uid: g for uid, g in fc.groupby("unique_id", sort=False)}
+    out: list[Candidate] = []
+    skipped = 0
+    for row in demand.prefixes.itertuples(index=False):
+        g = by_id.get(row.unique_id)
+        if g is None:
+            continue
+        tokens = getattr(row, "token_ids", None)
+        text = getattr(row, "text", None)
+        tokens = tuple(int(t) for t in tokens) if tokens is not None and len(tokens) else None
+        text = text if isinstance(text, str) and text else None
+        if tokens is None and text is None:
+            skipped += 1
+            continue
+        ends = pd.DatetimeIndex(g["ds"]) + bucket
+        likely = ends[g["p_any"].to_numpy() >= policy.ttl_p]
+        want = (likely.max() - start).total_seconds() if len(likely) else 0.0
+        ttl = float(min(max(want, policy.ttl_min_s), policy.ttl_max_s))
+        # expected hits: the forecast mass inside [start, start + ttl), partial buckets pro rata
+        lo = (pd.DatetimeIndex(g["ds"]) - start).total_seconds().to_numpy()
+        width = bucket.total_seconds()
+        overlap = np.clip(np.minimum(lo + width, ttl) - np.maximum(lo, 0.0), 0.0, width) / width
+        hits = float(np.sum(g["y_hat"].to_numpy() * overlap))
+        parent = getattr(row, "parent", None)
+        family = getattr(row, "family", None)
+        out.append(Candidate(str(row.unique_id), str(row.tenant), int(row.n_tokens), hits, ttl,
+                             parent if isinstance(parent, str) else None, family if isinstance(family, str) else None,
+                             tokens, None if tokens is not None else text))  # exact token ids win over text
+    return out, skipped
+
+
+@dataclass(frozen=True)
+class Choice:
+    """A chosen prefix with its marginal value and what it costs."""
+
+    candidate: Candidate
+    value: float
+    gpu_s: float
+    store_bytes: float
+
+
+def _marginal(c: Candidate, chosen: dict[str, Candidate], ancestors: dict[str, list[str]],
+              descendants: dict[str, list[str]], cost: CostModel) -> float:
+    # Longest-prefix serving: an ancestor already planned serves these requests with
+    # fewer tokens, so only the extra tokens are saved; planned descendants take their
+    # own requests away from this prefix.
+    base = next((a for a in ancestors.get(c.prefix_id, ()) if a in chosen), None)
+    saved_per_hit = cost.prefill_s(c.n_tokens) - (cost.prefill_s(chosen[base].n_tokens) if base else 0.0)
+    taken = sum(chosen[d].expected_hits for d in descendants.get(c.prefix_id, ())
+                if d in chosen and not any(a in chosen for a in _between(d, c.prefix_id, ancestors)))
+    hits = max(c.expected_hits - taken, 0.0)
+    return hits * saved_per_hit - cost.prefill_s(c.n_tokens) - cost.storage_s(c.n_tokens, c.ttl_s)
+
+
+def _between(desc: str, anc: str, ancestors: dict[str, list[str]]) -> list[str]:
+    """The candidate ancestors of ``desc`` strictly below ``anc``."""
+    chain = ancestors.get(desc, [])
+    return chain[:chain.index(anc)] if anc in chain else chain
+
+
+def select(cands: list[Candidate], cost: CostModel, budget: Budget, *, min_value: float = 0.0) -> list[Choice]:
+    """Lazy-greedy choice under both budgets; returns choices in value order (highest first).
+
+    Raises:
+        ValueError: two candidates share a ``prefix_id``.
+    """
+    by_id: dict[str, Candidate] = {}
+    for c in cands:
+        if c.prefix_id in by_id:
+            raise ValueError(f"prefix {c.prefix_id!r} appears twice among the candidates")
+        by_id[c.prefix_id] = c
+    ancestors: dict[str, list[str]] = {}
+    for c in cands:  # nearest first, over planned-candidate ancestors only
+        chain, p, seen = [], c.parent, set()
+        while p is not None and p not in seen:
+            seen.add(p)
+            if p in by_id:
+                chain.append(p)
+            p = by_id[p].parent if p in by_id else None
+        ancestors[c.prefix_id] = chain
+    descendants: dict[str, list[str]] = {}
+    for d, chain in ancestors.items():
+        for a in chain:
+            descendants.setdefault(a, []).append(d)
+
+    def density(c: Candidate, value: float) -> float:
+        use = (cost.prefill_s(c.n_tokens) / budget.gpu_s if budget.gpu_s > 0 else math.inf) + \
+              (cost.bytes(c.n_tokens) / budget.store_bytes if budget.store_bytes > 0 else math.inf)
+        return value / use if use > 0 else math.inf
+
+    chosen: dict[str, Candidate] = {}
+    result: list[Choice] = []
+    heap = [(-density(c, v), c.prefix_id, v) for c in cands
+            if (v := _marginal(c, {}, ancestors, descendants, cost)) > min_value]
+    heapq.heapify(heap)
+    gpu_left, bytes_left = budget.gpu_s, budget.store_bytes
+    while heap:
+        _, pid, stale = heapq.heappop(heap)
+        c = by_id[pid]
+        value = _marginal(c, chosen, ancestors, descendants, cost)
+        if value != stale:  # lazy greedy: re-queue with the current marginal value
+            if value > min_value:
+                heapq.heappush(heap, (-density(c, value), pid, value))
+            continue
+        g, b = cost.prefill_s(c.n_tokens), cost.bytes(c.n_tokens)
+        if g > gpu_left or b > bytes_left:
+            continue
+        chosen[pid] = c
+        gpu_left -= g
+        bytes_left -= b
+        result.append(Choice(c, value, g, b))
+    result.sort(key=lambda ch: (-ch.value, ch.candidate.prefix_id))
+    return result
+
+
+def make_plan(demand: DemandLike, forecast: pd.DataFrame, *, cost: CostModel, budget: Budget,
+              window_start: Any, window_end: Any, bucket: pd.Timedelta, policy: PlanPolicy = PlanPolicy(),
+              model: str | None = None, block_size: int | None = None, created_at: float | None = None) -> Plan:
+    """The prewarm plan for the off-peak window ``[window_start, window_end)``.
+
+    Args:
+        demand: mined demand (its ``prefixes`` table: ``unique_id, tenant, n_tokens,
+            token_ids, text`` and optionally ``family``, ``parent``).
+        forecast: per-prefix forecast ``unique_id, ds, y_hat, p_any`` reaching past
+            the window (see :func:`forecasting.models.parallel.forecast_frame_parallel`).
+        cost, budget, policy: see :class:`CostModel`, :class:`Budget`, :class:`PlanPolicy`.
+        window_start, window_end: the off-peak window (Timestamps, tz-naive UTC); the
+            target period starts at its end.
+        bucket: the forecast's bucket length.
+
+    Returns:
+        A :class:`store.plan.Plan`, entries most valuable first; ``extra`` records the
+        budgets, what was spent and how many prefixes had no tokens or text.
+    """
+    start, end = _ts(window_start), _ts(window_end)
+    if end <= start:
+        raise ValueError(f"window end {end} is not after its start {start}")
+    cands, skipped = candidates_from(demand, forecast, end, policy, bucket)
+    chosen = select(cands, cost, budget, min_value=policy.min_value)
+    entries = tuple(
+        PlanEntry(tenant=ch.candidate.tenant, token_ids=ch.candidate.token_ids, text=ch.candidate.text,
+                  ttl_s=ch.candidate.ttl_s, score=round(ch.value, 6), expected_hits=round(ch.candidate.expected_hits, 6),
+                  family=ch.candidate.family, prefix_id=ch.candidate.prefix_id)
+        for ch in chosen)
+    extra = {"budget_gpu_s": budget.gpu_s, "budget_store_bytes": budget.store_bytes,
+             "planned_gpu_s": float(sum(ch.gpu_s for ch in chosen)),
+             "planned_store_bytes": float(sum(ch.store_bytes for ch in chosen)),
+             "candidates": len(cands), "skipped_without_tokens": skipped}
+    unix = lambda t: (t - pd.Timestamp("1970-01-01")).total_seconds()  # noqa: E731 - tz-naive UTC
+    return Plan(entries=entries, created_at=time.time() if created_at is None else created_at, block_size=block_size,
+                model=model, window_start=unix(start), window_end=unix(end), extra=extra)

@@ -1,0 +1,77 @@
+"""Tenants: names, secret salts, and the public namespace.
+
+A tenant's salt is part of every key it computes (``KeyRoot.tenant_salt``), so a
+tenant that does not hold another's secret cannot even name that tenant's snapshots.
+With a secret, ``salt = HMAC-SHA256(secret, name)``; without one the salt is derived
+from the name alone (keys still never collide across tenants, but isolation then
+rests on the store's access checks only; see docs/tenancy.md). The ``public``
+namespace holds prefixes shared on purpose (a common system prompt); its salt is
+well known.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from dataclasses import dataclass, field
+
+from store.identity.keys import salt_id
+
+PUBLIC = "public"
+_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
+_DOMAIN = b"kvwarm/tenant-salt/v1\x00"
+
+
+def check_tenant_name(name: str) -> str:
+    """Validate a tenant name (it becomes a directory and an S3 prefix).
+
+    Raises:
+        ValueError: not 1-63 characters of ``[a-z0-9_.-]`` starting with a letter or digit.
+    """
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):
+        raise ValueError(
+            f"tenant name {name!r} is not allowed: use 1-63 characters of a-z, 0-9, '_', '.', '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """A tenant's credentials as held by one process.
+
+    Attributes:
+        name: namespace name.
+        salt: secret salt mixed into every key root.
+        encryption_key: optional 32-byte AES-GCM key for the S3 tier.
+    """
+
+    name: str
+    salt: bytes = field(repr=False)
+    encryption_key: bytes | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        check_tenant_name(self.name)
+        if self.encryption_key is not None and len(self.encryption_key) != 32:
+            raise ValueError(f"tenant {self.name!r}: encryption key must be 32 bytes (AES-256-GCM)")
+
+    @staticmethod
+    def derive(name: str, secret: bytes | str | None = None, encryption_key: bytes | None = None) -> "Tenant":
+        """Credentials for ``name``, salted with ``secret`` when given."""
+        check_tenant_name(name)
+        if name == PUBLIC and secret:
+            raise ValueError("the public namespace has a well-known salt; do not give it a secret")
+        msg = _DOMAIN + name.encode()
+        if secret:
+            key = secret.encode() if isinstance(secret, str) else bytes(secret)
+            salt = hmac.new(key, msg, hashlib.sha256).digest()
+        else:
+            salt = hashlib.sha256(msg).digest()
+        return Tenant(name, salt, encryption_key)
+
+    @property
+    def salt_id(self) -> str:
+        return salt_id(self.salt)
+
+
+PUBLIC_TENANT = Tenant.derive(PUBLIC)

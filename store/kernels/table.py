@@ -1,0 +1,183 @@
+"""FP8 dequantisation by table: per head, the 256 possible results, then one gather.
+
+An FP8 (e4m3) byte dequantised with a per-head scale has 256 possible values per head.
+:func:`tables` computes them with the reference arithmetic of
+:func:`store.format.precision.dequantize` (``fp32(value) * scale``, rounded once to the output
+dtype), so a gather through them gives the reference bits by construction.
+
+The gather itself is the native module ``store.kernels._fp8gather`` (built from
+``store/kernels/_fp8gather.c`` at install; AVX-512 where the CPU has it, streaming stores into
+new memory) when it is there, numpy's ``take`` otherwise. :func:`gather_parts` runs every
+head of one stored part; :func:`gather_payloads` every part of whole snapshot payloads
+straight from their mappings into the final ``[parts, heads, tokens, dim]`` layout: one
+native call for the FP8 layers, one for the layers kept unquantised (plain copies).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from store.format.runs import NP_SAME_SIZE
+from store.kernels import memory
+
+if TYPE_CHECKING:
+    from store.format.runs import PayloadPlan
+
+try:  # optional: a source install without a C compiler has numpy only
+    from store.kernels import _fp8gather as _native
+except ImportError:  # pragma: no cover - depends on the install
+    _native = None
+
+_FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+_FP8_NP = _FP8_VALUES.numpy()
+#: output dtypes whose tables the native module makes itself (bf16 with PyTorch's rounding, fp32)
+_TABLES_IN_C = (torch.bfloat16, torch.float32)
+
+
+def native_isa() -> str | None:
+    """The instruction set of the native gather (``"avx512bw"``, ``"scalar"``), or ``None`` when
+    the module was not built (numpy is used then: the same bits, slower)."""
+    return None if _native is None else _native.isa()
+
+
+def tables(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """For each scale, the output value of every FP8 byte: ``[*scale.shape, 256]`` in ``dtype``."""
+    return (_FP8_VALUES * scale.to(torch.float32)[..., None]).to(dtype)
+
+
+def bits_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The integer dtype of the same size as ``dtype`` (2 or 4 bytes): copies and gathers of its bits."""
+    return {2: torch.int16, 4: torch.int32}[dtype.itemsize]
+
+
+def _address(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def gather_parts(out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor) -> bool:
+    """``out[h] = table_h[stored[h]]`` for each head ``h`` of one CPU part ``[heads, tokens, dim]``.
+
+    ``stored`` is FP8 and ``scale`` one fp32 value per head. Returns ``False``, writing
+    nothing, where this does not apply (another device, dtype or scale shape, a head whose
+    ``[tokens, dim]`` is not contiguous in ``out``, or shapes that differ).
+    """
+    if not (out.device.type == "cpu" and stored.device.type == "cpu" and stored.dtype == torch.float8_e4m3fn
+            and scale.dim() == 1 and out.element_size() in NP_SAME_SIZE and out.shape == stored.shape
+            and scale.shape[0] == out.shape[0]):
+        return False
+    if out.numel() and (out.stride(-1) != 1 or out.stride(-2) != out.shape[-1]):
+        return False
+    if stored.numel() and (stored.stride(-1) != 1 or stored.stride(-2) != stored.shape[-1]):
+        stored = stored.contiguous()
+    heads = out.shape[0]
+    lut = tables(scale, out.dtype).view(bits_dtype(out.dtype))
+    if _native is None:
+        idx = stored.view(torch.uint8).numpy()
+        dst = out.view(bits_dtype(out.dtype)).numpy()
+        lnp = lut.numpy()
+        for h in range(heads):
+            # mode="clip": indices are bytes, always in range; "raise" would buffer the output.
+            np.take(lnp[h], idx[h], out=dst[h], mode="clip")
+        return True
+    count = out.shape[1] * out.shape[2]
+    if count == 0:
+        return True
+    esize = out.element_size()
+    src = stored.data_ptr() + np.arange(heads, dtype=np.uint64) * np.uint64(stored.stride(0))
+    dst = out.data_ptr() + np.arange(heads, dtype=np.uint64) * np.uint64(out.stride(0) * esize)
+    _native.gather(src, dst, np.full(heads, count, dtype=np.uint64), lut.numpy(), esize)
+    return True
+
+
+class _Jobs(NamedTuple):
+    """Where each native job of a payload plan reads and writes, relative to a payload's
+    start and to the output's rows ``(part, head)``; computed once per plan."""
+
+    src: np.ndarray  # [J] uint64: byte offset in a payload of FP8 job j (one head of one part)
+    scale: np.ndarray  # [J] uint64: byte offset of its fp32 scale
+    rows: np.ndarray  # [J] uint64: its output row, part * heads + head
+    copy_src: np.ndarray  # [C] uint64: byte offset of copy job c (one head of K or V of a plain layer)
+    copy_rows: np.ndarray  # [C] uint64
+    end: int  # one past the last payload byte any job reads
+
+
+def _jobs(plan: "PayloadPlan") -> _Jobs:
+    cached = plan.__dict__.get("_jobs")
+    if cached is not None:
+        return cached
+    heads, bs, dim = plan.shape
+    h = np.arange(heads, dtype=np.uint64)
+    src, scales, rows, csrc, crows = [], [], [], [], []
+    group = plan.fp8
+    if group is not None:
+        for j, (d, sc) in enumerate(zip(group.data, group.scales)):
+            part = 2 * group.layers[j // 2] + j % 2
+            src.append(np.uint64(d) + h * np.uint64(bs * dim))
+            scales.append(np.uint64(sc) + h * np.uint64(4))
+            rows.append(np.uint64(part * heads) + h)
+    esize = plan.plain_dtype.itemsize if plan.plain_dtype is not None else 0
+    for run in plan.plain:
+        for r in range(run.count):
+            layer = plan.plain_layers[run.first + r]
+            for kv in (0, 1):
+                off = run.base + r * run.layer_step + kv * run.kv_step
+                csrc.append(np.uint64(off) + h * np.uint64(bs * dim * esize))
+                crows.append(np.uint64((2 * layer + kv) * heads) + h)
+
+    def cat(xs: list) -> np.ndarray:
+        return np.concatenate(xs).astype(np.uint64) if xs else np.zeros(0, dtype=np.uint64)
+    jobs = _Jobs(cat(src), cat(scales), cat(rows), cat(csrc), cat(crows), 0)
+    ends = [int(jobs.src.max()) + bs * dim if len(jobs.src) else 0,
+            int(jobs.scale.max()) + 4 if len(jobs.scale) else 0,
+            int(jobs.copy_src.max()) + bs * dim * esize if len(jobs.copy_src) else 0]
+    jobs = jobs._replace(end=max(ends))
+    object.__setattr__(plan, "_jobs", jobs)  # a cache on the (frozen) plan, like the plan on its layout
+    return jobs
+
+
+def gather_payloads(payloads: Sequence[np.ndarray], plan: "PayloadPlan", tokens: int,
+                    dtype: torch.dtype) -> torch.Tensor | None:
+    """Every K/V part of consecutive snapshot payloads, as ``[parts, heads, tokens, dim]`` in ``dtype``.
+
+    ``payloads`` are whole payloads (``uint8`` arrays of the plan's layout, e.g. the
+    mappings themselves) of consecutive blocks; part ``2 * l + 0`` is K of layer ``l``,
+    ``2 * l + 1`` its V. Native calls read every head of every part of every block where
+    it lies and write it where it goes: the FP8 layers through their tables, the layers
+    stored unquantised copied, when they are stored in ``dtype`` (otherwise their parts are
+    left unwritten, for the caller to convert). Returns ``None`` without the native module,
+    for output dtypes other than 2 or 4 bytes, or when there is nothing to do natively.
+
+    Raises:
+        ValueError: the payloads are not of the plan's layout, or ``tokens`` is out of range.
+    """
+    esize = dtype.itemsize
+    copies = plan.plain_dtype == dtype
+    if _native is None or esize not in NP_SAME_SIZE or not payloads or (plan.fp8 is None and not copies):
+        return None
+    heads, bs, dim = plan.shape
+    n = len(payloads)
+    nbytes = payloads[0].shape[0]
+    jobs = _jobs(plan)
+    if (tokens < 1 or tokens > n * bs or jobs.end > nbytes
+            or any(a.dtype != np.uint8 or a.shape != (nbytes,) or not a.flags.c_contiguous for a in payloads)):
+        raise ValueError(f"payloads do not match the plan: {n} payloads of {nbytes} bytes for {tokens} tokens")
+    out = memory.empty((plan.m, heads, tokens, dim), dtype)
+    base = np.fromiter((_address(a) for a in payloads), dtype=np.uint64, count=n)
+    if len(jobs.src) and dtype in _TABLES_IN_C:
+        # each head's table is made in C from its scale, with the reference rounding
+        _native.gather_blocks(base, jobs.src, jobs.scale, jobs.rows, _FP8_NP, out.data_ptr(), tokens, bs, dim,
+                              esize)
+    elif len(jobs.src):  # fp16 out: the tables from torch, then the job-list gather
+        at = (jobs.scale[:, None] + np.arange(4, dtype=np.uint64)).reshape(-1)
+        raw = np.stack([a[at] for a in payloads])  # [n, jobs * 4] bytes: each job's fp32 scale
+        lut = tables(torch.from_numpy(raw.view(np.float32)), dtype).view(bits_dtype(dtype))
+        first = np.arange(n, dtype=np.uint64)[:, None] * np.uint64(bs * dim * esize)
+        dst = np.uint64(out.data_ptr()) + jobs.rows * np.uint64(tokens * dim * esize) + first
+        rows = np.minimum(bs, tokens - np.arange(n) * bs).clip(0).astype(np.uint64)[:, None] * np.uint64(dim)
+        _native.gather((base[:, None] + jobs.src).reshape(-1), dst.reshape(-1),
+                       np.broadcast_to(rows, dst.shape).copy().reshape(-1), lut.numpy().reshape(-1), esize)
+    if copies and len(jobs.copy_src):
+        _native.copy_blocks(base, jobs.copy_src, jobs.copy_rows, out.data_ptr(), tokens, bs, dim, esize)
+    return out

@@ -1,0 +1,188 @@
+"""A lookup's result: the snapshots of a prompt's longest stored prefix, pinned, handed to engines.
+
+:meth:`store.serving.loader.KVLoader.lookup` makes one; :meth:`LoaderHit.to_dynamic_cache`
+and :meth:`LoaderHit.copy_into_paged` turn it into KV an engine can use
+(transformers only inside ``to_dynamic_cache``). See docs/loader.md.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+import weakref
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+
+from store.engines.paged import check_paged, fill_paged, new_dynamic_cache, put_layer
+from store.format.precision import STORAGE_DTYPES
+from store.format.snapshot import Snapshot
+from store.identity.keys import Block
+from store.serving.pool import SnapshotPool
+
+if TYPE_CHECKING:
+    from store.serving.loader import KVLoader
+
+log = logging.getLogger("kvwarm.loader")  # the loader's logger: a hit is part of the loader's story
+
+
+def _tensors(snap: Snapshot) -> dict[str, torch.Tensor]:
+    """Every part of a snapshot as a zero-copy tensor, made once per mapping (~50 us a part)."""
+    cached = snap.__dict__.get("_kvwarm_tensors")
+    if cached is None:
+        cached = {}
+        with warnings.catch_warnings():
+            # The mapping is read-only by design; torch warns that it cannot write to it.
+            warnings.simplefilter("ignore", UserWarning)
+            for p in snap.header.parts:
+                raw = torch.from_numpy(snap.array(p.name))
+                cached[p.name] = raw.view(STORAGE_DTYPES[p.dtype]).view(p.shape)
+        snap.__dict__["_kvwarm_tensors"] = cached
+    return cached
+
+
+def _unpin(pool: SnapshotPool, names: list[str]) -> None:
+    try:
+        pool.unpin(names)
+    except Exception as exc:  # noqa: BLE001 - runs from a finalizer: must never raise
+        log.warning("releasing pins failed (the pool clears a dead process's pins): %s", exc)
+
+
+class LoaderHit:
+    """The longest stored prefix of a prompt, mapped and pinned in the node's pool.
+
+    Attributes:
+        tokens: prompt tokens the snapshots cover (a multiple of the block size).
+        prompt_tokens: length of the prompt looked up.
+        usable_tokens: what the caches built from this hit cover: ``tokens``, but at most
+            ``prompt_tokens - 1``, because a model must compute at least one prompt
+            token to produce logits (``generate()`` silently diverges otherwise).
+        tier: where the snapshots were found: ``pool`` (already mapped on this node),
+            ``nvme``, or ``s3`` (fetched synchronously for this lookup).
+        snapshots: one per block, in prefix order (valid until :meth:`release`).
+        blocks: the blocks they hold.
+        layout: their geometry (layers, kv heads, head dim, block size).
+        names, admissions: the pool entries pinned for this hit (an admission id changes
+            if an entry is evicted and admitted again).
+    """
+
+    def __init__(self, loader: "KVLoader", blocks: Sequence[Block], snapshots: Sequence[Snapshot], names: list[str],
+                 admissions: list[int], prompt_tokens: int, tier: str) -> None:
+        self._loader = loader
+        self.blocks = tuple(blocks)
+        self.snapshots: tuple[Snapshot, ...] = tuple(snapshots)
+        self.names = tuple(names)
+        self.admissions = tuple(admissions)
+        self.block_size = loader.root.block_size
+        self.tokens = len(self.snapshots) * self.block_size
+        self.prompt_tokens = prompt_tokens
+        self.usable_tokens = min(self.tokens, prompt_tokens - 1)
+        self.tier = tier
+        self.layout = self.snapshots[0].header.layout
+        self._finalizer = weakref.finalize(self, _unpin, loader.pool, list(names))
+
+    def __repr__(self) -> str:
+        return f"LoaderHit(tokens={self.tokens}, usable_tokens={self.usable_tokens}, tier={self.tier!r})"
+
+    # -- lifetime ------------------------------------------------------------
+    @property
+    def released(self) -> bool:
+        return not self._finalizer.alive
+
+    def release(self) -> None:
+        """Unpin the snapshots (idempotent). Caches already built stay valid; the hit does not."""
+        self.snapshots = ()
+        self._finalizer()
+
+    def __enter__(self) -> "LoaderHit":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def _check_live(self) -> None:
+        if self.released:
+            raise RuntimeError("this hit was released; build caches before release() (or lookup again)")
+
+    def _parts(self, layer: int, name: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        self._check_live()
+        out = []
+        for snap in self.snapshots:
+            parts = _tensors(snap)
+            out.append((parts[f"{name}.{layer}"], parts.get(f"{name}_scale.{layer}")))
+        return out
+
+    # -- handing KV to engines -----------------------------------------------
+    def to_dynamic_cache(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16, *,
+                         model_config: Any = None) -> Any:
+        """A transformers ``DynamicCache`` holding the first :attr:`usable_tokens` tokens.
+
+        The cache covers a *strict* prefix of the prompt, as ``generate()`` needs:
+        ``model.generate(input_ids, cache=cache)`` computes only the rest, and for a plain
+        forward pass feed ``input_ids[:, hit.usable_tokens:]``.
+
+        Args:
+            device: where the KV goes (FP8 bytes are moved there, then dequantised there).
+            dtype: the model's compute dtype.
+            model_config: the model's transformers config (default: the loader's, or the
+                one in the model directory the loader was given).
+
+        Raises:
+            ValueError: the config's layer count differs from the snapshots'.
+            RuntimeError: the hit was released.
+        """
+        self._check_live()
+        t0 = time.perf_counter()
+        cfg = model_config if model_config is not None else self._loader.model_config()
+        lay = self.layout
+        if cfg is not None:
+            layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg.get_text_config(), "num_hidden_layers")
+            if layers != lay.num_layers:
+                raise ValueError(f"the model config has {layers} layers; the snapshots have {lay.num_layers}")
+        cache = new_dynamic_cache(cfg)  # transformers is imported only here: serving nodes may lack it
+        g = self.snapshots[0].header.precision.group_tokens if self.snapshots else 0
+        dq = self._loader.dequantizer
+        kv = None
+        if torch.device(device).type == "cpu":  # whole payloads at once where the layout allows
+            payloads = [s.payload for s in self.snapshots]
+            if all(p is not None for p in payloads):
+                kv = dq.payload_layers(payloads, self.usable_tokens, dtype)  # type: ignore[arg-type]
+        if kv is None:
+            runs = [self._parts(i, name) for i in range(lay.num_layers) for name in ("k", "v")]
+            kv = dq.layers(runs, self.usable_tokens, dtype, device, g)
+        for i in range(lay.num_layers):
+            put_layer(cache, i, kv[2 * i][None], kv[2 * i + 1][None])
+        self._loader.metrics.observe("to_dynamic_cache", time.perf_counter() - t0)
+        return cache
+
+    def copy_into_paged(self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], *,
+                        partial: bool = False) -> int:
+        """Fill vLLM-layout paged caches (per layer ``[2, num_blocks, block_size, kv_heads, head_dim]``).
+
+        Token ``t`` of the prefix goes to engine block ``block_ids[t // engine_block_size]``.
+        Writes at most :attr:`usable_tokens` (the engine computes the last prompt token)
+        and at most what ``block_ids`` can hold; by default only whole engine blocks (what
+        an engine counts as computed), with ``partial=True`` also the tokens of a last,
+        partly covered engine block.
+
+        Returns:
+            The number of prefix tokens written (the engine's computed-token count).
+
+        Raises:
+            ValueError: caches whose layer count, heads, head size or dtype do not fit.
+        """
+        self._check_live()
+        t0 = time.perf_counter()
+        lay = self.layout
+        ebs = check_paged(kv_caches, lay.num_layers, lay.num_kv_heads, lay.head_dim)
+        n = min(self.usable_tokens, len(block_ids) * ebs)
+        if not partial:
+            n -= n % ebs
+        if any(not 0 <= int(b) < kv_caches[0].shape[1] for b in block_ids[: -(-n // ebs) if n else 0]):
+            raise ValueError(f"block_ids must index the caches' {kv_caches[0].shape[1]} blocks")
+        g = self.snapshots[0].header.precision.group_tokens
+        for i in range(lay.num_layers):
+            fill_paged(kv_caches[i], 0, self._parts(i, "k"), block_ids, n, g, self._loader.dequantizer)
+            fill_paged(kv_caches[i], 1, self._parts(i, "v"), block_ids, n, g, self._loader.dequantizer)
+        self._loader.metrics.observe("copy_into_paged", time.perf_counter() - t0)
+        return n

@@ -1,0 +1,429 @@
+"""The serving-side loader: longest stored prefix, mapped from the node's shared pool, handed to engines.
+
+What a serving process imports (store + torch; transformers only inside
+:meth:`LoaderHit.to_dynamic_cache`)::
+
+    loader = KVLoader("file:///var/cache/kvwarm,s3://kv/prod", tenant="acme",
+                      model="/models/llama-3-8b", pool_bytes=16 << 30)
+    hit = loader.lookup(prompt_ids)            # None on any miss; never raises for store trouble
+    if hit is not None:
+        with hit:                              # pins the snapshots until released
+            cache = hit.to_dynamic_cache("cuda", torch.bfloat16)
+        out = model.generate(input_ids, cache=cache, ...)
+
+The request never fails because of kvwarm: S3 down, a corrupt, expired or mismatched
+snapshot, another tenant's namespace, a full pool, a process over
+``max_shared_instances``: each is a miss (or a hit cut short) with a reason, counted in
+:attr:`KVLoader.metrics` and logged. See docs/loader.md.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import os
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Literal, Sequence
+
+import numpy as np
+import torch
+from prometheus_client import CollectorRegistry
+
+from store.config import KvwarmConfig, load_config
+from store.errors import (
+    SnapshotCorrupt,
+    SnapshotError,
+    SnapshotMismatch,
+    StoreUnavailable,
+    TenantAccessDenied,
+    UnknownFormatVersion,
+)
+from store.format.payload import map_file
+from store.format.snapshot import Snapshot, read_snapshot
+from store.identity.fingerprint import ModelIdentity, identity_from_dir
+from store.identity.keys import Block, KeyRoot, block_chain
+from store.identity.tenant import PUBLIC, PUBLIC_TENANT, Tenant
+from store.kernels.dequant import Dequantizer, DequantMode
+from store.plan import Plan
+from store.serving.fetch import ERRORS, RemoteFetcher, Scope
+from store.serving.hit import LoaderHit
+from store.serving.metrics import LoaderMetrics
+from store.serving.pool import Admit, PoolAttachRefused, SnapshotPool, default_pool_dir, readahead
+from store.serving.prefetch import PrefetchResult, plan_chains, run_prefetch
+from store.tiers.local import LocalTier
+from store.tiers.store import Store, tiers_from_url
+
+log = logging.getLogger("kvwarm.loader")
+FetchMode = Literal["background", "sync"]
+
+
+class KVLoader:
+    """Serving-side access to a kvwarm store for one tenant and one model.
+
+    Args:
+        store_url: tiers, e.g. ``file:///var/cache/kvwarm`` or ``file:///...,s3://bucket/prefix``.
+        tenant: a :class:`store.identity.tenant.Tenant`, or a name resolved through the config.
+        model: a :class:`store.identity.fingerprint.ModelIdentity`, or a saved model directory
+            (fingerprinted from its files; its ``config.json`` then serves
+            :meth:`LoaderHit.to_dynamic_cache`).
+        pool_bytes: the most snapshot bytes this node keeps mapped (the node-wide budget
+            is the smallest any attached process asks for).
+
+        Keywords left as ``None`` (``pool_bytes``, ``fetch_mode``, ``sync_fetch_timeout_s``,
+        ``s3_backoff_s``, ``pool_dir``, ``verify_payload``, ``fetch_workers``, ``dequant``)
+        take the config's ``loader`` section (docs/config.md).
+        config: a :class:`KvwarmConfig` or a config file path (default ``load_config()``);
+            precision, block size, TTL and ``max_shared_instances`` come from it.
+        chat: with a model directory: the prompts went through its chat template (its
+            hash is part of the keys, as in the prefill job).
+        model_config: the model's transformers config (optional; see ``to_dynamic_cache``).
+        fetch_mode: ``background`` (default): an NVMe miss answers now and S3 is asked for
+            next time; ``sync``: wait up to ``sync_fetch_timeout_s`` for S3.
+        sync_fetch_timeout_s: the most a lookup waits for S3 in ``sync`` mode.
+        s3_backoff_s: after S3 fails, do not ask it again for this long.
+        pool_dir: where the node pool's state lives (default under ``/dev/shm``).
+        verify_payload: check payload checksums when a snapshot first enters the pool
+            (reads it once per node); ``False`` reads nothing but headers until used.
+        registry: Prometheus registry (default: one of the loader's own).
+        fetch_workers: background fetch threads.
+        dequant: CPU FP8 dequantiser: ``table`` (default: per-head tables, no warm-up; the
+            fastest where the native gather ``store.kernels._fp8gather`` was built, see
+            :func:`store.kernels.table.native_isa`), ``compiled`` (a torch.compile kernel built on
+            first use of a block shape: seconds of compiling), or ``auto`` (the native table
+            where it is built, otherwise the numpy table until the kernel is built in the
+            background); or a :class:`store.kernels.dequant.Dequantizer` shared by several loaders.
+        clock: time source (TTL, LRU).
+    """
+
+    def __init__(self, store_url: str, *, tenant: Tenant | str, model: ModelIdentity | str | os.PathLike[str],
+                 pool_bytes: int | None = None, config: KvwarmConfig | str | os.PathLike[str] | None = None,
+                 chat: bool = False, model_config: Any = None, fetch_mode: FetchMode | None = None,
+                 sync_fetch_timeout_s: float | None = None, s3_backoff_s: float | None = None,
+                 pool_dir: str | os.PathLike[str] | None = None,
+                 verify_payload: bool | None = None, registry: CollectorRegistry | None = None,
+                 fetch_workers: int | None = None, dequant: DequantMode | Dequantizer | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config if isinstance(config, KvwarmConfig) else load_config(config)
+        # keywords left as None take the config's loader section; the rest are checked as it is
+        d = self.config.loader.with_overrides(
+            pool_bytes=pool_bytes, fetch_mode=fetch_mode, sync_fetch_timeout_s=sync_fetch_timeout_s,
+            s3_backoff_s=s3_backoff_s, pool_dir=pool_dir, verify_payload=verify_payload, fetch_workers=fetch_workers,
+            dequant=None if isinstance(dequant, Dequantizer) else dequant)
+        self.tenant = tenant if isinstance(tenant, Tenant) else self.config.tenant(tenant)
+        self._model_dir: Path | None = None
+        if isinstance(model, ModelIdentity):
+            self.identity = model
+        else:
+            self._model_dir = Path(model)
+            self.identity = identity_from_dir(self._model_dir, chat=chat)
+        self._model_config = model_config
+        self.precision = self.config.kv_cache.precision()
+        self.root: KeyRoot = self.identity.key_root(self.precision, self.config.kv_cache.block_size, self.tenant.salt)
+        self._own = Scope(self.root, self.tenant.name)
+        # prefixes prefilled on purpose for everyone (a shared system prompt) live under
+        # the public salt: a lookup also tries them and keeps the longer hit
+        self._public: Scope | None = None
+        if d.public_prefixes and self.tenant.name != PUBLIC:
+            self._public = Scope(self.identity.key_root(self.precision, self.config.kv_cache.block_size,
+                                                         PUBLIC_TENANT.salt), PUBLIC)
+        self.fetch_mode: FetchMode = d.fetch_mode
+        self.verify_payload = d.verify_payload
+        self.clock = clock
+        self.metrics = LoaderMetrics(registry, tenant=self.tenant.name)
+
+        tiers = tiers_from_url(store_url, self.config.store)
+        if not isinstance(tiers[0], LocalTier):
+            raise ValueError("the loader needs a local (file://) tier first: snapshots are mapped from it")
+        self.local: LocalTier = tiers[0]
+        self.store = Store(tiers, clock=clock)  # every tier: background and sync fetches
+        self._local_store = Store([self.local], clock=clock)  # the hot path never waits on the network
+
+        self.pool = SnapshotPool(d.pool_dir or default_pool_dir(self.local.root), budget_bytes=int(d.pool_bytes),
+                                 max_instances=self.config.kv_cache.max_shared_instances, clock=clock)
+        self._attach_next = 0.0
+        self._try_attach()
+        self._lock = threading.Lock()
+        self._mapped: dict[str, tuple[int, Snapshot]] = {}  # name -> (admission id, mapping)
+        self._epoch = -1
+        self._priority: dict[str, float] = {}
+        self._executor = cf.ThreadPoolExecutor(max_workers=d.fetch_workers, thread_name_prefix="kvwarm-fetch")
+        self.fetcher = RemoteFetcher(self.store, self.local, self.tenant, self.metrics, self._executor,
+                                     timeout_s=d.sync_fetch_timeout_s, backoff_s=d.s3_backoff_s)
+        self.dequantizer = dequant if isinstance(dequant, Dequantizer) else Dequantizer(d.dequant, self._executor)
+        self._closed = False
+
+    # -- setup helpers -------------------------------------------------------
+    def _try_attach(self) -> bool:
+        if self.pool.attached:
+            return True
+        now = time.monotonic()
+        if now < self._attach_next:
+            return False
+        try:
+            self.pool.attach()
+            return True
+        except PoolAttachRefused as exc:
+            self._attach_next = now + 5.0
+            log.warning("%s; lookups miss until a slot frees", exc)
+            return False
+
+    @property
+    def sync_fetch_timeout_s(self) -> float:
+        """The most a ``sync`` lookup waits for S3."""
+        return self.fetcher.timeout_s
+
+    @property
+    def s3_backoff_s(self) -> float:
+        """How long S3 is not asked again after it failed."""
+        return self.fetcher.backoff_s
+
+    def model_config(self) -> Any:
+        """The model's transformers config: as given, else read from the model directory (lazily)."""
+        if self._model_config is None and self._model_dir is not None:
+            from transformers import AutoConfig
+
+            self._model_config = AutoConfig.from_pretrained(self._model_dir)
+        return self._model_config
+
+    # -- lookup --------------------------------------------------------------
+    def lookup(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> LoaderHit | None:
+        """The longest stored exact prefix of ``token_ids`` (whole blocks), or ``None``.
+
+        Never raises for store trouble: every failure is a counted, logged miss (or a hit
+        cut short before the failing block). Bad arguments (not a flat sequence of token
+        ids) raise ``ValueError``.
+        """
+        t0 = time.perf_counter()
+        ids = token_ids.detach().cpu().numpy() if isinstance(token_ids, torch.Tensor) else np.asarray(token_ids)
+        if ids.ndim == 2 and ids.shape[0] == 1:
+            ids = ids[0]
+        blocks = block_chain(self.root, ids)  # ValueError for bad input: a programming error
+        self.metrics.lookup()
+        try:
+            hit, reason = self._lookup(self._own, blocks, len(ids))
+            if self._public is not None and (hit is None or len(hit.blocks) < len(blocks)):
+                hit, reason = self._longer_public(hit, reason, ids)
+        except TenantAccessDenied as exc:
+            self.metrics.refused()
+            log.warning("lookup refused: %s", exc)
+            hit, reason = None, "tenant_refused"
+        except StoreUnavailable as exc:
+            hit, reason = None, "store_unavailable"
+            log.warning("lookup: %s", exc)
+        except ERRORS as exc:
+            hit, reason = None, "error"
+            log.exception("lookup failed, served as a miss: %s", exc)
+        if hit is None:
+            self.metrics.miss(reason or "absent")
+            log.debug("miss (%s) for a %d-token prompt", reason, len(ids))
+        else:
+            self.metrics.hit(hit.tokens)
+            if reason:
+                self.metrics.shortened(reason)
+        self.metrics.observe("lookup", time.perf_counter() - t0)
+        return hit
+
+    def _longer_public(self, hit: LoaderHit | None, reason: str | None,
+                       ids: np.ndarray) -> tuple[LoaderHit | None, str | None]:
+        """The public namespace's hit for ``ids`` if it is longer than the tenant's own ``hit``."""
+        assert self._public is not None
+        have = len(hit.blocks) if hit is not None else 0
+        bs = self._public.root.block_size
+        head = block_chain(self._public.root, ids[: (have + 1) * bs])  # only what the first probe needs
+        if len(head) <= have or self._local_store.probe(self.tenant, head, self._public.root).count <= have:
+            return hit, reason  # nothing longer stored locally under public (the common case: one probe)
+        phit, preason = self._lookup(self._public, block_chain(self._public.root, ids), len(ids))
+        if phit is None or len(phit.blocks) <= have:
+            if phit is not None:
+                phit.release()
+            return hit, reason
+        if hit is not None:
+            hit.release()
+        return phit, preason
+
+    def _lookup(self, scope: Scope, blocks: list[Block], n_tokens: int) -> tuple[LoaderHit | None, str | None]:
+        if not blocks or n_tokens < 2:
+            return None, "short_prompt"
+        if not self._try_attach():
+            return None, "max_shared_instances"
+        self._reconcile()
+        count = self._local_store.probe(self.tenant, blocks, scope.root).count
+        reason: str | None = None
+        tier = "nvme"
+        if count < len(blocks) and self.fetcher.has_remote:
+            if not self.fetcher.usable():
+                reason = "store_unavailable"
+            elif self.fetch_mode == "sync":
+                got, reason = self.fetcher.fetch_sync(scope, blocks, count)
+                if got > count:
+                    count, tier = got, "s3"
+            else:
+                self.fetcher.schedule(scope, blocks[count:])
+                reason = "fetch_scheduled"
+        if count == 0:
+            return None, reason or "absent"
+        hit, stop = self._map_and_pin(blocks[:count], n_tokens, tier, scope)
+        return hit, stop or (reason if hit is None else None)
+
+    def _reconcile(self) -> None:
+        """Drop this process's mappings of snapshots evicted from the pool by anyone."""
+        epoch = self.pool.epoch()
+        if epoch == self._epoch:
+            return
+        with self._lock:
+            names = list(self._mapped)
+        present = self.pool.admissions(names) if names else {}  # nothing mapped: nothing to drop
+        with self._lock:
+            for name in names:
+                cached = self._mapped.get(name)
+                if cached is not None and present.get(name) != cached[0]:
+                    del self._mapped[name]  # unmapped when the last view of it goes
+            self._epoch = epoch
+
+    def _map_and_pin(self, blocks: Sequence[Block], n_tokens: int, tier: str,
+                     scope: Scope) -> tuple[LoaderHit | None, str | None]:
+        names = scope.names(blocks)
+        in_pool = self.pool.admissions(names)
+        now = self.clock()
+        snaps: list[Snapshot] = []
+        stop: str | None = None
+        all_pooled = True
+        for block, name in zip(blocks, names):
+            with self._lock:
+                cached = self._mapped.get(name)
+            snap = cached[1] if cached is not None and in_pool.get(name) == cached[0] else None
+            if snap is None:
+                all_pooled &= name in in_pool
+                got = self._map_local(block, name, scope.root, verify=self.verify_payload and name not in in_pool)
+                if isinstance(got, str):
+                    stop = got
+                    break
+                snap = got
+            if snap.header.expired(now):
+                stop = "expired"
+                break
+            snaps.append(snap)
+        if not snaps:
+            return None, stop
+        admits = [Admit(n, str(self.local.path(n)), s.source_size, s.header.expires_at, self._priority.get(n))
+                  for n, s in zip(names, snaps)] if snaps else []
+        ids = self.pool.pin(admits)
+        if len(ids) < len(snaps):
+            stop = "pool_full"
+            snaps = snaps[: len(ids)]
+        with self._lock:
+            for name, adm, snap in zip(names, ids, snaps):
+                self._mapped[name] = (adm, snap)
+        self.metrics.pool(self.pool.last_usage, self.pool.last_budget)
+        if not snaps:
+            return None, stop
+        hit = LoaderHit(self, blocks[: len(snaps)], snaps, names[: len(snaps)], ids, n_tokens,
+                        "pool" if all_pooled and tier == "nvme" else tier)
+        return hit, stop
+
+    def _map_local(self, block: Block, name: str, root: KeyRoot, *, verify: bool) -> Snapshot | str:
+        """Map one NVMe snapshot and check it is exactly ``block``; a reason string if not."""
+        try:
+            # the hit is about to be used: the kernel reads the file ahead once (if not cached)
+            src = map_file(self.local.path(name), willneed=True)
+        except FileNotFoundError:
+            return "absent"  # evicted from NVMe since the probe
+        self.local.touch(name)
+        location = self.local.describe(name)
+        size = src.size
+        try:
+            snap = read_snapshot(src, location=location, verify_payload=verify)
+            snap.header.check_matches(block, root, location=location)
+        except SnapshotError as exc:
+            del src  # unmapped with its last view
+            return self._refuse_file(name, exc)
+        snap.source_size = size  # type: ignore[attr-defined]
+        self.metrics.mapped(snap.source_size)  # type: ignore[attr-defined]
+        return snap
+
+    def _refuse_file(self, name: str, exc: SnapshotError) -> str:
+        if isinstance(exc, UnknownFormatVersion):
+            log.error("snapshot refused: %s", exc)
+            return "unknown_version"
+        reason = "mismatch" if isinstance(exc, SnapshotMismatch) else "corrupt"
+        where = self.local.quarantine(name, f"{type(exc).__name__}: {exc}") if isinstance(
+            exc, (SnapshotCorrupt, SnapshotMismatch)) else None
+        log.error("%s snapshot quarantined to %s: %s", reason, where, exc)
+        return reason
+
+    # -- S3 -> NVMe ----------------------------------------------------------
+    # -- prefetch ------------------------------------------------------------
+    def prefetch(self, items: Plan | str | os.PathLike[str] | Iterable[Sequence[int]], *, map_ahead: bool = True,
+                 tokenizer: Callable[[str], Sequence[int]] | None = None) -> "cf.Future[PrefetchResult]":
+        """In the background: copy prefixes S3 -> NVMe and (``map_ahead``) map them into the pool.
+
+        Args:
+            items: a :class:`store.plan.Plan` (or a plan file): its entries for this tenant
+                and for ``public`` (unless public prefixes are off), in priority order; their ``score`` becomes the pool's retention priority of
+                their blocks. Or prefixes as token-id sequences.
+            map_ahead: also map and admit them into the node's pool (and read them ahead
+                into the page cache), so the first lookup pays nothing.
+            tokenizer: turns a plan entry's ``text`` into token ids (entries with text are
+                skipped without one).
+
+        Returns:
+            A future of a :class:`PrefetchResult`; it never raises for store trouble.
+        """
+        scopes = {self.tenant.name: self._own, **({PUBLIC: self._public} if self._public else {})}
+        chains, skipped = plan_chains(items, self._own, scopes, tokenizer)
+        for chain, score, scope in chains:
+            if score is not None:
+                for name in scope.names(chain):
+                    self._priority[name] = max(score, self._priority.get(name, score))
+        return self._executor.submit(run_prefetch, chains, skipped, probe=self._probe_local, fetcher=self.fetcher,
+                                     map_ahead=self._map_ahead if map_ahead else None, metrics=self.metrics)
+
+    def _probe_local(self, chain: list[Block], scope: Scope) -> int:
+        return self._local_store.probe(self.tenant, chain, scope.root).count
+
+    def _map_ahead(self, chain: list[Block], scope: Scope) -> int:
+        """Read ``chain``'s files ahead, map and admit them (pinned only for this call)."""
+        if not self._try_attach():
+            return 0
+        self._reconcile()  # so that the first lookup after a prefetch finds the mappings current
+        for name in scope.names(chain):
+            readahead(self.local.path(name))
+        hit, _ = self._map_and_pin(chain, len(chain) * self.root.block_size + 1, "nvme", scope)
+        if hit is None:
+            return 0
+        mapped = len(hit.snapshots)
+        hit.release()
+        return mapped
+
+    # -- reporting and shutdown ----------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """The loader's figures as a dict (the same as its Prometheus metrics, plus pool state)."""
+        out = self.metrics.as_dict()
+        try:
+            out.update(pool_bytes_in_use=self.pool.usage(), pool_budget_bytes=self.pool.budget(),
+                       pool_pinned_bytes=self.pool.pinned_bytes(), pool_instances=len(self.pool.instances()))
+        except sqlite3.Error as exc:
+            log.warning("pool state unavailable: %s", exc)
+        out.update(attached=self.pool.attached, fetch_mode=self.fetch_mode,
+                   s3_backoff=self.fetcher.has_remote and not self.fetcher.usable(), mapped_here=len(self._mapped),
+                   store=self.store.stats.as_dict())
+        return out
+
+    def close(self) -> None:
+        """Stop background work, release the pool attachment and the store (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._mapped.clear()
+        self.pool.close()
+        self.store.close()
+
+    def __enter__(self) -> "KVLoader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,139 @@
+"""Housekeeping over a store's tiers: verify every snapshot, and garbage-collect.
+
+These walk whole tiers, so they are admin operations (``prefill store verify|gc``, the
+GC flow), not part of the serving path.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Mapping
+
+import pyarrow as pa
+
+from store.errors import SnapshotError, SnapshotMismatch
+from store.format.snapshot import read_snapshot
+from store.identity.tenant import Tenant
+from store.tiers.base import Tier, parse_object_name
+from store.tiers.crypto import is_sealed, plaintext
+from store.tiers.local import LocalTier
+from store.tiers.store import Store
+
+log = logging.getLogger("kvwarm.store")
+
+
+@dataclass
+class VerifyReport:
+    """What :func:`verify` found."""
+
+    checked: int = 0
+    ok: int = 0
+    skipped_encrypted: int = 0
+    bad: list[tuple[str, str]] = field(default_factory=list)  # (location, reason)
+    quarantined: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not self.bad
+
+
+def check_object(tier: Tier, name: str, tenants: Mapping[str, Tenant] = {}) -> str | None:
+    """Fully check one stored object. Returns ``None`` when it is sound, else the reason.
+
+    Sound means: readable, both header copies agree, checksums match, the key is the
+    hash of the header's parent and tokens, and the object sits under its own key
+    and tenant (a snapshot copied under another name is caught here).
+    """
+    ns, key = parse_object_name(name)
+    location = tier.describe(name)
+    src = tier.read(name)
+    if src is None:
+        return None  # removed meanwhile: nothing to judge
+    try:
+        secret = tenants[ns].encryption_key if ns in tenants else None
+        if secret is None and isinstance(src, pa.Buffer) and is_sealed(memoryview(src)):
+            return "encrypted"  # cannot be judged without the tenant's key: skipped, not bad
+        src = plaintext(src, secret, name, location=location)
+        snap = read_snapshot(src, location=location, full=True)
+        try:
+            if snap.header.key != key:
+                raise SnapshotMismatch(f"file is named {key} but holds {snap.header.key}", location=location)
+            if snap.header.tenant != ns:
+                raise SnapshotMismatch(f"file is in namespace {ns!r} but labelled {snap.header.tenant!r}", location=location)
+        finally:
+            snap.close()
+    except SnapshotError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def verify(store: Store, *, namespace: str | None = None, tenants: Mapping[str, Tenant] = {},
+           quarantine: bool = True) -> VerifyReport:
+    """Check every snapshot in every tier (optionally one namespace); quarantine bad ones."""
+    report = VerifyReport()
+    prefix = f"{namespace}/" if namespace else ""
+    for tier in store.tiers:
+        for entry in list(tier.entries(prefix)):
+            report.checked += 1
+            reason = check_object(tier, entry.name, tenants)
+            if reason is None:
+                report.ok += 1
+            elif reason == "encrypted":
+                report.skipped_encrypted += 1
+            else:
+                report.bad.append((tier.describe(entry.name), reason))
+                store.stats.incr("corrupt")
+                if quarantine:
+                    where = tier.quarantine(entry.name, reason)
+                    if where:
+                        report.quarantined.append(where)
+                        store.stats.incr("quarantined")
+                log.error("bad snapshot %s: %s", tier.describe(entry.name), reason)
+    return report
+
+
+@dataclass
+class GcReport:
+    """What :func:`gc` removed or fixed."""
+
+    temp_removed: int = 0
+    expired_removed: int = 0
+    evicted: int = 0
+    remote_expired_removed: int = 0
+    index_fixes: dict[str, int] = field(default_factory=dict)
+    verify: VerifyReport | None = None
+
+    def as_dict(self) -> dict[str, object]:
+        d = {k: v for k, v in self.__dict__.items() if k != "verify"}
+        if self.verify is not None:
+            d["verify"] = {"checked": self.verify.checked, "bad": len(self.verify.bad),
+                           "quarantined": len(self.verify.quarantined)}
+        return d
+
+
+def gc(store: Store, *, now: float | None = None, ttl_max_s: float | None = None, verify_all: bool = False,
+       tenants: Mapping[str, Tenant] = {}) -> GcReport:
+    """Collect garbage.
+
+    Local tier: temp files left by dead writers, index drift, expired snapshots,
+    anything over the cap (LRU order). Remote tiers: objects older than ``ttl_max_s``
+    (the TTL policy's upper bound, so they are certainly expired; no GET needed).
+    With ``verify_all``, every snapshot is also checked and bad ones quarantined.
+    """
+    now = store.clock() if now is None else now
+    report = GcReport()
+    for tier in store.tiers:
+        if isinstance(tier, LocalTier):
+            for f in tier.stale_temp_files(now):
+                f.unlink(missing_ok=True)
+                report.temp_removed += 1
+            report.index_fixes = tier.reconcile()
+            report.expired_removed += len(tier.remove_expired(now))
+            report.evicted += len(tier.trim())
+        elif ttl_max_s is not None:
+            for entry in list(tier.entries()):
+                if entry.mtime and entry.mtime + ttl_max_s <= now:
+                    report.remote_expired_removed += tier.delete(entry.name)
+    if verify_all:
+        report.verify = verify(store, tenants=tenants)
+    return report

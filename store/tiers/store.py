@@ -1,0 +1,357 @@
+"""The tiered snapshot store: what prefill jobs write to and serving nodes read from.
+
+Tiers are ordered fastest first (NVMe, then S3). Reads go through them in order; a
+hit in a lower tier is copied into the first one atomically (read-through). Writes go
+to every tier. Every call names a tenant (its credentials): the key root's salt picks
+the namespace (the tenant's own, or ``public``), and a namespace records the salt id
+of its owner, so a caller holding the wrong secret is refused and counted.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence, TypeVar
+
+import pyarrow as pa
+
+from store.config import KvwarmConfig, StoreConfig, load_config
+from store.errors import (
+    ConfigError,
+    SnapshotCorrupt,
+    SnapshotError,
+    SnapshotMismatch,
+    StoreError,
+    StoreFull,
+    StoreUnavailable,
+    TenantAccessDenied,
+    UnknownFormatVersion,
+)
+from store.format.encode import EncodedSnapshot, snapshot_bytes
+from store.format.header import SnapshotHeader
+from store.format.snapshot import Snapshot, read_header, read_snapshot
+from store.identity.keys import Block, KeyRoot, check_key
+from store.identity.tenant import PUBLIC, PUBLIC_TENANT, Tenant
+from store.tiers.base import Tier, object_name
+from store.tiers.crypto import plaintext, seal
+from store.tiers.local import LocalTier
+from store.tiers.stats import StoreStats
+
+log = logging.getLogger("kvwarm.store")
+T = TypeVar("T")
+DEFAULT_LOCAL = "file://~/.cache/kvwarm"
+
+
+def tiers_from_url(url: str, settings: StoreConfig = StoreConfig(), *, create_bucket: bool = False) -> list[Tier]:
+    """Build the tiers a store URL names (``file://...``, ``s3://...``, or both, comma-separated).
+
+    Raises:
+        ConfigError: an unknown scheme, more than one tier of a kind, or a local tier
+            that is not first.
+    """
+    parts = [p.strip() for p in url.split(",") if p.strip()]
+    if not parts:
+        raise ConfigError("store.url is empty; give file:///path, s3://bucket/prefix, or both comma-separated")
+    if not any(p.startswith("file://") for p in parts):
+        parts.insert(0, DEFAULT_LOCAL)
+    tiers: list[Tier] = []
+    for i, part in enumerate(parts):
+        if part.startswith("file://"):
+            if i != 0:
+                raise ConfigError(f"store.url: the local tier must come first and only once, got {url!r}")
+            tiers.append(
+                LocalTier(
+                    part[len("file://") :],
+                    cap_bytes=int(settings.nvme_cap),
+                    recency_flush_s=settings.recency_flush_s,
+                    evict_to_fraction=settings.evict_to_fraction,
+                )
+            )
+        elif part.startswith("s3://"):
+            from store.tiers.s3 import S3Tier  # s3fs is only imported when an S3 tier is configured
+
+            if any(t.kind == "s3" for t in tiers):
+                raise ConfigError(f"store.url: only one s3:// tier is supported, got {url!r}")
+            tiers.append(S3Tier(part, settings.s3, create_bucket=create_bucket))
+        else:
+            raise ConfigError(f"store.url: {part!r} has an unknown scheme; use file:// or s3://")
+    return tiers
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Answer of :meth:`Store.probe`: how many leading blocks exist, and in which tier."""
+
+    count: int
+    tier: str | None
+
+
+@dataclass(frozen=True)
+class Listed:
+    """One snapshot in a tenant's listing, merged over tiers."""
+
+    key: str
+    size: int
+    tiers: tuple[str, ...]
+
+
+class Store:
+    """Tiered, tenant-isolated snapshot store.
+
+    Args:
+        tiers: fastest first; the first must be a :class:`LocalTier` for read-through.
+        clock: time source for TTL checks.
+    """
+
+    def __init__(self, tiers: Sequence[Tier], *, clock: Callable[[], float] = time.time) -> None:
+        if not tiers:
+            raise ValueError("a store needs at least one tier")
+        self.tiers = list(tiers)
+        self.clock = clock
+        self.stats = StoreStats()
+        self._owners: dict[tuple[int, str], str] = {}
+
+    @classmethod
+    def open(cls, url: str | None = None, config: KvwarmConfig | None = None, *, create_bucket: bool = False) -> "Store":
+        """Open the store named by ``url`` (default: the config's ``store.url``)."""
+        config = config or load_config()
+        return cls(tiers_from_url(url or config.store.url, config.store, create_bucket=create_bucket))
+
+    @property
+    def local(self) -> LocalTier | None:
+        first = self.tiers[0]
+        return first if isinstance(first, LocalTier) else None
+
+    # -- tenancy -------------------------------------------------------------
+    def _refuse(self, tenant: Tenant, what: str) -> TenantAccessDenied:
+        self.stats.incr("refused")
+        log.warning("refused: tenant %r tried to %s", tenant.name, what)
+        return TenantAccessDenied(f"tenant {tenant.name!r} may not {what}")
+
+    def _namespace_of(self, tenant: Tenant, salt_id: str, what: str) -> str:
+        if salt_id == tenant.salt_id:
+            return tenant.name
+        if salt_id == PUBLIC_TENANT.salt_id:
+            return PUBLIC
+        raise self._refuse(tenant, f"{what} with a key root salted for another tenant")
+
+    def _owner(self, i: int, ns: str) -> str | None:
+        """The salt id recorded for namespace ``ns`` in tier ``i`` (cached)."""
+        if (i, ns) not in self._owners:
+            raw = self.tiers[i].get_meta(f"tenants/{ns}.json")
+            if raw is None:
+                return None
+            self._owners[(i, ns)] = json.loads(raw)["salt_id"]
+        return self._owners[(i, ns)]
+
+    def _guard(self, tenant: Tenant, ns: str, what: str, i: int) -> None:
+        expected = PUBLIC_TENANT.salt_id if ns == PUBLIC else tenant.salt_id
+        owner = self._owner(i, ns)
+        if owner is not None and owner != expected:
+            raise self._refuse(tenant, f"{what} namespace {ns!r} without its owner's secret")
+
+    def _claim(self, tenant: Tenant, ns: str, i: int) -> None:
+        self._guard(tenant, ns, "write to", i)
+        if self._owner(i, ns) is None:
+            salt = PUBLIC_TENANT.salt_id if ns == PUBLIC else tenant.salt_id
+            self.tiers[i].put_meta(f"tenants/{ns}.json", json.dumps({"namespace": ns, "salt_id": salt}).encode())
+            self._owners[(i, ns)] = salt
+
+    # -- writes --------------------------------------------------------------
+    def put(self, tenant: Tenant, snap: EncodedSnapshot) -> bool:
+        """Write a snapshot to every tier (skipping tiers that already hold it).
+
+        Returns ``True`` if any tier was written. Raises :class:`TenantAccessDenied`
+        for a snapshot salted for another tenant, :class:`StoreUnavailable` when a
+        tier cannot be reached, :class:`StoreFull` when it cannot fit locally.
+        """
+        ns = self._namespace_of(tenant, snap.header.salt_id, "write")
+        if snap.header.tenant != ns:
+            raise self._refuse(tenant, f"write a snapshot labelled for tenant {snap.header.tenant!r}")
+        name = object_name(ns, snap.key)
+        wrote = False
+        for i in range(len(self.tiers)):
+            # Every tier's owner is checked before anything is written: a refused writer
+            # must not claim a fresh node's local namespace on its way to being refused.
+            self._guard(tenant, ns, "write to", i)
+        for i, tier in enumerate(self.tiers):
+            self._claim(tenant, ns, i)
+            if isinstance(tier, LocalTier):
+                wrote |= tier.write(name, snap, expires_at=snap.header.expires_at)
+            elif not tier.exists(name):
+                data = snapshot_bytes(snap)
+                if tenant.encryption_key is not None and ns == tenant.name:
+                    data = seal(tenant.encryption_key, name, data)
+                wrote |= tier.write(name, data, expires_at=snap.header.expires_at)
+        self.stats.incr("writes" if wrote else "writes_skipped")
+        return wrote
+
+    # -- reads ---------------------------------------------------------------
+    def _ask(self, tenant: Tenant, ns: str, what: str, i: int, call: Callable[[Tier], T]) -> T | StoreUnavailable:
+        """Check the caller may ``what`` in tier ``i``, then call it. An unreachable tier
+        is counted and logged, and its error returned (not raised): the next tier may answer."""
+        try:
+            self._guard(tenant, ns, what, i)
+            return call(self.tiers[i])
+        except StoreUnavailable as exc:
+            self.stats.incr("unavailable")
+            log.warning("%s", exc)
+            return exc
+
+    def probe(self, tenant: Tenant, blocks: Sequence[Block], root: KeyRoot) -> Probe:
+        """How many leading ``blocks`` exist in the longest-holding tier (existence only:
+        :meth:`get` validates each one). One round trip per tier at most."""
+        if not blocks:
+            return Probe(0, None)
+        ns = self._namespace_of(tenant, root.salt_id, "probe")
+        names = [object_name(ns, b.key) for b in blocks]
+        best = Probe(0, None)
+        for i, tier in enumerate(self.tiers):
+            n = self._ask(tenant, ns, "probe", i, lambda t: t.probe(names))
+            if isinstance(n, StoreUnavailable):
+                continue
+            if n > best.count:
+                best = Probe(n, tier.kind)
+            if n == len(names):
+                break
+        return best
+
+    def get(self, tenant: Tenant, block: Block, root: KeyRoot, *, now: float | None = None) -> Snapshot | None:
+        """The snapshot of exactly ``block`` under ``root``, or ``None`` on a miss.
+
+        An expired snapshot is a miss. A corrupt or mismatched one is quarantined,
+        counted, and the next tier is tried; if none serves the block, the error is
+        raised (:class:`SnapshotCorrupt`, :class:`SnapshotMismatch`), as is
+        :class:`StoreUnavailable` when a tier that might hold it could not be reached.
+        """
+        ns = self._namespace_of(tenant, root.salt_id, "read")
+        name = object_name(ns, block.key)
+        now = self.clock() if now is None else now
+        error: StoreError | None = None
+        for i, tier in enumerate(self.tiers):
+            src = self._ask(tenant, ns, "read", i, lambda t: t.read(name))
+            if isinstance(src, StoreUnavailable):
+                error = error or src
+                continue
+            if src is None:
+                continue
+            location = tier.describe(name)
+            try:
+                src = self._plaintext(tenant, ns, name, src, location)
+                snap = read_snapshot(src, location=location)
+                snap.header.check_matches(block, root, location=location)
+            except SnapshotError as exc:
+                src = None  # the mapping of a file we refuse must not outlive the refusal
+                error = self._bad(tier, name, exc)
+                continue
+            if snap.header.expired(now):
+                self.stats.incr("expired")
+                snap.close()
+                continue
+            if i > 0:
+                snap = self._read_through(name, src, snap)
+            self.stats.incr("hits")
+            return snap
+        self.stats.incr("misses")
+        if error is not None:
+            raise error
+        return None
+
+    @staticmethod
+    def _plaintext(tenant: Tenant, ns: str, name: str, src: pa.Buffer | pa.NativeFile, location: str) -> pa.Buffer | pa.NativeFile:
+        """Decrypt an object sealed for this tenant (public objects are never sealed)."""
+        return plaintext(src, tenant.encryption_key if ns == tenant.name else None, name, location=location)
+
+    def _bad(self, tier: Tier, name: str, exc: SnapshotError) -> SnapshotError:
+        if isinstance(exc, SnapshotMismatch):
+            kind = "mismatched"
+        elif isinstance(exc, SnapshotCorrupt):
+            kind = "corrupt"
+        elif isinstance(exc, UnknownFormatVersion):
+            kind = "unknown_version"
+        else:  # sound but not readable here: encrypted for a key this node lacks
+            kind = "undecryptable"
+        self.stats.incr(kind)
+        if isinstance(exc, (SnapshotCorrupt, SnapshotMismatch)):
+            where = tier.quarantine(name, f"{type(exc).__name__}: {exc}")
+            if where:
+                self.stats.incr("quarantined")
+            log.error("%s snapshot quarantined to %s: %s", kind, where, exc)
+        else:
+            log.error("snapshot refused: %s", exc)
+        return exc
+
+    def _read_through(self, name: str, src: pa.Buffer, snap: Snapshot) -> Snapshot:
+        local = self.local
+        if local is None:
+            return snap
+        try:
+            local.write(name, src, expires_at=snap.header.expires_at)
+        except (StoreFull, OSError) as exc:
+            log.warning("read-through of %s into the local tier failed (%s); serving from memory", name, exc)
+            return snap
+        self.stats.incr("read_through")
+        mapped = local.read(name)
+        if mapped is None:  # evicted in between by another process
+            return snap
+        try:
+            return read_snapshot(mapped, location=local.describe(name), verify_payload=False)
+        except SnapshotError:
+            return snap
+
+    # -- listing and admin ---------------------------------------------------
+    def list(self, tenant: Tenant, namespace: str | None = None) -> list[Listed]:
+        """Snapshots of ``namespace`` (default: the tenant's own; ``"public"`` allowed)."""
+        ns = namespace or tenant.name
+        if ns not in (tenant.name, PUBLIC):
+            raise self._refuse(tenant, f"list namespace {ns!r}")
+        merged: dict[str, tuple[int, list[str]]] = {}
+        for i, tier in enumerate(self.tiers):
+            self._guard(tenant, ns, "list", i)
+            for e in tier.entries(f"{ns}/"):
+                key = e.name.rsplit("/", 1)[-1].split(".")[0]
+                size, where = merged.get(key, (e.size, []))
+                where.append(tier.kind)
+                merged[key] = (size, where)
+        return [Listed(k, s, tuple(w)) for k, (s, w) in sorted(merged.items())]
+
+    def stat(self, tenant: Tenant, key: str, namespace: str | None = None) -> tuple[SnapshotHeader, list[str]] | None:
+        """The header of a snapshot and the tiers holding it, or ``None`` if no tier has it.
+
+        Reads only the header (checksummed) from the fastest tier that holds it.
+        """
+        ns = namespace or tenant.name
+        if ns not in (tenant.name, PUBLIC):
+            raise self._refuse(tenant, f"stat in namespace {ns!r}")
+        name = object_name(ns, check_key(key))
+        header: SnapshotHeader | None = None
+        where: list[str] = []
+        for i, tier in enumerate(self.tiers):
+            self._guard(tenant, ns, "stat in", i)
+            if not tier.exists(name):
+                continue
+            where.append(tier.kind)
+            if header is None:
+                src = tier.read(name)
+                if src is not None:
+                    src = self._plaintext(tenant, ns, name, src, tier.describe(name))
+                    header = read_header(src, location=tier.describe(name))
+        return (header, where) if header is not None else None
+
+    def delete(self, tenant: Tenant, key: str, namespace: str | None = None) -> int:
+        """Remove a snapshot from every tier; returns how many tiers held it."""
+        ns = namespace or tenant.name
+        if ns not in (tenant.name, PUBLIC):
+            raise self._refuse(tenant, f"delete from namespace {ns!r}")
+        name = object_name(ns, check_key(key))
+        removed = 0
+        for i, tier in enumerate(self.tiers):
+            self._guard(tenant, ns, "delete from", i)
+            removed += tier.delete(name)
+        return removed
+
+    def close(self) -> None:
+        """Flush access records and release tiers."""
+        for tier in self.tiers:
+            tier.close()

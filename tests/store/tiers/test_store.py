@@ -1,0 +1,81 @@
+"""The Store over a local tier: put/get/probe/list/stat/delete semantics."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from store.errors import ConfigError
+from store.tiers.local import LocalTier
+from store.tiers.store import Store, tiers_from_url
+from tests.store.factories import ACME, make_chain, make_kv, make_root, make_snapshot
+
+
+@pytest.fixture()
+def store(tmp_path: Path) -> Store:
+    return Store([LocalTier(tmp_path / "nvme", cap_bytes=64 << 20, recency_flush_s=0)])
+
+
+def test_put_is_idempotent_and_get_returns_the_data(store: Store) -> None:
+    root = make_root()
+    block = make_chain(root, 1)[0]
+    snap = make_snapshot(root, block, seed=3)
+    assert store.put(ACME, snap) is True
+    assert store.put(ACME, snap) is False
+    got = store.get(ACME, block, root)
+    assert got is not None
+    k, _ = got.layer(0)
+    ref = make_kv(root, seed=3)[0][0]
+    assert float((k - ref).norm() / ref.norm()) < 0.05
+    assert store.stats["writes"] == 1 and store.stats["writes_skipped"] == 1 and store.stats["hits"] == 1
+
+
+def test_probe_counts_leading_blocks_only(store: Store) -> None:
+    root = make_root()
+    chain = make_chain(root, 5)
+    for b in (chain[0], chain[1], chain[3]):  # a gap at block 2
+        store.put(ACME, make_snapshot(root, b))
+    p = store.probe(ACME, chain, root)
+    assert (p.count, p.tier) == (2, "nvme")
+    assert store.probe(ACME, [], root).count == 0
+
+
+def test_miss_is_none_not_an_error(store: Store) -> None:
+    root = make_root()
+    assert store.get(ACME, make_chain(root, 1)[0], root) is None
+    assert store.stats["misses"] == 1
+
+
+def test_expired_is_a_miss(store: Store) -> None:
+    root = make_root()
+    block = make_chain(root, 1)[0]
+    store.put(ACME, make_snapshot(root, block, created_at=1000.0, ttl_s=3600))
+    assert store.get(ACME, block, root, now=1000.0 + 3599) is not None
+    assert store.get(ACME, block, root, now=1000.0 + 3600) is None
+    assert store.stats["expired"] == 1
+
+
+def test_list_stat_delete(store: Store) -> None:
+    root = make_root()
+    chain = make_chain(root, 2)
+    for b in chain:
+        store.put(ACME, make_snapshot(root, b))
+    listed = store.list(ACME)
+    assert sorted(l.key for l in listed) == sorted(b.key for b in chain)
+    assert all(l.tiers == ("nvme",) and l.size > 0 for l in listed)
+    header, tiers = store.stat(ACME, chain[1].key)
+    assert header.parent_key == chain[0].key and tiers == ["nvme"]
+    assert store.delete(ACME, chain[1].key) == 1
+    assert store.stat(ACME, chain[1].key) is None
+    assert store.delete(ACME, chain[1].key) == 0
+
+
+def test_store_urls(tmp_path: Path) -> None:
+    tiers = tiers_from_url(f"file://{tmp_path}/a")
+    assert [t.kind for t in tiers] == ["nvme"]
+    with pytest.raises(ConfigError, match="unknown scheme"):
+        tiers_from_url("gs://bucket")
+    with pytest.raises(ConfigError, match="must come first"):
+        tiers_from_url(f"s3://bucket,file://{tmp_path}/b")
+    with pytest.raises(ConfigError, match="empty"):
+        tiers_from_url(" , ")
