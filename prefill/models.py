@@ -36,6 +36,7 @@ import torch
 
 from prefill.training import TrainingRecipe, token_stream, train
 from store.format.precision import Precision
+from store.home import kvwarm_home
 from store.identity.fingerprint import ModelIdentity, identity_from_dir
 from store.identity.keys import KeyRoot
 
@@ -119,7 +120,8 @@ class LoadedModel:
 
 
 def models_home() -> Path:
-    return Path(os.environ.get("KVWARM_HOME", Path.home() / ".cache" / "kvwarm")) / "models"
+    """Where the built-in models are saved: ``models/`` under kvwarm's home (:func:`store.home.kvwarm_home`)."""
+    return kvwarm_home() / "models"
 
 
 def _corpus() -> list[str]:
