@@ -361,8 +361,9 @@ class KVLoader:
 
         Args:
             items: a :class:`store.plan.Plan` (or a plan file): its entries for this tenant
-                and for ``public`` (unless public prefixes are off), in priority order; their ``score`` becomes the pool's retention priority of
-                their blocks. Or prefixes as token-id sequences.
+                and for ``public`` (unless public prefixes are off), in priority order; their
+                ``score`` becomes the pool's retention priority of their blocks, in place of the
+                last plan's. Or prefixes as token-id sequences (no priority).
             map_ahead: also map and admit them into the node's pool (and read them ahead
                 into the page cache), so the first lookup pays nothing.
             tokenizer: turns a plan entry's ``text`` into token ids (entries with text are
@@ -373,10 +374,16 @@ class KVLoader:
         """
         scopes = {self.tenant.name: self._own, **({PUBLIC: self._public} if self._public else {})}
         chains, skipped = plan_chains(items, self._own, scopes, tokenizer)
-        for chain, score, scope in chains:
-            if score is not None:
+        if isinstance(items, (Plan, str, os.PathLike)):
+            # The latest plan's scores replace the last plan's: a node re-prefetching a plan every
+            # few minutes keeps one plan's priorities, not every entry it was ever given.
+            priority: dict[str, float] = {}
+            for chain, score, scope in chains:
+                if score is None:
+                    continue
                 for name in scope.names(chain):
-                    self._priority[name] = max(score, self._priority.get(name, score))
+                    priority[name] = max(score, priority.get(name, score))
+            self._priority = priority
         return self._executor.submit(run_prefetch, chains, skipped, probe=self._probe_local, fetcher=self.fetcher,
                                      map_ahead=self._map_ahead if map_ahead else None, metrics=self.metrics)
 
