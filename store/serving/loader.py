@@ -195,6 +195,13 @@ class KVLoader:
         cut short before the failing block). Bad arguments (not a flat sequence of token
         ids) raise ``ValueError``.
         """
+        return self.lookup_with_reason(token_ids)[0]
+
+    def lookup_with_reason(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor
+                           ) -> tuple[LoaderHit | None, str | None]:
+        """:meth:`lookup`, and why the hit is missing or shorter than the stored chain (a
+        :data:`store.serving.metrics.MISS_REASONS` value; ``None`` for a full hit). An engine
+        that was promised the whole chain reports that reason for the part it did not get."""
         t0 = time.perf_counter()
         ids = token_ids.detach().cpu().numpy() if isinstance(token_ids, torch.Tensor) else np.asarray(token_ids)
         if ids.ndim == 2 and ids.shape[0] == 1:
@@ -216,14 +223,15 @@ class KVLoader:
             hit, reason = None, "error"
             log.exception("lookup failed, served as a miss: %s", exc)
         if hit is None:
-            self.metrics.miss(reason or "absent")
+            reason = reason or "absent"
+            self.metrics.miss(reason)
             log.debug("miss (%s) for a %d-token prompt", reason, len(ids))
         else:
             self.metrics.hit(hit.tokens)
             if reason:
                 self.metrics.shortened(reason)
         self.metrics.observe("lookup", time.perf_counter() - t0)
-        return hit
+        return hit, reason
 
     def _longer_public(self, hit: LoaderHit | None, reason: str | None,
                        ids: np.ndarray) -> tuple[LoaderHit | None, str | None]:
