@@ -3,7 +3,8 @@
 kvwarm's layout is the one every snapshot dequantises to: per layer ``K`` and ``V``, each
 ``[kv_heads, tokens, head_dim]``. :func:`write_layer` puts ``n`` engine blocks' worth of tokens
 into the engine blocks ``block_ids`` (token ``t`` into block ``block_ids[t // block_size]``);
-:func:`read_layer` takes them back out (write-back). Each is a few whole-tensor operations
+:func:`read_layer` takes them back out (write-back: :func:`take_blocks` copies the
+blocks out while the engine holds them, :func:`unpack_blocks` reorders them later, off the forward path). Each is a few whole-tensor operations
 (views, one indexed copy or scatter): no loop over blocks. The layout comes from
 :func:`store.engines.vllm.layout.detect_layout`.
 """
@@ -53,27 +54,37 @@ def write_layer(cache: torch.Tensor, layout: EngineLayout, block_ids: torch.Tens
         raise ValueError(f"unknown layout kind {layout.kind!r}")
 
 
-def read_layer(cache: torch.Tensor, layout: EngineLayout,
-               block_ids: torch.Tensor | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of engine blocks ``block_ids``, each ``[kv_heads, n * block_size, head_dim]`` (a copy)."""
-    H, B, D = layout.num_kv_heads, layout.block_size, layout.head_dim
+def take_blocks(cache: torch.Tensor, layout: EngineLayout, block_ids: torch.Tensor | list[int]) -> torch.Tensor:
+    """A copy of engine blocks ``block_ids`` of one layer, still in the engine's layout (one indexed copy:
+    the part of write-back that must happen before the engine reuses the blocks)."""
     ids = _ids(block_ids, cache.device)
-    n = int(ids.numel())
+    if layout.kind == "kv_first":
+        return cache.index_select(1, ids)
+    return cache.index_select(0, ids)
+
+
+def unpack_blocks(blocks: torch.Tensor, layout: EngineLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V, each ``[kv_heads, n * block_size, head_dim]``, of blocks :func:`take_blocks` copied."""
+    H, B, D = layout.num_kv_heads, layout.block_size, layout.head_dim
+    n = int(blocks.shape[1] if layout.kind == "kv_first" else blocks.shape[0])
     if layout.kind == "cpu_vec":
-        blocks = cache.view(layout.num_blocks, H, 2 * B * D).index_select(0, ids)
-        k = blocks[:, :, : B * D].reshape(n, H, D, B).permute(1, 0, 3, 2)
-        v = blocks[:, :, B * D :].reshape(n, H, B, D).permute(1, 0, 2, 3)
+        flat = blocks.reshape(n, H, 2 * B * D)
+        k = flat[:, :, : B * D].reshape(n, H, D, B).permute(1, 0, 3, 2)
+        v = flat[:, :, B * D :].reshape(n, H, B, D).permute(1, 0, 2, 3)
     elif layout.kind == "cpu_permuted":
         assert layout.index is not None
-        blocks = cache.view(layout.num_blocks, -1).index_select(0, ids)
-        kv = blocks[:, layout.index.reshape(-1).to(cache.device)].view(n, 2, H, B, D)
+        kv = blocks.reshape(n, -1)[:, layout.index.reshape(-1).to(blocks.device)].view(n, 2, H, B, D)
         k, v = kv[:, 0].permute(1, 0, 2, 3), kv[:, 1].permute(1, 0, 2, 3)
     elif layout.kind == "split":
-        blocks = cache.index_select(0, ids)  # [n, H, B, 2D]
         k, v = blocks[..., :D].permute(1, 0, 2, 3), blocks[..., D:].permute(1, 0, 2, 3)
     elif layout.kind == "kv_first":
-        k = cache[0].index_select(0, ids).permute(2, 0, 1, 3)  # [n, B, H, D] -> [H, n, B, D]
-        v = cache[1].index_select(0, ids).permute(2, 0, 1, 3)
+        k, v = blocks[0].permute(2, 0, 1, 3), blocks[1].permute(2, 0, 1, 3)  # [n, B, H, D] -> [H, n, B, D]
     else:
         raise ValueError(f"unknown layout kind {layout.kind!r}")
     return k.reshape(H, n * B, D), v.reshape(H, n * B, D)
+
+
+def read_layer(cache: torch.Tensor, layout: EngineLayout,
+               block_ids: torch.Tensor | list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of engine blocks ``block_ids``, each ``[kv_heads, n * block_size, head_dim]`` (a copy)."""
+    return unpack_blocks(take_blocks(cache, layout, block_ids), layout)
