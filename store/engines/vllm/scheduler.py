@@ -92,10 +92,20 @@ class SchedulerRole:
 
     # -- per request ---------------------------------------------------------
     def on_new_request(self, request: Any) -> RequestState:
-        """Resolve the request's tenant and start its state."""
+        """Resolve the request's tenant and start its state.
+
+        A request whose KV depends on more than its token ids (images or other multimodal inputs,
+        a LoRA adapter, prompt embeddings) gets nothing from kvwarm (``unsupported``): kvwarm's keys
+        name tokens only, so a hit could hand it KV computed for other inputs.
+        """
+        if getattr(request, "mm_features", None) or getattr(request, "lora_request", None) is not None \
+                or getattr(request, "prompt_embeds", None) is not None:
+            return self.tracker.add(RequestState(req_id=request.request_id, prompt=(), tenant=None,
+                                                 refusal="unsupported"))
         who = self.tenants.resolve(getattr(request, "cache_salt", None), getattr(request, "kv_transfer_params", None))
-        if who.name is None:
-            log.warning("request %s gets nothing from kvwarm (%s): %s", request.request_id, who.refusal, who.detail)
+        if who.name is None:  # a refused claim is suspicious; a salt kvwarm does not map is a configuration choice
+            log.log(logging.WARNING if who.refusal == "tenant_refused" else logging.DEBUG,
+                    "request %s gets nothing from kvwarm (%s): %s", request.request_id, who.refusal, who.detail)
         return self.tracker.add(RequestState(req_id=request.request_id, prompt=tuple(request.prompt_token_ids or ()),
                                              tenant=who.name, refusal=who.refusal))
 

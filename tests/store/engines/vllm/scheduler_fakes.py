@@ -31,6 +31,9 @@ class Req:
     prompt_token_ids: list[int]
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    lora_request: Any = None
+    mm_features: list[Any] = field(default_factory=list)
+    prompt_embeds: Any = None
 
 
 @dataclass

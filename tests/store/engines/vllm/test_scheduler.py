@@ -85,7 +85,8 @@ def test_repeated_asks_probe_once_and_count_once(tmp_path, monkeypatch) -> None:
 
 @pytest.mark.parametrize("case, reason", [
     ("absent", "absent"), ("short", "short_prompt"), ("cached", "engine_cached"),
-    ("salt", "tenant_unknown"), ("claim", "tenant_refused"), ("name", "tenant_unknown"),
+    ("salt", "tenant_unknown"), ("claim", "tenant_refused"), ("name", "tenant_unknown"), ("lora", "unsupported"),
+    ("image", "unsupported"),
 ])
 def test_misses_are_counted_under_their_reason(tmp_path, case: str, reason: str) -> None:
     ids = tokens(2 * KB + 3)
@@ -95,7 +96,11 @@ def test_misses_are_counted_under_their_reason(tmp_path, case: str, reason: str)
     req = {"absent": Req("r", ids), "short": Req("r", ids[: KB - 1]), "cached": Req("r", ids),
            "salt": Req("r", ids, cache_salt="not-mapped"),
            "claim": Req("r", ids, cache_salt="salt-acme", kv_transfer_params={"kvwarm_tenant": "bolt"}),
-           "name": Req("r", ids, kv_transfer_params={"kvwarm_tenant": "mallory"})}[case]
+           "name": Req("r", ids, kv_transfer_params={"kvwarm_tenant": "mallory"})}.get(case) or Req("r", ids)
+    if case == "lora":
+        req.lora_request = object()
+    if case == "image":
+        req.mm_features = [object()]
     r.on_new_request(req)
     assert ask(r, req, computed=2 * KB if case == "cached" else 0) == (0, False)
     s = r.stats()
