@@ -183,10 +183,15 @@ class SchedulerRole:
         if st.pending is not None:
             if st.pending.waiting(self.clock()):
                 return None
-            timed_out = not st.pending.future.done()
-            st.pending = None
+            future, st.pending = st.pending.future, None
+            why: str | None = "fetch_timeout"  # it goes on in the background: next time it is local
+            if future.done():
+                try:
+                    why = future.result()[1]  # why the copy got less than the chain (store_unavailable...)
+                except BaseException:  # noqa: BLE001 - cancelled, or a bug in the copy: a miss all the same
+                    why = "error"
             st.hit = self.probe.probe(st.tenant, st.prompt)
-            st.fetch_reason = "fetch_timeout" if timed_out and st.hit.blocks < st.hit.full_blocks else None
+            st.fetch_reason = why if st.hit.blocks < st.hit.full_blocks else None
             st.save_from = st.hit.blocks
             return st.hit
         hit = st.hit = self.probe.probe(st.tenant, st.prompt)
