@@ -23,8 +23,9 @@ KB, EB, L, H, D, NB = 32, 16, 2, 2, 8, 64
 IDENT = ModelIdentity("test-model@1", "tok-1", name="m")
 
 
-def cfg(compression: str = "bf16"):
-    return parse_config({"kv_cache": {"block_size": KB, "compression": compression}})
+def cfg(compression: str = "bf16", pool_dir: Path | None = None):
+    loader = {"pool_dir": str(pool_dir)} if pool_dir is not None else {}
+    return parse_config({"kv_cache": {"block_size": KB, "compression": compression}, "loader": loader})
 
 
 def tokens(n: int, seed: int = 0) -> list[int]:
@@ -56,7 +57,8 @@ def expected(block: int):
 @pytest.fixture()
 def worker(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("KVWARM_HOME", str(tmp_path / "home"))
-    s = ConnectorSettings(store_url=f"file://{tmp_path}/nvme", tenant="acme", config=cfg(), model_dir=tmp_path)
+    s = ConnectorSettings(store_url=f"file://{tmp_path}/nvme", tenant="acme", config=cfg(pool_dir=tmp_path / "pool"),
+                          model_dir=tmp_path)
     w = WorkerRole(s, identities=(IDENT, None), engine_block=EB)
     caches = [torch.full((NB, H, EB, 2 * D), -3.0, dtype=torch.bfloat16) for _ in range(L)]
     w.register(caches, EngineLayout("cpu_vec", NB, H, EB, D, torch.bfloat16), total_kv_heads=H)
