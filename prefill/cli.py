@@ -13,9 +13,8 @@ import logging
 import sys
 from typing import Sequence
 
-from prefill.runner import PrefillError
 from store.cli import add_store_commands
-from store.errors import ConfigError, StoreError
+from store.errors import BadInputError, KvwarmError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,16 +37,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the CLI; returns the exit status (0 ok, 1 a check failed, 2 bad input)."""
+    """Run the CLI; returns the exit status.
+
+    0: done. 2: bad input (an argument, the config, an input file), printed as one
+    ``prefill: error: ...`` line. 1: an operational failure or a failed check (a store
+    unreachable, a corrupt snapshot, a passed deadline), printed with its kind. Only
+    kvwarm's own errors are caught: anything else is a bug and keeps its traceback.
+    """
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
-    except (ConfigError, ValueError, PrefillError) as exc:
+    except BadInputError as exc:
         print(f"prefill: error: {exc}", file=sys.stderr)
         return 2
-    except StoreError as exc:
+    except KvwarmError as exc:
         print(f"prefill: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
 

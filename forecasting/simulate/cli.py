@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
 from forecasting.ingest.log_trace import read_log_trace
-from forecasting.ingest.traces import FORMATS, Trace, TraceError, read_trace
+from forecasting.ingest.traces import FORMATS, Trace, read_trace
 from forecasting.mining.prefix_tree import Tokenizer
 from forecasting.simulate.prewarm import plan_blocks
 from forecasting.simulate.replay import BlockIndex, PredictorConfig
@@ -32,6 +31,7 @@ from forecasting.simulate.simulation import (
     simulate,
 )
 from forecasting.simulate.ttft import CostModel
+from store.errors import BadInputError
 from store.plan import read_plan
 
 #: KV bytes per token assumed by ``--capacity-bytes``: an 8B GQA model (32 layers,
@@ -102,7 +102,7 @@ def _event_time(text: str, duration_s: float) -> float:
             return float(text[:-1]) / 100.0 * duration_s
         return float(text)
     except ValueError:
-        raise ValueError(f"--at must be seconds (900) or a percentage of the trace (50%), got {text!r}") from None
+        raise BadInputError(f"--at must be seconds (900) or a percentage of the trace (50%), got {text!r}") from None
 
 
 def _policies(args: argparse.Namespace) -> list[Policy]:
@@ -139,15 +139,18 @@ def _cost(args: argparse.Namespace) -> CostModel:
     """The TTFT cost model: fitted to a prefill benchmark (--cost-from), or the given or default terms."""
     if args.cost_from:
         if args.s_per_token is not None or args.s_per_token_pair is not None:
-            raise ValueError("give --cost-from or --s-per-token/--s-per-token-pair, not both")
+            raise BadInputError("give --cost-from or --s-per-token/--s-per-token-pair, not both")
         try:
             doc = _bench_result(Path(args.cost_from).read_text())
         except (OSError, ValueError) as exc:
-            raise ValueError(f"--cost-from {args.cost_from}: cannot read a JSON result from it ({exc})") from None
+            raise BadInputError(f"--cost-from {args.cost_from}: cannot read a JSON result from it ({exc})") from None
         try:
             return CostModel.from_prefill_bench(doc)
-        except ValueError as exc:
-            raise ValueError(f"--cost-from {args.cost_from}: {exc}") from None
+        except ValueError as exc:  # the fit's documented answer to a result it cannot use
+            raise BadInputError(f"--cost-from {args.cost_from}: {exc}") from None
+    for flag, value in (("--s-per-token", args.s_per_token), ("--s-per-token-pair", args.s_per_token_pair)):
+        if value is not None and not value >= 0:
+            raise BadInputError(f"{flag} must be a number of seconds >= 0, got {value}")
     default = CostModel()
     return CostModel(default.s_per_token if args.s_per_token is None else args.s_per_token,
                      default.s_per_token_pair if args.s_per_token_pair is None else args.s_per_token_pair)
@@ -158,39 +161,40 @@ def _check_plotting() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise RuntimeError("--plots needs matplotlib: pip install 'kvwarm[pipeline]' (or matplotlib)") from None
+        raise BadInputError("--plots needs matplotlib: pip install 'kvwarm[pipeline]' (or matplotlib)") from None
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    """Run ``prefill simulate``; returns 0, or 2 on a bad trace or argument (message on stderr)."""
-    try:
-        if args.plots:
-            _check_plotting()
-        cost = _cost(args)  # the cheap arguments first: a bad one fails before the trace is read
-        plan = read_plan(args.plan) if args.plan else None
-        trace, read_note = _read(args)
-        if args.capacity_blocks is not None:
-            capacity = args.capacity_blocks
-        else:
-            if args.kv_bytes_per_token < 1:
-                raise ValueError("--kv-bytes-per-token must be positive")
-            capacity = int(args.capacity_bytes // (trace.block_tokens * args.kv_bytes_per_token))
-        if capacity < 1:
-            raise ValueError(f"the capacity holds no block ({trace.block_tokens} tokens x "
-                             f"{args.kv_bytes_per_token} bytes each); give a larger capacity")
-        scenario = Scenario(args.scenario, _event_time(args.at, trace.duration_s), args.window, args.share,
-                            args.seed, args.lookback, recovery_fraction=args.recovery)
-        predictor = PredictorConfig(horizon_s=args.horizon, tau_s=args.tau)
-        index = BlockIndex.build(trace)
-        planned = plan_blocks(index, plan) if plan is not None else None
-        result = simulate(index, capacity, scenario, _policies(args), predictor=predictor, cost=cost,
-                          plan_blocks=planned)
-        plot_path = None
-        if args.plots:
-            plot_path = plot(result, Path(args.plots) / f"simulate-{args.scenario}-{capacity}.png")
-    except (TraceError, ValueError, RuntimeError) as exc:
-        print(f"prefill simulate: error: {exc}", file=sys.stderr)
-        return 2
+    """Run ``prefill simulate``; returns 0.
+
+    Raises:
+        BadInputError: a bad trace, plan, cost file or argument (the ``prefill`` command
+            prints it and exits 2). The cheap arguments are checked before the trace is read.
+    """
+    if args.plots:
+        _check_plotting()
+    if args.capacity_bytes is not None and args.kv_bytes_per_token < 1:
+        raise BadInputError(f"--kv-bytes-per-token must be positive, got {args.kv_bytes_per_token}")
+    cost = _cost(args)
+    policies = _policies(args)
+    predictor = PredictorConfig(horizon_s=args.horizon, tau_s=args.tau)
+    plan = read_plan(args.plan) if args.plan else None
+    trace, read_note = _read(args)
+    if args.capacity_blocks is not None:
+        capacity = args.capacity_blocks
+    else:
+        capacity = int(args.capacity_bytes // (trace.block_tokens * args.kv_bytes_per_token))
+    if capacity < 1:
+        raise BadInputError(f"the capacity holds no block ({trace.block_tokens} tokens x "
+                            f"{args.kv_bytes_per_token} bytes each); give a larger capacity")
+    scenario = Scenario(args.scenario, _event_time(args.at, trace.duration_s), args.window, args.share,
+                        args.seed, args.lookback, recovery_fraction=args.recovery)
+    index = BlockIndex.build(trace)
+    planned = plan_blocks(index, plan) if plan is not None else None
+    result = simulate(index, capacity, scenario, policies, predictor=predictor, cost=cost, plan_blocks=planned)
+    plot_path = None
+    if args.plots:
+        plot_path = plot(result, Path(args.plots) / f"simulate-{args.scenario}-{capacity}.png")
     out = result.to_json()
     out["trace"] = {"path": str(args.trace), "format": args.format, "requests": len(trace),
                     "blocks": trace.n_blocks, "duration_s": trace.duration_s}
