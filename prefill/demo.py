@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from store.config import load_config
+from store.errors import BadInputError
 from store.format.encode import build_snapshot
 from store.identity.keys import KeyRoot, block_chain
 from store.tiers.store import Store
@@ -45,18 +46,26 @@ def byte_tokens(text: str) -> list[int]:
 
 
 def run(store_url: str, tenant_name: str = "demo", block_size: int = 32, config_path: str | None = None) -> dict[str, float]:
-    """Write snapshots of the system prompt, read them back, and measure the effect."""
+    """Write snapshots of the system prompt, read them back, and measure the effect.
+
+    Raises:
+        BadInputError: a bad config, tenant, store URL, or a block size that leaves the
+            prompt no full block (checked before the model is built).
+    """
     from transformers import DynamicCache
 
+    prompt = byte_tokens(SYSTEM_PROMPT)
+    if not 1 <= block_size <= len(prompt):
+        raise BadInputError(f"--block-size must be between 1 and {len(prompt)} (the demo prompt's tokens), "
+                            f"got {block_size}")
     config = load_config(config_path)
     precision = config.kv_cache.precision()
-    model, cfg = tiny_model()
     tenant = config.tenant(tenant_name)
     root = KeyRoot("demo-tiny-llama@seed0", "utf8-bytes", precision.kv_dtype, precision.scheme_id(), block_size, tenant.salt)
     store = Store.open(store_url, config)
+    model, cfg = tiny_model()
 
     # 1. Prefill job: compute the system prompt's KV and write one snapshot per full block.
-    prompt = byte_tokens(SYSTEM_PROMPT)
     blocks = block_chain(root, prompt)
     with torch.no_grad():
         cache = model(torch.tensor([prompt]), use_cache=True).cache

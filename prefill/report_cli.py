@@ -75,12 +75,12 @@ def stats_files(run_dir: Path, given: list[str] | None) -> list[Path]:
 
 
 def _report(args: argparse.Namespace) -> int:
-    directory = run_directory(args.store, args.run)
-    files = read_run(directory)
-    configured = load_config(args.config).monitoring
+    configured = load_config(args.config).monitoring  # the arguments first, then the run's files
     prices = Prices.from_env(configured.gpu_price_per_hour if args.gpu_price_per_hour is None else args.gpu_price_per_hour,
                              configured.prefill_tokens_per_s if args.prefill_tokens_per_s is None
                              else args.prefill_tokens_per_s)
+    directory = run_directory(args.store, args.run)
+    files = read_run(directory)
     m = compute(args.run, files, read_loader_stats(stats_files(directory, args.loader_stats)), prices)
     if args.json:
         print(json.dumps(m.as_dict(), indent=None if args.compact else 2))

@@ -13,11 +13,11 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from prefill.inputs import InputError, entries_from_file, entries_from_texts, parse_deadline, requests_from_plan
-from prefill.models import DEFAULT_MODEL, LoadedModel, load_model
+from prefill.models import DEFAULT_MODEL, LoadedModel, load_model, pick_device, pick_dtype
 from prefill.numa import pin_to_device
 from prefill.progress import Progress
 from prefill.runner import DeadlinePassed, Prefiller, PrefillOptions, PrefillReport, check_deadline
-from store.config import KvwarmConfig, load_config
+from store.config import KvwarmConfig, load_config, with_values
 from store.format.precision import Precision
 from store.plan import PlanEntry, read_plan
 from store.tiers.store import Store
@@ -73,17 +73,24 @@ def _entries(args: argparse.Namespace) -> list[PlanEntry]:
 
 
 def _cmd_warm(args: argparse.Namespace) -> int:
+    # Everything that can be checked without the model is checked before it loads (seconds
+    # for the default model, minutes for a real one): the config, the prefixes and their
+    # tenants, the deadline, the dtype and device, and the store URL.
     config = load_config(args.config)
-    if args.block_size:
-        config = config.model_copy(update={"kv_cache": config.kv_cache.model_copy(update={"block_size": args.block_size})})
+    if args.block_size is not None:
+        config = with_values(config, "kv_cache", {"block_size": args.block_size}, source="--block-size")
     entries = _entries(args)
+    for name in sorted({e.tenant for e in entries}):
+        config.tenant(name)
     deadline = parse_deadline(args.until, time.time()) if args.until else None
     if deadline is not None and deadline <= time.time():
         print(f"prefill: nothing done: the deadline {args.until!r} is already past", file=sys.stderr)
         return 1
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    pick_dtype(args.dtype)
+    pick_device(args.device)
     store = Store.open(args.store or config.store.url, config)
     try:
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
         report = warm(entries, loaded=loaded, store=store, config=config, deadline=deadline,
                       compression=args.compression, default_tenant=args.tenant, max_batch_tokens=args.max_batch_tokens,
                       progress=Progress())
