@@ -179,7 +179,7 @@ class Prefiller:
             blocks = tuple(block_chain(root, r.token_ids))
             if not blocks:
                 raise PrefixTooShort(f"a prefix of {len(r.token_ids)} tokens is shorter than one block "
-                                   f"({opts.block_size} tokens): nothing to store; lower kv_cache.block_size or drop it")
+                                     f"({opts.block_size} tokens): nothing to store; lower kv_cache.block_size or drop it")
             stored = self.store.probe(r.tenant, blocks, root).count
             out.append(PrefixJob(tenant=r.tenant.name, root=root, blocks=blocks, stored=stored, ttl_s=r.ttl_s,
                                  order=r.order))
@@ -222,7 +222,7 @@ class Prefiller:
                 except self._oom:
                     if len(batch.segments) < 2:
                         raise OutOfMemory(f"out of GPU memory on a single segment of {batch.max_tokens} tokens "
-                                           f"after {batch.past_tokens} past tokens; use a smaller dtype or model") from None
+                                          f"after {batch.past_tokens} past tokens; use a smaller dtype or model") from None
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
                     self.options = _with(self.options, max_batch_size=max(1, len(batch.segments) // 2))
