@@ -39,7 +39,7 @@ from forecasting.planning.offpeak import load_predictors, lowest_window, offpeak
 from forecasting.planning.planner import Budget, CostModel, PlanPolicy, make_plan
 from prefill.monitoring import MonitoringError, run_directory
 from store.config import KvwarmConfig, load_config, parse_config
-from store.errors import StoreUnavailable
+from store.errors import BadInputError, OperationalError, StoreUnavailable
 from store.plan import Plan, read_plan, write_plan
 
 IO_RETRIES = 2
@@ -47,11 +47,11 @@ IO_RETRY_DELAY_S = 1.0
 KV_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 
 
-class FlowInputError(ValueError):
+class FlowInputError(BadInputError):
     """A flow parameter or a file a stage needs is missing or wrong; the message says which and what to do."""
 
 
-class StoreUnreachable(RuntimeError):
+class StoreUnreachable(OperationalError):
     """The store's S3 tier did not answer (retried: it may come back); the message names the endpoint."""
 
 

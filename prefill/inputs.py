@@ -17,10 +17,11 @@ from typing import Iterable, Sequence
 from prefill.models import LoadedModel
 from prefill.runner import PrefillError, PrefixRequest
 from store.config import KvwarmConfig
+from store.errors import BadInputError
 from store.plan import Plan, PlanEntry, PlanError, parse_plan, read_plan
 
 
-class InputError(PrefillError, ValueError):
+class InputError(PrefillError, BadInputError):
     """The prefixes given to the prefill job are missing or malformed."""
 
 

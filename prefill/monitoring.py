@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from store.errors import BadInputError
+
 #: environment variable holding the GPU price per hour when no flag gives one
 PRICE_ENV = "KVWARM_GPU_PRICE_PER_HOUR"
 #: miss/shortened reasons that are a refused access to another tenant's namespace
@@ -41,7 +43,7 @@ INTEGRITY_REASONS = ("corrupt", "mismatch", "unknown_version")
 RUN_FILES = ("mine", "plan", "prefill", "gc", "report")
 
 
-class MonitoringError(ValueError):
+class MonitoringError(BadInputError):
     """A run directory or a stats dump is missing or malformed; the message says which and what to do."""
 
 

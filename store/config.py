@@ -254,6 +254,18 @@ def parse_config(data: dict[str, Any] | None, *, source: str = "<dict>") -> Kvwa
         raise ConfigError(_format_errors(exc, source)) from None
 
 
+def with_values(config: KvwarmConfig, section: str, values: dict[str, Any], *, source: str) -> KvwarmConfig:
+    """``config`` with ``values`` in place of keys of ``section`` (e.g. a CLI flag's
+    ``{"block_size": 16}`` in ``kv_cache``), validated as a file's values are.
+
+    Raises:
+        ConfigError: a value is out of range; ``source`` (the flag) is named with the key.
+    """
+    data = config.model_dump()
+    data[section] = {**data[section], **values}
+    return parse_config(data, source=source)
+
+
 def load_config(path: str | os.PathLike[str] | None = None) -> KvwarmConfig:
     """Load the config from ``path``, else ``$KVWARM_CONFIG``, else the defaults.
 

@@ -127,3 +127,11 @@ def test_the_table_shows_every_family_in_readable_units_and_n_a_for_what_is_miss
     bare.mkdir(parents=True)
     text = format_table(compute("bare", read_run(bare), []))
     assert "lookups" in text and "n/a" in text and "notes:" in text
+
+
+def test_the_store_may_come_before_the_command_and_is_required(tmp_path, capsys) -> None:
+    url, dumps = build_run(tmp_path)
+    assert main(["--store", url, "report", "--run", "r1", "--loader-stats", *map(str, dumps), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"] == "r1"
+    assert report("--run", "r1") == 2
+    assert "prefill: error: prefill report needs --store URL" in capsys.readouterr().err

@@ -1,7 +1,6 @@
 """Scenarios, prewarms, metrics and the simulate command, on hand-made and real (Mooncake) traces."""
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -9,11 +8,11 @@ import numpy as np
 import pytest
 
 from forecasting.ingest.traces import from_chains, read_mooncake
-from forecasting.simulate.cli import add_simulate_command
 from forecasting.simulate.prewarm import kvwarm_prewarm, naive_prewarm, oracle_prewarm
 from forecasting.simulate.replay import BlockIndex, PredictorConfig
 from forecasting.simulate.simulation import Policy, Scenario, plot, simulate
 from forecasting.simulate.ttft import CostModel
+from prefill.cli import main
 from store.plan import Plan, PlanEntry, write_plan
 from tests.forecasting.simulate.test_replay import CHAINS, _perturbed
 
@@ -181,10 +180,7 @@ def test_scale_out_serves_a_share_and_compares_with_an_established_replica(moonc
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser(prog="prefill")
-    add_simulate_command(parser.add_subparsers(dest="cmd", required=True))
-    args = parser.parse_args(argv)
-    rc = args.func(args)
+    rc = main(argv)  # the installed command: bad input is exit 2 with "prefill: error: ..."
     out = capsys.readouterr()
     return rc, out.out, out.err
 
