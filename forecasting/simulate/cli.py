@@ -31,7 +31,7 @@ from forecasting.simulate.simulation import (
     plot,
     simulate,
 )
-from forecasting.simulate.ttft import CostModel
+from store.cost import PrefillCost
 from store.plan import read_plan
 
 #: KV bytes per token assumed by ``--capacity-bytes``: an 8B GQA model (32 layers,
@@ -83,11 +83,11 @@ def add_simulate_command(sub: Any, load_tokenizer: Callable[[str], Tokenizer] | 
     p.add_argument("--tau", type=float, default=PredictorConfig.tau_s,
                    help="recency scale of retention priorities, s (default %(default)s)")
     p.add_argument("--s-per-token", type=float,
-                   help=f"prefill seconds per token, linear term (default {CostModel.s_per_token}: an 8B model "
+                   help=f"prefill seconds per token, linear term (default {PrefillCost.s_per_token}: an 8B model "
                         "on an H200)")
     p.add_argument("--s-per-token-pair", type=float,
                    help=f"prefill seconds per attention token pair, quadratic term (default "
-                        f"{CostModel.s_per_token_pair})")
+                        f"{PrefillCost.s_per_token_pair})")
     p.add_argument("--cost-from", help="fit both prefill terms to a bench/prefill_bench.py --shape run's output "
                                        "(its last line, JSON), e.g. bench/calibration/prefill-h200-8b.json")
     p.add_argument("--plots", help="directory to write a PNG of per-minute hit rates to")
@@ -135,7 +135,7 @@ def _bench_result(text: str) -> dict[str, Any]:
     return doc
 
 
-def _cost(args: argparse.Namespace) -> CostModel:
+def _cost(args: argparse.Namespace) -> PrefillCost:
     """The TTFT cost model: fitted to a prefill benchmark (--cost-from), or the given or default terms."""
     if args.cost_from:
         if args.s_per_token is not None or args.s_per_token_pair is not None:
@@ -145,11 +145,11 @@ def _cost(args: argparse.Namespace) -> CostModel:
         except (OSError, ValueError) as exc:
             raise ValueError(f"--cost-from {args.cost_from}: cannot read a JSON result from it ({exc})") from None
         try:
-            return CostModel.from_prefill_bench(doc)
+            return PrefillCost.from_prefill_bench(doc)
         except ValueError as exc:
             raise ValueError(f"--cost-from {args.cost_from}: {exc}") from None
-    default = CostModel()
-    return CostModel(default.s_per_token if args.s_per_token is None else args.s_per_token,
+    default = PrefillCost()
+    return PrefillCost(default.s_per_token if args.s_per_token is None else args.s_per_token,
                      default.s_per_token_pair if args.s_per_token_pair is None else args.s_per_token_pair)
 
 

@@ -13,7 +13,7 @@ from forecasting.simulate.cli import add_simulate_command
 from forecasting.simulate.prewarm import kvwarm_prewarm, naive_prewarm, oracle_prewarm
 from forecasting.simulate.replay import BlockIndex, PredictorConfig
 from forecasting.simulate.simulation import Policy, Scenario, plot, simulate
-from forecasting.simulate.ttft import CostModel
+from store.cost import PrefillCost
 from store.plan import Plan, PlanEntry, write_plan
 from tests.forecasting.simulate.test_replay import CHAINS, _perturbed
 
@@ -49,41 +49,18 @@ def test_restart_on_a_hand_made_trace() -> None:
     assert cold.prefill_tokens_saved == 3
 
 
-def test_cost_model_saves_linear_and_quadratic_time() -> None:
-    cost = CostModel(s_per_token=1e-3, s_per_token_pair=1e-6)
-    assert cost.saved_s(np.array([0]))[0] == 0.0
-    assert cost.saved_s(np.array([100]))[0] == pytest.approx(0.1 + 1e-6 * 100 * 101 / 2)
+def test_the_simulation_turns_hit_tokens_into_ttft_with_the_prefill_cost() -> None:
+    cost = PrefillCost(s_per_token=1e-3, s_per_token_pair=1e-6)
     index = BlockIndex.build(from_chains([0.0, 1.0], [[1, 2], [1, 2]], block_tokens=100))
     r = simulate(index, 8, Scenario("steady"), ["lru"], cost=cost).row("lru")
-    assert r.hit_tokens == 200 and r.ttft_saved_s == pytest.approx(float(cost.saved_s(np.array([200]))[0]))
+    assert r.hit_tokens == 200 and r.ttft_saved_s == pytest.approx(cost.seconds(200))
     assert r.ttft_saved_mean_s == pytest.approx(r.ttft_saved_s / 2)
     # Time to first token: the first request prefills all 200 tokens, the second none.
-    full = float(cost.prefill_s(np.array([200]))[0])
+    full = cost.seconds(200)
     assert r.ttft_p50_s == pytest.approx(full / 2) and r.ttft_p99_s == pytest.approx(0.99 * full)
 
 
 CALIBRATION = Path(__file__).resolve().parents[3] / "bench" / "calibration" / "prefill-h200-8b.json"
-
-
-def test_cost_model_is_fitted_to_the_prefill_bench() -> None:
-    # Exact on two lengths: t = a n + b n (n + 1) / 2.
-    truth = CostModel(2e-5, 1e-9)
-    points = [(n, float(truth.prefill_s(np.array([n]))[0])) for n in (1024, 4096, 16384)]
-    fitted = CostModel.fit(points)
-    assert fitted.s_per_token == pytest.approx(2e-5) and fitted.s_per_token_pair == pytest.approx(1e-9)
-    # One length cannot separate the terms: all of it goes to the linear one.
-    assert CostModel.fit([(1000, 0.05)]) == CostModel(5e-5, 0.0)
-    # Time per token falling with length would need a negative attention term: linear only.
-    assert CostModel.fit([(1000, 0.05), (4000, 0.1)]).s_per_token_pair == 0.0
-    with pytest.raises(ValueError, match="all positive"):
-        CostModel.fit([(0, 1.0)])
-    # The defaults are the fit of the H200 run that ships with the bench.
-    h200 = CostModel.from_prefill_bench(json.loads(CALIBRATION.read_text()))
-    assert h200.s_per_token == pytest.approx(CostModel().s_per_token, rel=1e-3)
-    assert h200.s_per_token_pair == pytest.approx(CostModel().s_per_token_pair, rel=1e-3)
-    assert 8192 / h200.prefill_s(np.array([8192]))[0] == pytest.approx(31298, rel=1e-3)
-    with pytest.raises(ValueError, match="no by_tokens figures"):
-        CostModel.from_prefill_bench({"prefill": {"forward_tokens_per_s": 400.0}})
 
 
 def test_simulate_command_takes_its_cost_model_from_a_bench_result(tmp_path: Path,
