@@ -280,7 +280,7 @@ def gc_task(store_url: str, config: KvwarmConfig, now: float | None = None) -> d
     try:
         with s3_reachable(config, "gc"):
             check_remote_tiers(store)
-            return gc(store, now=now, ttl_max_s=config.kv_cache.ttl_max_hours * 3600.0).as_dict()
+            return gc(store, now=now, ttl_max_s=config.kv_cache.ttl_max_s).as_dict()
     finally:
         store.close()
 
