@@ -36,9 +36,10 @@ from forecasting.mining.prefix_tree import mine_text, tokenize_requests
 from forecasting.models.catalog import candidates
 from forecasting.models.parallel import forecast_frame_parallel
 from forecasting.planning.offpeak import load_predictors, lowest_window, offpeak_windows, pick_window
-from forecasting.planning.planner import Budget, CostModel, PlanPolicy, make_plan
+from forecasting.planning.planner import Budget, PlanCosts, PlanPolicy, make_plan
 from prefill.monitoring import MonitoringError, run_directory
 from store.config import KvwarmConfig, load_config, parse_config
+from store.cost import PrefillCost
 from store.errors import StoreUnavailable
 from store.plan import Plan, read_plan, write_plan
 
@@ -350,13 +351,14 @@ def window_task(total_forecast: pd.DataFrame, hours: float, fraction: float, buc
 def plan_task(demand: Demand, forecast: pd.DataFrame, window: dict[str, Any], config: KvwarmConfig, *,
               model: str, tokens_per_s: float, bytes_per_token: float, budget_gpu_s: float,
               budget_store_bytes: float, gpu_s_per_gib_hour: float) -> Plan:
-    """The prewarm plan for the chosen window (``forecasting.planning.planner.make_plan``)."""
-    cost = CostModel(tokens_per_s=tokens_per_s, bytes_per_token=bytes_per_token,
+    """The prewarm plan for the chosen window (``forecasting.planning.planner.make_plan``): prefill
+    priced by the default model's shape at ``tokens_per_s`` (:meth:`store.cost.PrefillCost.scaled`)."""
+    cost = PlanCosts(prefill=PrefillCost().scaled(tokens_per_s), bytes_per_token=bytes_per_token,
                      gpu_s_per_gib_hour=gpu_s_per_gib_hour)
     return make_plan(demand, forecast, cost=cost, budget=Budget(gpu_s=budget_gpu_s, store_bytes=budget_store_bytes),
                      window_start=pd.Timestamp(window["chosen"]["start"]),
                      window_end=pd.Timestamp(window["chosen"]["end"]), bucket=demand.bucket,
-                     policy=PlanPolicy.from_config(config.kv_cache), model=model,
+                     policy=PlanPolicy(kv_cache=config.kv_cache), model=model,
                      block_size=config.kv_cache.block_size)
 
 
