@@ -35,7 +35,6 @@ from flows.tasks import (
     flow_config,
     forecast_task,
     gc_task,
-    kv_bytes_per_token,
     list_partitions_task,
     load_demand,
     load_model_task,
@@ -53,6 +52,8 @@ from flows.tasks import (
     transient,
     window_task,
 )
+from prefill.models import kv_layout
+from store.format.payload import kv_bytes_per_token
 from store.plan import read_plan
 
 DEFAULT_MODEL = "kvwarm-tiny"
@@ -165,7 +166,7 @@ def plan_prewarm(store: str, run: str, config_path: str | None = None, model: st
     demand = load_demand(out / "demand")
     fc = pd.read_parquet(need(out / "forecast.parquet", "forecast_demand"))
     window = json.loads(need(out / "window.json", "forecast_demand").read_text())
-    bpt = kv_bytes_per_token(_model_config(model), config.kv_cache.compression)
+    bpt = kv_bytes_per_token(kv_layout(_model_config(model), config.kv_cache.block_size), config.kv_cache.precision())
     rate = history.choose_prefill_rate(out, model, prefill_tokens_per_s)
     plan = plan_task(demand, fc, window, config, model=model, tokens_per_s=rate.tokens_per_s,
                      bytes_per_token=bpt, budget_gpu_s=budget_gpu_s, budget_store_bytes=budget_store_bytes,

@@ -45,7 +45,6 @@ from store.plan import Plan, read_plan, write_plan
 
 IO_RETRIES = 2
 IO_RETRY_DELAY_S = 1.0
-KV_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 
 
 class FlowInputError(ValueError):
@@ -360,12 +359,3 @@ def plan_task(demand: Demand, forecast: pd.DataFrame, window: dict[str, Any], co
                      window_end=pd.Timestamp(window["chosen"]["end"]), bucket=demand.bucket,
                      policy=PlanPolicy(kv_cache=config.kv_cache), model=model,
                      block_size=config.kv_cache.block_size)
-
-
-def kv_bytes_per_token(model_config: Any, compression: str) -> float:
-    """KV bytes per token: layers x 2 (K and V) x kv heads x head dim x bytes of the stored dtype."""
-    heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-    return float(model_config.num_hidden_layers * 2 * heads * head_dim * KV_BYTES[compression])
-
-

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from prefill.training import TrainingRecipe, token_stream, train
+from store.format.header import Layout
 from store.format.precision import Precision
 from store.identity.fingerprint import ModelIdentity, identity_from_dir
 from store.identity.keys import KeyRoot
@@ -73,6 +74,17 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
 
 class ModelNotFound(ValueError):
     """The model is neither a built-in, a local directory, nor in the local hub cache."""
+
+
+def kv_layout(model_config: Any, block_size: int) -> Layout:
+    """The geometry of a model's KV blocks, from its Hugging Face config (layers, KV heads, head dim).
+
+    Its size in the store is :func:`store.format.payload.kv_bytes_per_token`.
+    """
+    heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    return Layout(num_layers=int(model_config.num_hidden_layers), num_kv_heads=int(heads), head_dim=int(head_dim),
+                  block_size=int(block_size))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ Inputs, all plain JSON (this module does no other I/O than reading them):
 
 - a run directory ``<local tier>/_flows/<run>/`` (see :func:`run_directory`) with
   ``prefill.json`` (the prefill job: tokens computed, seconds, tokens/s), ``plan.json``
-  (the KV bytes per token: ``planned_store_bytes`` over the planned tokens), and
+  (the KV bytes per token the planner priced storage at: ``extra.kv_bytes_per_token``), and
   optionally ``mine.json``, ``gc.json``, ``report.json`` (its ``replay`` section, written
   by the demo, stands in for loader stats when none are given);
 - zero or more loader stats dumps: the dict :meth:`store.serving.loader.KVLoader.stats` returns,
@@ -299,19 +299,17 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def kv_bytes_per_token(plan: Mapping[str, Any] | None) -> float | None:
-    """Stored KV bytes per token from a plan: ``extra.planned_store_bytes`` / the planned tokens."""
-    if not plan:
-        return None
-    planned = _num(plan.get("extra"), "planned_store_bytes")
-    tokens = sum(len(e.get("token_ids") or ()) for e in plan.get("entries", []) if isinstance(e, Mapping))
-    return _ratio(planned, float(tokens)) if tokens else None
+    """Stored KV bytes per token, as the plan recorded them (``extra.kv_bytes_per_token``: the
+    snapshot layout's, :func:`store.format.payload.kv_bytes_per_token`)."""
+    return _num(plan.get("extra"), "kv_bytes_per_token") if plan else None
 
 
 def _cache(files: Mapping[str, Mapping[str, Any]], stats: Sequence[Mapping[str, Any]],
            notes: list[str]) -> CacheEfficiency:
     bpt = kv_bytes_per_token(files.get("plan"))
     if bpt is None:
-        notes.append("no plan.json with planned tokens: memory saved needs the KV bytes per token it gives")
+        notes.append("no plan.json with extra.kv_bytes_per_token (the plan-prewarm flow records it): memory saved "
+                     "needs the KV bytes per token")
     if stats:
         lookups = int(sum(s["lookups"] for s in stats))
         hits = int(sum(s["hits"] for s in stats))

@@ -31,14 +31,24 @@ from forecasting.simulate.simulation import (
     plot,
     simulate,
 )
+from store.config import KvCacheConfig
 from store.cost import PrefillCost
+from store.format.header import Layout
+from store.format.payload import kv_bytes_per_token
 from store.plan import read_plan
 
-#: KV bytes per token assumed by ``--capacity-bytes``: an 8B GQA model (32 layers,
-#: 8 KV heads of 128) stored in FP8: 2 * 32 * 8 * 128 * 1 byte.
-DEFAULT_KV_BYTES_PER_TOKEN = 65536
-#: tokens per block of kvwarm traces and logs when --block-size is not given (kvwarm's configured default)
-DEFAULT_BLOCK_SIZE = 256
+#: the geometry ``--capacity-bytes`` assumes when no --kv-bytes-per-token is given: an 8B
+#: GQA model (Llama 3 8B: 32 layers, 8 KV heads of 128)
+EIGHT_B = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128}
+#: kvwarm's configured defaults: the block size of kvwarm traces and logs when --block-size
+#: is not given, and the storage precision (FP8, layer 0 in bf16, fp32 scales)
+DEFAULTS = KvCacheConfig()
+
+
+def default_kv_bytes_per_token(block_tokens: int) -> float:
+    """What a token of the 8B geometry takes in the store, in kvwarm's default precision, in blocks
+    of ``block_tokens`` (the per-block scales make it depend on the block size)."""
+    return kv_bytes_per_token(Layout(**EIGHT_B, block_size=block_tokens), DEFAULTS.precision())
 
 
 def add_simulate_command(sub: Any, load_tokenizer: Callable[[str], Tokenizer] | None = None) -> None:
@@ -54,7 +64,8 @@ def add_simulate_command(sub: Any, load_tokenizer: Callable[[str], Tokenizer] | 
     p.add_argument("--format", choices=(*FORMATS, "logs"), default="mooncake",
                    help="mooncake; kvwarm (timestamp s, tenant, block_keys or token_ids); or logs: the request "
                         "logs the pipeline mines, a file, directory or URL (docs/logs.md) (default: mooncake)")
-    p.add_argument("--block-size", type=int, help="tokens per block for kvwarm traces and logs (default 256)")
+    p.add_argument("--block-size", type=int, help=f"tokens per block for kvwarm traces and logs "
+                                                  f"(default {DEFAULTS.block_size}, the config's default)")
     p.add_argument("--model", help="--format logs: the model whose rows to replay and whose tokenizer reads "
                                    "prompt text (default: the logs' only model)")
     p.add_argument("--tenant", default="mooncake", help="tenant name given to Mooncake requests")
@@ -62,8 +73,11 @@ def add_simulate_command(sub: Any, load_tokenizer: Callable[[str], Tokenizer] | 
     cap.add_argument("--capacity-blocks", type=int, help="cache capacity in blocks")
     cap.add_argument("--capacity-bytes", type=float,
                      help="cache capacity in bytes (blocks = bytes / (block tokens * --kv-bytes-per-token))")
-    p.add_argument("--kv-bytes-per-token", type=int, default=DEFAULT_KV_BYTES_PER_TOKEN,
-                   help=f"KV bytes per token for --capacity-bytes (default {DEFAULT_KV_BYTES_PER_TOKEN}: 8B model, FP8)")
+    p.add_argument("--kv-bytes-per-token", type=float,
+                   help=f"KV bytes per token for --capacity-bytes (default: an 8B model, 32 layers of 8 KV heads of "
+                        f"128, in kvwarm's default precision, FP8 with layer 0 in bf16 and fp32 scales, at the "
+                        f"trace's block size: {default_kv_bytes_per_token(256):,.2f} at 256 tokens, "
+                        f"{default_kv_bytes_per_token(512):,.2f} at Mooncake's 512)")
     p.add_argument("--scenario", choices=SCENARIOS, default="steady", help="steady, restart or scale-out")
     p.add_argument("--at", default="50%", help="event time: seconds from the trace start, or a percentage (50%%)")
     p.add_argument("--window", type=float, default=600.0, help="evaluation window after the event, s (default 600)")
@@ -118,7 +132,7 @@ def _read(args: argparse.Namespace) -> tuple[Trace, str]:
     """The trace, and for ``--format logs`` the read's summary (rows used, quarantined)."""
     if args.format != "logs":
         return read_trace(args.trace, args.format, block_size=args.block_size, tenant=args.tenant), ""
-    trace, report = read_log_trace(args.trace, block_size=args.block_size or DEFAULT_BLOCK_SIZE,
+    trace, report = read_log_trace(args.trace, block_size=args.block_size or DEFAULTS.block_size,
                                    load_tokenizer=args.load_tokenizer, model=args.model)
     return trace, f"; logs: {report.summary()}"
 
@@ -153,6 +167,20 @@ def _cost(args: argparse.Namespace) -> PrefillCost:
                      default.s_per_token_pair if args.s_per_token_pair is None else args.s_per_token_pair)
 
 
+def _capacity_blocks(args: argparse.Namespace, trace: Trace) -> int:
+    """--capacity-bytes in blocks of the trace's size, at --kv-bytes-per-token (default: the 8B geometry's)."""
+    bpt = args.kv_bytes_per_token
+    if bpt is None:
+        bpt = default_kv_bytes_per_token(trace.block_tokens)
+    if not bpt >= 1:
+        raise ValueError("--kv-bytes-per-token must be at least 1")
+    capacity = int(args.capacity_bytes // (trace.block_tokens * bpt))
+    if capacity < 1:
+        raise ValueError(f"the capacity holds no block ({trace.block_tokens} tokens x {bpt:g} bytes each); "
+                         f"give a larger capacity")
+    return capacity
+
+
 def _check_plotting() -> None:
     """Fail before the replay, not after it, when --plots cannot be honoured."""
     try:
@@ -169,15 +197,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         cost = _cost(args)  # the cheap arguments first: a bad one fails before the trace is read
         plan = read_plan(args.plan) if args.plan else None
         trace, read_note = _read(args)
-        if args.capacity_blocks is not None:
-            capacity = args.capacity_blocks
-        else:
-            if args.kv_bytes_per_token < 1:
-                raise ValueError("--kv-bytes-per-token must be positive")
-            capacity = int(args.capacity_bytes // (trace.block_tokens * args.kv_bytes_per_token))
-        if capacity < 1:
-            raise ValueError(f"the capacity holds no block ({trace.block_tokens} tokens x "
-                             f"{args.kv_bytes_per_token} bytes each); give a larger capacity")
+        capacity = args.capacity_blocks if args.capacity_blocks is not None else _capacity_blocks(args, trace)
         scenario = Scenario(args.scenario, _event_time(args.at, trace.duration_s), args.window, args.share,
                             args.seed, args.lookback, recovery_fraction=args.recovery)
         predictor = PredictorConfig(horizon_s=args.horizon, tau_s=args.tau)

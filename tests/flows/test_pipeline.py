@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 
 from flows.pipeline import kvwarm_pipeline, plan_prewarm, prefill_plan
-from flows.tasks import FlowInputError, kv_bytes_per_token, run_dir, transient
+from flows.tasks import FlowInputError, run_dir, transient
 from store.plan import read_plan
 
 TRAIN_END = "2026-03-04"
@@ -74,18 +74,12 @@ def test_a_stage_run_out_of_order_says_which_stage_to_run_first(prefect_harness,
     assert state.is_failed() and "mine_logs" in state.message
 
 
-def test_paths_and_sizes() -> None:
+def test_run_paths() -> None:
     assert run_dir("file:///var/cache/kv,s3://b/p", "r") == Path("/var/cache/kv/_flows/r")
     with pytest.raises(FlowInputError, match="local tier"):
         run_dir("s3://bucket/prefix", "r")
     with pytest.raises(FlowInputError, match="run name"):
         run_dir("file:///tmp/x", "../escape")
-
-    class Cfg:
-        num_hidden_layers, num_key_value_heads, num_attention_heads, head_dim, hidden_size = 4, 2, 4, 32, 128
-
-    assert kv_bytes_per_token(Cfg, "fp8") == 4 * 2 * 2 * 32
-    assert kv_bytes_per_token(Cfg, "bf16") == 2 * 4 * 2 * 2 * 32
 
 
 def test_bad_input_is_not_retried_but_io_errors_are() -> None:

@@ -185,6 +185,12 @@ def test_simulate_command_table_and_bytes_capacity(capsys: pytest.CaptureFixture
     assert rc == 0
     assert "507 blocks of 512 tokens; steady" in out
     assert [line.split()[0] for line in out.splitlines()[2:]] == ["lru", "retention", "belady"]
+    # By default a token is the 8B geometry's in the store: 31 FP8 layers, layer 0 in bf16, the
+    # scales: 2 x 8 x 128 x (31 + 2) + 31 x 2 x 8 x 4 / 512 = 67,587.875 bytes, 34,604,992 a block.
+    rc, out, _ = _run(["simulate", "--trace", str(MOONCAKE), "--capacity-bytes", "1e10", "--policy", "lru"], capsys)
+    assert rc == 0 and f"{int(1e10 // 34_604_992)} blocks of 512 tokens" in out
+    rc, _, err = _run(["simulate", "--trace", str(MOONCAKE), "--capacity-bytes", "1e7", "--policy", "lru"], capsys)
+    assert rc == 2 and "holds no block (512 tokens x 67587.9 bytes each)" in err
 
 
 def test_simulate_command_reports_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
