@@ -32,6 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from store.cost import PrefillCost
+
 #: environment variable holding the GPU price per hour when no flag gives one
 PRICE_ENV = "KVWARM_GPU_PRICE_PER_HOUR"
 #: miss/shortened reasons that are a refused access to another tenant's namespace
@@ -151,7 +153,8 @@ class Economics:
     """Prefill GPU-seconds saved and what they are worth.
 
     - ``gpu_seconds_saved`` = ``tokens_served / prefill_tokens_per_s``: the prefill the
-      serving GPUs did not do because the KV came from the cache, at the measured rate.
+      serving GPUs did not do because the KV came from the cache, at the measured rate
+      (:meth:`store.cost.PrefillCost.from_rate`: token counts summed over many prompts).
     - ``gpu_seconds_spent``: the prefill job's own compute (``prefill.json`` ``seconds``).
     - ``net_gpu_seconds_saved`` = saved - spent.
     - costs = GPU-seconds x ``gpu_price_per_hour`` / 3600.
@@ -378,7 +381,8 @@ def _security(stats: Sequence[Mapping[str, Any]]) -> SecurityAudit:
 
 def _economics(cache: CacheEfficiency, rate: float | None, spent: float | None, prices: Prices,
                notes: list[str]) -> Economics:
-    saved = _ratio(float(cache.tokens_served), rate) if cache.tokens_served is not None else None
+    prefill = PrefillCost.from_rate(rate) if rate else None
+    saved = prefill.seconds(cache.tokens_served) if prefill and cache.tokens_served is not None else None
     net = None if saved is None or spent is None else saved - spent
     price = prices.gpu_per_hour
     if price is None:
@@ -388,9 +392,9 @@ def _economics(cache: CacheEfficiency, rate: float | None, spent: float | None, 
     cost = lambda s: None if s is None else s * per_s  # noqa: E731
     per_1k = lambda c: None if c is None or not cache.lookups else c / cache.lookups * 1000.0  # noqa: E731
     cold = warm = None
-    if cache.prompt_tokens is not None and rate and spent is not None and cache.tokens_served is not None:
-        cold = per_1k(cost(cache.prompt_tokens / rate))
-        warm = per_1k(cost((cache.prompt_tokens - cache.tokens_served) / rate + spent))
+    if cache.prompt_tokens is not None and prefill and spent is not None and cache.tokens_served is not None:
+        cold = per_1k(cost(prefill.seconds(cache.prompt_tokens)))
+        warm = per_1k(cost(prefill.seconds(cache.prompt_tokens - cache.tokens_served) + spent))
     return Economics(rate, saved, spent, net, price, cost(saved), cost(spent), cold, warm, per_1k(cost(net)))
 
 
