@@ -298,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", default="file://./.kvwarm-demo", help="store URL (default: ./.kvwarm-demo)")
     p.add_argument("--logs", default=str(SAMPLE), help="request logs (default: the bundled sample)")
     p.add_argument("--run", default="demo", help="run name (results under <store>/_flows/<run>)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16,
+                   help="tokens per block (default 16: the sample logs' prompts are short); replaces the "
+                        "config's kv_cache.block_size")
     p.add_argument("--config", help="kvwarm config file")
     p.add_argument("--model", default="kvwarm-tiny")
     p.add_argument("--window-hours", type=float, default=3.0)

@@ -115,7 +115,9 @@ def add_demo_command(sub: Any) -> None:
 def _add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store", default="file://./.kvwarm-demo", help="store URL (default: ./.kvwarm-demo)")
     p.add_argument("--tenant", default="demo")
-    p.add_argument("--block-size", type=int, default=32)
+    p.add_argument("--block-size", type=int, default=32,
+                   help="tokens per block (default 32: the demo's prompt is short); the config's "
+                        "kv_cache.block_size is not used")
     p.add_argument("--config", help="config file")
 
 
