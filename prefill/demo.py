@@ -123,7 +123,8 @@ def add_demo_command(sub: Any) -> None:
                                    "distribution with a cold prefill. Exit 1 when the top token disagrees.")
     add_location_options(p, store_help=f"store URL to write the demo's snapshots to (default: {DEMO_STORE})")
     p.add_argument("--tenant", default="demo", metavar="NAME", help="tenant to write as (default: demo)")
-    p.add_argument("--block-size", type=int, default=32, metavar="TOKENS", help="tokens per block (default: 32)")
+    p.add_argument("--block-size", type=int, default=32, metavar="TOKENS", help="tokens per block (default: 32, since the demo's prompt is short; the config's "
+                        "kv_cache.block_size is not used)")
     p.set_defaults(func=lambda a: 0 if run(a.store or DEMO_STORE, a.tenant, a.block_size, a.config)["top1_agrees"]
                    else 1)
 

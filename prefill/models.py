@@ -36,6 +36,7 @@ import torch
 
 from prefill.training import TrainingRecipe, token_stream, train
 from store.errors import BadInputError
+from store.format.header import Layout
 from store.format.precision import Precision
 from store.home import kvwarm_home
 from store.identity.fingerprint import ModelIdentity, identity_from_dir
@@ -79,6 +80,17 @@ class ModelError(BadInputError):
 
 class ModelNotFound(ModelError):
     """The model is neither a built-in, a local directory, nor in the local hub cache."""
+
+
+def kv_layout(model_config: Any, block_size: int) -> Layout:
+    """The geometry of a model's KV blocks, from its Hugging Face config (layers, KV heads, head dim).
+
+    Its size in the store is :func:`store.format.payload.kv_bytes_per_token`.
+    """
+    heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    return Layout(num_layers=int(model_config.num_hidden_layers), num_kv_heads=int(heads), head_dim=int(head_dim),
+                  block_size=int(block_size))
 
 
 @dataclass(frozen=True)

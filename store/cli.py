@@ -166,7 +166,7 @@ def _dispatch(args: argparse.Namespace, config: KvwarmConfig, store: Store) -> i
         )
         return 0 if report.clean else 1
     if args.store_cmd == "gc":
-        report = gc(store, ttl_max_s=config.kv_cache.ttl_max_hours * 3600, verify_all=args.verify,
+        report = gc(store, ttl_max_s=config.kv_cache.ttl_max_s, verify_all=args.verify,
                     tenants=_tenants(config))
         print(json.dumps(report.as_dict(), indent=2), file=out)
         return 1 if report.verify is not None and not report.verify.clean else 0

@@ -90,6 +90,18 @@ class KvCacheConfig(_Section):
             )
         return h * 3600.0
 
+    @property
+    def ttl_max_s(self) -> float:
+        """The longest TTL the policy allows, in seconds (what GC holds remote objects to)."""
+        return self.ttl_max_hours * 3600.0
+
+    def clamp_ttl(self, ttl_s: float | None) -> float:
+        """A TTL in seconds clamped into the policy bounds (``ttl_min_hours`` .. ``ttl_max_hours``);
+        the default TTL (``ttl_hours``) when none is given. The one clamp of plan and prefill TTLs."""
+        if ttl_s is None:
+            return self.ttl_seconds()
+        return min(max(float(ttl_s), self.ttl_min_hours * 3600.0), self.ttl_max_s)
+
 
 class S3Config(_Section):
     """How to reach the S3 tier (any S3-compatible endpoint)."""

@@ -23,8 +23,11 @@ from forecasting.simulate.simulation import (
     plot,
     simulate,
 )
-from forecasting.simulate.ttft import CostModel
+from store.config import KvCacheConfig
+from store.cost import PrefillCost
 from store.errors import BadInputError
+from store.format.header import Layout
+from store.format.payload import kv_bytes_per_token
 from store.plan import read_plan
 
 DESCRIPTION = """\
@@ -39,11 +42,18 @@ Prints a table (or, with --json, one JSON object) with each policy's token hit r
 excluding the shared root block, first-minute hit rate, minutes to recover, prefill tokens and
 TTFT saved, and warm-up precision/recall. See docs/simulate.md."""
 
-#: KV bytes per token assumed by ``--capacity-bytes``: an 8B GQA model (32 layers,
-#: 8 KV heads of 128) stored in FP8: 2 * 32 * 8 * 128 * 1 byte.
-DEFAULT_KV_BYTES_PER_TOKEN = 65536
-#: tokens per block of kvwarm traces and logs when --block-size is not given (kvwarm's configured default)
-DEFAULT_BLOCK_SIZE = 256
+#: the geometry ``--capacity-bytes`` assumes when no --kv-bytes-per-token is given: an 8B
+#: GQA model (Llama 3 8B: 32 layers, 8 KV heads of 128)
+EIGHT_B = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128}
+#: kvwarm's configured defaults: the block size of kvwarm traces and logs when --block-size
+#: is not given, and the storage precision (FP8, layer 0 in bf16, fp32 scales)
+DEFAULTS = KvCacheConfig()
+
+
+def default_kv_bytes_per_token(block_tokens: int) -> float:
+    """What a token of the 8B geometry takes in the store, in kvwarm's default precision, in blocks
+    of ``block_tokens`` (the per-block scales make it depend on the block size)."""
+    return kv_bytes_per_token(Layout(**EIGHT_B, block_size=block_tokens), DEFAULTS.precision())
 
 
 def add_simulate_command(sub: Any, load_tokenizer: Callable[[str], Tokenizer] | None = None) -> None:
@@ -63,7 +73,7 @@ def add_simulate_command(sub: Any, load_tokenizer: Callable[[str], Tokenizer] | 
                         "logs the pipeline mines (docs/logs.md) (default: mooncake)")
     p.add_argument("--block-size", type=int, metavar="TOKENS",
                    help=f"tokens per block for kvwarm traces and logs; Mooncake traces fix their own (default: "
-                        f"{DEFAULT_BLOCK_SIZE})")
+                        f"{DEFAULTS.block_size}, the config's default)")
     p.add_argument("--model", metavar="NAME", help="--format logs: the model whose rows to replay and whose tokenizer "
                                                    "reads prompt text (default: the logs' only model)")
     p.add_argument("--tenant", default="mooncake", metavar="NAME",
@@ -72,8 +82,11 @@ def add_simulate_command(sub: Any, load_tokenizer: Callable[[str], Tokenizer] | 
     cap.add_argument("--capacity-blocks", type=int, metavar="N", help="cache capacity in blocks (this or --capacity-bytes)")
     cap.add_argument("--capacity-bytes", type=float, metavar="BYTES",
                      help="cache capacity in bytes: blocks = bytes / (block tokens * --kv-bytes-per-token)")
-    p.add_argument("--kv-bytes-per-token", type=int, default=DEFAULT_KV_BYTES_PER_TOKEN, metavar="BYTES",
-                   help="KV bytes per token for --capacity-bytes (default: %(default)s, an 8B model in FP8)")
+    p.add_argument("--kv-bytes-per-token", type=float, metavar="BYTES",
+                   help=f"KV bytes per token for --capacity-bytes (default: an 8B model, 32 layers of 8 KV heads of "
+                        f"128, in kvwarm's default precision, FP8 with layer 0 in bf16 and fp32 scales, at the "
+                        f"trace's block size: {default_kv_bytes_per_token(256):,.2f} at 256 tokens, "
+                        f"{default_kv_bytes_per_token(512):,.2f} at Mooncake's 512)")
     p.add_argument("--scenario", choices=SCENARIOS, default="steady",
                    help="steady (one cache throughout), restart (emptied at --at) or scale-out (a new replica "
                         "from --at) (default: %(default)s)")
@@ -100,11 +113,11 @@ def add_simulate_command(sub: Any, load_tokenizer: Callable[[str], Tokenizer] | 
     p.add_argument("--tau", type=float, default=PredictorConfig.tau_s, metavar="S",
                    help="recency scale of retention priorities, seconds (default: %(default)s)")
     p.add_argument("--s-per-token", type=float, metavar="S",
-                   help=f"prefill seconds per token, the cost model's linear term (default: {CostModel.s_per_token}, "
+                   help=f"prefill seconds per token, the cost model's linear term (default: {PrefillCost.s_per_token}, "
                         "an 8B model on an H200)")
     p.add_argument("--s-per-token-pair", type=float, metavar="S",
                    help=f"prefill seconds per attention token pair, the quadratic term (default: "
-                        f"{CostModel.s_per_token_pair})")
+                        f"{PrefillCost.s_per_token_pair})")
     p.add_argument("--cost-from", metavar="FILE",
                    help="fit both prefill terms to a bench/prefill_bench.py --shape run's output (its last line, "
                         "JSON), e.g. bench/calibration/prefill-h200-8b.json; not with --s-per-token*")
@@ -137,7 +150,7 @@ def _read(args: argparse.Namespace) -> tuple[Trace, str]:
     """The trace, and for ``--format logs`` the read's summary (rows used, quarantined)."""
     if args.format != "logs":
         return read_trace(args.trace, args.format, block_size=args.block_size, tenant=args.tenant), ""
-    trace, report = read_log_trace(args.trace, block_size=args.block_size or DEFAULT_BLOCK_SIZE,
+    trace, report = read_log_trace(args.trace, block_size=args.block_size or DEFAULTS.block_size,
                                    load_tokenizer=args.load_tokenizer, model=args.model)
     return trace, f"; logs: {report.summary()}"
 
@@ -154,7 +167,7 @@ def _bench_result(text: str) -> dict[str, Any]:
     return doc
 
 
-def _cost(args: argparse.Namespace) -> CostModel:
+def _cost(args: argparse.Namespace) -> PrefillCost:
     """The TTFT cost model: fitted to a prefill benchmark (--cost-from), or the given or default terms."""
     if args.cost_from:
         if args.s_per_token is not None or args.s_per_token_pair is not None:
@@ -164,15 +177,29 @@ def _cost(args: argparse.Namespace) -> CostModel:
         except (OSError, ValueError) as exc:
             raise BadInputError(f"--cost-from {args.cost_from}: cannot read a JSON result from it ({exc})") from None
         try:
-            return CostModel.from_prefill_bench(doc)
+            return PrefillCost.from_prefill_bench(doc)
         except ValueError as exc:  # the fit's documented answer to a result it cannot use
             raise BadInputError(f"--cost-from {args.cost_from}: {exc}") from None
     for flag, value in (("--s-per-token", args.s_per_token), ("--s-per-token-pair", args.s_per_token_pair)):
         if value is not None and not value >= 0:
             raise BadInputError(f"{flag} must be a number of seconds >= 0, got {value}")
-    default = CostModel()
-    return CostModel(default.s_per_token if args.s_per_token is None else args.s_per_token,
-                     default.s_per_token_pair if args.s_per_token_pair is None else args.s_per_token_pair)
+    default = PrefillCost()
+    return PrefillCost(default.s_per_token if args.s_per_token is None else args.s_per_token,
+                       default.s_per_token_pair if args.s_per_token_pair is None else args.s_per_token_pair)
+
+
+def _capacity_blocks(args: argparse.Namespace, trace: Trace) -> int:
+    """--capacity-bytes in blocks of the trace's size, at --kv-bytes-per-token (default: the 8B geometry's)."""
+    bpt = args.kv_bytes_per_token
+    if bpt is None:
+        bpt = default_kv_bytes_per_token(trace.block_tokens)
+    if not bpt >= 1:
+        raise BadInputError("--kv-bytes-per-token must be at least 1")
+    capacity = int(args.capacity_bytes // (trace.block_tokens * bpt))
+    if capacity < 1:
+        raise BadInputError(f"the capacity holds no block ({trace.block_tokens} tokens x {bpt:g} bytes each); "
+                         f"give a larger capacity")
+    return capacity
 
 
 def _check_plotting() -> None:
@@ -192,20 +219,14 @@ def run_simulate(args: argparse.Namespace) -> int:
     """
     if args.plots:
         _check_plotting()
-    if args.capacity_bytes is not None and args.kv_bytes_per_token < 1:
-        raise BadInputError(f"--kv-bytes-per-token must be positive, got {args.kv_bytes_per_token}")
+    if args.kv_bytes_per_token is not None and not args.kv_bytes_per_token >= 1:
+        raise BadInputError(f"--kv-bytes-per-token must be at least 1, got {args.kv_bytes_per_token}")
     cost = _cost(args)
     policies = _policies(args)
     predictor = PredictorConfig(horizon_s=args.horizon, tau_s=args.tau)
     plan = read_plan(args.plan) if args.plan else None
     trace, read_note = _read(args)
-    if args.capacity_blocks is not None:
-        capacity = args.capacity_blocks
-    else:
-        capacity = int(args.capacity_bytes // (trace.block_tokens * args.kv_bytes_per_token))
-    if capacity < 1:
-        raise BadInputError(f"the capacity holds no block ({trace.block_tokens} tokens x "
-                            f"{args.kv_bytes_per_token} bytes each); give a larger capacity")
+    capacity = args.capacity_blocks if args.capacity_blocks is not None else _capacity_blocks(args, trace)
     scenario = Scenario(args.scenario, _event_time(args.at, trace.duration_s), args.window, args.share,
                         args.seed, args.lookback, recovery_fraction=args.recovery)
     index = BlockIndex.build(trace)

@@ -39,7 +39,7 @@ from forecasting.simulate.replay import (
     next_use,
     replay,
 )
-from forecasting.simulate.ttft import CostModel
+from store.cost import PrefillCost
 from store.errors import BadInputError
 
 SCENARIOS = ("steady", "restart", "scale-out")
@@ -228,7 +228,7 @@ def _prewarm(policy: Policy, index: BlockIndex, plan: _Plan, capacity: int, scen
 
 
 def _measure(name: str, index: BlockIndex, rows: np.ndarray, hits: np.ndarray, scenario: Scenario,
-             window: tuple[float, float], cost: CostModel, reference: PolicyResult | None,
+             window: tuple[float, float], cost: PrefillCost, reference: PolicyResult | None,
              prewarmed: np.ndarray | None, start: int, seconds: float) -> PolicyResult:
     tr = index.trace
     keep = tr.timestamps_s[rows] >= window[0]  # rows already end at the window's end
@@ -263,8 +263,8 @@ def _measure(name: str, index: BlockIndex, rows: np.ndarray, hits: np.ndarray, s
         precision = good / len(prewarmed) if len(prewarmed) else 0.0
         possible = int((used & seen).sum())
         recall = good / possible if possible else 0.0
-    saved = cost.saved_s(hit_tok)
-    ttft = cost.prefill_s(total) - saved  # the uncached suffix's prefill; no queueing
+    saved = cost.seconds(hit_tok)
+    ttft = cost.seconds(total, hit_tok)  # the uncached suffix's prefill; no queueing
     p50, p99 = np.percentile(ttft, [50, 99]) if len(ttft) else (0.0, 0.0)
     return PolicyResult(
         policy=name, requests=len(rows), tokens=int(total.sum()), hit_tokens=int(hit_tok.sum()),
@@ -280,7 +280,7 @@ def _measure(name: str, index: BlockIndex, rows: np.ndarray, hits: np.ndarray, s
 
 
 def simulate(index: BlockIndex, capacity_blocks: int, scenario: Scenario, policies: Sequence[Policy | str],
-             *, predictor: PredictorConfig = PredictorConfig(), cost: CostModel = CostModel(),
+             *, predictor: PredictorConfig = PredictorConfig(), cost: PrefillCost = PrefillCost(),
              plan_blocks: np.ndarray | None = None) -> SimResult:
     """Replay ``index``'s trace under each policy in ``scenario``; metrics over its window.
 

@@ -110,7 +110,7 @@ def test_real_loader_stats_feed_the_report(tmp_path, capsys) -> None:
     assert (cache["lookups"], cache["hits"], cache["tokens_served"]) == (3, 1, 3 * BS)
     assert cache["prompt_tokens"] == 2 * len(ids) + 40
     assert cache["bytes_mapped"] > 0
-    bpt = PLAN["extra"]["planned_store_bytes"] / 48  # the hand-built plan: 100 B/token
+    bpt = PLAN["extra"]["kv_bytes_per_token"]  # the hand-built plan: 100 B/token
     assert cache["memory_saving_ratio"] == pytest.approx(3 * BS * bpt / cache["bytes_mapped"])
     assert audit["refused_cross_tenant"] == 1 and audit["by_reason"]["tenant_refused"] == 1
     assert out["service_quality"]["latency_samples"] == 3 and out["service_quality"]["lookups_per_s"] == 1.5
