@@ -18,6 +18,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from store.engines.vllm.metadata import LoadSpec, SaveSpec
+from store.format.header import Layout
+from store.format.payload import payload_nbytes
 from store.format.precision import Precision
 
 #: Bytes of a snapshot's header and framing, about (token ids and part list as JSON).
@@ -75,17 +77,9 @@ def save_spec(req_id: str, tenant: str, prompt: Sequence[int], block_table: Sequ
 
 
 def stored_block_bytes(precision: Precision, *, layers: int, kv_heads: int, head_dim: int, kv_block: int) -> int:
-    """About how many bytes one stored block takes (what a load reads), from the precision and geometry."""
-    sizes = {"fp8_e4m3": 1, "bf16": 2, "fp16": 2, "fp32": 4}
-    per_layer = 2 * kv_heads * kv_block * head_dim
-    total = HEADER_BYTES
-    for layer in range(layers):
-        dtype = precision.layer_dtype(layer)
-        total += per_layer * sizes[dtype]
-        if dtype == "fp8_e4m3":
-            groups = 1 if precision.granularity == "head" else -(-kv_block // max(1, precision.group_tokens))
-            total += 2 * kv_heads * groups * 4
-    return total
+    """About how many bytes one stored block takes (what a load reads): its payload and header."""
+    layout = Layout(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, block_size=kv_block)
+    return payload_nbytes(layout, precision) + HEADER_BYTES
 
 
 def prompt_tokens_scheduled(prompt_len: int, computed: int, scheduled: int) -> int:
