@@ -164,8 +164,10 @@ class SchedulerRole:
         if n == 0:
             if hit.blocks == 0:
                 reason = st.fetch_reason or hit.reason or "absent"
-            else:
-                reason = "engine_cached" if computed >= hit.blocks * self.kv_block else "short_prompt"
+            else:  # vLLM's own cache holds all a load could give, or the prompt leaves no whole block to load
+                usable = matched_tokens(hit.blocks, kv_block=self.kv_block, engine_block=self.engine_block,
+                                        prompt_tokens=len(st.prompt), computed=0)
+                reason = "engine_cached" if usable and computed >= usable else "short_prompt"
             self._count(st, reason, absent=hit.blocks == 0 and hit.reason == "absent")
             return 0, False
         span = kv_blocks_spanned(computed, computed + n, self.kv_block)
