@@ -9,7 +9,8 @@ engine's ``engine_block`` (vLLM's, 128 on the CPU backend, 16 on CUDA), which di
 - The load starts at vLLM's hit, which is a multiple of the engine block and may fall inside a
   kvwarm block: the second half of a stored block is loaded then.
 - Write-back saves a request's kvwarm blocks as their last token is computed, from the first
-  block the store lacks; generated tokens are not saved.
+  block the store lacks, in the chain they extend (a chain is found only from its first block);
+  generated tokens are not saved.
 
 Pure functions over plain values, no vLLM.
 """
@@ -59,7 +60,7 @@ def load_spec(req_id: str, tenant: str, chat: bool, prompt: Sequence[int], block
 
 
 def save_spec(req_id: str, tenant: str, prompt: Sequence[int], block_table: Sequence[int], *, save_from: int,
-              computed: int, scheduled: int, kv_block: int, engine_block: int) -> SaveSpec | None:
+              computed: int, scheduled: int, kv_block: int, engine_block: int, chat: bool = False) -> SaveSpec | None:
     """The full prompt blocks from ``save_from`` that are computed once this step has run, or ``None``.
 
     ``computed`` tokens were computed before the step, ``scheduled`` are computed in it.
@@ -72,8 +73,8 @@ def save_spec(req_id: str, tenant: str, prompt: Sequence[int], block_table: Sequ
     ids = block_table[save_from * ratio : full * ratio]
     if len(ids) < (full - save_from) * ratio:
         return None  # blocks not allocated yet: they are saved in a later step
-    return SaveSpec(req_id=req_id, tenant=tenant, first=save_from, token_ids=tuple(prompt[: full * kv_block]),
-                    block_ids=tuple(ids))
+    return SaveSpec(req_id=req_id, tenant=tenant, chat=chat, first=save_from,
+                    token_ids=tuple(prompt[: full * kv_block]), block_ids=tuple(ids))
 
 
 def stored_block_bytes(precision: Precision, *, layers: int, kv_heads: int, head_dim: int, kv_block: int) -> int:

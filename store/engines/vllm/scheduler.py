@@ -194,10 +194,10 @@ class SchedulerRole:
                     why = "error"
             st.hit = self.probe.probe(st.tenant, st.prompt)
             st.fetch_reason = why if st.hit.blocks < st.hit.full_blocks else None
-            st.save_from = st.hit.blocks
+            self._save_where(st)
             return st.hit
         hit = st.hit = self.probe.probe(st.tenant, st.prompt)
-        st.save_from = hit.blocks
+        self._save_where(st)
         if hit.blocks < hit.full_blocks and hit.reason in (None, "absent") and self.fetches.has_remote:
             if not self.fetches.usable(st.tenant):
                 st.fetch_reason = "store_unavailable"
@@ -214,6 +214,17 @@ class SchedulerRole:
             self.fetches.background(st.tenant, scope, chain[hit.blocks:])
             st.fetch_reason = "fetch_scheduled"
         return hit
+
+    @staticmethod
+    def _save_where(st: RequestState) -> None:
+        """Where write-back goes: on in the tenant's chain the hit is in, after it; after a hit
+        in ``public`` (or none), the tenant's plain chain from its first block, since a chain is
+        found only from its root (the tenant then holds its own copy of the public part)."""
+        hit = st.hit
+        if hit is not None and hit.blocks and hit.namespace == st.tenant:
+            st.save_from, st.save_chat = hit.blocks, hit.chat
+        else:
+            st.save_from, st.save_chat = 0, False
 
     def update_state_after_alloc(self, request: Any, block_table: Sequence[int], num_external: int) -> None:
         """vLLM allocated ``block_table`` (all the request's blocks); plan the load of ``num_external`` tokens."""
@@ -270,7 +281,7 @@ class SchedulerRole:
         if self.write_back and st.tenant not in (None, PUBLIC):
             spec = save_spec(st.req_id, st.tenant, st.prompt, st.block_table, save_from=st.save_from,
                              computed=computed, scheduled=scheduled, kv_block=self.kv_block,
-                             engine_block=self.engine_block)
+                             engine_block=self.engine_block, chat=st.save_chat)
             if spec is not None:
                 st.save_from = spec.first + len(spec.block_ids) // self.ratio
                 saves.append(spec)

@@ -101,7 +101,7 @@ class WorkerRole:
             self.loader(self.tenants.default, chat)  # made now, not in the first request's load
         if self.settings.write_back and self.tp_size == 1:
             self.writer = WriteBack(Store(tiers_from_url(self.settings.store_url, cfg.store)), self.tenants,
-                                    self.identities[0], cfg.kv_cache.precision(), kv_block=self.kv_block,
+                                    self.identities, cfg.kv_cache.precision(), kv_block=self.kv_block,
                                     ttl_s=cfg.kv_cache.ttl_seconds(), layout=layout, counters=self.counters,
                                     s3_backoff_s=cfg.loader.s3_backoff_s)
 

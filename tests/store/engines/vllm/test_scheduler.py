@@ -301,3 +301,19 @@ def test_memory_follows_the_requests_in_flight(tmp_path) -> None:
                          num_scheduled_tokens={req.request_id: KB + 3}))
         r.request_finished(req)
     assert len(r.tracker) == 0 and r.stats()["lookups"] == 2000
+
+
+def test_write_back_extends_the_chain_the_hit_is_in_and_copies_a_public_head(tmp_path) -> None:
+    chat_ids, pub_ids = tokens(3 * KB + 1, seed=8), tokens(3 * KB + 1, seed=9)
+    store_prefix(tmp_path, chat_ids, chat=True, blocks=1)  # prefill warm --chat stored the head
+    store_prefix(tmp_path, pub_ids, namespace="public", blocks=1)
+    r = role(tmp_path)
+    for name, ids in (("c", chat_ids), ("p", pub_ids)):
+        req = Req(name, ids)
+        assert ask(r, req) == (KB, False)
+        r.update_state_after_alloc(req, list(range(7)), KB)
+    plan = r.build_plan(Out([NewReq("c", chat_ids, (list(range(7)),), KB), NewReq("p", pub_ids, (list(range(7)),), KB)],
+                            num_scheduled_tokens={"c": 2 * KB + 1, "p": 2 * KB + 1}))
+    saves = {s.req_id: s for s in plan.saves}
+    assert (saves["c"].chat, saves["c"].first) == (True, 1)  # the tail of the chat-keyed chain it extends
+    assert (saves["p"].chat, saves["p"].first) == (False, 0)  # public's head is copied: a chain starts at its root
