@@ -278,7 +278,11 @@ class SchedulerRole:
         return StepPlan(loads=loads, saves=tuple(saves), prompt_tokens=prompt_tokens, other_tokens=other)
 
     def _step(self, st: RequestState, computed: int, scheduled: int, saves: list[SaveSpec]) -> int:
-        if self.write_back and st.tenant not in (None, PUBLIC):
+        """Plan the request's write-back for this step; returns its prompt tokens in the step."""
+        full = min(computed + scheduled, len(st.prompt)) // self.kv_block
+        public = st.hit.blocks if st.hit is not None and st.hit.namespace == PUBLIC else 0
+        # a prompt not yet past the public chain it was served from gets no copy of it for the tenant
+        if self.write_back and st.tenant not in (None, PUBLIC) and not (public and full <= public):
             spec = save_spec(st.req_id, st.tenant, st.prompt, st.block_table, save_from=st.save_from,
                              computed=computed, scheduled=scheduled, kv_block=self.kv_block,
                              engine_block=self.engine_block, chat=st.save_chat)
