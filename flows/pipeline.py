@@ -42,6 +42,7 @@ from flows.tasks import (
     need,
     plan_task,
     prefill_task,
+    publish_latest_plan,
     read_partition_task,
     run_dir,
     save_demand,
@@ -172,6 +173,7 @@ def plan_prewarm(store: str, run: str, config_path: str | None = None, model: st
                      gpu_s_per_gib_hour=gpu_s_per_gib_hour)
     plan = dataclasses.replace(plan, extra={**plan.extra, "prefill_rate": rate.as_dict()})
     path = save_plan(plan, out / "plan.json")
+    publish_latest_plan(plan, store, config)
     get_run_logger().info("planned %d prefixes (%s)", len(plan.entries), plan.extra)
     if schedule_prefill:
         schedule_prefill_task(store, run, window, schedule_prefill,

@@ -41,7 +41,7 @@ from prefill.monitoring import MonitoringError, run_directory
 from store.config import KvwarmConfig, load_config, parse_config
 from store.cost import PrefillCost
 from store.errors import BadInputError, OperationalError, StoreUnavailable
-from store.plan import Plan, read_plan, write_plan
+from store.plan import Plan, publish_plan, read_plan, write_plan
 
 IO_RETRIES = 2
 IO_RETRY_DELAY_S = 1.0
@@ -243,6 +243,19 @@ def save_frame(frame: pd.DataFrame, path: Path) -> Path:
 @task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
 def save_plan(plan: Plan, path: Path) -> Path:
     return write_plan(plan, path)
+
+
+@task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
+def publish_latest_plan(plan: Plan, store_url: str, config: KvwarmConfig) -> int:
+    """Make ``plan`` the store's latest (``store.plan.publish_plan``): serving engines started with
+    ``plan: latest`` prefetch it. Returns the tiers written."""
+    from store.tiers.store import Store
+
+    store = Store.open(store_url, config)
+    try:
+        return publish_plan(plan, store.tiers)
+    finally:
+        store.close()
 
 
 @task(retries=1, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)

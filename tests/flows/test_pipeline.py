@@ -145,6 +145,13 @@ def test_the_demo_replays_the_planned_period_through_the_loader(prefect_harness,
     # ... and its planner budgets GPU seconds at the prefill rate the demo's prefill measured.
     forecast_demand(store, "next")
     plan_prewarm(store, "next", block_size=BLOCK)
-    rate = read_plan(run_dir(store, "next") / "plan.json").extra["prefill_rate"]
+    planned = read_plan(run_dir(store, "next") / "plan.json")
+    rate = planned.extra["prefill_rate"]
     assert rate["source"] == "measured" and rate["from_run"] == "demo"
     assert rate["tokens_per_s"] == pytest.approx(out["prefill"]["tokens_per_s"])
+    # ... and publishes its plan as the store's latest, for serving engines started with plan: latest.
+    from store.plan import latest_plan
+    from store.tiers.store import Store
+
+    tiers = Store.open(store).tiers
+    assert latest_plan(tiers) == planned
