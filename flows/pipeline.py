@@ -2,7 +2,7 @@
 
 One flow per stage, each runnable on its own (a deployment per stage) because every
 stage reads its inputs from, and writes its results to, the run directory under the
-store (``<local tier>/_flows/<run>/``, see :mod:`flows.tasks`); the parent
+store (:class:`prefill.rundir.RunDir`); the parent
 :func:`kvwarm_pipeline` runs them in order. Every knob is a flow parameter.
 
 A stage whose input is bad fails with a :class:`flows.tasks.FlowInputError` (or the
@@ -98,7 +98,7 @@ def mine_logs(logs: str, store: str, run: str, config_path: str | None = None, m
     config = flow_config(config_path, block_size)
     check_bucket(bucket)
     runner = partitions.task_runner(task_runner, address=dask_address, workers=parallelism)
-    qpath = quarantine or str(out / "quarantine.jsonl")
+    qpath = quarantine or str(out.quarantine)
     parts = list_partitions_task(logs, start, end, slices, qpath)
     loaded = load_model_task(model)
     with runner:
@@ -113,14 +113,14 @@ def mine_logs(logs: str, store: str, run: str, config_path: str | None = None, m
     choice = history.choose_threshold(out, config.kv_cache.similarity_threshold, similarity)
     get_run_logger().info(choice.describe())
     demand = mine_task(merged.requests, loaded, config, k=k, bucket=bucket, similarity=choice.threshold)
-    path = save_demand(demand, out / "demand")
+    path = save_demand(demand, out)
     report = merged.report
     save_json({"logs": logs, "start": start, "end": end, "read": report.summary(),
                "rows_used": report.rows_used, "rows_quarantined": report.rows_quarantined,
                "prefixes": int(len(demand.prefixes)), "families": int(demand.families["unique_id"].nunique()),
                "similarity": choice.as_dict(),
                "requests": float(demand.total["y"].sum()), "task_runner": task_runner,
-               "partitions": [r.summary() for r in reads]}, out / "mine.json")
+               "partitions": [r.summary() for r in reads]}, out.mine)
     get_run_logger().info("mined %d prefixes from %d requests in %d partition(s) on %s: %s", len(demand.prefixes),
                           report.rows_used, len(reads), task_runner, report.summary())
     return str(path)
@@ -131,17 +131,17 @@ def forecast_demand(store: str, run: str, horizon: int = 24, workers: int = 1, w
                     offpeak_fraction: float = 0.6) -> str:
     """Forecast every prefix and the total load ``horizon`` buckets ahead; choose the off-peak window."""
     out = run_dir(store, run)
-    demand = load_demand(out / "demand")
+    demand = load_demand(out)
     bucket = str(demand.bucket)
     fc = forecast_task(demand.series, horizon, workers, bucket)
     total_fc = forecast_task(demand.total.assign(unique_id="total")[["unique_id", "ds", "y"]], horizon, 1, bucket)
     window = window_task(total_fc, window_hours, offpeak_fraction, bucket, total_history=demand.total)
-    save_frame(fc, out / "forecast.parquet")
-    save_frame(total_fc, out / "total_forecast.parquet")
-    save_json(window, out / "window.json")
+    save_frame(fc, out.forecast)
+    save_frame(total_fc, out.total_forecast)
+    save_json(window, out.window)
     get_run_logger().info("forecast %d series; prefill window %s to %s", fc["unique_id"].nunique(),
                           window["chosen"]["start"], window["chosen"]["end"])
-    return str(out / "window.json")
+    return str(out.window)
 
 
 @flow(name="plan-prewarm")
@@ -162,16 +162,16 @@ def plan_prewarm(store: str, run: str, config_path: str | None = None, model: st
     """
     out = run_dir(store, run)
     config = flow_config(config_path, block_size)
-    demand = load_demand(out / "demand")
-    fc = pd.read_parquet(need(out / "forecast.parquet", "forecast_demand"))
-    window = json.loads(need(out / "window.json", "forecast_demand").read_text())
+    demand = load_demand(out)
+    fc = pd.read_parquet(need(out.forecast, "forecast_demand"))
+    window = json.loads(need(out.window, "forecast_demand").read_text())
     bpt = kv_bytes_per_token(_model_config(model), config.kv_cache.compression)
     rate = history.choose_prefill_rate(out, model, prefill_tokens_per_s)
     plan = plan_task(demand, fc, window, config, model=model, tokens_per_s=rate.tokens_per_s,
                      bytes_per_token=bpt, budget_gpu_s=budget_gpu_s, budget_store_bytes=budget_store_bytes,
                      gpu_s_per_gib_hour=gpu_s_per_gib_hour)
     plan = dataclasses.replace(plan, extra={**plan.extra, "prefill_rate": rate.as_dict()})
-    path = save_plan(plan, out / "plan.json")
+    path = save_plan(plan, out.plan)
     get_run_logger().info("planned %d prefixes (%s)", len(plan.entries), plan.extra)
     if schedule_prefill:
         schedule_prefill_task(store, run, window, schedule_prefill,
@@ -186,10 +186,10 @@ def prefill_plan(store: str, run: str, config_path: str | None = None, model: st
     """Prefill the run's plan into the store before ``deadline`` (Unix seconds); writes ``prefill.json``."""
     out = run_dir(store, run)
     config = flow_config(config_path, block_size)
-    plan_path = need(out / "plan.json", "plan_prewarm")
+    plan_path = need(out.plan, "plan_prewarm")
     loaded = load_model_task(model, dtype, device)
     result = prefill_task(plan_path, loaded, store, config, deadline)
-    save_json(result, out / "prefill.json")
+    save_json(result, out.prefill)
     get_run_logger().info("prefill: %s", result)
     return result
 
@@ -201,7 +201,7 @@ def gc_store(store: str, config_path: str | None = None, block_size: int | None 
     config = flow_config(config_path, block_size)
     result = gc_task(store, config)
     if run:
-        save_json(result, run_dir(store, run) / "gc.json")
+        save_json(result, run_dir(store, run).gc)
     return result
 
 
@@ -217,11 +217,11 @@ def report(store: str, run: str, extra: dict[str, Any] | None = None,
     ``monitoring`` section, else ``$KVWARM_GPU_PRICE_PER_HOUR``.
     """
     out = run_dir(store, run)
-    demand = load_demand(out / "demand")
-    total_fc = pd.read_parquet(need(out / "total_forecast.parquet", "forecast_demand"))
-    fc = pd.read_parquet(need(out / "forecast.parquet", "forecast_demand"))
-    window = json.loads(need(out / "window.json", "forecast_demand").read_text())
-    plan = read_plan(need(out / "plan.json", "plan_prewarm"))
+    demand = load_demand(out)
+    total_fc = pd.read_parquet(need(out.total_forecast, "forecast_demand"))
+    fc = pd.read_parquet(need(out.forecast, "forecast_demand"))
+    window = json.loads(need(out.window, "forecast_demand").read_text())
+    plan = read_plan(need(out.plan, "plan_prewarm"))
     actual = None
     if actual_total:
         actual = pd.DataFrame(actual_total, columns=["ds", "y"]).assign(ds=lambda d: pd.to_datetime(d["ds"]))
@@ -235,12 +235,12 @@ def report(store: str, run: str, extra: dict[str, Any] | None = None,
             act = pd.DataFrame(extra["actual_prefix"].get(top.prefix_id, []), columns=["ds", "y"])
             act["ds"] = pd.to_datetime(act["ds"])
         prefix = (f"{top.tenant}/{top.prefix_id[:10]}", hist, pf, act)
-    plots = {"forecast": str(reports.plot_forecast(demand.total, total_fc, out / "forecast.png", actual=actual,
+    plots = {"forecast": str(reports.plot_forecast(demand.total, total_fc, out.forecast_plot, actual=actual,
                                                    prefix=prefix)),
-             "offpeak": str(reports.plot_offpeak(demand.total, total_fc, window, out / "offpeak.png"))}
+             "offpeak": str(reports.plot_offpeak(demand.total, total_fc, window, out.offpeak_plot))}
     summary: dict[str, Any] = {"run": run}
     for name in ("mine", "prefill", "gc"):
-        p = out / f"{name}.json"
+        p = out.result(name)
         if p.exists():
             summary[name] = json.loads(p.read_text())
     summary["window"] = window["chosen"]
@@ -253,7 +253,7 @@ def report(store: str, run: str, extra: dict[str, Any] | None = None,
             out, summary, gpu_price_per_hour=priced.gpu_price_per_hour if gpu_price_per_hour is None else gpu_price_per_hour,
             prefill_tokens_per_s=priced.prefill_tokens_per_s)
     summary["plots"] = plots
-    save_json(summary, out / "report.json")
+    save_json(summary, out.report)
     try:
         from prefect.artifacts import create_markdown_artifact
 
@@ -285,7 +285,7 @@ def kvwarm_pipeline(logs: str, store: str, run: str | None = None, config_path: 
     if "://" not in logs and not Path(logs).exists():
         raise FlowInputError(f"logs path {logs!r} does not exist: pass the file or directory of request logs "
                              f"(JSONL or Parquet, docs/logs.md)")
-    result: dict[str, Any] = {"run": run, "dir": str(out)}
+    result: dict[str, Any] = {"run": run, "dir": str(out.path)}
     result["demand"] = mine_logs(logs, store, run, config_path, model, block_size, bucket, k, start, train_end,
                                  task_runner=task_runner, dask_address=dask_address)
     result["window"] = forecast_demand(store, run, horizon, workers, window_hours, offpeak_fraction)
@@ -295,6 +295,6 @@ def kvwarm_pipeline(logs: str, store: str, run: str | None = None, config_path: 
         result["prefill"] = prefill_plan(store, run, config_path, model, block_size)
     if gc:
         result["gc"] = gc_store(store, config_path, block_size, run)
-    result["report"] = str(out / "report.json")
+    result["report"] = str(out.report)
     report(store, run, report_extra, gpu_price_per_hour=gpu_price_per_hour, config_path=config_path)
     return result

@@ -62,7 +62,7 @@ def test_logs_whose_every_row_is_bad_fail_with_the_counts_and_the_quarantine_fil
     logs.write_text('{"timestamp": 1, "tenant": "acme"}\nnot json\n[1, 2]\n')
     state = mine_logs(str(logs), f"file://{tmp_path / 'store'}", "allbad", return_state=True)
     message = _failed(state)
-    quarantine = run_dir(f"file://{tmp_path / 'store'}", "allbad") / "quarantine.jsonl"
+    quarantine = run_dir(f"file://{tmp_path / 'store'}", "allbad").quarantine
     assert "no usable request" in message and "quarantined 3" in message and str(quarantine) in message
     reasons = sorted(json.loads(line)["reason"] for line in quarantine.read_text().splitlines())
     assert reasons == ["bad_model", "invalid_json", "not_an_object"]  # nothing lost
@@ -85,7 +85,7 @@ def test_a_bad_config_value_fails_the_pipeline_naming_the_key(prefect_harness, s
 def test_a_bad_parameter_fails_mining_before_any_work(prefect_harness, small_logs, tmp_path, params, match) -> None:
     state = mine_logs(small_logs, f"file://{tmp_path}", "p", return_state=True, **params)
     assert match in _failed(state)
-    assert not (run_dir(f"file://{tmp_path}", "p") / "demand").exists()
+    assert not run_dir(f"file://{tmp_path}", "p").demand.exists()
 
 
 def test_a_deadline_already_past_fails_prefill_without_writing(planned) -> None:
@@ -116,7 +116,7 @@ def _copy_run(planned, tmp_path) -> str:
     """The planned run under a fresh local tier (so a failed run here leaves the shared one untouched)."""
     _, url = planned
     fresh = f"file://{tmp_path / 'node'}"
-    shutil.copytree(run_dir(url, "f"), run_dir(fresh, "f"))
+    shutil.copytree(run_dir(url, "f").path, run_dir(fresh, "f").path)
     return fresh
 
 
@@ -153,7 +153,7 @@ def test_gc_with_s3_down_fails_saying_s3_is_unreachable(planned, s3_down, tmp_pa
 
 def test_a_prefill_that_died_midway_resumes_writing_only_the_missing_blocks(planned, monkeypatch) -> None:
     store, url = planned
-    assert read_plan(run_dir(url, "f") / "plan.json").entries
+    assert read_plan(run_dir(url, "f").plan).entries
     real_put, written = Store.put, []
 
     def put_then_die(self, tenant, snap):
@@ -174,4 +174,4 @@ def test_a_prefill_that_died_midway_resumes_writing_only_the_missing_blocks(plan
     assert report["blocks_stored_before"] == 2
     assert report["blocks_written"] == report["blocks_total"] - 2 > 0
     assert len(_snapshots(store)) == before + report["blocks_total"]
-    assert json.loads((run_dir(url, "f") / "prefill.json").read_text()) == report
+    assert json.loads(run_dir(url, "f").prefill.read_text()) == report

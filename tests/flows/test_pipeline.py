@@ -31,24 +31,24 @@ def pipeline_run(prefect_harness, small_logs, tmp_path_factory):
 def test_the_pipeline_mines_plans_prefills_and_reports(pipeline_run) -> None:
     store, url, result = pipeline_run
     out = run_dir(url, "t")
-    plan = read_plan(out / "plan.json")
+    plan = read_plan(out.plan)
     assert plan.entries and plan.block_size == 16 and plan.model == "kvwarm-tiny"
     assert pd.Timestamp(plan.window_start, unit="s") >= pd.Timestamp(TRAIN_END)  # the window is in the future
-    window = json.loads((out / "window.json").read_text())
+    window = json.loads(out.window.read_text())
     # under three days of history there are no past days to score load predictors on
     assert window["source"] == {"name": "forecast", "regrets": {}}
     assert all(e.token_ids and len(e.token_ids) % 16 == 0 for e in plan.entries)
-    prefill = json.loads((out / "prefill.json").read_text())
+    prefill = json.loads(out.prefill.read_text())
     assert prefill["blocks_written"] == prefill["blocks_total"] > 0
     assert len(_snapshots(store)) >= prefill["blocks_written"]
-    demand = pd.read_parquet(out / "demand" / "series.parquet")
+    demand = pd.read_parquet(out.demand_table("series"))
     assert demand["ds"].max() < pd.Timestamp(TRAIN_END)  # trained only before train_end
-    summary = json.loads((out / "report.json").read_text())
+    summary = json.loads(out.report.read_text())
     assert summary["plan"]["entries"] == len(plan.entries)
     assert summary["prefill"]["blocks_written"] == prefill["blocks_written"]
     for png in summary["plots"].values():
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert result["plan"] == str(out / "plan.json")
+    assert result["plan"] == str(out.plan)
 
 
 def test_a_rerun_writes_no_block_twice(pipeline_run) -> None:
@@ -75,7 +75,7 @@ def test_a_stage_run_out_of_order_says_which_stage_to_run_first(prefect_harness,
 
 
 def test_paths_and_sizes() -> None:
-    assert run_dir("file:///var/cache/kv,s3://b/p", "r") == Path("/var/cache/kv/_flows/r")
+    assert run_dir("file:///var/cache/kv,s3://b/p", "r").path == Path("/var/cache/kv/_flows/r")
     with pytest.raises(FlowInputError, match="local tier"):
         run_dir("s3://bucket/prefix", "r")
     with pytest.raises(FlowInputError, match="run name"):
@@ -133,16 +133,16 @@ def test_the_demo_replays_the_planned_period_through_the_loader(prefect_harness,
     from forecasting.mining.families import adapt_threshold
 
     store = f"file://{tmp_path / 'store'}"
-    first = json.loads((run_dir(store, "demo") / "mine.json").read_text())["similarity"]
+    first = json.loads(run_dir(store, "demo").mine.read_text())["similarity"]
     assert first["source"] == "config" and first["threshold"] == 0.85
     mine_logs(small_logs, store, "next")
-    chosen = json.loads((run_dir(store, "next") / "mine.json").read_text())["similarity"]
+    chosen = json.loads(run_dir(store, "next").mine.read_text())["similarity"]
     assert chosen["source"] == "adapted" and chosen["from_run"] == "demo"
     assert chosen["hit_rate"] == pytest.approx(out["monitoring"]["cache_efficiency"]["request_hit_rate"])
     assert chosen["threshold"] == pytest.approx(adapt_threshold(0.85, chosen["hit_rate"]))
     # ... and its planner budgets GPU seconds at the prefill rate the demo's prefill measured.
     forecast_demand(store, "next")
     plan_prewarm(store, "next")
-    rate = read_plan(run_dir(store, "next") / "plan.json").extra["prefill_rate"]
+    rate = read_plan(run_dir(store, "next").plan).extra["prefill_rate"]
     assert rate["source"] == "measured" and rate["from_run"] == "demo"
     assert rate["tokens_per_s"] == pytest.approx(out["prefill"]["tokens_per_s"])
