@@ -188,6 +188,7 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
     """
     from flows import report as reports
     from flows.pipeline import kvwarm_pipeline, report
+    from flows.spec import ForecastSpec, MiningSpec, RunSpec, RunTarget
     from flows.tasks import flow_config, load_model_task, mine_task, read_logs_task, run_dir
     from forecasting.planning.accuracy import warmup_accuracy
     from prefill.monitoring import PRICE_ENV, Prices, compute
@@ -198,21 +199,22 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
     t0 = time.perf_counter()
     everything = read_logs_task.fn(logs, None, None, None).requests
     last_day = everything["timestamp"].max().floor("D")
-    result = kvwarm_pipeline(logs, store, run=run_name, config_path=config_path, model=model, block_size=block_size,
-                             train_end=str(last_day), window_hours=window_hours, workers=workers)
-    out = run_dir(store, run_name)
+    target = RunTarget(store=store, run=run_name, config_path=config_path, model=model, block_size=block_size)
+    result = kvwarm_pipeline(RunSpec(target=target, mining=MiningSpec(logs=logs, end=str(last_day)),
+                                     forecast=ForecastSpec(window_hours=window_hours, workers=workers)))
+    out = run_dir(target)
     plan = read_plan(out.plan)
     prefill = result.get("prefill", {})
     ws, we = pd.Timestamp(plan.window_start, unit="s"), pd.Timestamp(plan.window_end, unit="s")
     ttl = max((e.ttl_s or 0.0 for e in plan.entries), default=0.0) or 6 * 3600.0
     period_end = we + pd.Timedelta(seconds=ttl)
 
-    config = flow_config(config_path, block_size)
+    config = flow_config(target)
     loaded = load_model_task.fn(model)
     test = everything[everything["timestamp"] >= last_day]
-    target = test[(test["timestamp"] >= we) & (test["timestamp"] < period_end)]
+    replayed = test[(test["timestamp"] >= we) & (test["timestamp"] < period_end)]
     shutil.rmtree(out.cold_store, ignore_errors=True)  # the baseline starts cold on every run
-    rep = replay(target, store=store, config=config, loaded=loaded, model=model, pool_dir=out.pool, plan=plan,
+    rep = replay(replayed, store=store, config=config, loaded=loaded, model=model, pool_dir=out.pool, plan=plan,
                  cold_store=f"file://{out.cold_store}", stats_dir=out.loader_stats)
     outcomes = rep.pop("outcomes")
     outcomes.to_parquet(out.replay_outcomes, index=False)
@@ -248,7 +250,7 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
     monitoring = compute(run_name, read_run(out), dumps, Prices.from_env(gpu_price_per_hour))
     extra["monitoring"] = monitoring.as_dict()
     actual_total = [[str(d), float(y)] for d, y in observed.total[["ds", "y"]].itertuples(index=False)]
-    summary = report(store, run_name, extra=extra, actual_total=actual_total)
+    summary = report(target, extra=extra, actual_total=actual_total)
     elapsed = time.perf_counter() - t0
 
     print()

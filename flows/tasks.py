@@ -25,6 +25,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.partitions import Partition, PartitionRead, plan_partitions, where
+from flows.spec import RunTarget
 from forecasting.ingest.logs import Quarantined, RequestLog, read_logs
 from forecasting.mining.demand import Demand, build_demand
 from forecasting.mining.families import find_families
@@ -53,46 +54,34 @@ class StoreUnreachable(RuntimeError):
 
 # ---------------------------------------------------------------- paths and config (pure)
 
-def run_dir(store_url: str, run: str) -> RunDir:
-    """Where run ``run`` keeps its results (:meth:`prefill.rundir.RunDir.of`, which ``prefill report`` reads too).
+def run_dir(target: RunTarget) -> RunDir:
+    """Where ``target``'s run keeps its results (:meth:`prefill.rundir.RunDir.of`, which ``prefill report`` reads too).
 
     Raises:
-        FlowInputError: a bad run name, or a store URL without a ``file://`` tier first.
+        FlowInputError: the target names no run, or a store URL without a ``file://`` tier first.
     """
+    if target.run is None:
+        raise FlowInputError("target.run is not set: name the run whose files this stage reads and writes (every "
+                             "stage of one run takes the same name)")
     try:
-        return RunDir.of(store_url, run)
+        return RunDir.of(target.store, target.run)
     except RunDirError as exc:
         raise FlowInputError(str(exc)) from None
 
 
-def flow_config(config_path: str | None, block_size: int | None) -> KvwarmConfig:
-    """The kvwarm config, with ``kv_cache.block_size`` replaced when the flow sets one.
+def flow_config(target: RunTarget) -> KvwarmConfig:
+    """The kvwarm config at ``target.config_path``, with ``kv_cache.block_size`` replaced when ``target`` sets one.
 
     Raises:
         ConfigError: the file is missing or has a bad value, or ``block_size`` is out of
             range (one line per bad key).
     """
-    config = load_config(config_path)
-    if block_size is None:
+    config = load_config(target.config_path)
+    if target.block_size is None:
         return config
     data = config.model_dump()
-    data["kv_cache"]["block_size"] = block_size
-    return parse_config(data, source=f"{config_path or 'the defaults'} with the block_size parameter")
-
-
-def check_bucket(bucket: str) -> pd.Timedelta:
-    """The demand bucket as a positive Timedelta.
-
-    Raises:
-        FlowInputError: ``bucket`` is not a duration or not positive.
-    """
-    try:
-        step = pd.Timedelta(bucket)
-    except (ValueError, TypeError):
-        step = None
-    if step is None or pd.isna(step) or step <= pd.Timedelta(0):
-        raise FlowInputError(f"bucket {bucket!r} is not a positive duration: use e.g. '1h', '15min' or '1D'")
-    return step
+    data["kv_cache"]["block_size"] = target.block_size
+    return parse_config(data, source=f"{target.config_path or 'the defaults'} with target.block_size")
 
 
 def need(path: Path, stage: str) -> Path:

@@ -10,7 +10,8 @@ import pytest
 
 from flows.partitions import Partition, PartitionError, plan_partitions, task_runner
 from flows.pipeline import mine_logs
-from flows.tasks import load_demand, run_dir
+from flows.spec import RunTarget
+from flows.tasks import load_demand
 from prefill.rundir import RunDir
 
 START, END = "2026-03-02", "2026-03-05"
@@ -64,13 +65,13 @@ def _assert_same_demand(a: RunDir, b: RunDir) -> None:
 def test_dask_partitions_mine_exactly_the_single_partition_demand(prefect_harness, small_logs, partitioned_logs,
                                                                   dask_cluster, tmp_path) -> None:
     url = f"file://{tmp_path / 'store'}"
-    single = mine_logs(small_logs, url, "single")
-    spread = mine_logs(str(partitioned_logs), url, "dask", task_runner="dask",
-                       dask_address=dask_cluster.scheduler_address)
-    assert single == str(run_dir(url, "single").demand) and spread == str(run_dir(url, "dask").demand)
-    _assert_same_demand(run_dir(url, "single"), run_dir(url, "dask"))
+    single = mine_logs(RunTarget(store=url, run="single"), {"logs": small_logs})
+    spread = mine_logs(RunTarget(store=url, run="dask"), {"logs": str(partitioned_logs)},
+                       {"task_runner": "dask", "dask_address": dask_cluster.scheduler_address})
+    assert single == str(RunDir.of(url, "single").demand) and spread == str(RunDir.of(url, "dask").demand)
+    _assert_same_demand(RunDir.of(url, "single"), RunDir.of(url, "dask"))
 
-    mined = json.loads(run_dir(url, "dask").mine.read_text())
+    mined = json.loads(RunDir.of(url, "dask").mine.read_text())
     parts = mined["partitions"]
     assert mined["task_runner"] == "dask" and len(parts) == 3
     assert [Path(p["source"]).parent.name for p in parts] == sorted(Path(p["source"]).parent.name for p in parts)
@@ -87,14 +88,15 @@ def test_time_slices_of_one_file_on_threads_give_the_same_demand_and_quarantine(
     bad = ['{"timestamp": "yesterday", "tenant": "acme", "model": "kvwarm-tiny", "prompt": "x"}', "{not json"]
     logs.write_text(Path(small_logs).read_text() + "\n".join(bad) + "\n")
     url = f"file://{tmp_path / 'store'}"
-    mine_logs(str(logs), url, "whole", start=START, end=END)
-    mine_logs(str(logs), url, "sliced", start=START, end=END, slices=3, parallelism=3)
-    _assert_same_demand(run_dir(url, "whole"), run_dir(url, "sliced"))
-    whole, parts = (json.loads(run_dir(url, r).mine.read_text()) for r in ("whole", "sliced"))
+    mine_logs(RunTarget(store=url, run="whole"), {"logs": str(logs), "start": START, "end": END})
+    mine_logs(RunTarget(store=url, run="sliced"), {"logs": str(logs), "start": START, "end": END, "slices": 3},
+              {"parallelism": 3})
+    _assert_same_demand(RunDir.of(url, "whole"), RunDir.of(url, "sliced"))
+    whole, parts = (json.loads(RunDir.of(url, r).mine.read_text()) for r in ("whole", "sliced"))
     assert [p["kind"] for p in parts["partitions"]] == ["slice"] * 3
-    assert parts["read"] == whole["read"].replace(str(run_dir(url, "whole").path), str(run_dir(url, "sliced").path))
+    assert parts["read"] == whole["read"].replace(str(RunDir.of(url, "whole").path), str(RunDir.of(url, "sliced").path))
     for run in ("whole", "sliced"):  # each bad row quarantined once, with its reason
-        lines = [json.loads(x) for x in run_dir(url, run).quarantine.read_text().splitlines()]
+        lines = [json.loads(x) for x in RunDir.of(url, run).quarantine.read_text().splitlines()]
         assert sorted(x["reason"] for x in lines) == ["bad_timestamp", "invalid_json"]
 
 
