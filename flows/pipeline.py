@@ -47,7 +47,6 @@ from flows.tasks import (
     flow_config,
     forecast_task,
     gc_task,
-    kv_bytes_per_token,
     list_partitions_task,
     load_demand,
     load_model_task,
@@ -65,6 +64,8 @@ from flows.tasks import (
     transient,
     window_task,
 )
+from prefill.models import kv_layout
+from store.format.payload import kv_bytes_per_token
 from store.plan import read_plan
 
 
@@ -165,7 +166,8 @@ def plan_prewarm(target: RunTarget, plan: PlanSpec = PlanSpec()) -> str:
     demand = load_demand(out)
     fc = pd.read_parquet(need(out.forecast, "forecast_demand"))
     window = json.loads(need(out.window, "forecast_demand").read_text())
-    bpt = kv_bytes_per_token(_model_config(target.model), config.kv_cache.compression)
+    bpt = kv_bytes_per_token(kv_layout(_model_config(target.model), config.kv_cache.block_size),
+                             config.kv_cache.precision())
     rate = history.choose_prefill_rate(out, target.model, plan.prefill_tokens_per_s)
     made = plan_task(demand, fc, window, config, model=target.model, tokens_per_s=rate.tokens_per_s,
                      bytes_per_token=bpt, budget_gpu_s=plan.budget_gpu_s, budget_store_bytes=plan.budget_store_bytes,

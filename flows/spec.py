@@ -19,6 +19,8 @@ each stage flow ``target`` and that stage's sections; a deployment per stage
 (``prefect.yaml``) sets only its own. A bad value is refused before any work, by a
 message that names the field (``mining.bucket``, ``plan.budget_gpu_s``); so is an unknown
 key, so a misspelt knob in a deployment is an error rather than a default silently used.
+The validators raise :class:`store.errors.BadInputError` (a ``ValueError``), which
+pydantic reports as that field's error in its ``ValidationError``.
 """
 from __future__ import annotations
 
@@ -30,9 +32,8 @@ import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from prefill.models import DEFAULT_MODEL
-from prefill.rundir import RunDirError, check_run_name, local_root
-
-DEFAULT_BLOCK = 16
+from prefill.rundir import check_run_name, local_root
+from store.errors import BadInputError
 
 
 class _Section(BaseModel):
@@ -54,18 +55,15 @@ class RunTarget(_Section):
     config_path: Optional[str] = Field(None, description="kvwarm config file (default $KVWARM_CONFIG, else the "
                                                          "built-in defaults; docs/config.md).")
     model: str = Field(DEFAULT_MODEL, min_length=1, description="Model name, directory or Hugging Face id.")
-    block_size: Optional[int] = Field(DEFAULT_BLOCK, ge=1, le=65536,
-                                      description="Replaces the config's kv_cache.block_size (None: the config's); "
-                                                  "the same in every stage.")
+    block_size: Optional[int] = Field(None, ge=1, le=65536,
+                                      description="Tokens per block, replacing the config's kv_cache.block_size "
+                                                  "(None: the config's); the same in every stage.")
 
     @model_validator(mode="after")
     def _names_a_run_directory(self) -> RunTarget:
-        try:
-            if self.run is not None:
-                check_run_name(self.run)
-                local_root(self.store)
-        except RunDirError as exc:
-            raise ValueError(str(exc)) from None
+        if self.run is not None:  # a RunDirError is a BadInputError: pydantic names the field
+            check_run_name(self.run)
+            local_root(self.store)
         return self
 
     def with_run(self, run: str) -> RunTarget:
@@ -79,10 +77,10 @@ def _time_bound(value: Optional[str], field: str) -> Optional[str]:
     try:
         ts = pd.Timestamp(value)
     except (ValueError, TypeError) as exc:
-        raise ValueError(f"{field} {value!r} is not a time ({exc}): use ISO 8601, e.g. '2026-03-04' or "
+        raise BadInputError(f"{field} {value!r} is not a time ({exc}): use ISO 8601, e.g. '2026-03-04' or "
                          f"'2026-03-04T06:00:00Z'") from None
     if ts is pd.NaT:
-        raise ValueError(f"{field} {value!r} is not a time: use ISO 8601, e.g. '2026-03-04'")
+        raise BadInputError(f"{field} {value!r} is not a time: use ISO 8601, e.g. '2026-03-04'")
     return value
 
 
@@ -110,7 +108,7 @@ class MiningSpec(_Section):
         except (ValueError, TypeError):
             step = None
         if step is None or pd.isna(step) or step <= pd.Timedelta(0):
-            raise ValueError(f"bucket {bucket!r} is not a positive duration: use e.g. '1h', '15min' or '1D'")
+            raise BadInputError(f"bucket {bucket!r} is not a positive duration: use e.g. '1h', '15min' or '1D'")
         return bucket
 
     @field_validator("start", "end")
@@ -121,7 +119,7 @@ class MiningSpec(_Section):
     @model_validator(mode="after")
     def _ordered(self) -> MiningSpec:
         if self.start is not None and self.end is not None and pd.Timestamp(self.start) >= pd.Timestamp(self.end):
-            raise ValueError(f"start {self.start!r} is not before end {self.end!r}: nothing would be mined")
+            raise BadInputError(f"start {self.start!r} is not before end {self.end!r}: nothing would be mined")
         return self
 
 
@@ -136,7 +134,7 @@ class RunnerSpec(_Section):
     @model_validator(mode="after")
     def _address_needs_dask(self) -> RunnerSpec:
         if self.dask_address and self.task_runner != "dask":
-            raise ValueError("dask_address is only used with task_runner 'dask'")
+            raise BadInputError("dask_address is only used with task_runner 'dask'")
         return self
 
 
@@ -167,7 +165,7 @@ class PlanSpec(_Section):
     @classmethod
     def _a_deployment(cls, name: Optional[str]) -> Optional[str]:
         if name is not None and not re.fullmatch(r"[^/\s]+/[^/\s]+", name):
-            raise ValueError(f"schedule_prefill {name!r} must name a deployment as FLOW/DEPLOYMENT, e.g. "
+            raise BadInputError(f"schedule_prefill {name!r} must name a deployment as FLOW/DEPLOYMENT, e.g. "
                              f"'prefill-plan/prefill-offpeak'")
         return name
 
@@ -210,7 +208,7 @@ class RunSpec(_Section):
     @model_validator(mode="after")
     def _one_prefill(self) -> RunSpec:
         if self.plan.schedule_prefill and self.stages.prefill:
-            raise ValueError(f"plan.schedule_prefill ({self.plan.schedule_prefill!r}) schedules the prefill at the "
+            raise BadInputError(f"plan.schedule_prefill ({self.plan.schedule_prefill!r}) schedules the prefill at the "
                              f"window's start and stages.prefill runs it now: set stages.prefill to false to leave "
                              f"it to the deployment, or drop schedule_prefill")
         return self

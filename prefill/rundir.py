@@ -24,6 +24,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from store.errors import BadInputError
+
 #: the folder of the local tier that holds every run's directory
 RUNS_FOLDER = "_flows"
 #: the stages whose result is one JSON object in the run directory, ``<stage>.json``, in pipeline order
@@ -32,7 +34,7 @@ RESULTS = ("mine", "plan", "prefill", "gc", "report")
 DEMAND_TABLES = ("series", "total", "prefixes", "families")
 
 
-class RunDirError(ValueError):
+class RunDirError(BadInputError):
     """A run name or store URL that cannot name a run directory; the message says what to pass."""
 
 

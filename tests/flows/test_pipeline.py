@@ -10,11 +10,16 @@ import pytest
 
 from flows.pipeline import kvwarm_pipeline, plan_prewarm, prefill_plan
 from flows.spec import RunSpec, RunTarget
-from flows.tasks import FlowInputError, kv_bytes_per_token, run_dir, transient
+from flows.tasks import FlowInputError, run_dir, transient
 from prefill.rundir import RunDir
+from store.format.payload import canonical_layout, map_file
+from store.format.snapshot import read_snapshot
 from store.plan import read_plan
+from store.tiers.base import SUFFIX
 
 TRAIN_END = "2026-03-04"
+#: the sample logs' prompts are short: 16-token blocks (the config's default, 256, would find no prefix)
+BLOCK = 16
 
 
 def _snapshots(store: Path) -> list[Path]:
@@ -26,7 +31,7 @@ def _snapshots(store: Path) -> list[Path]:
 def pipeline_run(prefect_harness, small_logs, tmp_path_factory):
     store = tmp_path_factory.mktemp("store")
     url = f"file://{store}"
-    result = kvwarm_pipeline(RunSpec.model_validate({"target": {"store": url, "run": "t"},
+    result = kvwarm_pipeline(RunSpec.model_validate({"target": {"store": url, "run": "t", "block_size": BLOCK},
                                                      "mining": {"logs": small_logs, "end": TRAIN_END}}))
     return store, url, result
 
@@ -44,6 +49,9 @@ def test_the_pipeline_mines_plans_prefills_and_reports(pipeline_run) -> None:
     prefill = json.loads(out.prefill.read_text())
     assert prefill["blocks_written"] == prefill["blocks_total"] > 0
     assert len(_snapshots(store)) >= prefill["blocks_written"]
+    # Storage was priced at what a block takes in the store: its payload (kept layer 0 and scales included).
+    snap = read_snapshot(map_file(next(p for p in _snapshots(store) if p.suffix == SUFFIX)))
+    assert plan.extra["kv_bytes_per_token"] == canonical_layout(snap.header).nbytes / BLOCK
     demand = pd.read_parquet(out.demand_table("series"))
     assert demand["ds"].max() < pd.Timestamp(TRAIN_END)  # trained only before train_end
     summary = json.loads(out.report.read_text())
@@ -57,7 +65,7 @@ def test_the_pipeline_mines_plans_prefills_and_reports(pipeline_run) -> None:
 def test_a_rerun_writes_no_block_twice(pipeline_run) -> None:
     store, url, _ = pipeline_run
     before = len(_snapshots(store))
-    again = prefill_plan(RunTarget(store=url, run="t"))
+    again = prefill_plan(RunTarget(store=url, run="t", block_size=BLOCK))
     assert again["blocks_written"] == 0
     assert again["blocks_stored_before"] == again["blocks_total"] > 0
     assert len(_snapshots(store)) == before
@@ -77,16 +85,10 @@ def test_a_stage_run_out_of_order_says_which_stage_to_run_first(prefect_harness,
     assert state.is_failed() and "mine_logs" in state.message
 
 
-def test_paths_and_sizes() -> None:
+def test_run_paths() -> None:
     assert run_dir(RunTarget(store="file:///var/cache/kv,s3://b/p", run="r")).path == Path("/var/cache/kv/_flows/r")
     with pytest.raises(FlowInputError, match="target.run is not set"):
         run_dir(RunTarget(store="file:///var/cache/kv"))
-
-    class Cfg:
-        num_hidden_layers, num_key_value_heads, num_attention_heads, head_dim, hidden_size = 4, 2, 4, 32, 128
-
-    assert kv_bytes_per_token(Cfg, "fp8") == 4 * 2 * 2 * 32
-    assert kv_bytes_per_token(Cfg, "bf16") == 2 * 4 * 2 * 2 * 32
 
 
 def test_bad_input_is_not_retried_but_io_errors_are() -> None:
@@ -136,7 +138,7 @@ def test_the_demo_replays_the_planned_period_through_the_loader(prefect_harness,
     store = f"file://{tmp_path / 'store'}"
     first = json.loads(RunDir.of(store, "demo").mine.read_text())["similarity"]
     assert first["source"] == "config" and first["threshold"] == 0.85
-    nxt = RunTarget(store=store, run="next")
+    nxt = RunTarget(store=store, run="next", block_size=BLOCK)
     mine_logs(nxt, {"logs": small_logs})
     chosen = json.loads(RunDir.of(store, "next").mine.read_text())["similarity"]
     assert chosen["source"] == "adapted" and chosen["from_run"] == "demo"

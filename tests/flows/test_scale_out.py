@@ -15,6 +15,8 @@ from flows.tasks import load_demand
 from prefill.rundir import RunDir
 
 START, END = "2026-03-02", "2026-03-05"
+#: the sample logs' prompts are short: 16-token blocks (the config's default, 256, would find no prefix)
+BLOCK = 16
 
 
 def _rows(path: str) -> list[dict]:
@@ -65,8 +67,8 @@ def _assert_same_demand(a: RunDir, b: RunDir) -> None:
 def test_dask_partitions_mine_exactly_the_single_partition_demand(prefect_harness, small_logs, partitioned_logs,
                                                                   dask_cluster, tmp_path) -> None:
     url = f"file://{tmp_path / 'store'}"
-    single = mine_logs(RunTarget(store=url, run="single"), {"logs": small_logs})
-    spread = mine_logs(RunTarget(store=url, run="dask"), {"logs": str(partitioned_logs)},
+    single = mine_logs(RunTarget(store=url, run="single", block_size=BLOCK), {"logs": small_logs})
+    spread = mine_logs(RunTarget(store=url, run="dask", block_size=BLOCK), {"logs": str(partitioned_logs)},
                        {"task_runner": "dask", "dask_address": dask_cluster.scheduler_address})
     assert single == str(RunDir.of(url, "single").demand) and spread == str(RunDir.of(url, "dask").demand)
     _assert_same_demand(RunDir.of(url, "single"), RunDir.of(url, "dask"))
@@ -88,9 +90,9 @@ def test_time_slices_of_one_file_on_threads_give_the_same_demand_and_quarantine(
     bad = ['{"timestamp": "yesterday", "tenant": "acme", "model": "kvwarm-tiny", "prompt": "x"}', "{not json"]
     logs.write_text(Path(small_logs).read_text() + "\n".join(bad) + "\n")
     url = f"file://{tmp_path / 'store'}"
-    mine_logs(RunTarget(store=url, run="whole"), {"logs": str(logs), "start": START, "end": END})
-    mine_logs(RunTarget(store=url, run="sliced"), {"logs": str(logs), "start": START, "end": END, "slices": 3},
-              {"parallelism": 3})
+    mine_logs(RunTarget(store=url, run="whole", block_size=BLOCK), {"logs": str(logs), "start": START, "end": END})
+    mine_logs(RunTarget(store=url, run="sliced", block_size=BLOCK),
+              {"logs": str(logs), "start": START, "end": END, "slices": 3}, {"parallelism": 3})
     _assert_same_demand(RunDir.of(url, "whole"), RunDir.of(url, "sliced"))
     whole, parts = (json.loads(RunDir.of(url, r).mine.read_text()) for r in ("whole", "sliced"))
     assert [p["kind"] for p in parts["partitions"]] == ["slice"] * 3

@@ -15,7 +15,7 @@ def spec(**sections) -> dict:
 
 def test_the_defaults_are_the_documented_ones_and_the_spec_is_frozen() -> None:
     s = RunSpec.model_validate(spec())
-    assert (s.target.model, s.target.block_size, s.target.config_path) == ("kvwarm-tiny", 16, None)
+    assert (s.target.model, s.target.block_size, s.target.config_path) == ("kvwarm-tiny", None, None)
     assert (s.mining.bucket, s.mining.k, s.mining.slices, s.mining.similarity) == ("1h", 3, 1, None)
     assert (s.runner.task_runner, s.runner.parallelism) == ("threads", 2)
     assert (s.forecast.horizon, s.forecast.workers, s.forecast.window_hours, s.forecast.offpeak_fraction) == (
