@@ -49,10 +49,6 @@ INSERT OR IGNORE INTO meta VALUES ('epoch', 0), ('admission', 0);
 """
 
 
-class PoolFull(StoreError):
-    """A snapshot cannot enter the pool: the budget is held by pinned snapshots."""
-
-
 class PoolAttachRefused(StoreError):
     """``max_shared_instances`` processes are already attached to this node's pool."""
 

@@ -392,11 +392,6 @@ class LocalTier(Tier):
         with self.index.txn() as db:
             return self._make_room(db, 0)
 
-    def set_expiry(self, name: str, expires_at: float) -> None:
-        """Record a snapshot's expiry in the index (from its header, during GC)."""
-        with self.index.txn() as db:
-            db.execute("UPDATE entries SET expires = ? WHERE name = ?", (expires_at, name))
-
     def lru_order(self) -> list[str]:
         """Names from least to most recently used (after flushing this process's accesses)."""
         with self.index.txn() as db:
