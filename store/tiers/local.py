@@ -32,21 +32,12 @@ from store.format.payload import map_file
 from store.format.snapshot import read_header
 from store.tiers.base import SUFFIX, Entry, Tier
 from store.tiers.index import TierIndex, pid_alive
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+from store.tiers.metadir import MetaDir
 
 
 def encoded_size(data: EncodedSnapshot | bytes | pa.Buffer) -> int:
     """Exact size of the file ``data`` becomes, computed without writing it."""
-    if isinstance(data, EncodedSnapshot):
-        return data.file_size
-    return len(data)
+    return data.file_size if isinstance(data, EncodedSnapshot) else len(data)
 
 
 def _header_expiry(path: Path, *, default: float) -> float:
@@ -71,15 +62,8 @@ class LocalTier(Tier):
 
     kind = "nvme"
 
-    def __init__(
-        self,
-        root: str | os.PathLike[str],
-        *,
-        cap_bytes: int,
-        recency_flush_s: float = 5.0,
-        evict_to_fraction: float = 0.9,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, cap_bytes: int, recency_flush_s: float = 5.0,
+                 evict_to_fraction: float = 0.9, clock: Callable[[], float] = time.time) -> None:
         if cap_bytes <= 0:
             raise ValueError(f"cap_bytes must be positive, got {cap_bytes}")
         self.root = Path(root).expanduser().resolve()
@@ -92,8 +76,9 @@ class LocalTier(Tier):
         self._writing: set[str] = set()  # names this process is writing now (pending rows carry only the pid)
         self._writing_lock = threading.Lock()
         self.quarantine_dir = self.root / "quarantine"
-        for d in (self.objects, self.tmp, self.quarantine_dir, self.root / "meta"):
+        for d in (self.objects, self.tmp, self.quarantine_dir):
             d.mkdir(parents=True, exist_ok=True)
+        self.meta = MetaDir(self.root / "meta")
         self.index = TierIndex(self.root / "meta" / "index.sqlite", clock=clock, flush_s=recency_flush_s)
         if self.index.fresh:
             self.reconcile()
@@ -269,27 +254,11 @@ class LocalTier(Tier):
         return True
 
     # -- metadata area -------------------------------------------------------
-    def _meta_path(self, name: str) -> Path:
-        if name.startswith("/") or ".." in name.split("/"):
-            raise ValueError(f"invalid metadata name {name!r}")
-        return self.root / "meta" / name
-
     def get_meta(self, name: str) -> bytes | None:
-        try:
-            return self._meta_path(name).read_bytes()
-        except FileNotFoundError:
-            return None
+        return self.meta.get(name)
 
     def put_meta(self, name: str, data: bytes) -> None:
-        path = self._meta_path(name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        self.meta.put(name, data)
 
     # -- listing, quarantine, housekeeping -----------------------------------
     def entries(self, prefix: str = "") -> Iterator[Entry]:
@@ -335,7 +304,7 @@ class LocalTier(Tier):
         """Temp files (snapshot writes in tmp/, metadata writes in meta/) whose writer is
         dead (pid in the name) or that are older than ``max_age_s``."""
         out = []
-        for f in [*self.tmp.glob("*.tmp"), *(self.root / "meta").rglob(".*.tmp")]:
+        for f in [*self.tmp.glob("*.tmp"), *self.meta.temp_files()]:
             try:
                 pid = int(f.name.split(".")[-3])
             except (ValueError, IndexError):
