@@ -20,8 +20,7 @@ from store.errors import SnapshotCorrupt, SnapshotMismatch, StoreError, StoreUna
 from store.identity.keys import Block, KeyRoot
 from store.identity.tenant import Tenant
 from store.serving.metrics import LoaderMetrics
-from store.tiers.base import object_name
-from store.tiers.local import LocalTier
+from store.tiers.base import Tier, object_name
 from store.tiers.store import Store
 
 log = logging.getLogger("kvwarm.loader")
@@ -55,7 +54,7 @@ class RemoteFetcher:
         backoff_s: after S3 fails, do not ask it again for this long.
     """
 
-    def __init__(self, store: Store, local: LocalTier, tenant: Tenant, metrics: LoaderMetrics,
+    def __init__(self, store: Store, local: Tier, tenant: Tenant, metrics: LoaderMetrics,
                  executor: cf.Executor, *, timeout_s: float, backoff_s: float) -> None:
         self.store = store
         self.local = local
@@ -63,7 +62,7 @@ class RemoteFetcher:
         self.metrics = metrics
         self.timeout_s = float(timeout_s)
         self.backoff_s = float(backoff_s)
-        self.has_remote = len(store.tiers) > 1
+        self.has_remote = any(t.remote for t in store.tiers)
         self._executor = executor
         self._down_until = 0.0
         self._lock = threading.Lock()

@@ -52,8 +52,8 @@ from store.serving.hit import LoaderHit
 from store.serving.metrics import LoaderMetrics
 from store.serving.pool import Admit, PoolAttachRefused, SnapshotPool, default_pool_dir, readahead
 from store.serving.prefetch import PrefetchResult, plan_chains, run_prefetch
-from store.tiers.local import LocalTier
-from store.tiers.store import Store, tiers_from_url
+from store.tiers.registry import tiers_from_url
+from store.tiers.store import Store
 
 log = logging.getLogger("kvwarm.loader")
 FetchMode = Literal["background", "sync"]
@@ -134,13 +134,14 @@ class KVLoader:
         self.metrics = LoaderMetrics(registry, tenant=self.tenant.name)
 
         tiers = tiers_from_url(store_url, self.config.store)
-        if not isinstance(tiers[0], LocalTier):
-            raise ValueError("the loader needs a local (file://) tier first: snapshots are mapped from it")
-        self.local: LocalTier = tiers[0]
+        if not tiers[0].mappable:
+            raise ValueError(f"the loader needs a tier it can map first (file://), got {tiers[0].url!r}: "
+                             "snapshots are mapped from it")
+        self.local = tiers[0]
         self.store = Store(tiers, clock=clock)  # every tier: background and sync fetches
         self._local_store = Store([self.local], clock=clock)  # the hot path never waits on the network
 
-        self.pool = SnapshotPool(d.pool_dir or default_pool_dir(self.local.root), budget_bytes=int(d.pool_bytes),
+        self.pool = SnapshotPool(d.pool_dir or default_pool_dir(self.local.url), budget_bytes=int(d.pool_bytes),
                                  max_instances=self.config.kv_cache.max_shared_instances, clock=clock)
         self._attach_next = 0.0
         self._try_attach()

@@ -16,9 +16,8 @@ from typing import Callable, Sequence, TypeVar
 
 import pyarrow as pa
 
-from store.config import KvwarmConfig, StoreConfig, load_config
+from store.config import KvwarmConfig, load_config
 from store.errors import (
-    ConfigError,
     SnapshotCorrupt,
     SnapshotError,
     SnapshotMismatch,
@@ -35,48 +34,11 @@ from store.identity.keys import Block, KeyRoot, check_key
 from store.identity.tenant import PUBLIC, PUBLIC_TENANT, Tenant
 from store.tiers.base import Tier, object_name
 from store.tiers.crypto import plaintext, seal
-from store.tiers.local import LocalTier
+from store.tiers.registry import tiers_from_url
 from store.tiers.stats import StoreStats
 
 log = logging.getLogger("kvwarm.store")
 T = TypeVar("T")
-DEFAULT_LOCAL = "file://~/.cache/kvwarm"
-
-
-def tiers_from_url(url: str, settings: StoreConfig = StoreConfig(), *, create_bucket: bool = False) -> list[Tier]:
-    """Build the tiers a store URL names (``file://...``, ``s3://...``, or both, comma-separated).
-
-    Raises:
-        ConfigError: an unknown scheme, more than one tier of a kind, or a local tier
-            that is not first.
-    """
-    parts = [p.strip() for p in url.split(",") if p.strip()]
-    if not parts:
-        raise ConfigError("store.url is empty; give file:///path, s3://bucket/prefix, or both comma-separated")
-    if not any(p.startswith("file://") for p in parts):
-        parts.insert(0, DEFAULT_LOCAL)
-    tiers: list[Tier] = []
-    for i, part in enumerate(parts):
-        if part.startswith("file://"):
-            if i != 0:
-                raise ConfigError(f"store.url: the local tier must come first and only once, got {url!r}")
-            tiers.append(
-                LocalTier(
-                    part[len("file://") :],
-                    cap_bytes=int(settings.nvme_cap),
-                    recency_flush_s=settings.recency_flush_s,
-                    evict_to_fraction=settings.evict_to_fraction,
-                )
-            )
-        elif part.startswith("s3://"):
-            from store.tiers.s3 import S3Tier  # s3fs is only imported when an S3 tier is configured
-
-            if any(t.kind == "s3" for t in tiers):
-                raise ConfigError(f"store.url: only one s3:// tier is supported, got {url!r}")
-            tiers.append(S3Tier(part, settings.s3, create_bucket=create_bucket))
-        else:
-            raise ConfigError(f"store.url: {part!r} has an unknown scheme; use file:// or s3://")
-    return tiers
 
 
 @dataclass(frozen=True)
@@ -100,7 +62,7 @@ class Store:
     """Tiered, tenant-isolated snapshot store.
 
     Args:
-        tiers: fastest first; the first must be a :class:`LocalTier` for read-through.
+        tiers: fastest first; read-through copies remote hits into the first when it is local.
         clock: time source for TTL checks.
     """
 
@@ -119,9 +81,10 @@ class Store:
         return cls(tiers_from_url(url or config.store.url, config.store, create_bucket=create_bucket))
 
     @property
-    def local(self) -> LocalTier | None:
+    def local(self) -> Tier | None:
+        """The first tier when it is local (not ``remote``): where remote hits are read through."""
         first = self.tiers[0]
-        return first if isinstance(first, LocalTier) else None
+        return None if first.remote else first
 
     # -- tenancy -------------------------------------------------------------
     def _refuse(self, tenant: Tenant, what: str) -> TenantAccessDenied:
@@ -177,7 +140,7 @@ class Store:
             self._guard(tenant, ns, "write to", i)
         for i, tier in enumerate(self.tiers):
             self._claim(tenant, ns, i)
-            if isinstance(tier, LocalTier):
+            if tier.stores_encoded:
                 wrote |= tier.write(name, snap, expires_at=snap.header.expires_at)
             elif not tier.exists(name):
                 data = snapshot_bytes(snap)
