@@ -13,22 +13,10 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-#: Why a lookup (or part of one) was not served. Each is counted under ``reason``.
-MISS_REASONS: tuple[str, ...] = (
-    "absent",  # no tier holds the first block
-    "short_prompt",  # fewer tokens than one block plus the one a model must compute
-    "fetch_scheduled",  # not in NVMe; S3 is being asked in the background (default mode)
-    "fetch_timeout",  # not in NVMe; the synchronous S3 fetch did not finish in time
-    "store_unavailable",  # S3 unreachable (or in its back-off window after a failure)
-    "corrupt",  # damaged file: quarantined
-    "mismatch",  # intact file that is not what was asked (wrong model, tokens...): quarantined
-    "unknown_version",  # written by a snapshot format this reader does not know
-    "expired",  # past its TTL
-    "tenant_refused",  # a namespace owned by another tenant's secret
-    "pool_full",  # the node's pool budget is held by pinned snapshots
-    "max_shared_instances",  # this process could not attach to the node's pool
-    "error",  # any other StoreError or OSError (logged with its traceback)
-)
+from store.miss import MissReason
+
+#: Why a lookup (or part of one) was not served (the label values of ``reason``).
+MISS_REASONS: tuple[str, ...] = tuple(r.value for r in MissReason)
 
 #: Operations whose latency the histogram records (its ``stage`` label).
 STAGES = ("lookup", "to_dynamic_cache", "copy_into_paged")
