@@ -49,7 +49,7 @@ class RemoteFetcher:
     Args:
         store: all tiers, NVMe first (its ``read`` copies a remote hit into NVMe).
         tenant: whose snapshots (the store checks every namespace against it, and counts refusals).
-        metrics: counts what was fetched, present and refused.
+        metrics: counts what was fetched and present.
         executor: where background fetches run (shared with the loader).
         timeout_s: the most :meth:`fetch_sync` waits.
         backoff_s: after S3 fails, do not ask it again for this long.
@@ -131,8 +131,7 @@ class RemoteFetcher:
         except StoreUnavailable as exc:
             self.failed(exc)
             return 0, MissReason.STORE_UNAVAILABLE
-        except TenantAccessDenied as exc:
-            self.metrics.refused()
+        except TenantAccessDenied as exc:  # counted by the store
             log.warning("fetch refused: %s", exc)
             return 0, MissReason.TENANT_REFUSED
         except ERRORS as exc:

@@ -131,7 +131,7 @@ class KVLoader:
         # One store: the hot path asks only its local tiers (never the network), fetches all of them.
         self.store = Store(tiers, clock=clock)
         self.local = tiers[0]
-        self.metrics = LoaderMetrics(registry, tenant=self.tenant.name)
+        self.metrics = LoaderMetrics(registry, tenant=self.tenant.name, store=self.store.stats)
 
         self.pool = SnapshotPool(d.pool_dir or default_pool_dir(self.local.url), budget_bytes=int(d.pool_bytes),
                                  max_instances=self.config.kv_cache.max_shared_instances, clock=clock)
@@ -196,8 +196,7 @@ class KVLoader:
             hit, reason = self._lookup(self._own, blocks, len(ids))
             if self._public is not None and (hit is None or len(hit.blocks) < len(blocks)):
                 hit, reason = self._longer_public(hit, reason, ids)
-        except TenantAccessDenied as exc:
-            self.metrics.refused()
+        except TenantAccessDenied as exc:  # counted by the store
             log.warning("lookup refused: %s", exc)
             hit, reason = None, MissReason.TENANT_REFUSED
         except StoreUnavailable as exc:

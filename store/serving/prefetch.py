@@ -79,8 +79,7 @@ def run_prefetch(chains: list[PrefixChain], skipped: int, *, probe: Callable[[li
             continue
         try:
             have = probe(chain, scope)
-        except TenantAccessDenied:
-            metrics.refused()
+        except TenantAccessDenied:  # counted by the store
             res.fail(MissReason.TENANT_REFUSED)
             continue
         except ERRORS as exc:
