@@ -6,8 +6,8 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, generate_latest
 
-from store.miss import MissReason, reason_of
 from store.errors import SnapshotCorrupt, SnapshotError, SnapshotMismatch, StoreUnavailable, TenantAccessDenied
+from store.miss import MissReason, reason_of
 from store.serving.metrics import LoaderMetrics
 from store.tiers.stats import StoreStats
 
