@@ -209,9 +209,9 @@ class Store:
         Tiers are asked fastest first (only local ones with ``local_only``). An expired
         snapshot is a miss. A corrupt or mismatched one is quarantined, counted, and the
         next tier is tried; an unreachable tier is counted and the next one tried. A miss
-        says why: the first failure met (``corrupt``, ``mismatch``, ``unknown_version``,
-        ``undecryptable``, ``store_unavailable``, with its error), else ``expired`` or
-        ``absent``.
+        says why, with the error behind it: a copy refused (the last one met: ``corrupt``,
+        ``mismatch``, ``unknown_version``, ``undecryptable``), else an unreachable tier
+        (``store_unavailable``), else ``expired`` or ``absent``.
 
         Args:
             now: the time TTLs are checked against (default: the store's clock).
@@ -244,7 +244,7 @@ class Store:
                 snap.header.check_matches(block, root, location=location)
             except SnapshotError as exc:
                 src = None  # the mapping of a file we refuse must not outlive the refusal
-                failed = failed or Read(None, self._bad(tier, name, exc), error=exc)
+                failed = Read(None, self._bad(tier, name, exc), error=exc)  # every bad copy is counted
                 continue
             if snap.header.expired(now):
                 self.stats.incr("expired")

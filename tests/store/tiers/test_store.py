@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 
 from store.config import parse_config
-from store.errors import ConfigError
+from store.errors import ConfigError, SnapshotCorrupt
+from store.miss import MissReason
+from store.tiers.base import object_name
 from store.tiers.registry import tiers_from_url
 from store.tiers.store import Store
 from tests.store.factories import ACME, make_chain, make_kv, make_root, make_snapshot
@@ -101,3 +103,46 @@ def test_a_registered_tier_is_found_by_its_scheme(tmp_path: Path, mem_registered
     store.put(ACME, make_snapshot(root, block))
     assert [t.kind for t in store.tiers] == ["mem", "nvme"] and store.local is store.tiers[0]
     assert store.probe(ACME, [block], root).count == 1 and store.get(ACME, block, root) is not None
+
+
+def _rot(tier, name: str) -> None:
+    """Replace an object with a damaged copy of itself (a payload byte flipped)."""
+    raw = bytearray(tier.read(name).to_pybytes())
+    raw[len(raw) // 2] ^= 0xFF
+    tier.delete(name)  # a tier that stores encoded snapshots would keep the sound one
+    tier.write(name, bytes(raw), expires_at=0)
+
+
+def test_read_says_why_a_block_is_not_served(store: Store) -> None:
+    root = make_root()
+    fresh, old, bad, missing = make_chain(root, 4)
+    store.put(ACME, make_snapshot(root, fresh, seed=1))
+    store.put(ACME, make_snapshot(root, old, created_at=1000.0, ttl_s=3600))
+    store.put(ACME, make_snapshot(root, bad))
+    tier = store.tiers[0]
+    _rot(tier, object_name(ACME.name, bad.key))
+
+    hit = store.read(ACME, fresh, root)
+    assert (hit.miss, hit.tier, hit.error) == (None, tier.kind, None)
+    assert hit.size == len(tier.read(object_name(ACME.name, fresh.key)))
+    assert store.read(ACME, missing, root).miss is MissReason.ABSENT
+    assert store.read(ACME, old, root).miss is MissReason.EXPIRED
+    rotten = store.read(ACME, bad, root)
+    assert rotten.snapshot is None and rotten.miss is MissReason.CORRUPT
+    assert isinstance(rotten.error, SnapshotCorrupt)
+    assert store.stats["corrupt"] == 1 and store.stats["quarantined"] == 1 and len(tier.quarantined()) == 1
+
+
+def test_every_bad_copy_is_quarantined_and_counted(tmp_path: Path, mem_registered) -> None:
+    store = Store.open(f"file://{tmp_path}/nvme,mem://second", parse_config({}))
+    root = make_root()
+    block = make_chain(root, 1)[0]
+    store.put(ACME, make_snapshot(root, block))
+    for tier in store.tiers:
+        _rot(tier, object_name(ACME.name, block.key))
+
+    with pytest.raises(SnapshotCorrupt):
+        store.get(ACME, block, root)
+
+    assert store.stats["corrupt"] == 2 and store.stats["quarantined"] == 2
+    assert [len(t.quarantined()) for t in store.tiers] == [1, 1]
