@@ -2,8 +2,8 @@
 
 Operators coming from the SageMaker KV-reuse write-up find its keys under
 ``kv_cache`` (``reuse_strategy``, ``similarity_threshold``, ``max_shared_instances``,
-``compression``). Files may be YAML, JSON or TOML; ``docs/config.md`` documents every
-key. A bad value raises :class:`store.errors.ConfigError` naming the key, the value
+``compression``). Files may be YAML, JSON or TOML; ``docs/reference/config.md`` documents
+every key (generated from the fields' descriptions by ``docs/generate.py``). A bad value raises :class:`store.errors.ConfigError` naming the key, the value
 and what is allowed.
 """
 from __future__ import annotations
@@ -38,23 +38,35 @@ class KvCacheConfig(_Section):
         "group near-duplicate prompts (MinHash LSH) to find their shared prefix; it never hands a "
         "request KV computed for different tokens.",
     )
-    similarity_threshold: float = Field(0.85, ge=0.5, le=1.0, description="Jaccard threshold of the LSH used in mining.")
+    similarity_threshold: float = Field(
+        0.85, ge=0.5, le=1.0,
+        description="Jaccard threshold of the MinHash LSH that groups prompts into families while mining: the "
+        "first run's. Later runs of a store adapt it between 0.7 and 0.95 by the last measured hit rate.",
+    )
     max_shared_instances: int = Field(
         8, ge=1, le=1024,
-        description="Serving processes on one node that may attach to the node's shared snapshot pool at once.",
+        description="Serving processes on one node that may attach to the node's shared snapshot pool at once. "
+        "It bounds the pool's bookkeeping, not tenants or requests; a process beyond it serves cold (misses "
+        "with reason max_shared_instances) and retries every 5 s.",
     )
-    compression: Literal["fp8", "bf16", "fp16", "fp32"] = "fp8"
-    scale_granularity: Literal["head", "head_group"] = "head"
-    group_tokens: int = Field(0, ge=0)
+    compression: Literal["fp8", "bf16", "fp16", "fp32"] = Field(
+        "fp8", description="Storage dtype of the KV. fp8 is e4m3 with fp32 scales; fp32 is lossless for fp32 "
+        "models (4x the bytes of fp8: for exactness checks, not production).")
+    scale_granularity: Literal["head", "head_group"] = Field(
+        "head", description="FP8 scales per layer and kv head, or per kv head and group of group_tokens tokens.")
+    group_tokens: int = Field(0, ge=0, description="Tokens per scale group; at least 1 with head_group.")
     keep_layers: tuple[int, ...] = Field(
         (0,), description="Layers stored unquantised (keep_dtype) when compression is fp8. Default [0]: layer 0 "
-        "is where FP8 loses most (docs/precision.md); [] stores FP8 everywhere.",
+        "is where FP8 loses most (docs/concepts/precision.md); [] stores FP8 everywhere. Snapshots of "
+        "different settings have different keys and never mix.",
     )
-    keep_dtype: Literal["bf16", "fp16"] = "bf16"
-    block_size: int = Field(256, ge=1, le=65536)
-    ttl_hours: float = Field(4.0, gt=0)
-    ttl_min_hours: float = Field(2.0, gt=0)
-    ttl_max_hours: float = Field(6.0, gt=0)
+    keep_dtype: Literal["bf16", "fp16"] = Field("bf16", description="Dtype of the keep_layers.")
+    block_size: int = Field(256, ge=1, le=65536, description="Tokens per block, i.e. per snapshot file.")
+    ttl_hours: float = Field(4.0, gt=0, description="Default lifetime of a snapshot; within the policy bounds.")
+    ttl_min_hours: float = Field(2.0, gt=0, description="Shortest TTL allowed: shorter ones are clamped up "
+                                 "(plan entries) or refused (explicit TTLs).")
+    ttl_max_hours: float = Field(6.0, gt=0, description="Longest TTL allowed: longer ones are clamped down or "
+                                 "refused. GC deletes S3 objects older than this.")
 
     @model_validator(mode="after")
     def _check(self) -> "KvCacheConfig":
@@ -106,14 +118,17 @@ class KvCacheConfig(_Section):
 class S3Config(_Section):
     """How to reach the S3 tier (any S3-compatible endpoint)."""
 
-    endpoint_url: Optional[str] = None
+    endpoint_url: Optional[str] = Field(
+        None, description="Any S3-compatible endpoint (SeaweedFS, MinIO, Ceph...); none: AWS.")
     access_key_env: Optional[str] = Field(None, description="Env var holding the access key (else boto's chain).")
-    secret_key_env: Optional[str] = None
-    region: str = "us-east-1"
-    connect_timeout_s: float = Field(3.0, gt=0)
-    read_timeout_s: float = Field(10.0, gt=0)
-    op_timeout_s: float = Field(30.0, gt=0, description="Hard ceiling on any one S3 call, retries included.")
-    retries: int = Field(2, ge=0, le=10)
+    secret_key_env: Optional[str] = Field(None, description="Env var holding the secret key (else boto's chain).")
+    region: str = Field("us-east-1", description="The S3 region.")
+    connect_timeout_s: float = Field(3.0, gt=0, description="botocore's connect timeout.")
+    read_timeout_s: float = Field(10.0, gt=0, description="botocore's read timeout.")
+    op_timeout_s: float = Field(
+        30.0, gt=0, description="Hard ceiling on any one S3 call, retries included: an unreachable endpoint fails "
+        "with StoreUnavailable after at most this long.")
+    retries: int = Field(2, ge=0, le=10, description="Retries per S3 call.")
 
 
 class StoreConfig(_Section):
@@ -124,10 +139,13 @@ class StoreConfig(_Section):
         description="Tiers, fastest first, comma-separated: 'file:///var/cache/kvwarm' alone, or "
         "'file:///var/cache/kvwarm,s3://bucket/prefix'. An s3:// URL alone adds the default local tier.",
     )
-    nvme_cap: ByteSize = Field(ByteSize(64 << 30), description="Hard ceiling of the local tier, e.g. '64GiB'.")
-    recency_flush_s: float = Field(5.0, ge=0, description="How often a reader records its accesses (LRU).")
-    evict_to_fraction: float = Field(0.9, gt=0, le=1.0, description="Eviction frees down to this fraction of the cap.")
-    s3: S3Config = S3Config()
+    nvme_cap: ByteSize = Field(ByteSize(64 << 30), description="Hard ceiling on the local tier's bytes (snapshots "
+                               "plus writes in flight), e.g. '64GiB', '2GB' or bytes.")
+    recency_flush_s: float = Field(5.0, ge=0, description="Readers record accesses in memory and write them to the "
+                                   "index at most this often (LRU without a disk write per read).")
+    evict_to_fraction: float = Field(0.9, gt=0, le=1.0, description="When a write does not fit, evict (expired "
+                                     "first, then least recently used) down to this fraction of the cap.")
+    s3: S3Config = Field(S3Config(), description="How to reach the S3 tier.")
 
 
 class LoaderConfig(_Section):
@@ -140,8 +158,11 @@ class LoaderConfig(_Section):
     sync_fetch_timeout_s: float = Field(2.0, gt=0, description="Most a lookup waits for S3 in sync mode.")
     s3_backoff_s: float = Field(30.0, ge=0, description="After S3 fails, do not ask it again for this long.")
     verify_payload: bool = Field(True, description="Check payload checksums when a snapshot enters the pool.")
-    fetch_workers: int = Field(2, ge=1, le=64)
-    dequant: Literal["table", "compiled", "auto"] = "table"
+    fetch_workers: int = Field(2, ge=1, le=64, description="Background fetch threads (S3 to NVMe, prefetch).")
+    dequant: Literal["table", "compiled", "auto"] = Field(
+        "table", description="CPU FP8 dequantiser: table (per-head tables; the native gather where it was built, "
+        "numpy otherwise), compiled (torch.compile), or auto (the native table where built, else the numpy "
+        "table until the compiled kernel is ready).")
     public_prefixes: bool = Field(
         True, description="Also look up prefixes prefilled for tenant 'public' (shared system prompts) and keep "
                           "the longer hit.")
@@ -184,11 +205,13 @@ class TenantConfig(_Section):
 class KvwarmConfig(_Section):
     """The whole system's configuration."""
 
-    kv_cache: KvCacheConfig = KvCacheConfig()
-    store: StoreConfig = StoreConfig()
-    loader: LoaderConfig = LoaderConfig()
-    monitoring: MonitoringConfig = MonitoringConfig()
-    tenants: dict[str, TenantConfig] = {}
+    kv_cache: KvCacheConfig = Field(KvCacheConfig(), description="What is cached and how.")
+    store: StoreConfig = Field(StoreConfig(), description="Where snapshots live.")
+    loader: LoaderConfig = Field(LoaderConfig(), description="Serving-side loader defaults.")
+    monitoring: MonitoringConfig = Field(MonitoringConfig(), description="Prices for the reports' economics.")
+    tenants: dict[str, TenantConfig] = Field(
+        {}, description="One entry per tenant name (1-63 characters of a-z 0-9 _ . -); 'public' is the shared "
+        "namespace and has no secret.")
 
     @model_validator(mode="after")
     def _check_tenants(self) -> "KvwarmConfig":
@@ -247,7 +270,7 @@ def _format_errors(exc: ValidationError, source: str) -> str:
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
             parent = _section_for(err["loc"][:-1])
-            allowed = ", ".join(parent.model_fields) if parent else "see docs/config.md"
+            allowed = ", ".join(parent.model_fields) if parent else "see docs/reference/config.md"
             msg = f"unknown key; allowed keys here: {allowed}"
         shown = repr(value) if not isinstance(value, dict) else "{...}"
         lines.append(f"  {loc} = {shown}: {msg}")
