@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"bench": "replay", "mode": "ceiling", "quick": args.quick, "trace": str(path),
                           "capacity_blocks": args.capacity, **ceiling(index, args)}, separators=(",", ":")))
         return 0
-    predictor = PredictorConfig()  # settings chosen by --tune (see docs/simulate.md)
+    predictor = PredictorConfig()  # settings chosen by --tune (see docs/guides/simulate.md)
     figures: dict[str, float] = {}
     results: dict[str, object] = {}
     timings: dict[str, float] = {}
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                for p in ("lru+naive", "lru+kvwarm", "retention+kvwarm", "lru+oracle")}
     full_ms = rounded(1e3 * float(PrefillCost().seconds(trace.input_tokens).mean()), 1)
     print("\n== TTFT saved per request in the window over cold LRU, mean of the restarts (8B on an H200: "
-          "docs/simulate.md): " + ", ".join(f"{p} {v} ms" for p, v in ttft_ms.items())
+          "docs/guides/simulate.md): " + ", ".join(f"{p} {v} ms" for p, v in ttft_ms.items())
           + f"; a request's whole prefill averages {full_ms} ms")
     # The write-up claims P99 latency -31 %: the modelled P99 TTFT, against cold LRU after a restart.
     p99 = {p: rounded(mean_of([res.row(p).ttft_p99_s for res in restarts.values()]), 3)

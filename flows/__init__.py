@@ -1,4 +1,4 @@
-"""Prefect flows that run kvwarm: mine -> forecast -> plan -> prefill -> GC -> report (docs/flows.md).
+"""Prefect flows that run kvwarm: mine -> forecast -> plan -> prefill -> GC -> report (docs/guides/pipeline.md).
 
 - ``flows.pipeline``: the stage flows and the parent ``kvwarm_pipeline``
 - ``flows.tasks``: thin tasks over the packages, the run directory under the store

@@ -141,7 +141,7 @@ def _write_back(store: Any, tenant: str, ids: list[int], loaded: Any, config: An
 
 def _dump_stats(directory: Path, loaders: dict[str, Any], elapsed: dict[str, float],
                 per_tenant: dict[str, dict[str, int]]) -> None:
-    """One ``<tenant>.json`` per loader: ``stats()`` plus ``elapsed_s`` and ``prompt_tokens`` (docs/monitoring.md)."""
+    """One ``<tenant>.json`` per loader: ``stats()`` plus ``elapsed_s`` and ``prompt_tokens`` (docs/guides/monitoring.md)."""
     directory.mkdir(parents=True, exist_ok=True)
     for old in directory.glob("*.json"):
         old.unlink()

@@ -106,14 +106,14 @@ def plan_partitions(logs: str, *, start: str | None = None, end: str | None = No
         fs, root = fsspec.core.url_to_fs(logs)
     except (ValueError, ImportError) as exc:
         raise PartitionError(f"logs {logs!r} is not a path or URL kvwarm can read ({exc}): pass a local path, "
-                             f"file://, s3:// or another fsspec URL (docs/logs.md)") from None
+                             f"file://, s3:// or another fsspec URL (docs/reference/logs.md)") from None
     if not fs.exists(root):
         raise PartitionError(f"logs path {logs!r} does not exist: pass the file or directory of request logs "
-                             f"(JSONL or Parquet, docs/logs.md)")
+                             f"(JSONL or Parquet, docs/reference/logs.md)")
     if fs.isfile(root):
         if log_format(root) is None:
             raise PartitionError(f"logs file {logs!r} has no known log extension: name it "
-                                 f"{', '.join(FORMATS)} (docs/logs.md)")
+                                 f"{', '.join(FORMATS)} (docs/reference/logs.md)")
         return _slices(logs, start, end, slices)
     skipped = fsspec.core.url_to_fs(skip)[1] if skip else None
     files = [p for p in sorted(fs.find(root)) if log_format(p) and p != skipped]

@@ -217,7 +217,7 @@ def report(target: RunTarget, monitoring: MonitoringSpec = MonitoringSpec(), ext
 
     ``extra``: sections to add (the demo's replay results); ``actual_total``: the held-out
     load as ``[[ds, y], ...]`` to draw against the forecast. The monitoring families
-    (docs/monitoring.md) are priced at ``monitoring.gpu_price_per_hour``, else the
+    (docs/guides/monitoring.md) are priced at ``monitoring.gpu_price_per_hour``, else the
     config's ``monitoring`` section, else ``$KVWARM_GPU_PRICE_PER_HOUR``.
     """
     out = run_dir(target)
@@ -283,7 +283,7 @@ def kvwarm_pipeline(spec: RunSpec) -> dict[str, Any]:
     logs = spec.mining.logs
     if "://" not in logs and not Path(logs).exists():
         raise FlowInputError(f"logs path {logs!r} does not exist: pass the file or directory of request logs "
-                             f"(JSONL or Parquet, docs/logs.md)")
+                             f"(JSONL or Parquet, docs/reference/logs.md)")
     result: dict[str, Any] = {"run": out.name, "dir": str(out.path)}
     result["demand"] = mine_logs(target, spec.mining, spec.runner)
     result["window"] = forecast_demand(target, spec.forecast)

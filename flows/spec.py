@@ -53,7 +53,7 @@ class RunTarget(_Section):
     run: Optional[str] = Field(None, description="Run name; every stage of one run uses the same one. The "
                                                  "pipeline names a new run run-<UTC time> when none is given.")
     config_path: Optional[str] = Field(None, description="kvwarm config file (default $KVWARM_CONFIG, else the "
-                                                         "built-in defaults; docs/config.md).")
+                                                         "built-in defaults; docs/reference/config.md).")
     model: str = Field(DEFAULT_MODEL, min_length=1, description="Model name, directory or Hugging Face id.")
     block_size: Optional[int] = Field(None, ge=1, le=65536,
                                       description="Tokens per block, replacing the config's kv_cache.block_size "
@@ -87,7 +87,7 @@ def _time_bound(value: Optional[str], field: str) -> Optional[str]:
 class MiningSpec(_Section):
     """The request logs, the period mined and how reused prefixes are found (``mine_logs``)."""
 
-    logs: str = Field(min_length=1, description="Request logs: a file, a directory or an fsspec URL (docs/logs.md).")
+    logs: str = Field(min_length=1, description="Request logs: a file, a directory or an fsspec URL (docs/reference/logs.md).")
     bucket: str = Field("1h", description="Demand bucket, a duration: '1h', '15min', '1D'.")
     k: int = Field(3, ge=1, description="A prefix needs at least k distinct requests.")
     start: Optional[str] = Field(None, description="First time mined (ISO 8601; default: the logs' first).")
@@ -179,7 +179,7 @@ class PrefillSpec(_Section):
 
 
 class MonitoringSpec(_Section):
-    """The report's economics (``report``; docs/monitoring.md)."""
+    """The report's economics (``report``; docs/guides/monitoring.md)."""
 
     gpu_price_per_hour: Optional[float] = Field(None, ge=0, description="Price of one GPU-hour (default: the "
                                                                         "config's monitoring section, else "

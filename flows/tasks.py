@@ -108,10 +108,10 @@ def transient(task: Any, task_run: Any, state: Any) -> bool:
 
 @task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
 def read_logs_task(logs: str, quarantine: str | None, start: str | None, end: str | None) -> RequestLog:
-    """Read the request logs in ``[start, end)`` (docs/logs.md); malformed rows go to ``quarantine``."""
+    """Read the request logs in ``[start, end)`` (docs/reference/logs.md); malformed rows go to ``quarantine``."""
     if "://" not in logs and not Path(logs).exists():
         raise FlowInputError(f"logs path {logs!r} does not exist: pass the file or directory of request logs "
-                             f"(JSONL or Parquet, docs/logs.md)")
+                             f"(JSONL or Parquet, docs/reference/logs.md)")
     return read_logs(logs, quarantine=quarantine, start=start, end=end)
 
 
@@ -318,7 +318,7 @@ def window_task(total_forecast: pd.DataFrame, hours: float, fraction: float, buc
     window is found on the path of whichever load predictor (the forecast, the multi-day
     profile, Holt-Winters on log counts) had the least regret on the past week
     (:func:`forecasting.planning.offpeak.pick_window`): the daily trough moves, and on real traffic
-    the profile picks quieter windows than the forecast does (docs/forecasting.md).
+    the profile picks quieter windows than the forecast does (docs/guides/forecasting.md).
     With less history, the forecast's quietest window.
     """
     step = pd.Timedelta(bucket)

@@ -4,7 +4,7 @@
         --loader-stats node1.json node2.json --gpu-price-per-hour 2.5 [--json]
 
 Without ``--loader-stats``, the dumps the run keeps under ``<run>/loader_stats/*.json``
-(the demo writes them) are used. See :mod:`prefill.monitoring` and docs/monitoring.md.
+(the demo writes them) are used. See :mod:`prefill.monitoring` and docs/guides/monitoring.md.
 """
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ def read_loader_stats(paths: Iterable[str | os.PathLike[str]]) -> list[dict[str,
         p = Path(path)
         if not p.exists():
             raise MonitoringError(f"loader stats file {p} does not exist: save `json.dumps(loader.stats())` from the "
-                                  f"serving process (see docs/monitoring.md)")
+                                  f"serving process (see docs/guides/monitoring.md)")
         d = _json_object(p, "a loader stats dump")
         missing = [k for k in ("lookups", "hits", "tokens_served") if not isinstance(d.get(k), (int, float))]
         if missing:

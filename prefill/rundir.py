@@ -12,7 +12,7 @@ write them, :mod:`prefill.run_results` reads the JSON results back):
 - ``plan.json``: planning (the :mod:`store.plan` format); ``prefill.json``: the prefill
   job's report; ``gc.json``: garbage collection;
 - ``report.json``, ``forecast.png``, ``offpeak.png``: the report;
-- ``loader_stats/*.json``: the serving loaders' stats dumps (docs/monitoring.md);
+- ``loader_stats/*.json``: the serving loaders' stats dumps (docs/guides/monitoring.md);
 - ``replay_outcomes.parquet``, ``hitrate.png``, ``pool/``, ``cold_store/``: the demo's replay.
 
 The store itself knows nothing of runs: a run directory is metadata beside the

@@ -5,7 +5,7 @@ model's, so any perturbation of the KV (FP8 storage above all) flips greedy choi
 the accuracy tests measure the weights rather than the storage. A few minutes of training
 on the bundled CC0 corpus gives the tiny model the peaked, text-like distributions of a
 real one. The first ``held_out`` corpus prompts are never trained on: the accuracy tests
-and docs/precision.md measure on them.
+and docs/concepts/precision.md measure on them.
 
 Deterministic on one machine (fixed seed, fixed batches); another CPU may round its
 matmuls differently, train slightly different weights and so fingerprint the model

@@ -143,7 +143,7 @@ def add_warm_command(sub: Any) -> None:
                    help="tenant for --text, --file and --token-ids; its secret comes from the config (default: public)")
     p.add_argument("--text", action="append", help="a prefix as text (repeatable)")
     p.add_argument("--file", metavar="FILE", help="prefixes: .jsonl/.json/.parquet plan entries, or plain text one per line")
-    p.add_argument("--plan", metavar="FILE", help="a plan file made by forecasting; its entries name their tenants (docs/plan.md)")
+    p.add_argument("--plan", metavar="FILE", help="a plan file made by forecasting; its entries name their tenants (docs/reference/plan.md)")
     p.add_argument("--token-ids", action="append", metavar="IDS", help="a prefix as token ids, e.g. '1,2,3' (repeatable)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template (as a system message)")
     p.add_argument("--until", metavar="TIME", help="deadline: ISO time (2026-11-30T06:00Z), +90m / +2h, HH:MM (UTC) or Unix seconds "

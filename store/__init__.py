@@ -15,7 +15,7 @@ pays only for what it uses):
   and ``OperationalError`` (exit 1), and ``StoreError`` and its subclasses
 - ``store.identity.fingerprint``: ``ModelIdentity``, ``identity_from_dir`` (fingerprints from model files)
 - ``store.plan``: ``Plan``, ``PlanEntry``, ``read_plan``, ``write_plan`` (the prewarm plan file)
-- ``store.serving.loader``: ``KVLoader``, ``LoaderHit`` (the serving side; see docs/loader.md)
+- ``store.serving.loader``: ``KVLoader``, ``LoaderHit`` (the serving side; see docs/guides/loader.md)
 - ``store.serving.pool``: ``SnapshotPool`` (the node-wide shared pool); ``store.kernels.dequant``: dequantisers;
   ``store.engines.paged``: contiguous and paged-cache copies; ``store.serving.metrics``: ``LoaderMetrics`` (Prometheus)
 """

@@ -3,7 +3,7 @@
 The plan is the contract between the three: ``forecasting`` writes it, the prefill job
 reads it to know what to compute, and the serving-side loader reads it for prefetch and
 forecast-informed retention. It lives in ``store`` because ``store`` imports nothing
-else and all three may import it. The format is documented in ``docs/plan.md``.
+else and all three may import it. The format is documented in ``docs/reference/plan.md``.
 
 A plan is a JSON object (``*.json``) or a Parquet table of entries with the plan's
 own fields in the schema metadata (``*.parquet``)::

@@ -1,4 +1,4 @@
-"""Deterministic sample request logs for the demo and the flow tests (docs/logs.md schema).
+"""Deterministic sample request logs for the demo and the flow tests (docs/reference/logs.md schema).
 
 Three tenants, each with two or three system prompts taken unchanged from the CC0
 prompt set bundled in ``prefill/assets/corpus.jsonl``, followed by varied user
@@ -78,7 +78,7 @@ def hourly_rates(days: int) -> dict[str, np.ndarray]:
 
 
 def generate(spec: SampleSpec = SampleSpec()) -> list[dict]:
-    """The sample log as rows (dicts in the docs/logs.md schema), sorted by time."""
+    """The sample log as rows (dicts in the docs/reference/logs.md schema), sorted by time."""
     rng = np.random.default_rng(spec.seed)
     corpus = _corpus()
     rates = hourly_rates(spec.days)

@@ -1,4 +1,4 @@
-"""One request-log row: the schema every reader checks rows against (docs/logs.md).
+"""One request-log row: the schema every reader checks rows against (docs/reference/logs.md).
 
 :func:`check_row` turns a JSONL line or a Parquet row into the normalised dict that
 :func:`forecasting.ingest.logs.read_logs` collects, or raises :class:`RowError` whose

@@ -1,7 +1,7 @@
 """Request logs as a replay trace: the logs the pipeline mines, keyed for ``prefill simulate``.
 
 An operator's question, what kvwarm would save on their traffic, is asked of the logs
-they already feed the pipeline (docs/logs.md: JSONL or Parquet, a file, a directory
+they already feed the pipeline (docs/reference/logs.md: JSONL or Parquet, a file, a directory
 or ``s3://``, text prompts, token ids or block hash ids). :func:`read_log_trace` reads
 them with :func:`forecasting.ingest.logs.read_logs` (malformed rows are quarantined and
 counted, never fatal), keeps one model's rows, tokenises text prompts with the
@@ -84,7 +84,7 @@ def trace_from_requests(requests: pd.DataFrame, *, block_size: int, model: str =
 def read_log_trace(source: str | Path, *, block_size: int, load_tokenizer: Callable[[str], Tokenizer] | None = None,
                    model: str | None = None, quarantine: str | Path | None = None,
                    storage_options: dict[str, Any] | None = None) -> tuple[Trace, ReadReport]:
-    """Read kvwarm request logs (docs/logs.md) as a trace of one model's requests.
+    """Read kvwarm request logs (docs/reference/logs.md) as a trace of one model's requests.
 
     Args:
         source: a log file, a directory tree or an fsspec URL, as the pipeline reads.

@@ -1,4 +1,4 @@
-"""Request logs in: JSONL or Parquet, local or ``s3://``, partitioned by time (docs/logs.md).
+"""Request logs in: JSONL or Parquet, local or ``s3://``, partitioned by time (docs/reference/logs.md).
 
 One row per request: ``timestamp``, ``tenant``, ``model`` and the prompt as ``prompt``
 (text), ``token_ids`` or ``hash_ids`` (chained block ids, one per block); optional

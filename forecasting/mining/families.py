@@ -9,7 +9,7 @@ a family is a connected group. Its longest common block-aligned prefix (the deep
 prefix-tree node all members pass through) is the part a cache can serve: it is a
 candidate of :func:`forecasting.mining.prefix_tree.candidates` whenever the family has at least
 ``k`` requests, even though each prompt differs after it. Similarity only ever chooses
-*what to count*; serving reuses KV for exact prefixes only (DESIGN.md, invariant 1).
+*what to count*; serving reuses KV for exact prefixes only (docs/architecture.md, invariant 1).
 """
 from __future__ import annotations
 

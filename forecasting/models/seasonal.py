@@ -1,6 +1,6 @@
 """Seasonal models for per-prefix demand: seasonal naive, and the median (or mean) profile over recent seasons.
 
-What real traffic taught us (ServeGen, see docs/forecasting.md): seasonal naive (daily) is
+What real traffic taught us (ServeGen, see docs/guides/forecasting.md): seasonal naive (daily) is
 hard to beat per series; a *median* over the last days of the same hour
 (:class:`SeasonalProfile`) is a robust improvement, because errors are scored by
 absolute value and traffic has bursts. Both need only numpy.

@@ -160,7 +160,7 @@ def profile_path(history: np.ndarray, h: int, *, period: int = 24, days: int = 7
 
 
 #: Days in the multi-day profile (its median), and past days that score the predictors.
-#: Chosen on days 5-11 of ServeGen m-large, before the bench's test days (docs/forecasting.md).
+#: Chosen on days 5-11 of ServeGen m-large, before the bench's test days (docs/guides/forecasting.md).
 PROFILE_DAYS = 14
 CHOICE_DAYS = 7
 

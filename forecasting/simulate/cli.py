@@ -1,6 +1,6 @@
 """``prefill simulate``: replay a request trace against prefix caches and report what kvwarm saves.
 
-What it prints, with examples, is :data:`DESCRIPTION` (``prefill simulate -h``); see docs/simulate.md.
+What it prints, with examples, is :data:`DESCRIPTION` (``prefill simulate -h``); see docs/guides/simulate.md.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ Replay a request trace against prefix caches and report what kvwarm saves:
 
 Prints a table (or, with --json, one JSON object) with each policy's token hit rate, hit rate
 excluding the shared root block, first-minute hit rate, minutes to recover, prefill tokens and
-TTFT saved, and warm-up precision/recall. See docs/simulate.md."""
+TTFT saved, and warm-up precision/recall. See docs/guides/simulate.md."""
 
 #: the geometry ``--capacity-bytes`` assumes when no --kv-bytes-per-token is given: an 8B
 #: GQA model (Llama 3 8B: 32 layers, 8 KV heads of 128)
@@ -70,7 +70,7 @@ def add_simulate_command(sub: Any, load_tokenizer: Callable[[str], Tokenizer] | 
                         "file, directory or URL")
     p.add_argument("--format", choices=(*FORMATS, "logs"), default="mooncake",
                    help="mooncake; kvwarm (timestamp s, tenant, block_keys or token_ids); or logs: the request "
-                        "logs the pipeline mines (docs/logs.md) (default: mooncake)")
+                        "logs the pipeline mines (docs/reference/logs.md) (default: mooncake)")
     p.add_argument("--block-size", type=int, metavar="TOKENS",
                    help=f"tokens per block for kvwarm traces and logs; Mooncake traces fix their own (default: "
                         f"{DEFAULTS.block_size}, the config's default)")
@@ -106,7 +106,7 @@ def add_simulate_command(sub: Any, load_tokenizer: Callable[[str], Tokenizer] | 
                         "prewarms naive, kvwarm, oracle, plan (default: all that apply to the scenario, and "
                         "lru+plan with --plan)")
     p.add_argument("--plan", metavar="FILE",
-                   help="a kvwarm plan file (docs/plan.md) for the 'plan' prewarm: its prefixes' token ids are keyed "
+                   help="a kvwarm plan file (docs/reference/plan.md) for the 'plan' prewarm: its prefixes' token ids are keyed "
                         "like the trace's (kvwarm format, token_ids rows) (default: none)")
     p.add_argument("--horizon", type=float, default=PredictorConfig.horizon_s, metavar="S",
                    help="reuse horizon of the predictor, seconds (default: %(default)s)")

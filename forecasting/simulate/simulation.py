@@ -299,7 +299,7 @@ def simulate(index: BlockIndex, capacity_blocks: int, scenario: Scenario, polici
     if scenario.kind == "steady" and any(p.prewarm != "none" for p in pols):
         raise BadInputError("prewarm policies need an event to prewarm for: use --scenario restart or scale-out")
     if plan_blocks is None and any(p.prewarm == "plan" for p in pols):
-        raise BadInputError("the plan prewarm needs a plan: pass --plan FILE (a kvwarm plan, docs/plan.md)")
+        raise BadInputError("the plan prewarm needs a plan: pass --plan FILE (a kvwarm plan, docs/reference/plan.md)")
     plan = _plan(index, scenario)
     reference = None
     if plan.reference is not None:

@@ -101,7 +101,7 @@ def _parts(items: list[Any]) -> tuple[Part, ...]:
 
 @dataclass(frozen=True)
 class SnapshotHeader:
-    """Everything a reader needs to trust and use a snapshot; see ``docs/format.md``."""
+    """Everything a reader needs to trust and use a snapshot; see ``docs/reference/format.md``."""
 
     key: str
     parent_key: str

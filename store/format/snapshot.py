@@ -5,7 +5,7 @@ is an uncompressed Arrow IPC file: the header (JSON) and its checksum live in th
 schema metadata; the payload is one record batch with one ``large_binary`` column
 whose one value holds every part (``k.<layer>``, ``v.<layer>``, ``k_scale.<layer>``,
 ``v_scale.<layer>``) where :func:`store.format.payload.canonical_layout` puts it, so each part
-maps straight into numpy and torch with no copy. See ``docs/format.md`` for the layout
+maps straight into numpy and torch with no copy. See ``docs/reference/format.md`` for the layout
 and the one-block-per-file trade-off. Making one is :mod:`store.format.encode` (its names are
 also importable from here).
 """

@@ -1,7 +1,7 @@
 """Block key identity: one pure function, shared by mining, prefill and the loader.
 
 ``key(block n) = SHA-256(key(block n-1) || tokens of block n)`` and the chain starts at
-a root key that hashes everything that changes the KV (DESIGN.md, invariant 2). The
+a root key that hashes everything that changes the KV (docs/architecture.md, invariant 2). The
 byte encoding is fixed (length-prefixed UTF-8, little-endian integers), so keys are
 identical across processes, machines and Python versions. Golden values in
 ``tests/store/identity/test_keys.py`` pin it: changing the encoding is a format change.

@@ -4,7 +4,7 @@ A tenant's salt is part of every key it computes (``KeyRoot.tenant_salt``), so a
 tenant that does not hold another's secret cannot even name that tenant's snapshots.
 With a secret, ``salt = HMAC-SHA256(secret, name)``; without one the salt is derived
 from the name alone (keys still never collide across tenants, but isolation then
-rests on the store's access checks only; see docs/tenancy.md). The ``public``
+rests on the store's access checks only; see docs/concepts/tenants.md). The ``public``
 namespace holds prefixes shared on purpose (a common system prompt); its salt is
 well known.
 """

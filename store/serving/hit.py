@@ -2,7 +2,7 @@
 
 :meth:`store.serving.loader.KVLoader.lookup` makes one; :meth:`LoaderHit.to_dynamic_cache`
 and :meth:`LoaderHit.copy_into_paged` turn it into KV an engine can use
-(transformers only inside ``to_dynamic_cache``). See docs/loader.md.
+(transformers only inside ``to_dynamic_cache``). See docs/guides/loader.md.
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ What a serving process imports (store + torch; transformers only inside
 The request never fails because of kvwarm: S3 down, a corrupt, expired or mismatched
 snapshot, another tenant's namespace, a full pool, a process over
 ``max_shared_instances``: each is a miss (or a hit cut short) with a reason, counted in
-:attr:`KVLoader.metrics` and logged. See docs/loader.md.
+:attr:`KVLoader.metrics` and logged. See docs/guides/loader.md.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ class KVLoader:
 
         Keywords left as ``None`` (``pool_bytes``, ``fetch_mode``, ``sync_fetch_timeout_s``,
         ``s3_backoff_s``, ``pool_dir``, ``verify_payload``, ``fetch_workers``, ``dequant``)
-        take the config's ``loader`` section (docs/config.md).
+        take the config's ``loader`` section (docs/reference/config.md).
         config: a :class:`KvwarmConfig` or a config file path (default ``load_config()``);
             precision, block size, TTL and ``max_shared_instances`` come from it.
         chat: with a model directory: the prompts went through its chat template (its

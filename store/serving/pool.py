@@ -5,7 +5,7 @@ Snapshots in the pool are the NVMe tier's own files, mapped read-only with
 physical copy (the kernel's page cache). What needs coordinating is only *which*
 snapshots are in the pool, who pins them, and who attached; that is a small SQLite
 table (WAL, ``BEGIN IMMEDIATE``) in ``/dev/shm`` by default, i.e. files and locks, no
-daemon (docs/loader.md says why). A crashed process leaves rows naming a dead pid; the
+daemon (docs/guides/loader.md says why). A crashed process leaves rows naming a dead pid; the
 next transaction that needs room clears them.
 
 Rows:

@@ -6,7 +6,7 @@ to authenticate. The key id (a digest of the key, not the key) lets a node holdi
 different key (a rotation not yet rolled out) refuse the object instead of taking it
 for tampered and quarantining it away from correctly configured nodes. The cost: a decrypted snapshot is a fresh buffer, so a read from S3
 cannot be zero-copy (the NVMe copy it is written to stays plaintext and mappable;
-encrypt that disk with the platform's tools if it needs it). See docs/tenancy.md.
+encrypt that disk with the platform's tools if it needs it). See docs/concepts/tenants.md.
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The calibrations of :mod:`bench.lib.ceiling`: degraded oracle rankings, AUC, reuse splits.
 
-Everything there reads the future (analysis for docs/simulate.md, never a policy).
+Everything there reads the future (analysis for docs/guides/simulate.md, never a policy).
 """
 from __future__ import annotations
 

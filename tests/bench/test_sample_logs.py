@@ -1,4 +1,4 @@
-"""The sample log generator: deterministic, in the docs/logs.md schema, realistic in shape."""
+"""The sample log generator: deterministic, in the docs/reference/logs.md schema, realistic in shape."""
 from __future__ import annotations
 
 import gzip

@@ -5,7 +5,7 @@ prefill/training.py), the built-in model, greedy decoding of 20 new tokens. Stor
 losslessly (fp32 model, fp32 storage) the tokens must be the same. Stored as FP8 with the
 default configuration (mixed precision: layer 0 in bf16, every other layer FP8) the target
 is 95 % token agreement. FP8 on every layer is measured too, with a floor (it agrees less:
-layer 0 is where FP8 loses most; docs/precision.md).
+layer 0 is where FP8 loses most; docs/concepts/precision.md).
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ def test_lossless_storage_reproduces_greedy_generation(tiny, tmp_path):
 
 def test_bf16_storage_of_a_bf16_model_gives_the_same_tokens(tiny_bf16, tmp_path):
     # 20 prompts: bf16 matmuls are slow on CPUs without bf16 units (all 50 agree too: 245 s
-    # on the loaded 2-core machine, docs/precision.md). With random weights this was 99.3 %:
+    # on the loaded 2-core machine, docs/concepts/precision.md). With random weights this was 99.3 %:
     # CPU bf16 kernels round a prefix computed alone differently from the same prefix inside
     # the whole prompt, which flipped near-tied logits; the trained model has no such ties here.
     assert agreement(tiny_bf16, "bf16", tmp_path, n_prompts=20) == 1.0

@@ -1,7 +1,7 @@
 """kvwarm inside vLLM: the KV connector ``KvwarmConnector`` (vLLM's v1 KV connector API).
 
 Start vLLM with ``--kv-transfer-config '{"kv_connector": "KvwarmConnector",
-"kv_connector_module_path": "store.engines.vllm", "kv_role": "kv_both", ...}'`` (docs/engines.md).
+"kv_connector_module_path": "store.engines.vllm", "kv_role": "kv_both", ...}'`` (docs/guides/engines.md).
 
 The class lives in :mod:`store.engines.vllm.connector`, the one module that needs vLLM; it is
 imported on first use of the name, so that the connector's pure parts (settings, layout,

@@ -102,7 +102,7 @@ def _cpu_order(isa: str, heads: int, block: int, dim: int, dtype: torch.dtype) -
 
 
 class KvwarmConnector(KVConnectorBase_V1):
-    """kvwarm's prewarmed KV in vLLM: loads stored prefixes, writes computed ones back (docs/engines.md).
+    """kvwarm's prewarmed KV in vLLM: loads stored prefixes, writes computed ones back (docs/guides/engines.md).
 
     Start vLLM with ``kv_connector="KvwarmConnector"``, ``kv_connector_module_path="store.engines.vllm"``
     and ``kv_connector_extra_config`` as :mod:`store.engines.vllm.settings` describes.

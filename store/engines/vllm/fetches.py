@@ -1,7 +1,7 @@
 """S3 -> NVMe for the scheduler, which never waits on the network itself.
 
 A prompt whose chain the NVMe tier holds only in part may have the rest in S3. The loader's
-``fetch_mode`` (docs/config.md) decides what a request does about it:
+``fetch_mode`` (docs/reference/config.md) decides what a request does about it:
 
 - ``background``: it is answered with what NVMe holds now; the rest of the chain is copied for
   the next request (at most one copy in flight per chain head).

@@ -1,6 +1,6 @@
 """The connector's settings: vLLM's ``kv_connector_extra_config``, checked before anything starts.
 
-Keys (docs/engines.md documents each):
+Keys (docs/guides/engines.md documents each):
 
 - ``store``: the store URL (tiers, as everywhere in kvwarm); default the config's ``store.url``.
 - ``tenant``: the tenant of requests that name none (``public`` by default, as ``prefill warm``).

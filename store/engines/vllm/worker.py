@@ -7,7 +7,7 @@ It runs in vLLM's worker, beside the model, and only moves bytes the scheduler p
   (verified on first entry into the pool, pinned while used), :meth:`store.serving.hit.LoaderHit.dequantized`
   dequantises the needed blocks into the engine's KV dtype (the native FP8 table gather where built), and
   :func:`store.engines.vllm.paging.write_layer` writes each layer into the engine blocks vLLM assigned.
-  Synchronous: vLLM runs the forward after it (docs/engines.md says why). Whatever was not loaded
+  Synchronous: vLLM runs the forward after it (docs/guides/engines.md says why). Whatever was not loaded
   (a snapshot gone, corrupt, expired) is reported by engine block id, and vLLM recomputes it.
 - :meth:`WorkerRole.after_forward`: copies the blocks of each save out of the cache and hands them to
   :class:`store.engines.vllm.writeback.WriteBack`; times the step for the scheduler's prefill estimate.

@@ -1,4 +1,4 @@
-"""Crash safety of the NVMe tier (DESIGN.md invariant 4): writers SIGKILLed at random
+"""Crash safety of the NVMe tier (docs/architecture.md invariant 4): writers SIGKILLed at random
 points never leave a torn snapshot that anyone can read, and GC removes what they leave.
 
 Real processes and real files: a warm "zygote" process forks writer children that this
