@@ -223,6 +223,8 @@ def _help(action: argparse.Action, prog: str) -> str:
 
 
 def _arg_default(action: argparse.Action) -> str:
+    if action.required:
+        return "(required)"
     d = action.default
     if d is None or d is argparse.SUPPRESS or action.nargs == 0 and d is False:
         return ""
