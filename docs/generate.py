@@ -103,7 +103,10 @@ def _bounds(field: FieldInfo) -> str:
 
 
 def _cell(text: str) -> str:
-    return " ".join(text.split()).replace("``", "`").replace("|", "\\|")
+    """Prose for one line of markdown (a table cell): whitespace folded, ``<`` and ``>``
+    escaped outside code spans (a renderer would take ``<run>`` for a tag)."""
+    parts = " ".join(text.split()).replace("``", "`").replace("|", "\\|").split("`")
+    return "`".join(p if i % 2 else p.replace("<", "&lt;").replace(">", "&gt;") for i, p in enumerate(parts))
 
 
 def _section_model(field: FieldInfo) -> type[BaseModel] | None:
@@ -240,7 +243,7 @@ def _command_md(path: str, parser: argparse.ArgumentParser, summary: str) -> lis
     if issubclass(parser.formatter_class, argparse.RawDescriptionHelpFormatter):
         lines += ["```", text.strip("\n"), "```", ""]
     elif text:
-        lines += [" ".join(text.split()), ""]
+        lines += [_cell(text), ""]
     rows = []
     for action in parser._actions:
         if isinstance(action, (argparse._HelpAction, argparse._SubParsersAction)) or action.help is argparse.SUPPRESS:
@@ -254,7 +257,7 @@ def _command_md(path: str, parser: argparse.ArgumentParser, summary: str) -> lis
     if rows:
         lines += ["| argument | default | meaning |", "|---|---|---|", *rows, ""]
     if parser.epilog:
-        lines += [" ".join(parser.epilog.split()), ""]
+        lines += [_cell(parser.epilog), ""]
     for name, sub, h in subs:
         lines += _command_md(f"{path} {name}", sub, h)
     return lines
