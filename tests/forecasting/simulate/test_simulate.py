@@ -15,7 +15,7 @@ from forecasting.simulate.replay import BlockIndex, PredictorConfig
 from forecasting.simulate.simulation import Policy, Scenario, plot, simulate
 from forecasting.simulate.ttft import CostModel
 from store.plan import Plan, PlanEntry, write_plan
-from tests.forecasting.simulate.test_replay import CHAINS, _perturbed
+from tests.forecasting.simulate.hand_traces import REPLAY_CHAINS, perturbed
 
 MOONCAKE = Path(__file__).resolve().parents[2] / "data" / "mooncake" / "conversation_head.jsonl"
 
@@ -27,7 +27,7 @@ def mooncake() -> BlockIndex:
 
 def test_restart_on_a_hand_made_trace() -> None:
     # Requests one second apart, one token per block, cache of 3, restart at t=2 (request 2).
-    index = BlockIndex.build(from_chains([0.0, 1.0, 2.0, 3.0, 4.0], CHAINS))
+    index = BlockIndex.build(from_chains([0.0, 1.0, 2.0, 3.0, 4.0], REPLAY_CHAINS))
     result = simulate(index, 3, Scenario("restart", at_s=2.0, window_s=10.0, bucket_s=1.0),
                       ["lru", "lru+oracle", "belady"])
     ref, cold, oracle, belady = result.reference, result.row("lru"), result.row("lru+oracle"), result.row("belady")
@@ -130,7 +130,7 @@ def test_prewarms_see_nothing_after_the_prewarm_time(mooncake: BlockIndex) -> No
     t = 300.0
     trace = mooncake.trace
     config = PredictorConfig(horizon_s=60, tau_s=120)
-    other = BlockIndex.build(_perturbed(trace, t))
+    other = BlockIndex.build(perturbed(trace, t))
     picks = []
     for index in (mooncake, other):
         start = int(np.searchsorted(index.trace.timestamps_s, t))
