@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gc
-import resource
 import sys
 import threading
 
@@ -47,15 +46,16 @@ def test_a_large_tensor_is_recycled_only_after_its_last_view_goes():
     assert memory.cached_bytes() == 0  # a view still uses it: not on the free list
     other = memory.empty((4 * MIB // 2,), torch.bfloat16)
     assert other.data_ptr() != addr and torch.all(view == 1.5)  # and not handed out again
+    other.fill_(2.5)
     addrs = {addr, other.data_ptr()}
     del view, other
     gc.collect()
     assert memory.cached_bytes() == 2 * 4 * MIB
     again = memory.empty((4 * MIB // 2,), torch.bfloat16)
-    assert again.data_ptr() in addrs  # one of the two freed mappings, already faulted in
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    again.fill_(0.5)
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults < 16  # no page faults again
+    assert again.data_ptr() in addrs  # one of the two freed mappings ...
+    # ... already faulted in: every page still holds what its last user wrote (a page the
+    # kernel maps anew reads as zeros), so writing it costs no page fault
+    assert bool(torch.all(again == 1.5)) or bool(torch.all(again == 2.5))
 
 
 @needs_mappings
