@@ -168,7 +168,12 @@ def test_restart_on_real_traffic_orders_the_policies(mooncake: BlockIndex) -> No
         assert r.first_bucket_hit_rate_excl_root > cold.first_bucket_hit_rate_excl_root
     assert result.row("belady").hit_tokens >= cold.hit_tokens
     assert {r.requests for r in result.rows} == {result.reference.requests}
-    assert "lru+kvwarm" in result.table() and json.dumps(result.to_json())
+    assert "lru+kvwarm" in result.table()
+    doc = json.loads(json.dumps(result.to_json()))  # JSON-ready: it survives a round trip, figures intact
+    assert [r["policy"] for r in doc["rows"]] == ["lru", "lru+naive", "lru+kvwarm", "lru+oracle", "belady"]
+    assert [r["hit_rate_excl_root"] for r in doc["rows"]] == [r.hit_rate_excl_root for r in result.rows]
+    assert doc["reference"]["requests"] == result.reference.requests and doc["capacity_blocks"] == 2048
+    assert doc["scenario"]["kind"] == "restart" and doc["window_s"] == list(result.window)
 
 
 def test_scale_out_serves_a_share_and_compares_with_an_established_replica(mooncake: BlockIndex) -> None:
