@@ -40,7 +40,7 @@ MIN_KILLS = 30
 MIN_MID_WRITE_KILLS = 30   # kills that landed inside a write
 MIN_RAW_READS, MIN_HITS = 20, 5  # what the concurrent reader must have read
 #: a hang guard, not a budget: a round is one writer forked, raced by one reader pass,
-#: and killed; the minimums above are met in about 60 of them
+#: and killed; the minimums above take a few dozen
 MAX_ROUNDS = 1000
 CAP = 8 * 1024 * 1024      # small enough that writers also evict while being killed
 

@@ -279,7 +279,7 @@ def dedicated(s3_credentials):
         fs = s3fs.S3FileSystem(key="test", secret="test", client_kwargs={"endpoint_url": server.endpoint},
                                skip_instance_cache=True)
         fs.mkdir(OUTAGE_BUCKET)
-        fs.pipe(f"{OUTAGE_BUCKET}/warm", b"x")  # grows the bucket's volumes before the timed calls
+        fs.pipe(f"{OUTAGE_BUCKET}/warm", b"x")  # grows the bucket's volumes before the calls under test
         # our own server answered (not another one that raced us for the port)
         assert server.proc.poll() is None, f"SeaweedFS exited; see {server.dir / 'weed.log'}"
         cfg = S3Config(endpoint_url=server.endpoint, op_timeout_s=4, connect_timeout_s=1, read_timeout_s=60,
