@@ -150,8 +150,10 @@ def own_s3(tmp_path, monkeypatch):
 
 def test_seaweedfs_killed_mid_run(tmp_path, model, own_s3, monkeypatch):
     m, _ = model
+    # Roomy timeouts: the server is up (if slow on a loaded machine) until it is killed, and
+    # a killed server refuses connections at once; no retries, so that refusal is final.
     s3 = {"endpoint_url": own_s3.endpoint, "access_key_env": "KVWARM_TEST_KEY", "secret_key_env": "KVWARM_TEST_SECRET",
-          "op_timeout_s": 3, "connect_timeout_s": 1, "read_timeout_s": 2, "retries": 0}
+          "op_timeout_s": 60, "connect_timeout_s": 10, "read_timeout_s": 30, "retries": 0}
     cfg = parse_config({"kv_cache": {"block_size": BS, "compression": "bf16"}, "store": {"s3": s3}})
     url = f"s3://kvwarm-loader/{uuid.uuid4().hex[:8]}"
     p1, p2, p3 = (prompt(2 * BS + 1, seed=s) for s in (40, 41, 42))
