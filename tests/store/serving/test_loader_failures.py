@@ -17,7 +17,7 @@ from store.identity.tenant import Tenant
 from store.serving.loader import KVLoader
 from store.tiers.s3 import S3Tier
 from store.tiers.store import Store
-from tests.hang_guard import returns
+from tests.hang_guard import HANG_S, returns
 from tests.seaweedfs import SeaweedFS
 from tests.store.pool_workers import ACME, TINY, config, prompt, tiny_model, write_prefix
 
@@ -180,7 +180,7 @@ def test_seaweedfs_killed_mid_run(tmp_path, model, own_s3, monkeypatch):
     assert hit is not None and hit.tier == "s3" and hit.tokens == 2 * BS
     assert serve(m, hit, p1) == cold(m, p1)
     assert bg.lookup(p2) is None  # the default: answer now, fetch for next time
-    deadline = time.monotonic() + 60  # a hang guard
+    deadline = time.monotonic() + HANG_S  # a hang guard
     while not all(bg.local.exists(n) for n in bg._own.names(_blocks(bg, p2))):
         assert time.monotonic() < deadline, "background fetch did not land"
         time.sleep(0.1)
@@ -196,7 +196,7 @@ def test_seaweedfs_killed_mid_run(tmp_path, model, own_s3, monkeypatch):
     hit = sync.lookup(p1)  # what is in NVMe keeps being served
     assert hit is not None and hit.tier in ("pool", "nvme")
     assert serve(m, hit, p1) == cold(m, p1)
-    deadline = time.monotonic() + 60  # a hang guard
+    deadline = time.monotonic() + HANG_S  # a hang guard
     while not bg.stats()["s3_backoff"]:  # the background fetch of p3 fails, S3 is left alone a while
         assert time.monotonic() < deadline
         time.sleep(0.1)
