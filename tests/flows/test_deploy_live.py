@@ -19,7 +19,7 @@ from flows.scheduling import DEFAULT_PREFILL_DEPLOYMENT, schedule_prefill
 from store.config import KvwarmConfig
 from store.tiers.base import object_name
 from store.tiers.store import Store
-from tests.flows.prefect_server import ROOT, cpu_worker, kvwarm_deployments, prefect_server  # noqa: F401 - fixtures
+from tests.flows.prefect_server import ROOT
 from tests.store.factories import ACME, make_chain, make_root, make_snapshot
 
 DEPLOYMENTS = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
