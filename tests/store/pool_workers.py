@@ -104,7 +104,7 @@ def _loader(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                     config=config(args.block_size, args.compression, args.max_instances), pool_dir=args.pool)
 
 
-def _wait_for(path: Path, timeout_s: float = 120.0) -> None:
+def _wait_for(path: Path, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s  # a hang guard
     while not path.exists():
         if time.monotonic() > deadline:
@@ -112,7 +112,7 @@ def _wait_for(path: Path, timeout_s: float = 120.0) -> None:
         time.sleep(0.02)
 
 
-def _wait_for_count(directory: Path, pattern: str, n: int, timeout_s: float = 120.0) -> None:
+def _wait_for_count(directory: Path, pattern: str, n: int, timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s  # a hang guard
     while len(list(directory.glob(pattern))) < n:
         if time.monotonic() > deadline:

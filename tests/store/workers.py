@@ -66,7 +66,7 @@ def _touch(path: str) -> None:
     Path(path).write_text(str(os.getpid()))
 
 
-def _wait_for(path: str, timeout: float = 60.0) -> None:
+def _wait_for(path: str, timeout: float = 300.0) -> None:  # a hang guard
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
         if time.monotonic() > deadline:

@@ -147,7 +147,7 @@ def test_four_processes_share_one_physical_copy(tmp_path):
     sync.mkdir()
     procs = [_spawn("share", tmp_path, ids_file, 1 << 30, bs, sync=sync) for _ in range(4)]
     try:
-        _wait(lambda: len(list(sync.glob("ready.*"))) == 4, 180, "workers to attach", procs)
+        _wait(lambda: len(list(sync.glob("ready.*"))) == 4, 300, "workers to attach", procs)
         before = sum(pss_kib(p.pid) for p in procs)
         (sync / "go").touch()
         _wait(lambda: len(list(sync.glob("loaded.*"))) == 4, 180, "workers to load", procs)
@@ -186,7 +186,7 @@ def test_random_load_from_four_processes_keeps_budget_and_pins(tmp_path):
              for i in range(4)]
     results = []
     try:
-        _wait(lambda: len(list(sync.glob("ready.*"))) == 4, 180, "workers to attach", procs)
+        _wait(lambda: len(list(sync.glob("ready.*"))) == 4, 300, "workers to attach", procs)
         (sync / "go").touch()  # all four churn at once
         for p in procs:
             out, err = p.communicate(timeout=180)
