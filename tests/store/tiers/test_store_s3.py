@@ -353,7 +353,7 @@ def test_s3_down_nvme_keeps_serving_and_s3_calls_fail_fast(tmp_path, dedicated, 
 
     before = store.stats["unavailable"]
     probe = returns(store.probe, ACME, chain, root)
-    assert probe == Probe(2, "nvme")  # degrades to the local count instead of raising
+    assert probe == Probe(2, "nvme", ("s3",))  # degrades to the local count instead of raising, and says why
     assert store.stats["unavailable"] == before + 1
 
 
@@ -397,7 +397,7 @@ def test_s3_hanging_fails_within_the_deadline(tmp_path, dedicated, monkeypatch):
         err = assert_unavailable(url, store.get, ACME, chain[1], root)
         assert deadline in str(err)  # the hard deadline, not a refused connection
         before = store.stats["unavailable"]
-        assert returns(store.probe, ACME, chain, root) == Probe(1, "nvme")
+        assert returns(store.probe, ACME, chain, root) == Probe(1, "nvme", ("s3",))
         assert store.stats["unavailable"] == before + 1  # the S3 probe ran into the deadline, and was counted
         assert deadline in str(assert_unavailable(url, s3.write, names[0], snaps[0], expires_at=0))
     finally:
