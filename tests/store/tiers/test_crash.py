@@ -28,6 +28,7 @@ from store.tiers.base import object_name
 from store.tiers.local import LocalTier
 from store.tiers.maintenance import check_object, gc, verify
 from store.tiers.store import Store
+from tests.hang_guard import HANG_S
 from tests.store import workers
 from tests.store.factories import ACME, make_chain, make_root, make_snapshot
 
@@ -179,10 +180,10 @@ def test_sigkilled_writers_never_leave_a_readable_torn_snapshot(tmp_path: Path, 
         garbage_seen += len(_all_tmp_files(root_dir)) + len(_pending_rows(root_dir / "meta" / "index.sqlite"))
     zyg.stdin.write("quit\n")
     zyg.stdin.flush()
-    zyg.wait(timeout=30)
+    zyg.wait(timeout=HANG_S)
     rdr.stdin.write("quit\n")
     rdr.stdin.flush()
-    rdr.wait(timeout=60)
+    rdr.wait(timeout=HANG_S)
     assert rdr.returncode == 0, "reader process failed"
     seen = json.loads(Path(rcfg["out"]).read_text())
 

@@ -23,7 +23,7 @@ from store.tiers.local import LocalTier
 from store.tiers.maintenance import gc
 from store.tiers.s3 import S3Tier
 from store.tiers.store import Probe, Store
-from tests.hang_guard import returns
+from tests.hang_guard import HANG_S, returns
 from tests.seaweedfs import SeaweedFS
 from tests.store.factories import ACME, make_chain, make_root, make_snapshot
 
@@ -357,7 +357,7 @@ def test_s3_down_nvme_keeps_serving_and_s3_calls_fail_fast(tmp_path, dedicated, 
     assert store.stats["unavailable"] == before + 1
 
 
-def wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+def wait_stopped(pid: int, timeout_s: float = HANG_S) -> None:
     """Wait until every thread of ``pid`` is stopped (SIGSTOP takes effect asynchronously)."""
     deadline = time.monotonic() + timeout_s
     while True:

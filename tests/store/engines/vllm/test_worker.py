@@ -122,7 +122,7 @@ def test_write_back_stores_what_the_engine_computed_and_skips_what_is_stored(tmp
     worker.begin_step()
     worker.after_forward(StepPlan(saves=(SaveSpec("r", "acme", False, 1, tuple(ids[: 3 * KB]), tuple(table[2:6])),
                                          SaveSpec("s", "acme", False, 0, tuple(ids[:KB]), tuple(table[:2])))))
-    assert worker.writer.drain(30)
+    assert worker.writer.drain(HANG_S)
     totals = worker.counters.totals()
     assert totals["written_back_blocks"] == 2 and totals["write_back_skipped:present"] == 1
     c = cfg()
@@ -143,7 +143,7 @@ def test_no_write_back_of_a_request_whose_load_failed_in_the_step(tmp_path, work
     worker.begin_step()
     worker.start_load(StepPlan(loads=(LoadSpec("r", "acme", False, tuple(ids[: 2 * KB]), 0, 2 * KB, (1, 2, 3, 4)),)))
     worker.after_forward(StepPlan(saves=(SaveSpec("r", "acme", False, 0, tuple(ids[: 2 * KB]), (1, 2, 3, 4)),)))
-    assert worker.writer.drain(30) and "written_back_blocks" not in worker.counters.totals()
+    assert worker.writer.drain(HANG_S) and "written_back_blocks" not in worker.counters.totals()
 
 
 def test_a_full_queue_drops_saves_and_counts_them(tmp_path, worker) -> None:
@@ -195,7 +195,7 @@ def test_a_chat_keyed_save_goes_under_the_chat_root(tmp_path, monkeypatch) -> No
     w.register(caches, EngineLayout("cpu_vec", NB, H, EB, D, torch.bfloat16), total_kv_heads=H)
     ids = tokens(2 * KB, seed=8)
     w.after_forward(StepPlan(saves=(SaveSpec("r", "acme", True, 1, tuple(ids), (5, 6)),)))
-    assert w.writer.drain(30) and w.counters.totals()["written_back_blocks"] == 1
+    assert w.writer.drain(HANG_S) and w.counters.totals()["written_back_blocks"] == 1
     c = cfg()
     tenant = c.tenant("acme")
     chat_root = chat_ident.key_root(c.kv_cache.precision(), KB, tenant.salt)
