@@ -108,3 +108,17 @@ def test_every_docs_page_the_code_names_exists() -> None:
         missing += [f"{path.name}: {ref}" for ref in named.findall(path.read_text(encoding="utf-8"))
                     if not (REPO / ref).is_file()]
     assert not missing, "pages named but absent: " + "; ".join(missing)
+
+
+def test_every_test_the_docs_cite_exists() -> None:
+    """``tests/....py`` and ``tests/....py::test_name`` in the docs name files and tests that exist."""
+    cited = re.compile(r"\b(tests/[\w/]+\.py)(?:::(\w+))?")
+    missing = []
+    for page in PAGES:
+        for path, name in cited.findall(page.read_text(encoding="utf-8")):
+            file = REPO / path
+            if not file.is_file():
+                missing.append(f"{page.relative_to(REPO)}: {path}")
+            elif name and not re.search(rf"^\s*def {name}\(", file.read_text(encoding="utf-8"), re.M):
+                missing.append(f"{page.relative_to(REPO)}: {path}::{name}")
+    assert not missing, "cited but absent: " + "; ".join(missing)
