@@ -156,7 +156,8 @@ def test_a_full_queue_drops_saves_and_counts_them(tmp_path, worker) -> None:
 def test_steps_of_mostly_prefill_are_timed_for_the_scheduler(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("KVWARM_HOME", str(tmp_path / "home"))
     now = [100.0]
-    s = ConnectorSettings(store_url=f"file://{tmp_path}/nvme", tenant="acme", config=cfg(), model_dir=tmp_path)
+    s = ConnectorSettings(store_url=f"file://{tmp_path}/nvme", tenant="acme", config=cfg(pool_dir=tmp_path / "pool"),
+                          model_dir=tmp_path)
     worker = WorkerRole(s, identities=(IDENT, None), engine_block=EB, clock=lambda: now[0])
     try:
         worker.begin_step()
