@@ -24,6 +24,7 @@ the AutoETS rows are skipped with a note, and their check is left undecided.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -263,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     summary = {
         "bench": "forecast", "quick": args.quick, "series_scored": len(series), "test_days": [12, 13, 14],
-        "mase": results, "autoets_skipped": not has_statsforecast, "ratio_to_seasonal_naive": ours_m / sn, "validation_median_mase": valid,
+        "mase": results, "autoets_skipped": not has_statsforecast,
+        "statsforecast": importlib.metadata.version("statsforecast") if has_statsforecast else None, "ratio_to_seasonal_naive": ours_m / sn, "validation_median_mase": valid,
         "offpeak_regret": off, "offpeak_regret_days_5_11": off_valid, "scale": scale,
         "targets": {"mase_ratio_to_seasonal_naive": 0.85, "mase_below": "min(AutoETS raw, AutoETS log1p)",
                     "s_per_fit": 1.0, "offpeak_regret_mean": 0.10, "series": 10_000, "within_s": 600},

@@ -36,6 +36,11 @@ def ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.1f} ms"
 
 
+def mib(nbytes: int) -> str:
+    x = nbytes / 2**20
+    return f"{x:,.0f} MiB" if x >= 10 else f"{x:.1f} MiB"
+
+
 def pct(x: float, digits: int = 1) -> str:
     return f"{100 * x:.{digits}f} %"
 
@@ -136,7 +141,7 @@ def loader(r: dict) -> list[Table]:
         ("(b) bf16 storage: pooled / prefetched / fresh",
          f"{bf16['ratio_pooled']:.2f} / {bf16['ratio_prefetched']:.2f} / {bf16['ratio_map_dequant']:.2f}", "", ""),
         (f"(b) FP8 at {shaped['shape']}'s KV geometry ({g['layers']} layers × {g['kv_heads']} KV heads × "
-         f"{g['head_dim']}, {big['output_bytes'] / 2**20:,.0f} MiB out): pooled / prefetched / fresh",
+         f"{g['head_dim']}, {mib(big['output_bytes'])} out): pooled / prefetched / fresh",
          f"{big['ratio_pooled']:.2f} / {big['ratio_prefetched']:.2f} / {big['ratio_map_dequant']:.2f}", "≥ 0.7",
          verdict(t[f"load_met_{shaped['shape']}"])),
     ]
@@ -183,7 +188,9 @@ FORECAST_METHODS = {"ours": "ours (per-series choice by rolling-origin backtest)
 
 
 def forecast(r: dict) -> list[Table]:
-    rows = [(label, f"{m['median_mase']:.3f}", f"{m['mean_mase']:.3f}", ms(m["s_per_fit_median"]))
+    version = f" {r['statsforecast']}" if r.get("statsforecast") else ""
+    rows = [(label.replace("statsforecast", "statsforecast" + version), f"{m['median_mase']:.3f}",
+             f"{m['mean_mase']:.3f}", ms(m["s_per_fit_median"]))
             for k, label in FORECAST_METHODS.items() if (m := r["mase"].get(k))]
     if r.get("autoets_skipped"):
         rows.append(("statsforecast AutoETS", "skipped: statsforecast not installed", "", ""))
