@@ -69,7 +69,9 @@ def provenance(rec: dict) -> str:
     took = f" ({rec['duration_s']:,.0f} s)" if rec.get("duration_s") is not None else ""
     tree = " with local changes" if rec.get("dirty") else ""
     load = (f", load average {rec['loadavg'][0]:.1f} → {rec['loadavg'][1]:.1f}" if rec.get("loadavg") else "")
-    return f"{how}{took}. Commit `{rec['commit']}`{tree}, {rec['date']}; {where}{load}."
+    busy = (" **The machine was busy (load average over twice its CPUs): times are slow, ratios noisy.**"
+            if rec.get("loadavg") and max(rec["loadavg"]) > 2 * m["cpus"] else "")
+    return f"{how}{took}. Commit `{rec['commit']}`{tree}, {rec['date']}; {where}{load}.{busy}"
 
 
 def find(results: Path, bench: str, variant: str | None) -> tuple[Path, str | None]:

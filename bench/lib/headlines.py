@@ -93,7 +93,8 @@ def prefill(r: dict) -> list[Table]:
                  "≤ 0.55", verdict(t["fp8_bytes_half_of_bf16"]["met"])))
     for name, v in r["precision"].items():
         kept = name.removeprefix("fp8").removeprefix("_keep_").replace("_", ", ")
-        label = "FP8 on every layer" if name == "fp8" else f"FP8, layers {kept} kept in bf16"
+        label = ("FP8 on every layer" if name == "fp8"
+                 else f"FP8, layer{'s' if ',' in kept else ''} {kept} kept in bf16")
         rows.append((f"precision loss, {label} (top-1 agreement)",
                      f"{pct(v['loss_median'], 2)} ({pct(v['top1_agreement'])})", "< 0.5 %",
                      verdict(v["under_write_up_0_5pct"])))
