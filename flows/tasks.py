@@ -1,13 +1,9 @@
 """Prefect tasks: thin wrappers over the packages' functions, and the run directory they share.
 
-Every stage persists what it produces under the store's metadata area,
-``<first local tier>/_flows/<run>/`` (see :func:`run_dir`), so that each stage flow can
-run on its own (a deployment per stage) and a rerun reads what an earlier stage wrote:
-
-- ``demand/{series,total,prefixes,families}.parquet`` + ``demand/meta.json`` (mine_logs)
-- ``forecast.parquet``, ``total_forecast.parquet``, ``window.json`` (forecast_demand)
-- ``plan.json`` (plan_prewarm), ``prefill.json`` (prefill_plan), ``gc.json`` (gc_store)
-- ``report.json`` and ``*.png`` (report)
+Every stage persists what it produces in the run's directory under the store's first
+(local) tier (:class:`prefill.rundir.RunDir` names it and every file in it), so that
+each stage flow can run on its own (a deployment per stage) and a rerun reads what an
+earlier stage wrote.
 
 Retries are set only on tasks that do I/O (reading logs, loading the model, writing
 files and the store); pure computations fail at once with the package's typed error.
@@ -29,6 +25,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.partitions import Partition, PartitionRead, plan_partitions, where
+from flows.spec import RunTarget
 from forecasting.ingest.logs import Quarantined, RequestLog, read_logs
 from forecasting.mining.demand import Demand, build_demand
 from forecasting.mining.families import find_families
@@ -36,68 +33,55 @@ from forecasting.mining.prefix_tree import mine_text, tokenize_requests
 from forecasting.models.catalog import candidates
 from forecasting.models.parallel import forecast_frame_parallel
 from forecasting.planning.offpeak import load_predictors, lowest_window, offpeak_windows, pick_window
-from forecasting.planning.planner import Budget, CostModel, PlanPolicy, make_plan
-from prefill.monitoring import MonitoringError, run_directory
+from forecasting.planning.planner import Budget, PlanCosts, PlanPolicy, make_plan
+from prefill.rundir import DEMAND_TABLES, RunDir, RunDirError
 from store.config import KvwarmConfig, load_config, parse_config
-from store.errors import StoreUnavailable
-from store.plan import Plan, read_plan, write_plan
+from store.cost import PrefillCost
+from store.errors import BadInputError, OperationalError, StoreUnavailable
+from store.plan import Plan, publish_plan, read_plan, write_plan
 
 IO_RETRIES = 2
 IO_RETRY_DELAY_S = 1.0
-KV_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 
 
-class FlowInputError(ValueError):
+class FlowInputError(BadInputError):
     """A flow parameter or a file a stage needs is missing or wrong; the message says which and what to do."""
 
 
-class StoreUnreachable(RuntimeError):
+class StoreUnreachable(OperationalError):
     """The store's S3 tier did not answer (retried: it may come back); the message names the endpoint."""
 
 
 # ---------------------------------------------------------------- paths and config (pure)
 
-def run_dir(store_url: str, run: str) -> Path:
-    """Where run ``run`` keeps its results: ``<local tier>/_flows/<run>``
-    (:func:`prefill.monitoring.run_directory`, which ``prefill report`` reads too).
+def run_dir(target: RunTarget) -> RunDir:
+    """Where ``target``'s run keeps its results (:meth:`prefill.rundir.RunDir.of`, which ``prefill report`` reads too).
 
     Raises:
-        FlowInputError: a bad run name, or a store URL without a ``file://`` tier first.
+        FlowInputError: the target names no run, or a store URL without a ``file://`` tier first.
     """
+    if target.run is None:
+        raise FlowInputError("target.run is not set: name the run whose files this stage reads and writes (every "
+                             "stage of one run takes the same name)")
     try:
-        return run_directory(store_url, run)
-    except MonitoringError as exc:
+        return RunDir.of(target.store, target.run)
+    except RunDirError as exc:
         raise FlowInputError(str(exc)) from None
 
 
-def flow_config(config_path: str | None, block_size: int | None) -> KvwarmConfig:
-    """The kvwarm config, with ``kv_cache.block_size`` replaced when the flow sets one.
+def flow_config(target: RunTarget) -> KvwarmConfig:
+    """The kvwarm config at ``target.config_path``, with ``kv_cache.block_size`` replaced when ``target`` sets one.
 
     Raises:
         ConfigError: the file is missing or has a bad value, or ``block_size`` is out of
             range (one line per bad key).
     """
-    config = load_config(config_path)
-    if block_size is None:
+    config = load_config(target.config_path)
+    if target.block_size is None:
         return config
     data = config.model_dump()
-    data["kv_cache"]["block_size"] = block_size
-    return parse_config(data, source=f"{config_path or 'the defaults'} with the block_size parameter")
-
-
-def check_bucket(bucket: str) -> pd.Timedelta:
-    """The demand bucket as a positive Timedelta.
-
-    Raises:
-        FlowInputError: ``bucket`` is not a duration or not positive.
-    """
-    try:
-        step = pd.Timedelta(bucket)
-    except (ValueError, TypeError):
-        step = None
-    if step is None or pd.isna(step) or step <= pd.Timedelta(0):
-        raise FlowInputError(f"bucket {bucket!r} is not a positive duration: use e.g. '1h', '15min' or '1D'")
-    return step
+    data["kv_cache"]["block_size"] = target.block_size
+    return parse_config(data, source=f"{target.config_path or 'the defaults'} with target.block_size")
 
 
 def need(path: Path, stage: str) -> Path:
@@ -199,22 +183,22 @@ def load_model_task(model: str, dtype: str = "fp32", device: str | None = "cpu")
 
 
 @task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
-def save_demand(demand: Demand, directory: Path) -> Path:
-    """Persist a :class:`Demand` as parquet files plus ``meta.json``."""
-    directory.mkdir(parents=True, exist_ok=True)
+def save_demand(demand: Demand, run: RunDir) -> Path:
+    """Persist a :class:`Demand` in the run's demand tables plus their ``meta.json``; returns their folder."""
+    run.demand.mkdir(parents=True, exist_ok=True)
     prefixes = demand.prefixes.copy()
     prefixes["token_ids"] = [None if t is None else [int(x) for x in t] for t in prefixes["token_ids"]]
-    for name, frame in (("series", demand.series), ("total", demand.total), ("prefixes", prefixes),
-                        ("families", demand.families)):
-        frame.to_parquet(directory / f"{name}.parquet", index=False)
-    (directory / "meta.json").write_text(json.dumps({"bucket": str(demand.bucket)}))
-    return directory
+    frames = {"series": demand.series, "total": demand.total, "prefixes": prefixes, "families": demand.families}
+    for name in DEMAND_TABLES:
+        frames[name].to_parquet(run.demand_table(name), index=False)
+    run.demand_meta.write_text(json.dumps({"bucket": str(demand.bucket)}))
+    return run.demand
 
 
-def load_demand(directory: Path) -> Demand:
+def load_demand(run: RunDir) -> Demand:
     """Read back what :func:`save_demand` wrote."""
-    meta = json.loads(need(directory / "meta.json", "mine_logs").read_text())
-    frames = {n: pd.read_parquet(directory / f"{n}.parquet") for n in ("series", "total", "prefixes", "families")}
+    meta = json.loads(need(run.demand_meta, "mine_logs").read_text())
+    frames = {n: pd.read_parquet(run.demand_table(n)) for n in DEMAND_TABLES}
     p = frames["prefixes"]
     p["token_ids"] = [None if t is None else [int(x) for x in t] for t in p["token_ids"]]
     for col in ("parent", "family", "text"):
@@ -243,6 +227,19 @@ def save_frame(frame: pd.DataFrame, path: Path) -> Path:
 @task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
 def save_plan(plan: Plan, path: Path) -> Path:
     return write_plan(plan, path)
+
+
+@task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
+def publish_latest_plan(plan: Plan, store_url: str, config: KvwarmConfig) -> int:
+    """Make ``plan`` the store's latest (``store.plan.publish_plan``): serving engines started with
+    ``plan: latest`` prefetch it. Returns the tiers written."""
+    from store.tiers.store import Store
+
+    store = Store.open(store_url, config)
+    try:
+        return publish_plan(plan, store.tiers)
+    finally:
+        store.close()
 
 
 @task(retries=1, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
@@ -280,7 +277,7 @@ def gc_task(store_url: str, config: KvwarmConfig, now: float | None = None) -> d
     try:
         with s3_reachable(config, "gc"):
             check_remote_tiers(store)
-            return gc(store, now=now, ttl_max_s=config.kv_cache.ttl_max_hours * 3600.0).as_dict()
+            return gc(store, now=now, ttl_max_s=config.kv_cache.ttl_max_s).as_dict()
     finally:
         store.close()
 
@@ -350,20 +347,12 @@ def window_task(total_forecast: pd.DataFrame, hours: float, fraction: float, buc
 def plan_task(demand: Demand, forecast: pd.DataFrame, window: dict[str, Any], config: KvwarmConfig, *,
               model: str, tokens_per_s: float, bytes_per_token: float, budget_gpu_s: float,
               budget_store_bytes: float, gpu_s_per_gib_hour: float) -> Plan:
-    """The prewarm plan for the chosen window (``forecasting.planning.planner.make_plan``)."""
-    cost = CostModel(tokens_per_s=tokens_per_s, bytes_per_token=bytes_per_token,
+    """The prewarm plan for the chosen window (``forecasting.planning.planner.make_plan``): prefill
+    priced by the default model's shape at ``tokens_per_s`` (:meth:`store.cost.PrefillCost.scaled`)."""
+    cost = PlanCosts(prefill=PrefillCost().scaled(tokens_per_s), bytes_per_token=bytes_per_token,
                      gpu_s_per_gib_hour=gpu_s_per_gib_hour)
     return make_plan(demand, forecast, cost=cost, budget=Budget(gpu_s=budget_gpu_s, store_bytes=budget_store_bytes),
                      window_start=pd.Timestamp(window["chosen"]["start"]),
                      window_end=pd.Timestamp(window["chosen"]["end"]), bucket=demand.bucket,
-                     policy=PlanPolicy.from_config(config.kv_cache), model=model,
+                     policy=PlanPolicy(kv_cache=config.kv_cache), model=model,
                      block_size=config.kv_cache.block_size)
-
-
-def kv_bytes_per_token(model_config: Any, compression: str) -> float:
-    """KV bytes per token: layers x 2 (K and V) x kv heads x head dim x bytes of the stored dtype."""
-    heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-    return float(model_config.num_hidden_layers * 2 * heads * head_dim * KV_BYTES[compression])
-
-

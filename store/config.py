@@ -90,6 +90,18 @@ class KvCacheConfig(_Section):
             )
         return h * 3600.0
 
+    @property
+    def ttl_max_s(self) -> float:
+        """The longest TTL the policy allows, in seconds (what GC holds remote objects to)."""
+        return self.ttl_max_hours * 3600.0
+
+    def clamp_ttl(self, ttl_s: float | None) -> float:
+        """A TTL in seconds clamped into the policy bounds (``ttl_min_hours`` .. ``ttl_max_hours``);
+        the default TTL (``ttl_hours``) when none is given. The one clamp of plan and prefill TTLs."""
+        if ttl_s is None:
+            return self.ttl_seconds()
+        return min(max(float(ttl_s), self.ttl_min_hours * 3600.0), self.ttl_max_s)
+
 
 class S3Config(_Section):
     """How to reach the S3 tier (any S3-compatible endpoint)."""
@@ -164,6 +176,9 @@ class TenantConfig(_Section):
     encryption_key_env: Optional[str] = Field(
         None, description="Env var holding a hex 32-byte AES-GCM key: S3 objects are encrypted at rest."
     )
+    cache_salts: tuple[str, ...] = Field(
+        (), description="vLLM cache_salt values whose requests are this tenant's (the KV connector maps a "
+        "request's cache_salt to its tenant through these).")
 
 
 class KvwarmConfig(_Section):
@@ -177,10 +192,21 @@ class KvwarmConfig(_Section):
 
     @model_validator(mode="after")
     def _check_tenants(self) -> "KvwarmConfig":
+        owner: dict[str, str] = {}
         for name, tc in self.tenants.items():
             check_tenant_name(name)
             if name == PUBLIC and tc.secret_env:
                 raise ValueError("tenants.public cannot have a secret_env: the public salt is well known")
+            if name == PUBLIC and tc.cache_salts:
+                raise ValueError("tenants.public cannot have cache_salts: requests are a tenant's own, and "
+                                 "public prefixes serve every tenant already")
+            for salt in tc.cache_salts:
+                if not salt:
+                    raise ValueError(f"tenants.{name}.cache_salts: a cache_salt must not be empty")
+                if salt in owner:
+                    raise ValueError(f"tenants.{name}.cache_salts: {salt!r} is already tenant "
+                                     f"{owner[salt]!r}'s; a cache_salt names one tenant")
+                owner[salt] = name
         return self
 
     def tenant(self, name: str, environ: Optional[dict[str, str]] = None) -> Tenant:
@@ -252,6 +278,18 @@ def parse_config(data: dict[str, Any] | None, *, source: str = "<dict>") -> Kvwa
         return KvwarmConfig.model_validate(data or {})
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc, source)) from None
+
+
+def with_values(config: KvwarmConfig, section: str, values: dict[str, Any], *, source: str) -> KvwarmConfig:
+    """``config`` with ``values`` in place of keys of ``section`` (e.g. a CLI flag's
+    ``{"block_size": 16}`` in ``kv_cache``), validated as a file's values are.
+
+    Raises:
+        ConfigError: a value is out of range; ``source`` (the flag) is named with the key.
+    """
+    data = config.model_dump()
+    data[section] = {**data[section], **values}
+    return parse_config(data, source=source)
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> KvwarmConfig:

@@ -3,19 +3,37 @@
 The prefill job (which has transformers) and the serving-side loader (which has only
 ``store`` and torch) must compute the same root for the same model, so the
 fingerprints are computed here from the model's *files*, without importing
-transformers. A model directory is fingerprinted by hashing its config and weights
-(a hub model by its local snapshot directory, so two revisions never share keys).
+transformers. A model directory is fingerprinted by hashing its config and weights in
+full (a fingerprint that skipped bytes could miss a fine-tune that changed only some
+tensors), so two revisions never share keys.
+
+Hashing every weight byte at every engine start would cost minutes for a large model
+(140 GB for a 70B model in bf16), and engines often serve from read-only volumes. So:
+
+- the digest is cached under kvwarm's own home (:func:`store.home.kvwarm_home`,
+  ``fingerprints/``), keyed by the directory's resolved path and the names, sizes and
+  mtimes of its files: a changed file is hashed again, an unchanged one never is, and
+  the model directory itself is never written;
+- a Hugging Face hub snapshot (``.../models--ORG--NAME/snapshots/COMMIT``) is named by
+  its repository and commit (``hf:ORG/NAME@COMMIT``) without reading the weights: the
+  commit already pins every byte of the revision.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from store.errors import BadInputError
 from store.format.precision import Precision
+from store.home import kvwarm_home
 from store.identity.keys import KeyRoot
+
+log = logging.getLogger("kvwarm.identity")
 
 #: Files whose bytes define the weights. Large files are hashed in full: a fingerprint
 #: that skipped bytes could miss a fine-tune that changed only some tensors.
@@ -26,7 +44,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 _CHUNK = 8 << 20
 
 
-class IdentityError(ValueError):
+class IdentityError(BadInputError):
     """A model or tokenizer cannot be fingerprinted (missing files, unpinned revision)."""
 
 
@@ -66,25 +84,48 @@ def _hash_files(files: list[Path], domain: bytes) -> str:
     return h.hexdigest()
 
 
-def _cached(path: Path, kind: str, compute) -> str:  # type: ignore[no-untyped-def]
-    """Weights are hashed once per (size, mtime) of their files; the digest is cached beside them."""
-    files = sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith(".kvwarm-"))
-    stamp = hashlib.sha256(json.dumps([(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]).encode()).hexdigest()
-    cache = path / f".kvwarm-{kind}-fingerprint.json"
+def _stamp(d: Path, files: list[Path]) -> str:
+    """What the cached digest is valid for: the directory's resolved path and each file's name, size and mtime."""
+    stats = [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]
+    return hashlib.sha256(json.dumps([str(d.resolve()), stats]).encode()).hexdigest()
+
+
+def _cache_file(d: Path, kind: str) -> Path:
+    where = hashlib.sha256(str(d.resolve()).encode()).hexdigest()[:32]
+    return kvwarm_home() / "fingerprints" / f"{kind}-{where}.json"
+
+
+def _cached(d: Path, kind: str, files: list[Path], compute) -> str:  # type: ignore[no-untyped-def]
+    """``compute()`` once per (path, names, sizes, mtimes) of ``files``; the digest is kept under kvwarm's home."""
+    stamp = _stamp(d, files)
+    cache = _cache_file(d, kind)
     try:
         doc = json.loads(cache.read_text())
         if doc.get("stamp") == stamp:
             return str(doc["digest"])
-    except (OSError, ValueError, KeyError):
-        pass
+    except (OSError, ValueError, KeyError, AttributeError):
+        pass  # no cache yet, or one that is unreadable: compute again
     digest = compute()
-    try:  # best effort: a read-only model directory just means hashing again next time
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"stamp": stamp, "digest": digest}))
+    try:  # best effort: an unwritable home only means hashing again next time
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_name(f"{cache.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"path": str(d.resolve()), "stamp": stamp, "digest": digest}))
         os.replace(tmp, cache)
-    except OSError:
-        pass
+    except OSError as exc:
+        log.info("could not cache the fingerprint of %s under %s: %s", d, cache.parent, exc)
     return digest
+
+
+#: A Hugging Face hub cache snapshot: ``.../models--ORG--NAME/snapshots/<40-hex commit>``.
+_HUB_SNAPSHOT = re.compile(r"(?:^|/)models--(?P<repo>[^/]+)/snapshots/(?P<commit>[0-9a-f]{40})/?$")
+
+
+def hub_revision(path: str | os.PathLike[str]) -> str | None:
+    """``hf:ORG/NAME@COMMIT`` when ``path`` is a hub cache snapshot directory, else ``None``."""
+    m = _HUB_SNAPSHOT.search(Path(path).absolute().as_posix())
+    if m is None:
+        return None
+    return f"hf:{m['repo'].replace('--', '/')}@{m['commit']}"
 
 
 def chat_template_hash(template: str | None) -> str:
@@ -104,7 +145,8 @@ def tokenizer_fingerprint(path: str | os.PathLike[str]) -> str:
 
 
 def model_fingerprint(path: str | os.PathLike[str]) -> str:
-    """Digest of a model directory's config and weight files (cached per file size and mtime)."""
+    """The identity of a model directory's weights: its hub revision for a hub snapshot, else a
+    digest of its config and weight files (cached under kvwarm's home per path, size and mtime)."""
     d = Path(path)
     if not d.is_dir():
         raise IdentityError(f"model directory {str(d)!r} does not exist")
@@ -113,7 +155,11 @@ def model_fingerprint(path: str | os.PathLike[str]) -> str:
     if not weights or not configs:
         raise IdentityError(f"{str(d)!r} has no config.json and weight files; pass a model directory "
                             f"saved with save_pretrained, or a hub id with a pinned revision")
-    return _cached(d, "model", lambda: _hash_files(configs + weights, b"kvwarm/model/v1\x00"))
+    revision = hub_revision(d)
+    if revision is not None:
+        return revision
+    files = sorted(configs + weights, key=lambda p: p.name)
+    return _cached(d, "model", files, lambda: _hash_files(files, b"kvwarm/model/v1\x00"))
 
 
 def _chat_template_in(d: Path) -> str | None:

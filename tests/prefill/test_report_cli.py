@@ -6,8 +6,10 @@ import json
 import pytest
 
 from prefill.cli import main
-from prefill.monitoring import Prices, compute, monitoring_for_run, read_run
+from prefill.monitoring import Prices, compute
 from prefill.report_cli import format_table
+from prefill.run_results import monitoring_for_run, read_run
+from prefill.rundir import RunDir
 from store.identity.tenant import Tenant
 from store.serving.loader import KVLoader
 from store.tiers.store import Store
@@ -110,7 +112,7 @@ def test_real_loader_stats_feed_the_report(tmp_path, capsys) -> None:
     assert (cache["lookups"], cache["hits"], cache["tokens_served"]) == (3, 1, 3 * BS)
     assert cache["prompt_tokens"] == 2 * len(ids) + 40
     assert cache["bytes_mapped"] > 0
-    bpt = PLAN["extra"]["planned_store_bytes"] / 48  # the hand-built plan: 100 B/token
+    bpt = PLAN["extra"]["kv_bytes_per_token"]  # the hand-built plan: 100 B/token
     assert cache["memory_saving_ratio"] == pytest.approx(3 * BS * bpt / cache["bytes_mapped"])
     assert audit["refused_cross_tenant"] == 1 and audit["by_reason"]["tenant_refused"] == 1
     assert out["service_quality"]["latency_samples"] == 3 and out["service_quality"]["lookups_per_s"] == 1.5
@@ -125,5 +127,13 @@ def test_the_table_shows_every_family_in_readable_units_and_n_a_for_what_is_miss
     assert "75.0%" in text and "8.00x" in text and "4.000 ms" in text and "1,050,000 B" in text
     bare = tmp_path / "_flows" / "bare"
     bare.mkdir(parents=True)
-    text = format_table(compute("bare", read_run(bare), []))
+    text = format_table(compute("bare", read_run(RunDir(bare)), []))
     assert "lookups" in text and "n/a" in text and "notes:" in text
+
+
+def test_the_store_may_come_before_the_command_and_is_required(tmp_path, capsys) -> None:
+    url, dumps = build_run(tmp_path)
+    assert main(["--store", url, "report", "--run", "r1", "--loader-stats", *map(str, dumps), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"] == "r1"
+    assert report("--run", "r1") == 2
+    assert "prefill: error: prefill report needs --store URL" in capsys.readouterr().err
