@@ -2,8 +2,9 @@
 
 Every script in ``bench/`` prints one JSON object as its last line. :class:`Run` also
 writes that object to ``bench/results/<bench>[-<variant>].json`` with the command line,
-the commit (and whether the tree held other changes), the date, the duration and the
-machine, so that ``bench/report.py`` can build docs/benchmarks.md from the saved files
+the commit (and whether the tree held other changes), the date, the duration, the
+machine and how loaded it was (the 1-minute load average sampled through the run, and
+the run's niceness), so that ``bench/report.py`` can build docs/benchmarks.md from the saved files
 alone. A full run has no variant; a quick or partial run, or one on a GPU, names its
 variant so that it never overwrites the full run's file.
 """
@@ -15,13 +16,17 @@ import os
 import platform
 import re
 import shlex
+import statistics
 import subprocess
+import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "bench" / "results"
+#: Seconds between two samples of the load average while a bench runs.
+LOAD_EVERY_S = 10
 
 
 def add_results_option(parser: argparse.ArgumentParser) -> None:
@@ -123,15 +128,27 @@ class Run:
         self.command = shlex.join([f"bench/{Path(script).name}", *portable(without_results(argv))])
         self.t0 = time.perf_counter()
         self.loadavg_start = os.getloadavg()[0]
+        self.load_samples = [self.loadavg_start]
+        self._done = threading.Event()
+        threading.Thread(target=self._sample_load, name="bench-load", daemon=True).start()
+
+    def _sample_load(self) -> None:
+        # the machine is shared: one figure per LOAD_EVERY_S says how busy it was while the bench ran
+        while not self._done.wait(LOAD_EVERY_S):
+            self.load_samples.append(os.getloadavg()[0])
 
     def write(self, result: dict, results: Path, variant: str | None) -> Path:
         """Save ``result`` (the printed object) with its provenance; returns the file written."""
+        self._done.set()
         head, dirty = commit()
+        samples = [*self.load_samples, os.getloadavg()[0]]
         record = {
             "bench": self.bench, "variant": variant, "command": self.command, "commit": head, "dirty": dirty,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "duration_s": round(time.perf_counter() - self.t0, 1),
-            "loadavg": [round(self.loadavg_start, 2), round(os.getloadavg()[0], 2)],
+            "loadavg": [round(self.loadavg_start, 2), round(samples[-1], 2)],
+            "load": {"median": round(statistics.median(samples), 2), "max": round(max(samples), 2),
+                     "samples": len(samples), "every_s": LOAD_EVERY_S, "nice": os.nice(0)},
             "machine": machine(), "result": portable(result),
         }
         path = result_path(results, self.bench, variant)

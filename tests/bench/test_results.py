@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 from bench.lib import results
@@ -41,6 +42,9 @@ def test_the_record_holds_the_result_and_how_it_was_made(tmp_path: Path) -> None
     assert len(record["commit"]) >= 7 and isinstance(record["dirty"], bool)
     assert record["machine"]["cpus"] >= 1 and record["machine"]["torch"]
     assert record["date"].endswith("UTC") and record["duration_s"] >= 0
+    # how busy the shared machine was: sampled through the run (here only its two ends), and the niceness
+    load = record["load"]
+    assert load["samples"] == 2 and load["max"] >= load["median"] >= 0 and load["nice"] == os.nice(0)
 
 
 def test_paths_beside_the_checkout_become_relative() -> None:
