@@ -2,10 +2,12 @@
 
 Every bench writes ``bench/results/<bench>[-<variant>].json`` (:mod:`bench.lib.results`);
 this script renders one section per bench from those files alone: the command that made
-the figures, the commit, date and machine, and the headline figures against their
-targets (:mod:`bench.lib.headlines`). A missing or incomplete record becomes a line
-saying what to run. A test checks that the committed page is what the committed records
-make, so rerun this after a bench::
+the figures, the commit, date, machine and its load, and the headline figures against
+their targets (:mod:`bench.lib.headlines`). A missing or incomplete record becomes a line
+saying what to run. Any other record in the folder (a new bench, or a variant) gets a
+section of its own from :func:`bench.lib.headlines.generic` until a page is written for
+it, so a new bench's results appear without editing this file. A test checks that the
+committed page is what the committed records make, so rerun this after a bench::
 
     .venv/bin/python bench/report.py            # writes docs/benchmarks.md
     .venv/bin/python bench/report.py --check    # exit 1 if the page differs from the records
@@ -21,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.lib.headlines import PAGES, Page, Table  # noqa: E402
+from bench.lib.headlines import PAGES, Page, Table, generic_page  # noqa: E402
 from bench.lib.results import RESULTS, result_path  # noqa: E402
 
 PAGE = ROOT / "docs" / "benchmarks.md"
@@ -68,27 +70,45 @@ def provenance(rec: dict) -> str:
            else f"Command: `.venv/bin/python {rec['command']}`")
     took = f" ({rec['duration_s']:,.0f} s)" if rec.get("duration_s") is not None else ""
     tree = " with local changes" if rec.get("dirty") else ""
-    load = (f", load average {rec['loadavg'][0]:.1f} → {rec['loadavg'][1]:.1f}" if rec.get("loadavg") else "")
+    return f"{how}{took}. Commit `{rec['commit']}`{tree}, {rec['date']}; {where}{load(rec)}"
+
+
+def load(rec: dict) -> str:
+    """How busy the machine was: the load average through the run (or at its ends), flagged over 2 per CPU."""
+    if lo := rec.get("load"):
+        level = lo["median"]
+        said = (f", load average {level:.1f} (median of {lo['samples']} samples, max {lo['max']:.1f})"
+                + (f", run at nice {lo['nice']}" if lo.get("nice") else ""))
+    elif rec.get("loadavg"):
+        level = max(rec["loadavg"])
+        said = f", load average {rec['loadavg'][0]:.1f} → {rec['loadavg'][1]:.1f}"
+    else:
+        return "."
     busy = (" **The machine was busy (load average over twice its CPUs): times are slow, ratios noisy.**"
-            if rec.get("loadavg") and max(rec["loadavg"]) > 2 * m["cpus"] else "")
-    return f"{how}{took}. Commit `{rec['commit']}`{tree}, {rec['date']}; {where}{load}.{busy}"
+            if level > 2 * rec["machine"]["cpus"] else "")
+    return f"{said}.{busy}"
+
+
+def quick_or_partial(variant: str | None) -> list[str]:
+    """The variants a quick or partial run of ``variant`` writes (``quick``, ``h200-quick``...)."""
+    return [f"{variant}-{fb}" if variant else fb for fb in FALLBACKS]
 
 
 def find(results: Path, bench: str, variant: str | None) -> tuple[Path, str | None]:
     """The record to show: the full one, else a quick or partial one (named in the second value)."""
     path = result_path(results, bench, variant)
-    if variant is None and not path.exists():
-        for fallback in FALLBACKS:
-            other = result_path(results, bench, fallback)
-            if other.exists():
-                return other, fallback
+    if not path.exists():
+        for fallback, other in zip(FALLBACKS, quick_or_partial(variant)):
+            if result_path(results, bench, other).exists():
+                return result_path(results, bench, other), fallback
     return path, None
 
 
-def section(results: Path, bench: str, variant: str | None, page: Page, level: str) -> list[str]:
+def section(results: Path, bench: str, variant: str | None, page: Page, gpu: bool = False) -> list[str]:
     path, fallback = find(results, bench, variant)
     name = f"bench/results/{path.name}"
-    rerun = "bash bench/gpu_check.sh" if variant else f".venv/bin/python bench/{bench}_bench.py"
+    rerun = "bash bench/gpu_check.sh" if gpu else f".venv/bin/python bench/{bench}_bench.py"
+    level = "###" if gpu else "##"
     out = [f"{level} {page.title} (bench/{bench}_bench.py)", "", page.intro, ""]
     if not path.exists():
         return out + [f"_No record in `{name}` yet: run `{rerun}`, then `.venv/bin/python bench/report.py`._", ""]
@@ -97,7 +117,14 @@ def section(results: Path, bench: str, variant: str | None, page: Page, level: s
                 "not the targets' measure._", ""]
     try:
         rec = json.loads(path.read_text())
-        body = [provenance(rec), ""]
+        if not isinstance(rec, dict):
+            raise TypeError("not a JSON object")
+        if "result" not in rec:  # a bench's object saved as it is, without bench.lib.results
+            body = [f"_`{name}` holds figures but not how they were made (command, commit, date, machine): "
+                    "write it with `bench.lib.results.Run`._", ""]
+            rec = {"result": rec}
+        else:
+            body = [provenance(rec), ""]
         for t in page.tables(rec["result"]):
             body += table(t) + [""]
     except json.JSONDecodeError as exc:
@@ -105,17 +132,59 @@ def section(results: Path, bench: str, variant: str | None, page: Page, level: s
     except (KeyError, TypeError, AttributeError) as exc:
         what = f"{type(exc).__name__}: {exc}"
         return out + [f"_`{name}` lacks figures this page shows ({what}): rerun `{rerun}`._", ""]
+    also = [f"`bench/results/{p.name}`" for p in (result_path(results, bench, v) for v in quick_or_partial(variant))
+            if p.exists() and p != path]
+    if also:
+        body += [f"Also recorded, not shown (not the targets' measure): {', '.join(also)}.", ""]
     return out + body
+
+
+def claimed(results: Path) -> set[str]:
+    """The file names the sections with a page of their own show (or mention)."""
+    return {result_path(results, bench, v).name for bench, variant, _ in CPU_SECTIONS + GPU_SECTIONS
+            for v in (variant, *quick_or_partial(variant))}
+
+
+def on_gpu(path: Path) -> bool:
+    """Whether a record was made on a GPU (its machine has one, or its result says cuda)."""
+    try:
+        rec = json.loads(path.read_text())
+        res = rec.get("result", rec)
+        return bool((rec.get("machine") or {}).get("gpu") or res.get("gpu") or res.get("device") == "cuda")
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def others(results: Path) -> list[tuple[str, str | None, bool]]:
+    """``(bench, variant, on a GPU)`` for every other record in ``results``. A quick or partial
+    record stands for its full run only where that has no record (:func:`find` shows it, marked);
+    otherwise the full run's section mentions it."""
+    taken, out = claimed(results), {}
+    for path in sorted(Path(results).glob("*.json")):
+        if path.name in taken:
+            continue
+        bench, _, variant = path.stem.partition("-")
+        for fb in FALLBACKS:
+            if variant == fb or variant.endswith(f"-{fb}"):
+                variant = variant.removesuffix(fb).removesuffix("-")
+        out.setdefault((bench, variant or None), on_gpu(path))
+    return [(bench, variant, out[bench, variant]) for bench, variant in sorted(out, key=lambda k: (k[0], k[1] or ""))]
 
 
 def render(results: Path = RESULTS) -> str:
     """The whole page, from the records in ``results``."""
     lines = [HEAD]
+    rest = others(results)
     for bench, variant, page in CPU_SECTIONS:
-        lines += section(results, bench, variant, PAGES[page], "##")
+        lines += section(results, bench, variant, PAGES[page])
+    for bench, variant, _ in (x for x in rest if not x[2]):
+        lines += section(results, bench, variant, generic_page(bench, variant))
     lines += [GPU_HEAD, ""]
     for bench, variant, page in GPU_SECTIONS:
-        lines += section(results, bench, variant, PAGES[page], "###")
+        lines += section(results, bench, variant, PAGES[page], gpu=True)
+    for bench, variant, _ in (x for x in rest if x[2]):
+        page = PAGES.get(f"{bench}-gpu") or generic_page(bench, variant)
+        lines += section(results, bench, variant, page, gpu=True)
     return "\n".join(lines).rstrip("\n") + "\n"
 
 

@@ -275,3 +275,65 @@ PAGES: dict[str, Page] = {
     "loader-gpu": Page("Loader", "(a) and (b) on the GPU with the same 8B shape, the snapshots already in the "
                        "node pool; (b) against a pinned host-to-device copy of the same bytes.", loader_gpu),
 }
+
+
+# -- any other record -------------------------------------------------------------
+#: The most figures a record without a page of its own shows; the rest stay in its file.
+GENERIC_FIGURES = 10
+#: Result keys that say how a run was made, not what it measured.
+GENERIC_SKIP = frozenset({"bench", "quick", "variant", "targets", "checks"})
+
+
+def figure(v) -> str:
+    """A leaf of a result as a cell: ``1,234``, ``0.1235``, ``yes``, ``-`` or the string."""
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:,.4g}"
+    return "-" if v is None else str(v)
+
+
+def leaves(obj: dict, path: tuple[str, ...] = ()):
+    """``(dotted.name, value)`` for each number, flag or short string in ``obj``, depth first."""
+    for k, v in obj.items():
+        if not path and k in GENERIC_SKIP:
+            continue
+        if isinstance(v, dict):
+            yield from leaves(v, (*path, str(k)))
+        elif v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 40):
+            yield ".".join((*path, str(k))), v
+
+
+def targets_of(r: dict) -> list[tuple[str, ...]]:
+    """The rows of a result's ``targets`` and ``checks``: a flag is a verdict, ``{value, target, met}`` a row."""
+    rows = []
+    for key in ("targets", "checks"):
+        for name, t in (r.get(key) or {}).items():
+            if isinstance(t, bool):
+                rows.append((name, "", "", verdict(t)))
+            elif isinstance(t, dict) and "met" in t:
+                rows.append((name, figure(t.get("value")), figure(t.get("target")), verdict(t["met"])))
+            elif not isinstance(t, (dict, list)):
+                rows.append((name, "", figure(t), ""))
+    return rows
+
+
+def generic(r: dict) -> list[Table]:
+    """A record no page knows yet: its first figures as recorded, and its targets."""
+    found = list(leaves(r))
+    shown = found[:GENERIC_FIGURES]
+    note = (f"The first {len(shown)} of {len(found)} figures; the rest are in the record." if len(found) > len(shown)
+            else "")
+    tables = [Table(("figure", "value"), [(f"`{k}`", figure(v)) for k, v in shown], note)] if shown else []
+    if rows := targets_of(r):
+        tables.append(Table(("target", "result", "target value", ""), rows))
+    return tables
+
+
+def generic_page(bench: str, variant: str | None = None) -> Page:
+    """The section of a bench (or a variant) that has no page here yet."""
+    title = bench.replace("_", " ").capitalize() + (f", {variant}" if variant else "")
+    return Page(title, "No page of its own in `bench/lib/headlines.py` yet: the record's figures as the bench "
+                "wrote them, and its targets.", generic)
