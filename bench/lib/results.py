@@ -126,6 +126,7 @@ class Run:
     def __init__(self, bench: str, script: str, argv: list[str]) -> None:
         self.bench = bench
         self.command = shlex.join([f"bench/{Path(script).name}", *portable(without_results(argv))])
+        self.head, self.dirty = commit()  # the code this run imports: the tree as it starts
         self.t0 = time.perf_counter()
         self.loadavg_start = os.getloadavg()[0]
         self.load_samples = [self.loadavg_start]
@@ -140,10 +141,9 @@ class Run:
     def write(self, result: dict, results: Path, variant: str | None) -> Path:
         """Save ``result`` (the printed object) with its provenance; returns the file written."""
         self._done.set()
-        head, dirty = commit()
         samples = [*self.load_samples, os.getloadavg()[0]]
         record = {
-            "bench": self.bench, "variant": variant, "command": self.command, "commit": head, "dirty": dirty,
+            "bench": self.bench, "variant": variant, "command": self.command, "commit": self.head, "dirty": self.dirty,
             "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "duration_s": round(time.perf_counter() - self.t0, 1),
             "loadavg": [round(self.loadavg_start, 2), round(samples[-1], 2)],
