@@ -64,7 +64,8 @@ def table(t: Table) -> list[str]:
 def provenance(rec: dict) -> str:
     """One line: the command, how long it took, the commit, the date and the machine."""
     m = rec["machine"]
-    cpu = f"{m['cpus']} CPUs" + (f" ({m['cpu_model']})" if m.get("cpu_model") else "")
+    chip = ", ".join(x for x in (m.get("cpu_model"), m.get("cpu_isa")) if x)
+    cpu = f"{m['cpus']} CPUs" + (f" ({chip})" if chip else "")
     where = ", ".join(x for x in (cpu, f"torch {m['torch']}" if m.get("torch") else "", m.get("gpu") or "") if x)
     how = (f"{rec['recorded_by']}: `{rec['command']}`" if rec.get("recorded_by")
            else f"Command: `.venv/bin/python {rec['command']}`")

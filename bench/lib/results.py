@@ -67,7 +67,7 @@ def commit() -> tuple[str | None, bool | None]:
 
 
 def machine() -> dict:
-    """CPU count and model, Python and torch versions, the GPU's name if torch sees one."""
+    """CPU count, model and vector ISA, Python and torch versions, the GPU's name if torch sees one."""
     cpu_model = None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -82,6 +82,8 @@ def machine() -> dict:
         import torch
 
         info["torch"] = torch.__version__
+        # the vector instructions torch's CPU kernels use: without AVX512-BF16, bf16 matmuls are far slower than fp32
+        info["cpu_isa"] = torch.backends.cpu.get_cpu_capability()
         if torch.cuda.is_available():
             info["gpu"] = torch.cuda.get_device_name(0)
     except ImportError:
