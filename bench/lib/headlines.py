@@ -261,7 +261,8 @@ PAGES: dict[str, Page] = {
     "loader": Page("Loader", "(a) time to first token from a store against a full prefill; (b) map + dequantise to "
                    "bf16 against a memcpy of the same output bytes (ratio = memcpy / load time): its target is held "
                    "by the hot path a node serving a plan uses (pooled, prefetched), and the fresh mapping has its "
-                   "own verdict; (c) lookup latency. Reference model `kvwarm-ref`.", loader),
+                   "own verdict; (c) lookup latency. Reference model `kvwarm-ref` in bf16: on a CPU without AVX512-BF16 its "
+                   "full prefill (cold) is slow, which makes warm / cold small.", loader),
     "mining": Page("Mining", "Mining throughput on the Mooncake conversation trace (block ids), and on a text log "
                    "of real prompts against tokenising them alone.", mining),
     "forecast": Page("Forecasting", "Forecast quality on ServeGen m-large (each client a prefix family, hourly "
