@@ -121,3 +121,13 @@ def test_a_record_says_how_busy_the_machine_was_and_flags_a_busy_one(tmp_path: P
     assert busy.startswith(", load average 4.5 (median of 40 samples, max 9.0).") and "was busy" in busy
     assert "was busy" not in report.load(_record("x", {}, loadavg=[3.9, 1.0]))
     assert "was busy" in report.load(_record("x", {}, loadavg=[4.1, 1.0]))
+
+
+def test_make_bench_runs_each_bench_as_the_page_shows_it() -> None:
+    recipe = report.ROOT.joinpath("Makefile").read_text().split("\nbench:", 1)[1].split("\n\n", 1)[0]
+    commands = [line.strip().removeprefix("$(PY) ") for line in recipe.splitlines()[1:]]
+    assert commands[-1] == "bench/report.py"
+    for bench, variant, _ in report.CPU_SECTIONS:
+        path = RESULTS / f"{bench}.json"
+        if path.exists():
+            assert json.loads(path.read_text())["command"] in commands, bench
