@@ -128,7 +128,8 @@ def loader(r: dict) -> list[Table]:
         (f"(a) time to first token, warm / cold, FP8 ({a['tokens_cached']:,} cached + {a['suffix']} new tokens)",
          f"{ms(a['warm_fp8_s'])} / {ms(a['cold_s'])} = {a['ratio_fp8']:.3f}", "(lower is better)", ""),
         ("(a) same, bf16 storage", f"{ms(a['warm_bf16_s'])}: {a['ratio_bf16']:.3f}", "", ""),
-        (f"(b) load vs memcpy, FP8 [{fp8['dequant']}], pooled (snapshots this process has mapped)",
+        (f"(b) load vs memcpy, FP8 [{fp8['dequant']}, {fp8.get('native_gather') or 'numpy'} gather], pooled "
+         "(snapshots this process has mapped)",
          f"{ms(fp8['pooled_dequant_s'])} vs {ms(fp8['memcpy_s'])}: {fp8['ratio_pooled']:.2f}", "≥ 0.7",
          verdict(fp8["ratio_pooled"] >= t["load_ratio_min"])),
         ("(b) same, prefetched (a new loader's first lookup after `prefetch(map_ahead=True)`)",
