@@ -4,12 +4,14 @@
 #    initialised randomly in bf16 (32 layers, 8 KV heads, head dim 128) at 2k and 8k tokens;
 #  - loader issue, done-when 7: the loader bench's (a), warm against cold time to first
 #    token, on CUDA with the same 8B shape at 8k tokens, loading to the GPU.
-# Needs a CUDA build of torch in $PY's environment. Logs go to $LOGS (default bench/out);
-# the last line of each log is the JSON to copy into docs/benchmarks.md.
+# Needs a CUDA build of torch in $PY's environment. Logs go to $LOGS (default bench/out).
+# Each bench writes its record to $RESULTS (default bench/results) as <bench>-<gpu>.json
+# (prefill-h200.json, loader-h200.json on an H200): commit those, then run bench/report.py.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 LOGS=${LOGS:-bench/out}
+RESULTS=${RESULTS:-bench/results}
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')" || exit 1
@@ -20,7 +22,7 @@ export PYTHONUNBUFFERED=1
 "$PY" -c "from store.kernels.table import native_isa; print('native FP8 gather:', native_isa())"
 rc=0
 timeout "${PREFILL_LIMIT:-300}" "$PY" bench/prefill_bench.py --shape 8b --device cuda --tokens 2048,8192 --reps 3 \
-  2>&1 | tee "$LOGS/gpu_prefill.log" || rc=1
+  --results "$RESULTS" 2>&1 | tee "$LOGS/gpu_prefill.log" || rc=1
 timeout "${LOADER_LIMIT:-200}" "$PY" bench/loader_bench.py --shape 8b --device cuda --tokens 8192 --reps 5 \
-  2>&1 | tee "$LOGS/gpu_loader.log" || rc=1
+  --results "$RESULTS" 2>&1 | tee "$LOGS/gpu_loader.log" || rc=1
 exit $rc

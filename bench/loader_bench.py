@@ -29,7 +29,9 @@ Side by side in one run:
 (c) ``lookup``: latency p50/p99 of ``lookup`` (hits, which pin and are released, and
     misses) with ``--snapshots`` snapshots in the store.
 
-Repeats (``--reps``) and quotes medians. The last line printed is one JSON object.
+Repeats (``--reps``) and quotes medians. The last line printed is one JSON object; it is
+also written to ``bench/results/loader.json`` (``loader-quick.json``, ``loader-partial.json``
+for other sizes, ``loader-h200.json`` on an H200; ``--results DIR`` to write elsewhere).
 
     .venv/bin/python bench/loader_bench.py            # full run
     .venv/bin/python bench/loader_bench.py --quick    # small and fast smoke run
@@ -58,6 +60,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.lib.load import measure_load  # noqa: E402
+from bench.lib.results import Run, add_results_option, variant_of  # noqa: E402
 from bench.lib.shapes import SHAPES, shaped_model, synced  # noqa: E402
 from bench.lib.timing import median_time  # noqa: E402
 from store.config import parse_config  # noqa: E402
@@ -263,7 +266,7 @@ def bench_lookup(work: Path, args, out: dict) -> None:
           f"p99 {out['lookup']['miss_p99_ms']:.2f} ms")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small model, fewer tokens, snapshots and repeats")
     p.add_argument("--tokens", type=int, default=None, help="cached prefix tokens (default 2048; quick 512)")
@@ -277,9 +280,14 @@ def main() -> int:
     p.add_argument("--device", default="cpu", help="where (a) runs and loads to: cpu or cuda (with --shape)")
     p.add_argument("--load-shape", choices=sorted(SHAPES), default=None,
                    help="(b) also at this model's KV geometry, from random KV (CPU; default 8b, quick 8b-mini)")
-    args = p.parse_args()
+    add_results_option(p)
+    args = p.parse_args(argv)
+    run = Run("loader", __file__, sys.argv[1:] if argv is None else argv)
     if args.device != "cpu" and not args.shape:
         p.error("--device other than cpu needs --shape (the reference model is built on the CPU)")
+    # a CPU run with other sizes, or a shaped model on the CPU, is a partial run
+    partial = args.device == "cpu" and (args.shape is not None or args.tokens not in (None, 2048) or args.suffix != 64
+                                        or args.block != 256 or args.snapshots not in (None, 10000))
     args.tokens = args.tokens or (512 if args.quick else 2048)
     args.snapshots = args.snapshots or (1000 if args.quick else 10000)
     args.reps = args.reps or (3 if args.quick else 5)
@@ -301,6 +309,7 @@ def main() -> int:
             shutil.rmtree(work, ignore_errors=True)
     if args.device != "cpu":
         out["targets"] = {"ttft_ratio_fp8": out["ttft"]["ratio_fp8"], "ttft_ratio_bf16": out["ttft"]["ratio_bf16"]}
+        run.write(out, args.results, variant_of(args, gpu=out.get("gpu")))
         print(json.dumps(out))
         return 0
     fp8, shaped = out["load"]["fp8"], out["load_shape"]["fp8"]
@@ -318,8 +327,7 @@ def main() -> int:
                       f"load_met_{args.load_shape}": min(shaped["ratio_map_dequant"], shaped["ratio_pooled"],
                                                          shaped["ratio_prefetched"]) >= 0.7,
                       "ttft_ratio_fp8": out["ttft"]["ratio_fp8"]}
-    Path(ROOT / "bench" / "out").mkdir(parents=True, exist_ok=True)
-    (ROOT / "bench" / "out" / "loader_bench.json").write_text(json.dumps(out, indent=1))
+    run.write(out, args.results, variant_of(args, partial=partial))
     print(json.dumps(out))
     return 0
 

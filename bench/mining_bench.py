@@ -12,7 +12,8 @@
    tokenisation, so the ratio is at least 1: the rest is block-aligning, chain-hashing
    and counting.
 
-Each figure is the median of ``--repeats`` runs. The last line is one JSON object.
+Each figure is the median of ``--repeats`` runs. The last line is one JSON object, also
+written to ``bench/results/mining.json`` (``mining-quick.json`` for --quick).
 
     .venv/bin/python bench/mining_bench.py [--quick] [--data ../shared/data]
 """
@@ -32,6 +33,7 @@ import pandas as pd
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.lib.results import Run, add_results_option, variant_of  # noqa: E402
 from bench.lib.timing import timed_median  # noqa: E402
 from forecasting.ingest.traces import read_mooncake  # noqa: E402
 from forecasting.mining.demand import build_demand  # noqa: E402
@@ -164,16 +166,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=None, help="text-log requests; default 10000, quick 2000")
     ap.add_argument("--block-size", type=int, default=16, help="tokens per block for text logs (vLLM's default)")
     ap.add_argument("--batch-size", type=int, default=1024, help="prompts per tokenizer call")
-    ap.add_argument("--out", type=Path, default=REPO / "bench" / "out" / "mining_bench.json")
+    add_results_option(ap)
     args = ap.parse_args(argv)
+    run = Run("mining", __file__, sys.argv[1:] if argv is None else argv)
     repeats = args.repeats or (2 if args.quick else 3)
     n_requests = args.requests or (2000 if args.quick else 10000)
     result = {"bench": "mining", "quick": args.quick, "repeats": repeats,
               "mooncake": mooncake(args.data, repeats),
               "text": text(args.data, repeats, n_requests, args.block_size, args.batch_size)}
     result["met"] = result["mooncake"]["met"] and result["text"]["met"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    run.write(result, args.results, variant_of(args, partial=args.requests not in (None, 10000) or args.block_size != 16))
     print(json.dumps(result))
     return 0
 

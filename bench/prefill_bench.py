@@ -20,7 +20,9 @@ query heads over 4 KV heads, head dim 64, ~100M parameters, random weights):
     .venv/bin/python bench/prefill_bench.py            # full run
     .venv/bin/python bench/prefill_bench.py --quick    # small smoke run
 
-The last line printed is one JSON object with the figures and the targets.
+The last line printed is one JSON object with the figures and the targets. It is also
+written to ``bench/results/prefill.json`` (``prefill-quick.json`` for --quick,
+``prefill-h200.json`` for ``--shape 8b --device cuda`` on an H200; ``--results DIR``).
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lib.precision_loss import precision_loss  # noqa: E402
+from bench.lib.results import Run, add_results_option, variant_of  # noqa: E402
 from bench.lib.shapes import SHAPES, shaped_model, synced  # noqa: E402
 from bench.lib.timing import median_time  # noqa: E402
 from prefill.models import REFERENCE_MODEL, _corpus, load_model  # noqa: E402
@@ -154,7 +157,7 @@ def bench_precision(loaded, n_prompts: int, length: int, overrides: list[tuple[i
                    "under_write_up_0_5pct": r.loss_median < WRITE_UP_LOSS} for name, r in res.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, one repetition")
     ap.add_argument("--model", default=REFERENCE_MODEL)
@@ -164,9 +167,11 @@ def main() -> None:
                     "(bf16; the GPU check of the prefill issue uses 8b)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (with --shape)")
     ap.add_argument("--tokens", default="2048,8192", help="prefix lengths with --shape, comma-separated")
-    args = ap.parse_args()
+    add_results_option(ap)
+    args = ap.parse_args(argv)
+    run = Run("prefill", __file__, sys.argv[1:] if argv is None else argv)
     if args.shape:
-        return main_shaped(args)
+        return main_shaped(args, run)
     if args.threads:
         torch.set_num_threads(args.threads)
     reps = 1 if args.quick else args.reps
@@ -199,10 +204,11 @@ def main() -> None:
                                    "met": results["bytes"]["fp8_vs_bf16"] <= 0.55},
         "dequantise_vs_clone_best": best_eager,
     }
+    run.write(results, args.results, variant_of(args, partial=args.model != REFERENCE_MODEL))
     print(json.dumps(results))
 
 
-def main_shaped(args: argparse.Namespace) -> None:
+def main_shaped(args: argparse.Namespace, run: Run) -> None:
     """Prefill tokens/s and the FP8 codec at each of ``--tokens`` on a shaped random model."""
     t0 = time.perf_counter()
     loaded = shaped_model(args.shape, args.device, torch.bfloat16)
@@ -221,6 +227,8 @@ def main_shaped(args: argparse.Namespace) -> None:
               f"{r['prefill']['forward_tokens_per_s']:,.0f} tok/s; dequantise vs clone "
               f"{r['codec'].get('dequantise_compiled_vs_clone', r['codec']['dequantise_eager_vs_clone'])}", flush=True)
     results["bytes"] = bench_bytes(loaded, 256)
+    # on a GPU the record is <bench>-<gpu>.json; a shaped model on the CPU is a try-out (partial)
+    run.write(results, args.results, variant_of(args, partial=loaded.device.type == "cpu", gpu=results.get("gpu")))
     print(json.dumps(results))
 
 

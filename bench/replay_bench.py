@@ -34,7 +34,9 @@ with ``PredictorConfig()`` (the chosen setting).
 Hit rates are deterministic; timings are medians over ``--repeats`` runs. The last
 line printed is one JSON object with every figure and whether each target is met
 (``--tune``: the grid and the choice; ``--ceiling``: what ranking quality the targets
-need, from :mod:`bench.lib.ceiling`, on the tuning points; it reads the future).
+need, from :mod:`bench.lib.ceiling`, on the tuning points; it reads the future). It is
+also written to ``bench/results/replay.json`` (``replay-quick.json``, ``replay-tune.json``,
+``replay-ceiling.json``; ``replay-partial.json`` for another trace, cache or window).
 
 Usage::
 
@@ -67,6 +69,7 @@ from bench.lib.replay_analysis import (  # noqa: E402
     rounded,
     tune,
 )
+from bench.lib.results import Run, add_results_option, variant_of  # noqa: E402
 from bench.lib.timing import timed_median  # noqa: E402
 from forecasting.ingest.traces import read_mooncake  # noqa: E402
 from forecasting.simulate.replay import BlockIndex, PredictorConfig  # noqa: E402
@@ -104,7 +107,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steady-capacity", type=int, default=4096, help="cache blocks for steady state (default 4096)")
     ap.add_argument("--window", type=float, default=600.0, help="evaluation window after a restart, s")
     ap.add_argument("--plots", action="store_true", help="write PNGs under bench/out/ (needs matplotlib)")
+    add_results_option(ap)
     args = ap.parse_args(argv)
+    run = Run("replay", __file__, sys.argv[1:] if argv is None else argv)
+    # another trace, cache size or window is a partial run; --tune and --ceiling are records of their own
+    variant = variant_of(args, partial=args.trace is not None or args.capacity != 16384
+                         or args.steady_capacity != 4096 or args.window != 600.0)
+    mode = "tune" if args.tune else "ceiling" if args.ceiling else None
+    if mode and not args.variant:
+        variant = f"{mode}-{variant}" if variant else mode
     repeats = 1 if args.quick else max(1, args.repeats)
     path = Path(args.trace) if args.trace else Path(args.data) / "traces" / "mooncake" / "conversation_trace.jsonl"
     out_dir = Path(args.out)
@@ -119,14 +130,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"trace: {path}: {len(trace)} requests, {trace.n_blocks} blocks, {trace.duration_s:.0f} s; "
           f"read {t_read:.2f} s, indexed {t_index:.2f} s")
     if args.tune:
-        tuned = tune(index, args)
-        print(json.dumps({"bench": "replay", "mode": "tune", "quick": args.quick, "trace": str(path),
-                          "capacity_blocks": args.capacity, "window_s": args.window, **tuned},
-                         separators=(",", ":")))
+        tuned = {"bench": "replay", "mode": "tune", "quick": args.quick, "trace": str(path),
+                 "capacity_blocks": args.capacity, "window_s": args.window, **tune(index, args)}
+        run.write(tuned, args.results, variant)
+        print(json.dumps(tuned, separators=(",", ":")))
         return 0
     if args.ceiling:
-        print(json.dumps({"bench": "replay", "mode": "ceiling", "quick": args.quick, "trace": str(path),
-                          "capacity_blocks": args.capacity, **ceiling(index, args)}, separators=(",", ":")))
+        curves = {"bench": "replay", "mode": "ceiling", "quick": args.quick, "trace": str(path),
+                  "capacity_blocks": args.capacity, **ceiling(index, args)}
+        run.write(curves, args.results, variant)
+        print(json.dumps(curves, separators=(",", ":")))
         return 0
     predictor = PredictorConfig()  # settings chosen by --tune (see docs/guides/simulate.md)
     figures: dict[str, float] = {}
@@ -250,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                "predictor": asdict(predictor), "tuned_on": "restarts at 20/40/60/80 %, steady 2k/8k blocks (--tune)",
                "diagnostics_gap_closed": {"mean": diag_mean, **diagnostics}, "timings_s": timings,
                "replay_total_s": round(total, 2)}
+    run.write(summary, args.results, variant)
     print(json.dumps(summary, separators=(",", ":")))
     return 0
 

@@ -39,6 +39,10 @@ Usage::
     .venv/bin/python bench/store_bench.py            # full run (3.5-4.5 min on 2 cores)
     .venv/bin/python bench/store_bench.py --quick    # 1, 16, 64 MiB, 3 reps
     .venv/bin/python bench/store_bench.py --sizes 16,64 --reps 7 --no-s3 --no-cold
+
+The object is also written, with the command, commit, date and machine, to
+``bench/results/store.json`` (``store-quick.json`` for --quick, ``store-partial.json``
+for a subset of sizes or no S3; ``--results DIR`` to write elsewhere).
 """
 from __future__ import annotations
 
@@ -65,6 +69,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import xxhash  # noqa: E402
 
+from bench.lib.results import Run, add_results_option, variant_of  # noqa: E402
 from store.format.encode import EncodedSnapshot, build_snapshot, snapshot_bytes  # noqa: E402
 from store.format.precision import Precision  # noqa: E402
 from store.format.snapshot import read_snapshot  # noqa: E402
@@ -322,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", help="where the NVMe tier and the raw files go (default: a temp dir under /tmp)")
     ap.add_argument("--no-s3", action="store_true", help="skip the S3 tier (no SeaweedFS)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-read rows (which drop the page cache)")
+    add_results_option(ap)
     args = ap.parse_args(argv)
+    run = Run("store", __file__, sys.argv[1:] if argv is None else argv)
 
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else list(QUICK_SIZES if args.quick else DEFAULT_SIZES)
 
@@ -458,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_end": round(load_end[0], 2),
         "elapsed_s": round(elapsed, 1),
     }
+    # A subset of sizes or no S3 is a partial run (the cold rows are informational only).
+    run.write(summary, args.results, variant_of(args, partial=args.no_s3 or sizes != list(DEFAULT_SIZES)))
     print(json.dumps(summary, separators=(",", ":")))
     return 0
 

@@ -25,7 +25,7 @@ def _last_json(capsys: pytest.CaptureFixture[str]) -> dict:
 
 def test_evaluation_reports_targets_settings_and_diagnostics(tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
-    assert replay_bench.main(SMALL + ["--out", str(tmp_path)]) == 0
+    assert replay_bench.main(SMALL + ["--out", str(tmp_path), "--results", str(tmp_path)]) == 0
     summary = _last_json(capsys)
     assert summary["predictor"]["horizon_s"] == 300.0 and "20/40/60/80" in summary["tuned_on"]
     assert set(summary["targets"]) >= {"prewarm_gap_closed.lru+kvwarm", "retention_gap_closed_4k"}
@@ -41,10 +41,13 @@ def test_evaluation_reports_targets_settings_and_diagnostics(tmp_path: Path,
     # kvwarm's shortfall there is its set, not its order
     assert diag["oracle_set_kvwarm_order"] > diag["kvwarm_set_oracle_order"]
     assert (tmp_path / "replay_bench.json").exists()
+    record = json.loads((tmp_path / "replay-quick.json").read_text())  # a quick run never overwrites replay.json
+    assert record["result"]["targets"] == summary["targets"] and record["variant"] == "quick"
+    assert record["command"].startswith("bench/replay_bench.py --trace tests/data/")  # no path of this machine
 
 
-def test_tuning_never_uses_the_evaluation_points(capsys: pytest.CaptureFixture[str]) -> None:
-    assert replay_bench.main(SMALL + ["--tune"]) == 0
+def test_tuning_never_uses_the_evaluation_points(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert replay_bench.main(SMALL + ["--tune", "--results", str(tmp_path)]) == 0
     summary = _last_json(capsys)
     assert summary["mode"] == "tune"
     assert not set(summary["fractions"]) & set(replay_bench.EVAL_FRACTIONS)
@@ -70,8 +73,8 @@ def test_the_diagnostic_measures_as_the_simulator_does() -> None:
     assert diag["oracle_set_kvwarm_order"] >= result.row("lru+kvwarm").hit_rate_excl_root
 
 
-def test_ceiling_calibrates_on_the_tuning_points_only(capsys: pytest.CaptureFixture[str]) -> None:
-    assert replay_bench.main(SMALL + ["--ceiling"]) == 0
+def test_ceiling_calibrates_on_the_tuning_points_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert replay_bench.main(SMALL + ["--ceiling", "--results", str(tmp_path)]) == 0
     summary = _last_json(capsys)
     assert summary["mode"] == "ceiling" and not set(summary["fractions"]) & set(replay_bench.EVAL_FRACTIONS)
     curve = summary["prewarm"]

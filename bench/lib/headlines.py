@@ -1,0 +1,341 @@
+"""What docs/benchmarks.md shows of each bench's record: a short intro and tables of headline figures.
+
+Each ``<bench>`` entry of :data:`PAGES` reads the ``result`` of a record written by
+:mod:`bench.lib.results` (the bench's last-line JSON object) and returns tables; the
+page itself is put together by ``bench/report.py``. A figure missing from a result
+raises ``KeyError``, which the report turns into a line saying what to rerun.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+
+@dataclass(frozen=True)
+class Table:
+    """One markdown table: a header, rows of cells (already formatted), and a line under it."""
+    header: tuple[str, ...]
+    rows: list[tuple[str, ...]]
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Page:
+    """A bench's section: its title, what it measures (1-3 lines), and its tables."""
+    title: str
+    intro: str
+    tables: Callable[[dict], list[Table]]
+
+
+def verdict(met: bool | None) -> str:
+    """``met``, ``**not met**``, or nothing (no target, or not decided)."""
+    return "" if met is None else "met" if met else "**not met**"
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f} ms"
+
+
+def mib(nbytes: int) -> str:
+    x = nbytes / 2**20
+    return f"{x:,.0f} MiB" if x >= 10 else f"{x:.1f} MiB"
+
+
+def pct(x: float, digits: int = 1) -> str:
+    return f"{100 * x:.{digits}f} %"
+
+
+# -- store ----------------------------------------------------------------------
+STORE_ROWS = {
+    "nvme_write": "NVMe write (durable)",
+    "nvme_read": "NVMe read (page cache, every byte verified)",
+    "s3_put": "S3 put",
+    "s3_get": "S3 get",
+    "nvme_read_readinto": "info: NVMe read vs `readinto` a reused buffer",
+    "nvme_read_cold": "info: NVMe read, cold (after drop_caches)",
+}
+
+
+def store(r: dict) -> list[Table]:
+    sizes = r["sizes_mib"]
+    checks = r["checks"]
+    rows = []
+    for op, label in STORE_ROWS.items():
+        if not any(op in r["results"][str(m)] for m in sizes):
+            continue
+        cells = []
+        for m in sizes:
+            got = r["results"][str(m)].get(op)
+            ok = checks.get(f"{op}@{m}MiB")
+            cells.append("-" if got is None else f"**{got['ratio']:.2f}**" if ok is False else f"{got['ratio']:.2f}")
+        rows.append((label, *cells))
+    missed = [k for k, ok in checks.items() if not ok]
+    note = (f"Target: ours / raw ≥ {r['target']['ratio']} at {r['target']['min_size_mib']} MiB and more for the "
+            "first four rows (a missed one is bold): " + ("all met." if not missed else "**not met** at "
+                                                            + ", ".join(f"`{k}`" for k in missed) + "."))
+    return [Table(("ours / raw throughput", *(f"{m} MiB" for m in sizes)), rows, note)]
+
+
+# -- prefill --------------------------------------------------------------------
+def prefill(r: dict) -> list[Table]:
+    p, c, b, t = r["prefill"], r["codec"], r["bytes"], r["targets"]
+    rows = [(f"prefill job, {p['prefixes']} prefixes × {p['tokens_each']} tokens, block {p['block_size']}",
+             f"{p['job_tokens_per_s']:,.0f} tok/s vs bare forward {p['forward_tokens_per_s']:,.0f}: "
+             f"{p['job_vs_forward']:.2f}", "", "")]
+    for kind in ("eager", "compiled"):
+        for op in ("quantise", "dequantise"):
+            if f"{op}_{kind}_gb_s" in c:
+                rows.append((f"FP8 {op} vs `clone()`, {kind} ({c['tensor_mib_bf16']} MiB bf16)",
+                             f"{c[f'{op}_{kind}_gb_s']} vs {c['clone_gb_s']} GB/s: {c[f'{op}_{kind}_vs_clone']:.3f}",
+                             "", ""))
+    rows.append(("snapshot bytes per 256-token block, FP8 vs bf16",
+                 f"{b['fp8_bytes_per_block']:,} vs {b['bf16_bytes_per_block']:,}: {b['fp8_vs_bf16']:.3f}",
+                 "≤ 0.55", verdict(t["fp8_bytes_half_of_bf16"]["met"])))
+    for name, v in r["precision"].items():
+        kept = name.removeprefix("fp8").removeprefix("_keep_").replace("_", ", ")
+        label = ("FP8 on every layer" if name == "fp8"
+                 else f"FP8, layer{'s' if ',' in kept else ''} {kept} kept in bf16")
+        rows.append((f"precision loss, {label} (top-1 agreement)",
+                     f"{pct(v['loss_median'], 2)} ({pct(v['top1_agreement'])})", "< 0.5 %",
+                     verdict(v["under_write_up_0_5pct"])))
+    return [Table(("figure", "result", "target", ""), rows)]
+
+
+def prefill_gpu(r: dict) -> list[Table]:
+    lengths = list(r["by_tokens"])
+    by = [r["by_tokens"][n] for n in lengths]
+    rows = [("bare model forward", *(f"{x['prefill']['forward_tokens_per_s']:,.0f} tok/s" for x in by)),
+            ("prefill job (share of the forward)", *(f"{x['prefill']['job_tokens_per_s']:,.0f} tok/s "
+                                                     f"({x['prefill']['job_vs_forward']:.3f})" for x in by))]
+    for op in ("quantise", "dequantise"):
+        rows.append((f"FP8 {op}, eager, vs `clone()`", *(f"{x['codec'][f'{op}_eager_gb_s']:,} vs "
+                                                        f"{x['codec']['clone_gb_s']:,} GB/s "
+                                                        f"({x['codec'][f'{op}_eager_vs_clone']:.3f})" for x in by)))
+    b = r["bytes"]
+    rows.append(("snapshot bytes per 256-token block, FP8 vs bf16",
+                 f"{b['fp8_bytes_per_block']:,} vs {b['bf16_bytes_per_block']:,} ({b['fp8_vs_bf16']:.3f})",
+                 *([""] * (len(lengths) - 1))))
+    return [Table(("figure", *(f"{int(n):,} tokens" for n in lengths)), rows)]
+
+
+# -- loader ---------------------------------------------------------------------
+def loader(r: dict) -> list[Table]:
+    a, fp8, bf16, t = r["ttft"], r["load"]["fp8"], r["load"]["bf16"], r["targets"]
+    shaped = r["load_shape"]
+    big = shaped["fp8"]
+    g = big["geometry"]
+    rows = [
+        (f"(a) time to first token, warm / cold, FP8 ({a['tokens_cached']:,} cached + {a['suffix']} new tokens)",
+         f"{ms(a['warm_fp8_s'])} / {ms(a['cold_s'])} = {a['ratio_fp8']:.3f}", "(lower is better)", ""),
+        ("(a) same, bf16 storage", f"{ms(a['warm_bf16_s'])}: {a['ratio_bf16']:.3f}", "", ""),
+        (f"(b) load vs memcpy, FP8 [{fp8['dequant']}, {fp8.get('native_gather') or 'numpy'} gather], pooled "
+         "(snapshots this process has mapped)",
+         f"{ms(fp8['pooled_dequant_s'])} vs {ms(fp8['memcpy_s'])}: {fp8['ratio_pooled']:.2f}", "≥ 0.7",
+         verdict(fp8["ratio_pooled"] >= t["load_ratio_min"])),
+        ("(b) same, prefetched (a new loader's first lookup after `prefetch(map_ahead=True)`)",
+         f"{ms(fp8['prefetched_dequant_s'])}: {fp8['ratio_prefetched']:.2f}", "≥ 0.7",
+         verdict(fp8["ratio_prefetched"] >= t["load_ratio_min"])),
+        ("(b) same, fresh mapping (the lookup maps and checks every file)",
+         f"{ms(fp8['map_dequant_s'])}: {fp8['ratio_map_dequant']:.2f}", "≥ 0.7 (own verdict)",
+         verdict(t["load_met_fresh"])),
+        ("(b) same, fresh, payload checksums verified (a snapshot's first entry into a pool)",
+         f"{ms(fp8['map_verify_dequant_s'])}: {fp8['ratio_map_verify_dequant']:.2f}", "", ""),
+        ("(b) bf16 storage: pooled / prefetched / fresh",
+         f"{bf16['ratio_pooled']:.2f} / {bf16['ratio_prefetched']:.2f} / {bf16['ratio_map_dequant']:.2f}", "", ""),
+        (f"(b) FP8 at {shaped['shape']}'s KV geometry ({g['layers']} layers × {g['kv_heads']} KV heads × "
+         f"{g['head_dim']}, {mib(big['output_bytes'])} out): pooled / prefetched / fresh",
+         f"{big['ratio_pooled']:.2f} / {big['ratio_prefetched']:.2f} / {big['ratio_map_dequant']:.2f}", "≥ 0.7",
+         verdict(t[f"load_met_{shaped['shape']}"])),
+    ]
+    if "lookup" in r:
+        lk = r["lookup"]
+        rows.append((f"(c) lookup with {lk['snapshots']:,} snapshots: hit p50 / p99, miss p50 / p99",
+                     f"{lk['hit_p50_ms']:.2f} / {lk['hit_p99_ms']:.2f} ms, "
+                     f"{lk['miss_p50_ms']:.2f} / {lk['miss_p99_ms']:.2f} ms", "", ""))
+    return [Table(("figure", "result", "target", ""), rows)]
+
+
+def loader_gpu(r: dict) -> list[Table]:
+    a, ld = r["ttft"], r["load"]
+    kinds = [k for k in ("fp8", "bf16") if k in ld]
+    rows = [("cold: full prefill to the first token", ms(a["cold_s"]), "(same)"),
+            (f"warm: lookup + load to the GPU + prefill of the {a['suffix']} new tokens (warm / cold)",
+             *(f"{ms(a[f'warm_{k}_s'])} ({a[f'ratio_{k}']:.3f})" for k in kinds)),
+            (f"load: lookup + to the GPU as bf16 ({ld[kinds[0]]['output_bytes'] / 2**30:g} GiB out)",
+             *(f"{ms(ld[k]['load_to_device_s'])} ({ld[k]['output_bytes'] / ld[k]['load_to_device_s'] / 1e9:.1f} GB/s)"
+               for k in kinds)),
+            ("a pinned host-to-device copy of the same bytes", *(ms(ld[k]["h2d_pinned_s"]) for k in kinds))]
+    return [Table((f"{a['tokens_cached']:,} cached tokens", *(f"{k.upper()} storage" for k in kinds)), rows)]
+
+
+# -- mining ---------------------------------------------------------------------
+def mining(r: dict) -> list[Table]:
+    m, t = r["mooncake"], r["text"]
+    rows = [(f"Mooncake trace, {m['requests']:,} requests, {m['blocks']:,} blocks: tree, candidates "
+             f"({m['candidates']:,} at k=2), counts", f"{ms(m['mine_s'])}: {m['blocks_per_s'] / 1e6:.2f}M blocks/s",
+             f"≥ {m['target_blocks_per_s'] / 1e6:g}M blocks/s", verdict(m["met"])),
+            (f"text log, {t['requests']:,} requests, {t['tokens'] / 1e6:.2f}M tokens, block {t['block_size']}: "
+             "mine + demand vs tokenise alone", f"{t['mine_s']:.2f} s vs {t['tokenise_s']:.2f} s: {t['ratio']:.2f}×",
+             f"≤ {t['target_ratio']}×", verdict(t["met"])),
+            (f"MinHash LSH families ({t['families']:,}; not in the ratio)",
+             f"{t['families_s']:.2f} s, {t['requests'] / t['families_s']:,.0f} requests/s", "", "")]
+    return [Table(("figure", "result (median)", "target", ""), rows)]
+
+
+# -- forecast -------------------------------------------------------------------
+FORECAST_METHODS = {"ours": "ours (per-series choice by rolling-origin backtest)",
+                    "seasonal_naive": "seasonal naive, daily",
+                    "autoets": "statsforecast AutoETS, raw counts",
+                    "autoets_log1p": "statsforecast AutoETS, log1p counts"}
+
+
+def forecast(r: dict) -> list[Table]:
+    version = f" {r['statsforecast']}" if r.get("statsforecast") else ""
+    rows = [(label.replace("statsforecast", "statsforecast" + version), f"{m['median_mase']:.3f}",
+             f"{m['mean_mase']:.3f}", ms(m["s_per_fit_median"]))
+            for k, label in FORECAST_METHODS.items() if (m := r["mase"].get(k))]
+    if r.get("autoets_skipped"):
+        rows.append(("statsforecast AutoETS", "skipped: statsforecast not installed", "", ""))
+    checks, off, sc = r["checks"], r["offpeak_regret"], r["scale"]
+    fixed = off["hindsight_fixed_schedule"]
+    targets = [
+        ("MASE, ours / seasonal naive", f"{r['ratio_to_seasonal_naive']:.3f}", "≤ 0.85",
+         verdict(checks["mase_at_most_0.85x_seasonal_naive"])),
+        ("MASE, ours below the better AutoETS", f"{r['mase']['ours']['median_mase']:.3f}" + (
+            f" vs {min(r['mase'][k]['median_mase'] for k in ('autoets', 'autoets_log1p')):.3f}"
+            if "autoets" in r["mase"] else ""), "below",
+         verdict(checks["mase_below_autoets"]) or "not measured"),
+        ("time per fit, ours (median)", ms(r["mase"]["ours"]["s_per_fit_median"]), "< 1 s",
+         verdict(checks["under_1s_per_series_fit"])),
+        ("off-peak: chosen 3-hour window above the true quietest (mean of the test days)",
+         f"{pct(off['ours']['mean'])} (per day " + ", ".join(pct(x, 0) for x in off["ours"]["per_day"]) + ")",
+         "≤ 10 %", verdict(checks["offpeak_within_10pct"])),
+        ("off-peak: best fixed daily schedule, chosen knowing the test days", f"{pct(fixed['mean'])} "
+         f"(start {fixed['start_hour']:02d}:00)", "", ""),
+        (f"{sc['series']:,} prefix series, {sc['workers']} workers: numpy models / family totals split down",
+         f"{sc['direct_numpy_s']:.1f} s (MAE {sc['direct_numpy_mae']:.1f}) / {sc['top_down_s']:.1f} s "
+         f"(MAE {sc['top_down_mae']:.1f})", "< 600 s", verdict(checks["10k_series_in_minutes"])),
+    ]
+    return [Table((f"{r['series_scored']} steady clients, days 12-14", "median MASE", "mean MASE", "time per fit"),
+                  rows), Table(("figure", "result", "target", ""), targets)]
+
+
+# -- replay ---------------------------------------------------------------------
+REPLAY_POLICIES = {"lru": "cold LRU", "lru+naive": "LRU + naive prewarm (most requested, last 30 min)",
+                   "lru+kvwarm": "LRU + kvwarm prewarm", "lru+oracle": "LRU + best possible prewarm (oracle)",
+                   "retention+kvwarm": "forecast-informed retention + kvwarm prewarm", "no-event": "no restart"}
+REPLAY_TARGETS = {"prewarm_gap_closed.lru+kvwarm": "kvwarm prewarm: gap to the best prewarm closed",
+                  "prewarm_gap_closed.retention+kvwarm": "same, with retention",
+                  "first_min_vs_no_restart.lru+kvwarm": "first minute, against no restart",
+                  "retention_gap_closed_4k": "steady state at 4k blocks: retention, LRU-to-Belady gap closed"}
+
+
+def replay(r: dict) -> list[Table]:
+    hits = r["hit_rate_excl_block0_pct"]
+    restarts = sorted({k.split(".")[0] for k in hits if k.startswith("restart")}, key=lambda s: int(s[7:]))
+    rows = [(label, *(f"{hits[f'{s}.{p}']:.1f}" for s in restarts)) for p, label in REPLAY_POLICIES.items()]
+    targets = [(label, pct(r["targets"][k]["value"]), f"≥ {r['targets'][k]['target'] * 100:.0f} %",
+                verdict(r["targets"][k]["met"])) for k, label in REPLAY_TARGETS.items()]
+    saved = r["ttft_saved_per_request_vs_cold_ms"]
+    p99 = r["ttft_p99_vs_cold"]
+    known = r["known"].values()
+    targets += [("TTFT saved per request over cold LRU (H200 8B cost model): naive / kvwarm / + retention / best",
+                 " / ".join(f"{saved[p]:.1f}" for p in ("lru+naive", "lru+kvwarm", "retention+kvwarm", "lru+oracle"))
+                 + " ms", "", ""),
+                ("modelled P99 TTFT against cold LRU: kvwarm / + retention / best",
+                 " / ".join(f"{100 * p99[p]:+.1f} %" for p in ("lru+kvwarm", "retention+kvwarm", "lru+oracle")), "", ""),
+                ("known figures for this trace (issue 7) reproduced within 0.3 points",
+                 f"{sum(k['reproduced'] for k in known)} of {len(known)}", "all", verdict(all(k["reproduced"]
+                                                                                          for k in known)))]
+    head = ("token hit rate excl. block 0, %", *(f"restart at {s[7:]} %" for s in restarts))
+    return [Table(head, rows), Table(("figure (mean of the restarts)", "result", "target", ""), targets)]
+
+
+PAGES: dict[str, Page] = {
+    "store": Page("Store", "Each tier against the plainest code that moves the same bytes (a durable `write`, "
+                  "`read()`, raw s3fs on a local SeaweedFS), on real FP8 snapshots of an 8B layout (128 parts), "
+                  "alternating, with memory warmed before each; reads from the page cache, as on a warm node. "
+                  "Ratio = ours / raw throughput of the medians.", store),
+    "prefill": Page("Prefill", "The prefill job against a bare forward of the same batches, the FP8 codec against "
+                    "`clone()`, snapshot bytes, and the precision loss of FP8 storage as the model sees it "
+                    "(reference model `kvwarm-ref`, 100M parameters, fp32 on the CPU).", prefill),
+    "loader": Page("Loader", "(a) time to first token from a store against a full prefill; (b) map + dequantise to "
+                   "bf16 against a memcpy of the same output bytes (ratio = memcpy / load time): its target is held "
+                   "by the hot path a node serving a plan uses (pooled, prefetched), and the fresh mapping has its "
+                   "own verdict; (c) lookup latency. Reference model `kvwarm-ref` in bf16: on a CPU without AVX512-BF16 its "
+                   "full prefill (cold) is slow, which makes warm / cold small.", loader),
+    "mining": Page("Mining", "Mining throughput on the Mooncake conversation trace (block ids), and on a text log "
+                   "of real prompts against tokenising them alone.", mining),
+    "forecast": Page("Forecasting", "Forecast quality on ServeGen m-large (each client a prefix family, hourly "
+                     "counts, train days 1-11, 24 h ahead on days 12-14; MASE against the daily seasonal naive), "
+                     "the off-peak choice, and 10,000 series at scale.", forecast),
+    "replay": Page("What-if replay", "Cache policies replayed on the Mooncake conversation trace: a restart at "
+                   "30/50/70 % with a 16k-block cache, token hit rate in the next 10 minutes; settings were tuned "
+                   "on other restart times (`--tune`).", replay),
+    "prefill-gpu": Page("Prefill", "An 8B-shaped Llama (random bf16 weights) on the GPU; 2 prefixes each, "
+                        "block 256, FP8 per head.", prefill_gpu),
+    "loader-gpu": Page("Loader", "(a) and (b) on the GPU with the same 8B shape, the snapshots already in the "
+                       "node pool; (b) against a pinned host-to-device copy of the same bytes.", loader_gpu),
+}
+
+
+# -- any other record -------------------------------------------------------------
+#: The most figures a record without a page of its own shows; the rest stay in its file.
+GENERIC_FIGURES = 10
+#: Result keys that say how a run was made, not what it measured.
+GENERIC_SKIP = frozenset({"bench", "quick", "variant", "targets", "checks"})
+
+
+def figure(v) -> str:
+    """A leaf of a result as a cell: ``1,234``, ``0.1235``, ``yes``, ``-`` or the string."""
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}"
+    if isinstance(v, float):
+        return f"{v:,.4g}"
+    return "-" if v is None else str(v)
+
+
+def leaves(obj: dict, path: tuple[str, ...] = ()):
+    """``(dotted.name, value)`` for each number, flag or short string in ``obj``, depth first."""
+    for k, v in obj.items():
+        if not path and k in GENERIC_SKIP:
+            continue
+        if isinstance(v, dict):
+            yield from leaves(v, (*path, str(k)))
+        elif v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and len(v) <= 40):
+            yield ".".join((*path, str(k))), v
+
+
+def targets_of(r: dict) -> list[tuple[str, ...]]:
+    """The rows of a result's ``targets`` and ``checks``: a flag is a verdict, ``{value, target, met}`` a row."""
+    rows = []
+    for key in ("targets", "checks"):
+        for name, t in (r.get(key) or {}).items():
+            if isinstance(t, bool):
+                rows.append((name, "", "", verdict(t)))
+            elif isinstance(t, dict) and "met" in t:
+                rows.append((name, figure(t.get("value")), figure(t.get("target")), verdict(t["met"])))
+            elif not isinstance(t, (dict, list)):
+                rows.append((name, "", figure(t), ""))
+    return rows
+
+
+def generic(r: dict) -> list[Table]:
+    """A record no page knows yet: its first figures as recorded, and its targets."""
+    found = list(leaves(r))
+    shown = found[:GENERIC_FIGURES]
+    note = (f"The first {len(shown)} of {len(found)} figures; the rest are in the record." if len(found) > len(shown)
+            else "")
+    tables = [Table(("figure", "value"), [(f"`{k}`", figure(v)) for k, v in shown], note)] if shown else []
+    if rows := targets_of(r):
+        tables.append(Table(("target", "result", "target value", ""), rows))
+    return tables
+
+
+def generic_page(bench: str, variant: str | None = None) -> Page:
+    """The section of a bench (or a variant) that has no page here yet."""
+    title = bench.replace("_", " ").capitalize() + (f", {variant}" if variant else "")
+    return Page(title, "No page of its own in `bench/lib/headlines.py` yet: the record's figures as the bench "
+                "wrote them, and its targets.", generic)
