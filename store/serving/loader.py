@@ -195,6 +195,13 @@ class KVLoader:
         cut short before the failing block). Bad arguments (not a flat sequence of token
         ids) raise ``ValueError``.
         """
+        return self.lookup_with_reason(token_ids)[0]
+
+    def lookup_with_reason(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor
+                           ) -> tuple[LoaderHit | None, str | None]:
+        """:meth:`lookup`, and why the hit is missing or shorter than the stored chain (a
+        :data:`store.serving.metrics.MISS_REASONS` value; ``None`` for a full hit). An engine
+        that was promised the whole chain reports that reason for the part it did not get."""
         t0 = time.perf_counter()
         ids = token_ids.detach().cpu().numpy() if isinstance(token_ids, torch.Tensor) else np.asarray(token_ids)
         if ids.ndim == 2 and ids.shape[0] == 1:
@@ -216,14 +223,15 @@ class KVLoader:
             hit, reason = None, "error"
             log.exception("lookup failed, served as a miss: %s", exc)
         if hit is None:
-            self.metrics.miss(reason or "absent")
+            reason = reason or "absent"
+            self.metrics.miss(reason)
             log.debug("miss (%s) for a %d-token prompt", reason, len(ids))
         else:
             self.metrics.hit(hit.tokens)
             if reason:
                 self.metrics.shortened(reason)
         self.metrics.observe("lookup", time.perf_counter() - t0)
-        return hit
+        return hit, reason
 
     def _longer_public(self, hit: LoaderHit | None, reason: str | None,
                        ids: np.ndarray) -> tuple[LoaderHit | None, str | None]:
@@ -361,8 +369,9 @@ class KVLoader:
 
         Args:
             items: a :class:`store.plan.Plan` (or a plan file): its entries for this tenant
-                and for ``public`` (unless public prefixes are off), in priority order; their ``score`` becomes the pool's retention priority of
-                their blocks. Or prefixes as token-id sequences.
+                and for ``public`` (unless public prefixes are off), in priority order; their
+                ``score`` becomes the pool's retention priority of their blocks, in place of the
+                last plan's. Or prefixes as token-id sequences (no priority).
             map_ahead: also map and admit them into the node's pool (and read them ahead
                 into the page cache), so the first lookup pays nothing.
             tokenizer: turns a plan entry's ``text`` into token ids (entries with text are
@@ -373,10 +382,16 @@ class KVLoader:
         """
         scopes = {self.tenant.name: self._own, **({PUBLIC: self._public} if self._public else {})}
         chains, skipped = plan_chains(items, self._own, scopes, tokenizer)
-        for chain, score, scope in chains:
-            if score is not None:
+        if isinstance(items, (Plan, str, os.PathLike)):
+            # The latest plan's scores replace the last plan's: a node re-prefetching a plan every
+            # few minutes keeps one plan's priorities, not every entry it was ever given.
+            priority: dict[str, float] = {}
+            for chain, score, scope in chains:
+                if score is None:
+                    continue
                 for name in scope.names(chain):
-                    self._priority[name] = max(score, self._priority.get(name, score))
+                    priority[name] = max(score, priority.get(name, score))
+            self._priority = priority
         return self._executor.submit(run_prefetch, chains, skipped, probe=self._probe_local, fetcher=self.fetcher,
                                      map_ahead=self._map_ahead if map_ahead else None, metrics=self.metrics)
 
