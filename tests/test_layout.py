@@ -52,3 +52,23 @@ def test_serving_path_imports_only_store_and_its_light_deps() -> None:
 def test_console_script_is_declared() -> None:
     text = (REPO / "pyproject.toml").read_text()
     assert 'name = "kvwarm"' in text and 'prefill = "prefill.cli:main"' in text
+
+
+def test_the_vllm_connector_imports_light() -> None:
+    """``store.engines.vllm`` (imported by vLLM in each of its processes) pulls in neither Prefect nor
+    statsmodels, and its pure parts need neither vLLM nor transformers (they are tested without them)."""
+    pure = ", ".join(f"store.engines.vllm.{m}" for m in (
+        "settings", "tenancy", "layout", "paging", "planning", "costs", "probe", "fetches", "tracker", "metadata",
+        "stats", "scheduler", "worker", "writeback"))
+    code = (
+        f"import sys, store.engines.vllm, {pure};"
+        "heavy = [m for m in ('prefect', 'statsmodels', 'datasketch', 'transformers', 'vllm', 'flows', 'prefill',"
+        " 'forecasting') if m in sys.modules]; print(','.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"the connector's pure modules pulled in: {out.stdout.strip()}"
+    for path in (REPO / "store" / "engines" / "vllm").glob("*.py"):
+        used = _imports(path)
+        assert not used & {"prefect", "statsmodels", "datasketch"}, f"{path.name} imports {used}"
+        if path.stem not in ("connector", "prom"):
+            assert "vllm" not in used, f"{path.name} imports vllm: only connector.py and prom.py may"

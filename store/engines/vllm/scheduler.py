@@ -290,6 +290,11 @@ class SchedulerRole:
         return {"kvwarm": st.outcome()}
 
     # -- reporting -----------------------------------------------------------
+    def block_keys(self, token_ids: Sequence[int], *, tenant: str | None = None, chat: bool = False) -> list[str]:
+        """The keys of the prompt's full kvwarm blocks under ``tenant``'s (default: the default tenant's)
+        plain or chat-keyed root, as the probe computes them (``prefill warm`` must compute the same)."""
+        return [b.key for b in self.probe.chain(tenant or self.tenants.default, chat, token_ids)]
+
     def stats(self) -> dict[str, Any]:
         """Every figure since start: this role's counters, the worker's as reported, the estimates."""
         out = dict(self.counters.totals())

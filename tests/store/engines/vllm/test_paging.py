@@ -31,9 +31,10 @@ def cache_for(kind: str, dtype=torch.bfloat16) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", ["cpu_vec", "cpu_permuted", "split", "kv_first"])
-def test_round_trip_touches_only_the_given_blocks(kind: str) -> None:
-    cache, lay = cache_for(kind), layout(kind)
-    k, v = kv(len(IDS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])  # numpy bit copies, and torch's
+def test_round_trip_touches_only_the_given_blocks(kind: str, dtype: torch.dtype) -> None:
+    cache, lay = cache_for(kind, dtype), layout(kind, dtype)
+    k, v = kv(len(IDS), dtype=dtype)
     write_layer(cache, lay, IDS, k, v)
     k2, v2 = read_layer(cache, lay, IDS)
     assert torch.equal(k2, k) and torch.equal(v2, v)
@@ -53,12 +54,21 @@ def test_cpu_vec_holds_k_transposed_then_v_per_block_and_head() -> None:
             assert torch.equal(flat[B * D :].view(B, D), v[h, j * B : (j + 1) * B])
 
 
-def test_the_permuted_path_with_the_vec_order_writes_what_the_vec_path_writes() -> None:
-    a, b = cache_for("cpu_vec"), cache_for("cpu_vec")
-    k, v = kv(len(IDS), seed=2)
-    write_layer(a, layout("cpu_vec"), IDS, k, v)
-    write_layer(b, EngineLayout("cpu_permuted", NB, H, B, D, torch.bfloat16, vec_index(H, B, D)), IDS, k, v)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+def test_the_permuted_path_with_the_vec_order_writes_what_the_vec_path_writes(dtype: torch.dtype) -> None:
+    a, b = cache_for("cpu_vec", dtype), cache_for("cpu_vec", dtype)
+    k, v = kv(len(IDS), seed=2, dtype=dtype)
+    write_layer(a, layout("cpu_vec", dtype), IDS, k, v)
+    write_layer(b, EngineLayout("cpu_permuted", NB, H, B, D, dtype, vec_index(H, B, D)), IDS, k, v)
     assert torch.equal(a, b)
+
+
+def test_a_slice_of_a_longer_run_is_written_as_it_is() -> None:
+    cache, lay = cache_for("cpu_vec"), layout("cpu_vec")
+    k, v = kv(3, seed=4)
+    write_layer(cache, lay, [3, 5], k[:, B:], v[:, B:])  # what a load from the middle of a hit passes
+    k2, v2 = read_layer(cache, lay, [3, 5])
+    assert torch.equal(k2, k[:, B:]) and torch.equal(v2, v[:, B:])
 
 
 def test_split_holds_k_then_v_in_the_last_dim() -> None:
