@@ -14,9 +14,10 @@ SPEC (JSON)::
 
     {"engine": {...},             # keyword arguments of vllm.LLM (model, dtype, block_size, ...)
      "connector": {"extra": {...}, "policy": "recompute"} | null,   # KvwarmConnector's config
+                                  # ("class" and "module" name another: vLLM's OffloadingConnector...)
      "steps": [{"name": "warm",
                 "requests": [{"ids": [..], "max_tokens": 16, "cache_salt": null,
-                              "kv_transfer_params": null}],
+                              "kv_transfer_params": null, "logprobs": null}],
                 "together": true,  # one generate() call for all (a batch), else one call each
                 "repeat": 1},
                {"name": "pause", "barrier": true},   # wait here until the caller says go
@@ -56,10 +57,11 @@ def build_llm(spec: dict[str, Any]) -> Any:
     kw.update(spec.get("engine") or {})
     conn = spec.get("connector")
     if conn is not None:
+        cls = conn.get("class", CONNECTOR_CLASS)
+        module = conn.get("module", CONNECTOR_MODULE if cls == CONNECTOR_CLASS else None)
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector=CONNECTOR_CLASS, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_both",
-            kv_load_failure_policy=conn.get("policy", "recompute"),
-            kv_connector_extra_config=conn.get("extra") or {})
+            kv_connector=cls, kv_connector_module_path=module, kv_role="kv_both",
+            kv_load_failure_policy=conn.get("policy", "recompute"), kv_connector_extra_config=conn.get("extra") or {})
     return LLM(**kw)
 
 
@@ -103,7 +105,8 @@ def run_step(llm: Any, step: dict[str, Any]) -> list[dict[str, Any]]:
     def params(r: dict[str, Any]) -> Any:
         extra = {"kv_transfer_params": r["kv_transfer_params"]} if r.get("kv_transfer_params") else None
         n = int(r.get("max_tokens", 16))
-        return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True, extra_args=extra)
+        return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True, extra_args=extra,
+                              logprobs=r.get("logprobs"))
 
     reqs = list(enumerate(step["requests"]))
     groups = [reqs] if step.get("together") else [[r] for r in reqs]
@@ -114,9 +117,11 @@ def run_step(llm: Any, step: dict[str, Any]) -> list[dict[str, Any]]:
             outs = llm.generate([prompt(r) for _, r in group], [params(r) for _, r in group], use_tqdm=False)
             dt = time.perf_counter() - t0
             for (i, _), o in zip(group, outs):
-                calls.append({"rep": rep, "index": i, "seconds": dt,
-                              "tokens": list(o.outputs[0].token_ids), "num_cached_tokens": o.num_cached_tokens,
-                              "kv_transfer_params": o.kv_transfer_params})
+                call = {"rep": rep, "index": i, "seconds": dt, "tokens": list(o.outputs[0].token_ids),
+                        "num_cached_tokens": o.num_cached_tokens, "kv_transfer_params": o.kv_transfer_params}
+                if o.outputs[0].logprobs:  # per position: the top tokens and their logprobs
+                    call["logprobs"] = [{str(t): lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
+                calls.append(call)
     return calls
 
 

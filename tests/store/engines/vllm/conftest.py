@@ -22,14 +22,16 @@ from tests.store.engines.vllm.harness import (
     corpus_line,
     engine_spec,
     entry,
+    greedy_mismatch,
+    margins,
     prefill_warm,
     request,
     write_config,
 )
-from tests.store.engines.vllm.prompts import CHAT_LINE, PROMPTS, all_ids
+from tests.store.engines.vllm.prompts import AGREE, CHAT_LINE, PROMPTS, all_ids
 
 #: prompts whose prefixes the bf16 (and the FP8) store holds; "short" has no full kvwarm block
-SAME = ["two_blocks", "three_blocks_exact", "one_block", "short"]
+SAME = ["two_blocks", "three_blocks_exact", "one_block", "short", *AGREE]
 #: a low prefill rate pinned for the tiny model, so that every stored hit "beats recomputing" whatever
 #: the machine's load does to the measured rates (the cost decision is unit-tested on its own)
 SLOW_PREFILL = 100.0
@@ -47,13 +49,37 @@ def engine():
 
 
 @pytest.fixture(scope="session")
-def cold(engine, tmp_path_factory) -> dict[str, list[int]]:
-    """Greedy tokens of every prompt from vLLM without the connector (one batch)."""
+def cold_run(engine, tmp_path_factory) -> dict[str, tuple[list[int], list[float]]]:
+    """Greedy tokens of every prompt from vLLM without the connector (one batch), and per token the
+    gap between vLLM's top two choices."""
     ids = all_ids()
     names = sorted(ids)
-    run = run_engine(engine_spec([{"name": "cold", "requests": [request(ids[n]) for n in names], "together": True}]),
+    reqs = [{**request(ids[n]), "logprobs": 2} for n in names]
+    run = run_engine(engine_spec([{"name": "cold", "requests": reqs, "together": True}]),
                      tmp_path_factory.mktemp("cold"))
-    return dict(zip(names, run.tokens("cold")))
+    return {n: (c["tokens"], margins(c["logprobs"])) for n, c in zip(names, run.calls("cold"))}
+
+
+@pytest.fixture(scope="session")
+def cold(cold_run) -> dict[str, list[int]]:
+    """Greedy tokens of every prompt from vLLM without the connector."""
+    return {n: tokens for n, (tokens, _) in cold_run.items()}
+
+
+@pytest.fixture(scope="session")
+def same_as_cold(cold_run):
+    """``check(name, tokens)``: vLLM's cold tokens, up to a near tie (harness.greedy_mismatch)."""
+    def check(name: str, tokens: list[int]) -> None:
+        want, gaps = cold_run[name]
+        why = greedy_mismatch(tokens, want, gaps)
+        assert why is None, f"{name}: not vLLM's cold tokens ({why})\n got  {tokens}\n cold {want}"
+    return check
+
+
+def stored_prefix(name: str) -> list[int]:
+    """The prefix ``prefill warm`` is given for a prompt (empty when it has no full kvwarm block)."""
+    p = PROMPTS.get(name) or AGREE[name]
+    return p.prefix if p.stored >= 256 else []
 
 
 def connector(config: Path, **extra) -> dict:
@@ -66,7 +92,7 @@ def bf16_store(engine, tmp_path_factory) -> Path:
     """A bf16 store (its config file) holding the SAME prefixes and a chat-templated one, by `prefill warm`."""
     d = tmp_path_factory.mktemp("bf16")
     cfg = write_config(d / "kvwarm.yaml", store_url=f"file://{d}/store", compression="bf16")
-    prefill_warm(cfg, [*(entry(PROMPTS[n].prefix) for n in SAME if PROMPTS[n].stored >= 256),
+    prefill_warm(cfg, [*(entry(stored_prefix(n)) for n in SAME if stored_prefix(n)),
                        entry(text=corpus_line(CHAT_LINE), chat=True)])
     return cfg
 

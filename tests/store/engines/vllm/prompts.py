@@ -75,6 +75,9 @@ def text_prompt() -> str:
 def text_ids() -> list[int]:
     return [int(t) for t in tokenizer()(text_prompt(), add_special_tokens=False)["input_ids"]]
 
+#: token agreement (FP8 storage, and bf16 beyond the few prompts above): 16 prompts of one stored block
+AGREE = _chain([(f"agree_{i}", 256, 44) for i in range(16)], start=20000)
+
 #: concurrency: 8 prompts sharing one stored 512-token prefix, 8 with nothing stored
 SHARED = Prompt("shared", 30000, 512, 0)
 CONCURRENT_SHARED = [Prompt(f"shared_{i}", 30000, 512, 40 + 9 * i) for i in range(8)]
@@ -90,6 +93,7 @@ def all_ids() -> dict[str, list[int]]:
     """The token ids of every prompt, by name (what the ``cold`` fixture runs)."""
     out = {name: p.ids for name, p in PROMPTS.items()}
     out.update({name: p.ids for name, p in CONCURRENT_COLD.items()})
+    out.update({name: p.ids for name, p in AGREE.items()})
     out.update(concurrent_shared_ids())
     out.update(chat=chat_ids(), text=text_ids())
     return out

@@ -72,10 +72,13 @@ def tokens(answer: dict) -> list[int]:
     return answer["choices"][0]["token_ids"]
 
 
-def test_concurrent_requests_sharing_a_stored_prefix_and_not_all_get_the_cold_tokens(served, cold):
+def test_concurrent_requests_sharing_a_stored_prefix_and_not_all_get_the_cold_tokens(served, cold, same_as_cold):
     sent, answers, _, log = served
     for (name, fields), answer in zip(sent, answers):
-        assert tokens(answer) == cold[name], f"{name} (salt {fields.get('cache_salt')})"
+        if outcome(answer).get("loaded_tokens"):
+            same_as_cold(name, tokens(answer))  # prefill warm's KV: up to a near tie
+        else:
+            assert tokens(answer) == cold[name], f"{name} (salt {fields.get('cache_salt')})"
     loaded = {name: outcome(a).get("loaded_tokens") for (name, f), a in zip(sent, answers)
               if f.get("cache_salt") != SALTS["beta"]}
     assert all(loaded[n] == 512 for n in concurrent_shared_ids())
@@ -91,10 +94,10 @@ def test_a_cache_salt_over_http_keeps_another_tenants_prefix_out(served):
     assert outcome(beta[0]).get("reason") == "tenant_refused"
 
 
-def test_a_text_prompt_stored_by_prefill_warm_text_is_found_after_vllm_tokenises_it(served, cold):
+def test_a_text_prompt_stored_by_prefill_warm_text_is_found_after_vllm_tokenises_it(served, same_as_cold):
     sent, answers, _, _ = served
     (answer,) = [a for (n, _), a in zip(sent, answers) if n == "text"]
-    assert tokens(answer) == cold["text"]
+    same_as_cold("text", tokens(answer))
     assert outcome(answer).get("loaded_tokens") == 512
 
 
