@@ -71,7 +71,7 @@ from bench.lib.timing import timed_median  # noqa: E402
 from forecasting.ingest.traces import read_mooncake  # noqa: E402
 from forecasting.simulate.replay import BlockIndex, PredictorConfig  # noqa: E402
 from forecasting.simulate.simulation import STEADY_POLICIES, WARMUP_POLICIES, Scenario, SimResult, plot, simulate  # noqa: E402
-from forecasting.simulate.ttft import CostModel  # noqa: E402
+from store.cost import PrefillCost  # noqa: E402
 
 KNOWN = {  # issue 7, mid-trace restart, 16k blocks, 10 minutes; steady state at 4k blocks
     "restart50.lru": 19.7, "restart50.lru+naive": 23.7, "restart50.lru+oracle": 28.4, "restart50.no-event": 24.0,
@@ -200,11 +200,11 @@ def main(argv: list[str] | None = None) -> int:
         return mean_of([ratio(res.row(policy).first_bucket_hit_rate_excl_root,
                              res.reference.first_bucket_hit_rate_excl_root) for res in restarts.values()])
 
-    # TTFT the prewarm saves per request in the window, over cold LRU (CostModel: fitted to the H200 prefill bench).
+    # TTFT the prewarm saves per request in the window, over cold LRU (store.cost.PrefillCost: fitted to the H200 prefill bench).
     ttft_ms = {p: rounded(1e3 * mean_of([(res.row(p).ttft_saved_s - res.row("lru").ttft_saved_s) / max(res.row(p).requests, 1)
                                       for res in restarts.values()]), 1)
                for p in ("lru+naive", "lru+kvwarm", "retention+kvwarm", "lru+oracle")}
-    full_ms = rounded(1e3 * float(CostModel().prefill_s(trace.input_tokens).mean()), 1)
+    full_ms = rounded(1e3 * float(PrefillCost().seconds(trace.input_tokens).mean()), 1)
     print("\n== TTFT saved per request in the window over cold LRU, mean of the restarts (8B on an H200: "
           "docs/simulate.md): " + ", ".join(f"{p} {v} ms" for p, v in ttft_ms.items())
           + f"; a request's whole prefill averages {full_ms} ms")

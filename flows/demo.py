@@ -192,6 +192,7 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
     from forecasting.planning.accuracy import warmup_accuracy
     from prefill.monitoring import PRICE_ENV, Prices, compute, read_loader_stats, read_run
     from prefill.report_cli import format_table
+    from store.cost import PrefillCost
     from store.plan import read_plan
 
     t0 = time.perf_counter()
@@ -203,10 +204,12 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
     plan = read_plan(out / "plan.json")
     prefill = result.get("prefill", {})
     ws, we = pd.Timestamp(plan.window_start, unit="s"), pd.Timestamp(plan.window_end, unit="s")
-    ttl = max((e.ttl_s or 0.0 for e in plan.entries), default=0.0) or 6 * 3600.0
+    config = flow_config(config_path, block_size)
+    # the replay runs as long as the longest-lived snapshot the prefill wrote (the policy's longest, if none)
+    kv = config.kv_cache
+    ttl = max((kv.clamp_ttl(e.ttl_s) for e in plan.entries), default=kv.ttl_max_s)
     period_end = we + pd.Timedelta(seconds=ttl)
 
-    config = flow_config(config_path, block_size)
     loaded = load_model_task.fn(model)
     test = everything[everything["timestamp"] >= last_day]
     target = test[(test["timestamp"] >= we) & (test["timestamp"] < period_end)]
@@ -228,7 +231,7 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
     budget = plan.extra.get("prefill_rate", {})
     if rate <= 0 and budget.get("source") == "measured":  # everything was stored already: nothing to time
         rate, rate_from = float(budget["tokens_per_s"]), f"run {budget['from_run']}'s measured"
-    saved_s = rep["cached_tokens"] / rate if rate > 0 else float("nan")
+    saved_s = PrefillCost.from_rate(rate).seconds(rep["cached_tokens"]) if rate > 0 else float("nan")
     actual_prefix = {e.prefix_id: [[str(d), float(y)] for d, y in
                                    observed.series.loc[observed.series["unique_id"] == e.prefix_id, ["ds", "y"]].itertuples(index=False)]
                      for e in plan.entries}
@@ -295,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--store", default="file://./.kvwarm-demo", help="store URL (default: ./.kvwarm-demo)")
     p.add_argument("--logs", default=str(SAMPLE), help="request logs (default: the bundled sample)")
     p.add_argument("--run", default="demo", help="run name (results under <store>/_flows/<run>)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=16,
+                   help="tokens per block (default 16: the sample logs' prompts are short); replaces the "
+                        "config's kv_cache.block_size")
     p.add_argument("--config", help="kvwarm config file")
     p.add_argument("--model", default="kvwarm-tiny")
     p.add_argument("--window-hours", type=float, default=3.0)

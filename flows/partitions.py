@@ -34,11 +34,12 @@ import fsspec
 import pandas as pd
 
 from forecasting.ingest.logs import FORMATS, LogError, Quarantined, ReadReport, window_us
+from store.errors import BadInputError
 
 RUNNERS = ("threads", "dask")
 
 
-class PartitionError(ValueError):
+class PartitionError(BadInputError):
     """The logs cannot be split as asked (the message says what to pass instead)."""
 
 

@@ -35,7 +35,6 @@ from flows.tasks import (
     flow_config,
     forecast_task,
     gc_task,
-    kv_bytes_per_token,
     list_partitions_task,
     load_demand,
     load_model_task,
@@ -43,6 +42,7 @@ from flows.tasks import (
     need,
     plan_task,
     prefill_task,
+    publish_latest_plan,
     read_partition_task,
     run_dir,
     save_demand,
@@ -53,10 +53,11 @@ from flows.tasks import (
     transient,
     window_task,
 )
+from prefill.models import kv_layout
+from store.format.payload import kv_bytes_per_token
 from store.plan import read_plan
 
 DEFAULT_MODEL = "kvwarm-tiny"
-DEFAULT_BLOCK = 16
 
 
 def _default_run() -> str:
@@ -74,7 +75,7 @@ def _model_config(model: str) -> Any:
 
 @flow(name="mine-logs")
 def mine_logs(logs: str, store: str, run: str, config_path: str | None = None, model: str = DEFAULT_MODEL,
-              block_size: int | None = DEFAULT_BLOCK, bucket: str = "1h", k: int = 3, start: str | None = None,
+              block_size: int | None = None, bucket: str = "1h", k: int = 3, start: str | None = None,
               end: str | None = None, similarity: float | None = None, quarantine: str | None = None,
               task_runner: str = "threads", dask_address: str | None = None, parallelism: int = 2,
               slices: int = 1) -> str:
@@ -146,7 +147,7 @@ def forecast_demand(store: str, run: str, horizon: int = 24, workers: int = 1, w
 
 @flow(name="plan-prewarm")
 def plan_prewarm(store: str, run: str, config_path: str | None = None, model: str = DEFAULT_MODEL,
-                 block_size: int | None = DEFAULT_BLOCK, prefill_tokens_per_s: float | None = None,
+                 block_size: int | None = None, prefill_tokens_per_s: float | None = None,
                  budget_gpu_s: float = 3600.0, budget_store_bytes: float = float(1 << 30),
                  gpu_s_per_gib_hour: float = 0.5, schedule_prefill: str | None = None) -> str:
     """Choose what to prefill in the window; write ``plan.json``.
@@ -165,13 +166,14 @@ def plan_prewarm(store: str, run: str, config_path: str | None = None, model: st
     demand = load_demand(out / "demand")
     fc = pd.read_parquet(need(out / "forecast.parquet", "forecast_demand"))
     window = json.loads(need(out / "window.json", "forecast_demand").read_text())
-    bpt = kv_bytes_per_token(_model_config(model), config.kv_cache.compression)
+    bpt = kv_bytes_per_token(kv_layout(_model_config(model), config.kv_cache.block_size), config.kv_cache.precision())
     rate = history.choose_prefill_rate(out, model, prefill_tokens_per_s)
     plan = plan_task(demand, fc, window, config, model=model, tokens_per_s=rate.tokens_per_s,
                      bytes_per_token=bpt, budget_gpu_s=budget_gpu_s, budget_store_bytes=budget_store_bytes,
                      gpu_s_per_gib_hour=gpu_s_per_gib_hour)
     plan = dataclasses.replace(plan, extra={**plan.extra, "prefill_rate": rate.as_dict()})
     path = save_plan(plan, out / "plan.json")
+    publish_latest_plan(plan, store, config)
     get_run_logger().info("planned %d prefixes (%s)", len(plan.entries), plan.extra)
     if schedule_prefill:
         schedule_prefill_task(store, run, window, schedule_prefill,
@@ -181,7 +183,7 @@ def plan_prewarm(store: str, run: str, config_path: str | None = None, model: st
 
 @flow(name="prefill-plan")
 def prefill_plan(store: str, run: str, config_path: str | None = None, model: str = DEFAULT_MODEL,
-                 block_size: int | None = DEFAULT_BLOCK, deadline: float | None = None,
+                 block_size: int | None = None, deadline: float | None = None,
                  device: str | None = "cpu", dtype: str = "fp32") -> dict[str, Any]:
     """Prefill the run's plan into the store before ``deadline`` (Unix seconds); writes ``prefill.json``."""
     out = run_dir(store, run)
@@ -195,7 +197,7 @@ def prefill_plan(store: str, run: str, config_path: str | None = None, model: st
 
 
 @flow(name="gc-store")
-def gc_store(store: str, config_path: str | None = None, block_size: int | None = DEFAULT_BLOCK,
+def gc_store(store: str, config_path: str | None = None, block_size: int | None = None,
              run: str | None = None) -> dict[str, Any]:
     """Collect the store's garbage (expired snapshots, temp files, over-cap eviction)."""
     config = flow_config(config_path, block_size)
@@ -267,7 +269,7 @@ def report(store: str, run: str, extra: dict[str, Any] | None = None,
 
 @flow(name="kvwarm-pipeline")
 def kvwarm_pipeline(logs: str, store: str, run: str | None = None, config_path: str | None = None,
-                    model: str = DEFAULT_MODEL, block_size: int | None = DEFAULT_BLOCK, bucket: str = "1h", k: int = 3,
+                    model: str = DEFAULT_MODEL, block_size: int | None = None, bucket: str = "1h", k: int = 3,
                     start: str | None = None, train_end: str | None = None, horizon: int = 24, workers: int = 1,
                     window_hours: float = 3.0, offpeak_fraction: float = 0.6, prefill_tokens_per_s: float | None = None,
                     budget_gpu_s: float = 3600.0, budget_store_bytes: float = float(1 << 30),

@@ -36,22 +36,22 @@ from forecasting.mining.prefix_tree import mine_text, tokenize_requests
 from forecasting.models.catalog import candidates
 from forecasting.models.parallel import forecast_frame_parallel
 from forecasting.planning.offpeak import load_predictors, lowest_window, offpeak_windows, pick_window
-from forecasting.planning.planner import Budget, CostModel, PlanPolicy, make_plan
+from forecasting.planning.planner import Budget, PlanCosts, PlanPolicy, make_plan
 from prefill.monitoring import MonitoringError, run_directory
 from store.config import KvwarmConfig, load_config, parse_config
-from store.errors import StoreUnavailable
-from store.plan import Plan, read_plan, write_plan
+from store.cost import PrefillCost
+from store.errors import BadInputError, OperationalError, StoreUnavailable
+from store.plan import Plan, publish_plan, read_plan, write_plan
 
 IO_RETRIES = 2
 IO_RETRY_DELAY_S = 1.0
-KV_BYTES = {"fp8": 1, "bf16": 2, "fp16": 2, "fp32": 4}
 
 
-class FlowInputError(ValueError):
+class FlowInputError(BadInputError):
     """A flow parameter or a file a stage needs is missing or wrong; the message says which and what to do."""
 
 
-class StoreUnreachable(RuntimeError):
+class StoreUnreachable(OperationalError):
     """The store's S3 tier did not answer (retried: it may come back); the message names the endpoint."""
 
 
@@ -245,6 +245,19 @@ def save_plan(plan: Plan, path: Path) -> Path:
     return write_plan(plan, path)
 
 
+@task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
+def publish_latest_plan(plan: Plan, store_url: str, config: KvwarmConfig) -> int:
+    """Make ``plan`` the store's latest (``store.plan.publish_plan``): serving engines started with
+    ``plan: latest`` prefetch it. Returns the tiers written."""
+    from store.tiers.store import Store
+
+    store = Store.open(store_url, config)
+    try:
+        return publish_plan(plan, store.tiers)
+    finally:
+        store.close()
+
+
 @task(retries=1, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
 def prefill_task(plan_path: Path, loaded: Any, store_url: str, config: KvwarmConfig,
                  deadline: float | None = None) -> dict[str, Any]:
@@ -280,7 +293,7 @@ def gc_task(store_url: str, config: KvwarmConfig, now: float | None = None) -> d
     try:
         with s3_reachable(config, "gc"):
             check_remote_tiers(store)
-            return gc(store, now=now, ttl_max_s=config.kv_cache.ttl_max_hours * 3600.0).as_dict()
+            return gc(store, now=now, ttl_max_s=config.kv_cache.ttl_max_s).as_dict()
     finally:
         store.close()
 
@@ -350,20 +363,12 @@ def window_task(total_forecast: pd.DataFrame, hours: float, fraction: float, buc
 def plan_task(demand: Demand, forecast: pd.DataFrame, window: dict[str, Any], config: KvwarmConfig, *,
               model: str, tokens_per_s: float, bytes_per_token: float, budget_gpu_s: float,
               budget_store_bytes: float, gpu_s_per_gib_hour: float) -> Plan:
-    """The prewarm plan for the chosen window (``forecasting.planning.planner.make_plan``)."""
-    cost = CostModel(tokens_per_s=tokens_per_s, bytes_per_token=bytes_per_token,
+    """The prewarm plan for the chosen window (``forecasting.planning.planner.make_plan``): prefill
+    priced by the default model's shape at ``tokens_per_s`` (:meth:`store.cost.PrefillCost.scaled`)."""
+    cost = PlanCosts(prefill=PrefillCost().scaled(tokens_per_s), bytes_per_token=bytes_per_token,
                      gpu_s_per_gib_hour=gpu_s_per_gib_hour)
     return make_plan(demand, forecast, cost=cost, budget=Budget(gpu_s=budget_gpu_s, store_bytes=budget_store_bytes),
                      window_start=pd.Timestamp(window["chosen"]["start"]),
                      window_end=pd.Timestamp(window["chosen"]["end"]), bucket=demand.bucket,
-                     policy=PlanPolicy.from_config(config.kv_cache), model=model,
+                     policy=PlanPolicy(kv_cache=config.kv_cache), model=model,
                      block_size=config.kv_cache.block_size)
-
-
-def kv_bytes_per_token(model_config: Any, compression: str) -> float:
-    """KV bytes per token: layers x 2 (K and V) x kv heads x head dim x bytes of the stored dtype."""
-    heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
-    return float(model_config.num_hidden_layers * 2 * heads * head_dim * KV_BYTES[compression])
-
-

@@ -9,14 +9,15 @@ pipeline: mine, forecast, plan, prefill, replay.)
 """
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from typing import Any
 
 import torch
 
+from store.cli import add_location_options
 from store.config import load_config
+from store.errors import BadInputError
 from store.format.encode import build_snapshot
 from store.identity.keys import KeyRoot, block_chain
 from store.tiers.store import Store
@@ -27,6 +28,7 @@ SYSTEM_PROMPT = (
     "escalate to a human when the customer asks twice. "
 )
 QUESTION = "Where is my order 4471? It was due on Monday."
+DEMO_STORE = "file://./.kvwarm-demo"
 
 
 def tiny_model() -> tuple[Any, Any]:
@@ -45,18 +47,26 @@ def byte_tokens(text: str) -> list[int]:
 
 
 def run(store_url: str, tenant_name: str = "demo", block_size: int = 32, config_path: str | None = None) -> dict[str, float]:
-    """Write snapshots of the system prompt, read them back, and measure the effect."""
+    """Write snapshots of the system prompt, read them back, and measure the effect.
+
+    Raises:
+        BadInputError: a bad config, tenant, store URL, or a block size that leaves the
+            prompt no full block (checked before the model is built).
+    """
     from transformers import DynamicCache
 
+    prompt = byte_tokens(SYSTEM_PROMPT)
+    if not 1 <= block_size <= len(prompt):
+        raise BadInputError(f"--block-size must be between 1 and {len(prompt)} (the demo prompt's tokens), "
+                            f"got {block_size}")
     config = load_config(config_path)
     precision = config.kv_cache.precision()
-    model, cfg = tiny_model()
     tenant = config.tenant(tenant_name)
     root = KeyRoot("demo-tiny-llama@seed0", "utf8-bytes", precision.kv_dtype, precision.scheme_id(), block_size, tenant.salt)
     store = Store.open(store_url, config)
+    model, cfg = tiny_model()
 
     # 1. Prefill job: compute the system prompt's KV and write one snapshot per full block.
-    prompt = byte_tokens(SYSTEM_PROMPT)
     blocks = block_chain(root, prompt)
     with torch.no_grad():
         cache = model(torch.tensor([prompt]), use_cache=True).cache
@@ -107,20 +117,19 @@ def run(store_url: str, tenant_name: str = "demo", block_size: int = 32, config_
 
 def add_demo_command(sub: Any) -> None:
     """Register ``prefill demo``."""
-    p = sub.add_parser("demo", help="write snapshots from a tiny model and read them back")
-    _add_args(p)
-    p.set_defaults(func=lambda a: 0 if run(a.store, a.tenant, a.block_size, a.config)["top1_agrees"] else 1)
-
-
-def _add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--store", default="file://./.kvwarm-demo", help="store URL (default: ./.kvwarm-demo)")
-    p.add_argument("--tenant", default="demo")
-    p.add_argument("--block-size", type=int, default=32)
-    p.add_argument("--config", help="config file")
+    p = sub.add_parser("demo", help="write snapshots from a tiny model and read them back",
+                       description="Prefill a system prompt on a tiny random Llama, write one FP8 snapshot per block, "
+                                   "then load them back as a serving node would and compare the next-token "
+                                   "distribution with a cold prefill. Exit 1 when the top token disagrees.")
+    add_location_options(p, store_help=f"store URL to write the demo's snapshots to (default: {DEMO_STORE})")
+    p.add_argument("--tenant", default="demo", metavar="NAME", help="tenant to write as (default: demo)")
+    p.add_argument("--block-size", type=int, default=32, metavar="TOKENS", help="tokens per block (default: 32, since the demo's prompt is short; the config's "
+                        "kv_cache.block_size is not used)")
+    p.set_defaults(func=lambda a: 0 if run(a.store or DEMO_STORE, a.tenant, a.block_size, a.config)["top1_agrees"]
+                   else 1)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    _add_args(parser)
-    a = parser.parse_args()
-    sys.exit(0 if run(a.store, a.tenant, a.block_size, a.config)["top1_agrees"] else 1)
+    from prefill.cli import main
+
+    sys.exit(main(["demo", *sys.argv[1:]]))

@@ -17,19 +17,12 @@ from typing import Iterable, Sequence
 from prefill.models import LoadedModel
 from prefill.runner import PrefillError, PrefixRequest
 from store.config import KvwarmConfig
+from store.errors import BadInputError
 from store.plan import Plan, PlanEntry, PlanError, parse_plan, read_plan
 
 
-class InputError(PrefillError, ValueError):
+class InputError(PrefillError, BadInputError):
     """The prefixes given to the prefill job are missing or malformed."""
-
-
-def clamp_ttl(config: KvwarmConfig, ttl_s: float | None) -> float:
-    """A plan's TTL, clamped into the configured policy bounds (the default TTL when unset)."""
-    kv = config.kv_cache
-    if ttl_s is None:
-        return kv.ttl_seconds()
-    return min(max(float(ttl_s), kv.ttl_min_hours * 3600.0), kv.ttl_max_hours * 3600.0)
 
 
 def requests_from_plan(plan: Plan | Sequence[PlanEntry], loaded: LoadedModel, config: KvwarmConfig,
@@ -51,7 +44,7 @@ def requests_from_plan(plan: Plan | Sequence[PlanEntry], loaded: LoadedModel, co
                 raise InputError(f"entry {i}: token id {max(ids)} is outside the model's vocabulary of {vocab}")
         else:
             ids = tuple(loaded.encode(e.text or "", chat=e.chat))
-        out.append(PrefixRequest(tenant=tenants[name], token_ids=ids, ttl_s=clamp_ttl(config, e.ttl_s),  # type: ignore[arg-type]
+        out.append(PrefixRequest(tenant=tenants[name], token_ids=ids, ttl_s=config.kv_cache.clamp_ttl(e.ttl_s),  # type: ignore[arg-type]
                                  chat=e.chat, order=i))
     return out
 

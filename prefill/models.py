@@ -35,6 +35,8 @@ from typing import Any
 import torch
 
 from prefill.training import TrainingRecipe, token_stream, train
+from store.errors import BadInputError
+from store.format.header import Layout
 from store.format.precision import Precision
 from store.home import kvwarm_home
 from store.identity.fingerprint import ModelIdentity, identity_from_dir
@@ -72,8 +74,23 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
           "fp16": torch.float16, "float16": torch.float16}
 
 
-class ModelNotFound(ValueError):
+class ModelError(BadInputError):
+    """The model cannot be loaded or used as asked (device, dtype, chat template); the message says what to pass."""
+
+
+class ModelNotFound(ModelError):
     """The model is neither a built-in, a local directory, nor in the local hub cache."""
+
+
+def kv_layout(model_config: Any, block_size: int) -> Layout:
+    """The geometry of a model's KV blocks, from its Hugging Face config (layers, KV heads, head dim).
+
+    Its size in the store is :func:`store.format.payload.kv_bytes_per_token`.
+    """
+    heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    return Layout(num_layers=int(model_config.num_hidden_layers), num_kv_heads=int(heads), head_dim=int(head_dim),
+                  block_size=int(block_size))
 
 
 @dataclass(frozen=True)
@@ -98,7 +115,7 @@ class LoadedModel:
         if not chat:
             return self.identity
         if self.chat_identity is None:
-            raise ValueError(f"model {self.name!r} has no chat template; pass plain text or token ids")
+            raise ModelError(f"model {self.name!r} has no chat template; pass plain text or token ids")
         return self.chat_identity
 
     def key_root(self, precision: Precision, block_size: int, tenant_salt: bytes, *, chat: bool = False) -> KeyRoot:
@@ -239,25 +256,50 @@ def resolve(name_or_path: str) -> Path:
 
 
 def pick_device(device: str | None) -> torch.device:
+    """The torch device for ``device`` (``None``/``auto``: cuda when present, else cpu).
+
+    Raises:
+        ModelError: not a device name, or a CUDA device where CUDA is not available.
+    """
     if device in (None, "", "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ModelError(f"device {device!r} is not a device: use cpu, cuda or cuda:N") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available here; use --device cpu")
+        raise ModelError(f"device {device!r} requested but CUDA is not available here; use --device cpu")
     return dev
+
+
+def pick_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """The torch dtype for a name in :data:`DTYPES` (a ``torch.dtype`` passes through).
+
+    Raises:
+        ModelError: an unknown name.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ModelError(f"dtype {dtype!r} is not supported; use one of bf16, fp16, fp32")
+    return DTYPES[dtype]
 
 
 def load_model(name_or_path: str = DEFAULT_MODEL, *, dtype: str | torch.dtype = "fp32",
                device: str | None = None) -> LoadedModel:
-    """Load a causal LM and its tokenizer, and fingerprint them for the key root."""
+    """Load a causal LM and its tokenizer, and fingerprint them for the key root.
+
+    The dtype and device are checked before the model is resolved (building a built-in
+    the first time takes minutes).
+
+    Raises:
+        ModelError: a bad dtype or device; :class:`ModelNotFound` for an unknown model.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} is not supported; use one of bf16, fp16, fp32")
-        dtype = DTYPES[dtype]
-    path = resolve(name_or_path)
+    dtype = pick_dtype(dtype)
     dev = pick_device(device)
+    path = resolve(name_or_path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(dev).eval()
     identity = identity_from_dir(path)

@@ -11,7 +11,7 @@ Inputs, all plain JSON (this module does no other I/O than reading them):
 
 - a run directory ``<local tier>/_flows/<run>/`` (see :func:`run_directory`) with
   ``prefill.json`` (the prefill job: tokens computed, seconds, tokens/s), ``plan.json``
-  (the KV bytes per token: ``planned_store_bytes`` over the planned tokens), and
+  (the KV bytes per token the planner priced storage at: ``extra.kv_bytes_per_token``), and
   optionally ``mine.json``, ``gc.json``, ``report.json`` (its ``replay`` section, written
   by the demo, stands in for loader stats when none are given);
 - zero or more loader stats dumps: the dict :meth:`store.serving.loader.KVLoader.stats` returns,
@@ -32,6 +32,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
+from store.cost import PrefillCost
+from store.errors import BadInputError
+
 #: environment variable holding the GPU price per hour when no flag gives one
 PRICE_ENV = "KVWARM_GPU_PRICE_PER_HOUR"
 #: miss/shortened reasons that are a refused access to another tenant's namespace
@@ -41,7 +44,7 @@ INTEGRITY_REASONS = ("corrupt", "mismatch", "unknown_version")
 RUN_FILES = ("mine", "plan", "prefill", "gc", "report")
 
 
-class MonitoringError(ValueError):
+class MonitoringError(BadInputError):
     """A run directory or a stats dump is missing or malformed; the message says which and what to do."""
 
 
@@ -151,7 +154,8 @@ class Economics:
     """Prefill GPU-seconds saved and what they are worth.
 
     - ``gpu_seconds_saved`` = ``tokens_served / prefill_tokens_per_s``: the prefill the
-      serving GPUs did not do because the KV came from the cache, at the measured rate.
+      serving GPUs did not do because the KV came from the cache, at the measured rate
+      (:meth:`store.cost.PrefillCost.from_rate`: token counts summed over many prompts).
     - ``gpu_seconds_spent``: the prefill job's own compute (``prefill.json`` ``seconds``).
     - ``net_gpu_seconds_saved`` = saved - spent.
     - costs = GPU-seconds x ``gpu_price_per_hour`` / 3600.
@@ -299,19 +303,17 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def kv_bytes_per_token(plan: Mapping[str, Any] | None) -> float | None:
-    """Stored KV bytes per token from a plan: ``extra.planned_store_bytes`` / the planned tokens."""
-    if not plan:
-        return None
-    planned = _num(plan.get("extra"), "planned_store_bytes")
-    tokens = sum(len(e.get("token_ids") or ()) for e in plan.get("entries", []) if isinstance(e, Mapping))
-    return _ratio(planned, float(tokens)) if tokens else None
+    """Stored KV bytes per token, as the plan recorded them (``extra.kv_bytes_per_token``: the
+    snapshot layout's, :func:`store.format.payload.kv_bytes_per_token`)."""
+    return _num(plan.get("extra"), "kv_bytes_per_token") if plan else None
 
 
 def _cache(files: Mapping[str, Mapping[str, Any]], stats: Sequence[Mapping[str, Any]],
            notes: list[str]) -> CacheEfficiency:
     bpt = kv_bytes_per_token(files.get("plan"))
     if bpt is None:
-        notes.append("no plan.json with planned tokens: memory saved needs the KV bytes per token it gives")
+        notes.append("no plan.json with extra.kv_bytes_per_token (the plan-prewarm flow records it): memory saved "
+                     "needs the KV bytes per token")
     if stats:
         lookups = int(sum(s["lookups"] for s in stats))
         hits = int(sum(s["hits"] for s in stats))
@@ -380,7 +382,8 @@ def _security(stats: Sequence[Mapping[str, Any]]) -> SecurityAudit:
 
 def _economics(cache: CacheEfficiency, rate: float | None, spent: float | None, prices: Prices,
                notes: list[str]) -> Economics:
-    saved = _ratio(float(cache.tokens_served), rate) if cache.tokens_served is not None else None
+    prefill = PrefillCost.from_rate(rate) if rate else None
+    saved = prefill.seconds(cache.tokens_served) if prefill and cache.tokens_served is not None else None
     net = None if saved is None or spent is None else saved - spent
     price = prices.gpu_per_hour
     if price is None:
@@ -390,9 +393,9 @@ def _economics(cache: CacheEfficiency, rate: float | None, spent: float | None, 
     cost = lambda s: None if s is None else s * per_s  # noqa: E731
     per_1k = lambda c: None if c is None or not cache.lookups else c / cache.lookups * 1000.0  # noqa: E731
     cold = warm = None
-    if cache.prompt_tokens is not None and rate and spent is not None and cache.tokens_served is not None:
-        cold = per_1k(cost(cache.prompt_tokens / rate))
-        warm = per_1k(cost((cache.prompt_tokens - cache.tokens_served) / rate + spent))
+    if cache.prompt_tokens is not None and prefill and spent is not None and cache.tokens_served is not None:
+        cold = per_1k(cost(prefill.seconds(cache.prompt_tokens)))
+        warm = per_1k(cost(prefill.seconds(cache.prompt_tokens - cache.tokens_served) + spent))
     return Economics(rate, saved, spent, net, price, cost(saved), cost(spent), cold, warm, per_1k(cost(net)))
 
 

@@ -14,7 +14,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from prefill.monitoring import Monitoring, Prices, compute, read_loader_stats, read_run, run_directory
+from store.cli import CONFIG_HELP, add_location_options
 from store.config import load_config
+from store.errors import BadInputError
 
 STATS_DIR = "loader_stats"
 
@@ -75,12 +77,14 @@ def stats_files(run_dir: Path, given: list[str] | None) -> list[Path]:
 
 
 def _report(args: argparse.Namespace) -> int:
-    directory = run_directory(args.store, args.run)
-    files = read_run(directory)
-    configured = load_config(args.config).monitoring
+    if args.store is None:
+        raise BadInputError("prefill report needs --store URL: the store whose local tier holds the run")
+    configured = load_config(args.config).monitoring  # the arguments first, then the run's files
     prices = Prices.from_env(configured.gpu_price_per_hour if args.gpu_price_per_hour is None else args.gpu_price_per_hour,
                              configured.prefill_tokens_per_s if args.prefill_tokens_per_s is None
                              else args.prefill_tokens_per_s)
+    directory = run_directory(args.store, args.run)
+    files = read_run(directory)
     m = compute(args.run, files, read_loader_stats(stats_files(directory, args.loader_stats)), prices)
     if args.json:
         print(json.dumps(m.as_dict(), indent=None if args.compact else 2))
@@ -96,17 +100,18 @@ def add_report_command(sub: Any) -> None:
                        description="Compute the four monitoring families of the SageMaker write-up for a run of the "
                                    "kvwarm pipeline, from the run's results under <store>/_flows/<run>/ and the "
                                    "serving loaders' stats dumps (KVLoader.stats() saved as JSON).")
-    p.add_argument("--store", required=True, help="store URL whose local tier holds the run (file:///DIR[,s3://...])")
-    p.add_argument("--run", required=True, help="run name (results under <local tier>/_flows/<run>/)")
+    add_location_options(p, store_help="store URL whose local tier holds the run: file:///DIR[,s3://...] (required)",
+                         config_help=f"{CONFIG_HELP}; its monitoring: section gives gpu_price_per_hour and "
+                                     f"prefill_tokens_per_s")
+    p.add_argument("--run", required=True, metavar="NAME", help="run name (results under <local tier>/_flows/<run>/)")
     p.add_argument("--loader-stats", nargs="+", metavar="FILE",
                    help=f"loader stats dumps (default: <run>/{STATS_DIR}/*.json if any)")
-    p.add_argument("--config", default=None, help="config file (default $KVWARM_CONFIG); its monitoring: section "
-                                                  "gives gpu_price_per_hour and prefill_tokens_per_s")
-    p.add_argument("--gpu-price-per-hour", type=float, default=None,
+    p.add_argument("--gpu-price-per-hour", type=float, default=None, metavar="PRICE",
                    help="price of one GPU-hour for the economics (default: the config's monitoring.gpu_price_per_hour, "
                         "else $KVWARM_GPU_PRICE_PER_HOUR)")
-    p.add_argument("--prefill-tokens-per-s", type=float, default=None,
-                   help="prefill rate to value saved tokens at (default: the rate the run's prefill job measured)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--compact", action="store_true", help="with --json: one line")
+    p.add_argument("--prefill-tokens-per-s", type=float, default=None, metavar="RATE",
+                   help="prefill rate to value saved tokens at (default: the config's "
+                        "monitoring.prefill_tokens_per_s, else the rate the run's prefill job measured)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--compact", action="store_true", help="with --json: one line instead of indented JSON")
     p.set_defaults(func=_report)

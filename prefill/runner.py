@@ -30,7 +30,7 @@ import torch
 from prefill.models import LoadedModel
 from prefill.progress import Progress
 from prefill.schedule import Batch, PrefixJob, Segment, build_segments, plan_batches, split
-from store.errors import StoreError
+from store.errors import BadInputError, KvwarmError, OperationalError, StoreError
 from store.format.encode import StoredLayer, encode_snapshot
 from store.format.precision import Precision, dequantize, quantize, relative_errors
 from store.identity.keys import Block, block_chain
@@ -42,12 +42,20 @@ log = logging.getLogger(__name__)
 KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V), each [kv_heads, tokens, head_dim]
 
 
-class PrefillError(Exception):
-    """The prefill job cannot run as asked (the message says what to change)."""
+class PrefillError(KvwarmError):
+    """Base class of the prefill job's errors (each says what to change)."""
 
 
-class DeadlinePassed(PrefillError):
+class DeadlinePassed(PrefillError, OperationalError):
     """The deadline is already past, or too near for any batch: nothing was written."""
+
+
+class PrefixTooShort(PrefillError, BadInputError):
+    """A prefix has no full block to store."""
+
+
+class OutOfMemory(PrefillError, OperationalError):
+    """One segment alone does not fit in the device's memory (batches are halved down to one first)."""
 
 
 @dataclass(frozen=True)
@@ -170,8 +178,8 @@ class Prefiller:
             root = self.loaded.key_root(opts.precision, opts.block_size, r.tenant.salt, chat=r.chat)
             blocks = tuple(block_chain(root, r.token_ids))
             if not blocks:
-                raise PrefillError(f"a prefix of {len(r.token_ids)} tokens is shorter than one block "
-                                   f"({opts.block_size} tokens): nothing to store; lower kv_cache.block_size or drop it")
+                raise PrefixTooShort(f"a prefix of {len(r.token_ids)} tokens is shorter than one block "
+                                     f"({opts.block_size} tokens): nothing to store; lower kv_cache.block_size or drop it")
             stored = self.store.probe(r.tenant, blocks, root).count
             out.append(PrefixJob(tenant=r.tenant.name, root=root, blocks=blocks, stored=stored, ttl_s=r.ttl_s,
                                  order=r.order))
@@ -213,8 +221,8 @@ class Prefiller:
                     finished = self._run_batch(batch, segments, kept, tenants, report)
                 except self._oom:
                     if len(batch.segments) < 2:
-                        raise PrefillError(f"out of GPU memory on a single segment of {batch.max_tokens} tokens "
-                                           f"after {batch.past_tokens} past tokens; use a smaller dtype or model") from None
+                        raise OutOfMemory(f"out of GPU memory on a single segment of {batch.max_tokens} tokens "
+                                          f"after {batch.past_tokens} past tokens; use a smaller dtype or model") from None
                     if torch.cuda.is_available():
                         torch.cuda.empty_cache()
                     self.options = _with(self.options, max_batch_size=max(1, len(batch.segments) // 2))

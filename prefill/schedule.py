@@ -22,7 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from store.cost import PrefillCost
 from store.identity.keys import Block, KeyRoot
+
+#: the runner's relative compute cost (:meth:`Batch.cost`): a token is one unit, and
+#: attention costs as much as the rest at about 4,000 tokens; the runner measures its units
+#: per second online, so only the shape matters
+TOKEN_UNITS = PrefillCost(s_per_token=1.0, s_per_token_pair=1.0 / 2048)
 
 
 @dataclass(frozen=True)
@@ -144,9 +150,8 @@ class Batch:
         return self.max_tokens * len(self.segments)
 
     def cost(self) -> float:
-        """Relative compute cost: linear tokens plus attention's quadratic term (in token units)."""
-        n, p = self.max_tokens, self.past_tokens
-        return len(self.segments) * (n + (n * (n + 2 * p)) / 4096.0)
+        """Relative compute cost: each segment's padded tokens after its past, in :data:`TOKEN_UNITS`."""
+        return len(self.segments) * TOKEN_UNITS.seconds(self.past_tokens + self.max_tokens, self.past_tokens)
 
 
 def plan_batches(segments: dict[int, Segment], ready: Iterable[int], *, max_batch_tokens: int,

@@ -13,11 +13,12 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from prefill.inputs import InputError, entries_from_file, entries_from_texts, parse_deadline, requests_from_plan
-from prefill.models import DEFAULT_MODEL, LoadedModel, load_model
+from prefill.models import DEFAULT_MODEL, LoadedModel, load_model, pick_device, pick_dtype
 from prefill.numa import pin_to_device
 from prefill.progress import Progress
 from prefill.runner import DeadlinePassed, Prefiller, PrefillOptions, PrefillReport, check_deadline
-from store.config import KvwarmConfig, load_config
+from store.cli import add_location_options
+from store.config import KvwarmConfig, load_config, with_values
 from store.format.precision import Precision
 from store.plan import PlanEntry, read_plan
 from store.tiers.store import Store
@@ -73,17 +74,24 @@ def _entries(args: argparse.Namespace) -> list[PlanEntry]:
 
 
 def _cmd_warm(args: argparse.Namespace) -> int:
+    # Everything that can be checked without the model is checked before it loads (seconds
+    # for the default model, minutes for a real one): the config, the prefixes and their
+    # tenants, the deadline, the dtype and device, and the store URL.
     config = load_config(args.config)
-    if args.block_size:
-        config = config.model_copy(update={"kv_cache": config.kv_cache.model_copy(update={"block_size": args.block_size})})
+    if args.block_size is not None:
+        config = with_values(config, "kv_cache", {"block_size": args.block_size}, source="--block-size")
     entries = _entries(args)
+    for name in sorted({e.tenant for e in entries}):
+        config.tenant(name)
     deadline = parse_deadline(args.until, time.time()) if args.until else None
     if deadline is not None and deadline <= time.time():
         print(f"prefill: nothing done: the deadline {args.until!r} is already past", file=sys.stderr)
         return 1
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
+    pick_dtype(args.dtype)
+    pick_device(args.device)
     store = Store.open(args.store or config.store.url, config)
     try:
+        loaded = load_model(args.model, dtype=args.dtype, device=args.device)
         report = warm(entries, loaded=loaded, store=store, config=config, deadline=deadline,
                       compression=args.compression, default_tenant=args.tenant, max_batch_tokens=args.max_batch_tokens,
                       progress=Progress())
@@ -110,26 +118,43 @@ def _print_report(r: PrefillReport, loaded: LoadedModel) -> None:
           f"{r.seconds:.2f} s, {r.tokens_per_s:,.0f} tokens/s; max FP8 relative error {r.quant_error_max:.4f}")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
 def add_warm_command(sub: Any) -> None:
     """Register ``prefill warm``."""
     p = sub.add_parser("warm", help="prefill prefixes into KV snapshots in the store",
                        description="Compute the KV of the given prefixes (only the blocks the store lacks) and write "
-                                   "one snapshot per full block. The final partial block of a prefix is not stored.")
-    p.add_argument("--model", default=DEFAULT_MODEL,
-                   help=f"built-in name, local directory or Hugging Face id (default {DEFAULT_MODEL})")
-    p.add_argument("--store", help="store URL (default: the config's store.url)")
-    p.add_argument("--config", help="kvwarm config file (default $KVWARM_CONFIG or built-in defaults)")
-    p.add_argument("--tenant", default="public", help="tenant for --text/--file/--token-ids (default public)")
+                                   "one snapshot per full block. The final partial block of a prefix is not stored. "
+                                   "Give prefixes one way: --text, --file, --plan or --token-ids. Exit 1 when the "
+                                   "deadline stops the run early (rerun to continue).")
+    p.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME",
+                   help=f"built-in name (kvwarm-tiny, kvwarm-ref), local directory or Hugging Face id "
+                        f"(default: {DEFAULT_MODEL})")
+    add_location_options(p)
+    p.add_argument("--tenant", default="public", metavar="NAME",
+                   help="tenant for --text, --file and --token-ids; its secret comes from the config (default: public)")
     p.add_argument("--text", action="append", help="a prefix as text (repeatable)")
-    p.add_argument("--file", help="prefixes: .jsonl/.json/.parquet plan entries, or plain text one per line")
-    p.add_argument("--plan", help="a plan file made by forecasting (docs/plan.md)")
-    p.add_argument("--token-ids", action="append", help="a prefix as token ids, e.g. '1,2,3' (repeatable)")
+    p.add_argument("--file", metavar="FILE", help="prefixes: .jsonl/.json/.parquet plan entries, or plain text one per line")
+    p.add_argument("--plan", metavar="FILE", help="a plan file made by forecasting; its entries name their tenants (docs/plan.md)")
+    p.add_argument("--token-ids", action="append", metavar="IDS", help="a prefix as token ids, e.g. '1,2,3' (repeatable)")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template (as a system message)")
-    p.add_argument("--until", help="deadline: ISO time, +90m, HH:MM (UTC) or Unix seconds")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="model compute dtype")
-    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when present)")
-    p.add_argument("--compression", choices=["fp8", "bf16", "fp16", "fp32"], help="override kv_cache.compression")
-    p.add_argument("--block-size", type=int, help="override kv_cache.block_size")
-    p.add_argument("--max-batch-tokens", type=int, default=8192, help="padded tokens per forward batch")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--until", metavar="TIME", help="deadline: ISO time (2026-11-30T06:00Z), +90m / +2h, HH:MM (UTC) or Unix seconds "
+                                   "(default: none)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="model compute dtype (default: fp32)")
+    p.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when present, else cpu)")
+    p.add_argument("--compression", choices=["fp8", "bf16", "fp16", "fp32"],
+                   help="storage precision (default: the config's kv_cache.compression, built in fp8)")
+    p.add_argument("--block-size", type=int, metavar="TOKENS",
+                   help="tokens per block (default: the config's kv_cache.block_size, built in 256)")
+    p.add_argument("--max-batch-tokens", type=_positive_int, default=8192, metavar="TOKENS",
+                   help="padded tokens per forward batch; bounds activation memory (default: 8192)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=_cmd_warm)

@@ -10,7 +10,8 @@ pays only for what it uses):
 - ``store.identity.tenant``: ``Tenant``, ``PUBLIC``
 - ``store.config``: ``load_config``, ``KvwarmConfig``
 - ``store.tiers.maintenance``: ``verify``, ``gc``
-- ``store.errors``: ``StoreError`` and its subclasses
+- ``store.errors``: ``KvwarmError`` (every project error's base), its two kinds ``BadInputError`` (CLI exit 2)
+  and ``OperationalError`` (exit 1), and ``StoreError`` and its subclasses
 - ``store.identity.fingerprint``: ``ModelIdentity``, ``identity_from_dir`` (fingerprints from model files)
 - ``store.plan``: ``Plan``, ``PlanEntry``, ``read_plan``, ``write_plan`` (the prewarm plan file)
 - ``store.serving.loader``: ``KVLoader``, ``LoaderHit`` (the serving side; see docs/loader.md)

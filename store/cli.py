@@ -7,7 +7,9 @@
     prefill store rm     KEY --tenant T [--namespace public]
 
 The store and tenants' secrets come from the config file (``--config`` or
-``$KVWARM_CONFIG``); ``--store`` overrides ``store.url``.
+``$KVWARM_CONFIG``); ``--store`` overrides ``store.url``. Both may be given before the
+command name or after it (:func:`add_location_options`, shared by every ``prefill``
+command that reads a store or the config).
 """
 from __future__ import annotations
 
@@ -17,40 +19,81 @@ import json
 import sys
 from typing import Any
 
-from store.config import KvwarmConfig, load_config
+from store.config import CONFIG_ENV, KvwarmConfig, StoreConfig, load_config
 from store.errors import StoreError
 from store.tiers.maintenance import gc, verify
 from store.tiers.store import Store
 
+CONFIG_HELP = f"kvwarm config file, YAML, JSON or TOML (default: ${CONFIG_ENV}, else the built-in defaults)"
+STORE_HELP = (f"store URL, overriding the config's store.url: file:///DIR, s3://BUCKET/PREFIX, or both "
+              f"comma-separated, local first (default: store.url; built in: {StoreConfig.model_fields['url'].default})")
+_SUBCOMMAND = "uses_store_options"
+
+
+def add_location_options(parser: argparse.ArgumentParser, *, store_help: str = STORE_HELP,
+                         config_help: str = CONFIG_HELP, command: bool = True) -> None:
+    """Add ``--config`` and ``--store`` to one parser of the ``prefill`` command tree.
+
+    They are added to ``prefill`` itself, to a command group (``prefill store``) and to
+    each command that uses them (``command=True``), so that they are accepted before or
+    after the command name; the one given last, the command's own, wins. One not given
+    is left out of the namespace (argparse would otherwise let a command's ``None``
+    overwrite a value given before it): read them with :func:`location_options`.
+    """
+    parser.add_argument("--config", default=argparse.SUPPRESS, metavar="FILE", help=config_help)
+    parser.add_argument("--store", default=argparse.SUPPRESS, metavar="URL", help=store_help)
+    if command:
+        parser.set_defaults(**{_SUBCOMMAND: True})
+
+
+def location_options(args: argparse.Namespace) -> tuple[bool, bool]:
+    """Fill in ``args.config`` and ``args.store`` (``None`` when not given); returns whether
+    any was given, and whether the chosen command takes them."""
+    given = hasattr(args, "config") or hasattr(args, "store")
+    for name in ("config", "store"):
+        if not hasattr(args, name):
+            setattr(args, name, None)
+    return given, bool(getattr(args, _SUBCOMMAND, False))
+
 
 def add_store_commands(sub: Any) -> None:
     """Register ``store`` and its subcommands on an argparse subparsers object."""
-    p = sub.add_parser("store", help="inspect and maintain a snapshot store")
-    p.add_argument("--config", help="config file (default: $KVWARM_CONFIG, else built-in defaults)")
-    p.add_argument("--store", help="store URL, overriding store.url (file:///path[,s3://bucket/prefix])")
+    p = sub.add_parser("store", help="inspect and maintain a snapshot store",
+                       description="Inspect and maintain a snapshot store: list, show, verify, collect garbage, "
+                                   "remove. Tenants' secrets come from the config file.")
+    add_location_options(p, command=False)
     ss = p.add_subparsers(dest="store_cmd", required=True, metavar="{ls,stat,verify,gc,rm}")
 
-    ls = ss.add_parser("ls", help="list a tenant's snapshots")
-    ls.add_argument("--tenant", required=True)
-    ls.add_argument("--namespace", help="'public' to list shared prefixes (default: the tenant's own)")
+    ls = ss.add_parser("ls", help="list a tenant's snapshots", description="List a tenant's snapshots: key, bytes, tiers.")
+    ls.add_argument("--tenant", required=True, metavar="NAME", help="the tenant whose snapshots to list (its secret from the config)")
+    ls.add_argument("--namespace", metavar="NAME", help="'public' to list the shared prefixes (default: the tenant's own)")
     ls.add_argument("--long", action="store_true", help="also read each header: tokens, model, expiry")
 
-    st = ss.add_parser("stat", help="show one snapshot's header")
-    st.add_argument("key")
-    st.add_argument("--tenant", required=True)
-    st.add_argument("--namespace")
+    st = ss.add_parser("stat", help="show one snapshot's header", description="Print one snapshot's header as JSON.")
+    st.add_argument("key", help="the block key: 64 lower-case hex characters")
+    st.add_argument("--tenant", required=True, metavar="NAME", help="the tenant the snapshot belongs to")
+    st.add_argument("--namespace", metavar="NAME", help="'public' for a shared prefix (default: the tenant's own)")
 
-    ve = ss.add_parser("verify", help="check every snapshot; exit 1 and list what is corrupt")
-    ve.add_argument("--namespace", help="only this namespace")
+    ve = ss.add_parser("verify", help="check every snapshot; exit 1 and list what is corrupt",
+                       description="Read and check every snapshot (checksums, headers); move corrupt ones to "
+                                   "quarantine. Exit 1 when anything is bad.")
+    ve.add_argument("--namespace", metavar="NAME", help="only this namespace (default: all)")
     ve.add_argument("--no-quarantine", action="store_true", help="report only; leave bad files in place")
 
-    g = ss.add_parser("gc", help="remove expired, over-cap and crash leftovers; quarantine corrupt")
+    g = ss.add_parser("gc", help="remove expired, over-cap and crash leftovers; quarantine corrupt",
+                      description="Collect garbage: on the local tier, crash leftovers, index drift, expired "
+                                  "snapshots and anything over the cap (LRU first); on S3, objects older than "
+                                  "kv_cache.ttl_max_hours. Prints a JSON report; exit 1 when --verify finds a bad "
+                                  "snapshot.")
     g.add_argument("--verify", action="store_true", help="also verify every snapshot (reads everything)")
 
-    rm = ss.add_parser("rm", help="delete a snapshot from every tier")
-    rm.add_argument("key")
-    rm.add_argument("--tenant", required=True)
-    rm.add_argument("--namespace")
+    rm = ss.add_parser("rm", help="delete a snapshot from every tier",
+                       description="Delete one snapshot from every tier. Exit 1 when no tier held it.")
+    rm.add_argument("key", help="the block key: 64 lower-case hex characters")
+    rm.add_argument("--tenant", required=True, metavar="NAME", help="the tenant the snapshot belongs to")
+    rm.add_argument("--namespace", metavar="NAME", help="'public' for a shared prefix (default: the tenant's own)")
+    for command in (ls, st, ve, g, rm):
+        add_location_options(command)
     p.set_defaults(func=run_store_command)
 
 
@@ -123,7 +166,7 @@ def _dispatch(args: argparse.Namespace, config: KvwarmConfig, store: Store) -> i
         )
         return 0 if report.clean else 1
     if args.store_cmd == "gc":
-        report = gc(store, ttl_max_s=config.kv_cache.ttl_max_hours * 3600, verify_all=args.verify,
+        report = gc(store, ttl_max_s=config.kv_cache.ttl_max_s, verify_all=args.verify,
                     tenants=_tenants(config))
         print(json.dumps(report.as_dict(), indent=2), file=out)
         return 1 if report.verify is not None and not report.verify.clean else 0

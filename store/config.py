@@ -90,6 +90,18 @@ class KvCacheConfig(_Section):
             )
         return h * 3600.0
 
+    @property
+    def ttl_max_s(self) -> float:
+        """The longest TTL the policy allows, in seconds (what GC holds remote objects to)."""
+        return self.ttl_max_hours * 3600.0
+
+    def clamp_ttl(self, ttl_s: float | None) -> float:
+        """A TTL in seconds clamped into the policy bounds (``ttl_min_hours`` .. ``ttl_max_hours``);
+        the default TTL (``ttl_hours``) when none is given. The one clamp of plan and prefill TTLs."""
+        if ttl_s is None:
+            return self.ttl_seconds()
+        return min(max(float(ttl_s), self.ttl_min_hours * 3600.0), self.ttl_max_s)
+
 
 class S3Config(_Section):
     """How to reach the S3 tier (any S3-compatible endpoint)."""
@@ -266,6 +278,18 @@ def parse_config(data: dict[str, Any] | None, *, source: str = "<dict>") -> Kvwa
         return KvwarmConfig.model_validate(data or {})
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc, source)) from None
+
+
+def with_values(config: KvwarmConfig, section: str, values: dict[str, Any], *, source: str) -> KvwarmConfig:
+    """``config`` with ``values`` in place of keys of ``section`` (e.g. a CLI flag's
+    ``{"block_size": 16}`` in ``kv_cache``), validated as a file's values are.
+
+    Raises:
+        ConfigError: a value is out of range; ``source`` (the flag) is named with the key.
+    """
+    data = config.model_dump()
+    data[section] = {**data[section], **values}
+    return parse_config(data, source=source)
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> KvwarmConfig:

@@ -1,22 +1,50 @@
-"""Typed errors of the store.
+"""The errors kvwarm raises on purpose, and the two kinds a user must tell apart.
 
-A cache *miss* is never an exception (readers return ``None``). These are raised for
-things a caller must tell apart from a miss: a corrupt or mismatched snapshot, a
-refused cross-tenant access, a tier that cannot be reached, bad configuration.
-The serving-side loader catches :class:`StoreError` and turns it into a counted miss.
+Every project error derives from :class:`KvwarmError`, and each concrete one from
+exactly one of its two kinds:
+
+- :class:`BadInputError` (also a ``ValueError``): an argument, a config value or an
+  input file is wrong, and the user must fix it. A CLI exits 2 with the message.
+- :class:`OperationalError`: the input was fine but the operation could not be done
+  (a tier unreachable, a corrupt snapshot, a refused access, a deadline passed). A CLI
+  exits 1 with the error's name and message.
+
+Anything else escaping a CLI is a bug and is left to show its traceback. Family bases
+(:class:`StoreError` here, ``prefill.runner.PrefillError``) belong to neither kind;
+their members each pick one. ``store`` is the package every other may import, so the
+bases live here.
+
+A cache *miss* is never an exception (readers return ``None``). The store's errors are
+raised for things a caller must tell apart from a miss: a corrupt or mismatched
+snapshot, a refused cross-tenant access, a tier that cannot be reached, bad
+configuration. The serving-side loader catches :class:`StoreError` and turns it into a
+counted miss.
 """
 from __future__ import annotations
 
 
-class StoreError(Exception):
+class KvwarmError(Exception):
+    """Base class of every error kvwarm raises on purpose; its message says what to do next."""
+
+
+class BadInputError(KvwarmError, ValueError):
+    """An argument, config value or input file is wrong: the user must fix it (a CLI exits 2)."""
+
+
+class OperationalError(KvwarmError):
+    """The operation could not be done with good input: a tier down, a corrupt snapshot, a
+    refused access, a deadline passed (a CLI exits 1)."""
+
+
+class StoreError(KvwarmError):
     """Base class of every error the store raises on purpose."""
 
 
-class ConfigError(StoreError, ValueError):
+class ConfigError(StoreError, BadInputError):
     """A configuration value is invalid. The message names the key, the value and what is allowed."""
 
 
-class SnapshotError(StoreError):
+class SnapshotError(StoreError, OperationalError):
     """A snapshot file cannot be trusted. Carries the file's location for the operator."""
 
     def __init__(self, message: str, *, location: str = "") -> None:
@@ -36,13 +64,13 @@ class SnapshotMismatch(SnapshotError):
     """The snapshot is intact but is not what was asked for (key, tokens, model, tenant...)."""
 
 
-class TenantAccessDenied(StoreError):
+class TenantAccessDenied(StoreError, OperationalError):
     """A tenant tried to read, list or probe a namespace that is not its own (counted)."""
 
 
-class StoreUnavailable(StoreError):
+class StoreUnavailable(StoreError, OperationalError):
     """A tier could not be reached or did not answer within its timeout."""
 
 
-class StoreFull(StoreError):
+class StoreFull(StoreError, OperationalError):
     """A write cannot fit under the tier's byte cap, even after eviction."""

@@ -23,6 +23,8 @@ from typing import Iterable
 import numpy as np
 import pandas as pd
 
+from store.errors import BadInputError
+
 #: length of one ServeGen window
 WINDOW_S = 600
 #: a fixed, arbitrary calendar origin for time 0 (the trace gives no date)
@@ -31,7 +33,7 @@ DEFAULT_START = pd.Timestamp("2025-01-06 00:00:00")  # a Monday
 _NAME = re.compile(r"^chunk-(\d+)-trace\.csv$")
 
 
-class ServeGenError(ValueError):
+class ServeGenError(BadInputError):
     """A ServeGen file is missing or malformed. The message names the file and the line."""
 
 

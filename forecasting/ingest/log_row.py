@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from store.errors import BadInputError
 from store.identity.tenant import check_tenant_name
 
 #: Columns of :attr:`forecasting.ingest.logs.RequestLog.requests`, in order.
@@ -32,7 +33,7 @@ _MAX_HASH = 2**63 - 1
 _MIN_US, _MAX_US = 0, 9_000_000_000 * 1_000_000
 
 
-class RowError(ValueError):
+class RowError(BadInputError):
     """One row is malformed; ``reason`` is one of :data:`REASONS`."""
 
     def __init__(self, reason: str, detail: str) -> None:

@@ -33,12 +33,13 @@ import pyarrow.fs as pafs
 from fsspec.utils import get_protocol
 
 from forecasting.ingest.log_row import COLUMNS, COUNT_FIELDS, RowError, check_row
+from store.errors import BadInputError
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".jsonl.gz": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet"}
 _TIME_PARTITIONS = ds.HivePartitioning(pa.schema([("date", pa.string()), ("hour", pa.string())]))
 
 
-class LogError(ValueError):
+class LogError(BadInputError):
     """A log source cannot be used at all (missing, nothing to read, bad argument)."""
 
 

@@ -30,6 +30,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
+from store.errors import BadInputError
 from store.format.precision import Precision
 from store.identity.keys import KeyRoot, block_keys, check_key
 from store.identity.tenant import Tenant
@@ -39,7 +40,7 @@ MOONCAKE_BLOCK_TOKENS = 512
 FORMATS = ("mooncake", "kvwarm")
 
 
-class TraceError(ValueError):
+class TraceError(BadInputError):
     """A trace file is missing, unreadable or has a malformed row (the message names it)."""
 
 

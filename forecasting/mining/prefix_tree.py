@@ -30,6 +30,7 @@ import pandas as pd
 
 from forecasting.ingest.traces import Trace
 from forecasting.mining.block_paths import build_paths, chained_paths, content_ids
+from store.errors import BadInputError
 from store.identity.keys import BlockKey, KeyRoot, chain_key, root_key, tree_keys
 
 #: ``tokenizer(texts, add_special_tokens=False)["input_ids"]``: a HF PreTrainedTokenizerFast fits.
@@ -38,7 +39,7 @@ UNITS = ("tokens", "hash_ids")
 _HASH_DOMAIN = b"kvwarm/hash-id-path/v1\x00"
 
 
-class MiningError(ValueError):
+class MiningError(BadInputError):
     """Mining cannot run on these inputs (the message says what to change)."""
 
 

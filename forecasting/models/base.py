@@ -12,11 +12,13 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from store.errors import BadInputError
+
 #: z-scores of the central interval levels used most; others via the normal quantile
 _Z = {0.5: 0.6745, 0.8: 1.2816, 0.9: 1.6449, 0.95: 1.9600}
 
 
-class FitError(ValueError):
+class FitError(BadInputError):
     """A model cannot be fitted to this series (too short, degenerate, or the solver failed)."""
 
 

@@ -7,9 +7,9 @@ window for the prefix's TTL):
             - prefill seconds to compute it now
             - storage cost (bytes x TTL, priced in GPU-seconds)
 
-Prefill time grows faster than the token count because attention is quadratic:
-``seconds(n) = n / tokens_per_s x (1 + n / quadratic_at)``, where ``quadratic_at``
-is the length at which attention costs as much as the rest of the layer.
+Prefill seconds are :class:`store.cost.PrefillCost`'s (linear tokens plus attention's
+quadratic term, the one model the simulator and the serving side use too); storage is
+priced in GPU-seconds per GiB-hour, a policy of the planner's own.
 
 A request gets the *longest* prewarmed prefix it begins with. So a prefix whose
 ancestor (``prefixes.parent``) is already planned saves only its extra tokens, and an
@@ -21,20 +21,22 @@ first: the prefill job works down the list and stops at its deadline.
 
 TTL: the forecast says until when a prefix is likely to be asked for (the last bucket
 whose probability of a request is at least ``ttl_p``); the TTL runs to there from
-the window's end, clamped to the configured bounds (``kv_cache.ttl_min_hours`` ..
-``ttl_max_hours``).
+the window's end, clamped to the configured bounds
+(:meth:`store.config.KvCacheConfig.clamp_ttl`: ``kv_cache.ttl_min_hours`` .. ``ttl_max_hours``).
 """
 from __future__ import annotations
 
 import heapq
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 import pandas as pd
 
+from store.config import KvCacheConfig
+from store.cost import PrefillCost
 from store.plan import Plan, PlanEntry
 
 
@@ -45,32 +47,25 @@ class DemandLike(Protocol):
 
 
 @dataclass(frozen=True)
-class CostModel:
-    """What prefill and storage cost, in GPU-seconds.
+class PlanCosts:
+    """What a planned prefix costs, in GPU-seconds: its prefill, and keeping its KV.
 
     Attributes:
-        tokens_per_s: measured prefill rate on the prefill GPU (short prompts, linear regime).
-        quadratic_at: prompt length (tokens) at which attention doubles the per-token cost.
-        bytes_per_token: KV bytes stored per token (layers x 2 x kv_heads x head_dim x dtype bytes).
+        prefill: prefill time on the prefill GPU (e.g. ``PrefillCost().scaled(measured tokens/s)``).
+        bytes_per_token: KV bytes stored per token (:func:`store.format.payload.kv_bytes_per_token`).
         gpu_s_per_gib_hour: price of keeping 1 GiB for an hour, in GPU-seconds.
     """
 
-    tokens_per_s: float
+    prefill: PrefillCost
     bytes_per_token: float
-    quadratic_at: float = 32768.0
     gpu_s_per_gib_hour: float = 0.5
 
     def __post_init__(self) -> None:
-        for name in ("tokens_per_s", "bytes_per_token", "quadratic_at"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and v > 0 and math.isfinite(v)):
-                raise ValueError(f"CostModel.{name} must be a positive number, got {v!r}")
+        if not (isinstance(self.bytes_per_token, (int, float)) and self.bytes_per_token > 0
+                and math.isfinite(self.bytes_per_token)):
+            raise ValueError(f"PlanCosts.bytes_per_token must be a positive number, got {self.bytes_per_token!r}")
         if not (self.gpu_s_per_gib_hour >= 0 and math.isfinite(self.gpu_s_per_gib_hour)):
-            raise ValueError(f"CostModel.gpu_s_per_gib_hour must be >= 0, got {self.gpu_s_per_gib_hour!r}")
-
-    def prefill_s(self, n_tokens: float) -> float:
-        """GPU-seconds to prefill ``n_tokens`` (linear part plus attention's quadratic part)."""
-        return n_tokens / self.tokens_per_s * (1.0 + n_tokens / self.quadratic_at)
+            raise ValueError(f"PlanCosts.gpu_s_per_gib_hour must be >= 0, got {self.gpu_s_per_gib_hour!r}")
 
     def bytes(self, n_tokens: float) -> float:
         return n_tokens * self.bytes_per_token
@@ -96,23 +91,15 @@ class Budget:
 
 @dataclass(frozen=True)
 class PlanPolicy:
-    """Knobs of the plan. TTL bounds come from ``store.config`` (``kv_cache.ttl_min_hours``/``ttl_max_hours``)."""
+    """Knobs of the plan. TTLs are clamped by ``kv_cache`` (:meth:`store.config.KvCacheConfig.clamp_ttl`)."""
 
-    ttl_min_s: float = 2 * 3600.0
-    ttl_max_s: float = 6 * 3600.0
+    kv_cache: KvCacheConfig = field(default_factory=KvCacheConfig)
     ttl_p: float = 0.5
     min_value: float = 0.0
 
     def __post_init__(self) -> None:
-        if not 0 < self.ttl_min_s <= self.ttl_max_s:
-            raise ValueError(f"TTL bounds must satisfy 0 < min <= max, got {self.ttl_min_s}, {self.ttl_max_s}")
         if not 0.0 < self.ttl_p <= 1.0:
             raise ValueError(f"ttl_p must be in (0, 1], got {self.ttl_p!r}")
-
-    @classmethod
-    def from_config(cls, kv_cache: Any, **kw: Any) -> "PlanPolicy":
-        """From a ``store.config.KvCacheConfig`` (``ttl_min_hours``, ``ttl_max_hours``)."""
-        return cls(ttl_min_s=kv_cache.ttl_min_hours * 3600.0, ttl_max_s=kv_cache.ttl_max_hours * 3600.0, **kw)
 
 
 @dataclass(frozen=True)
@@ -164,7 +151,7 @@ def candidates_from(demand: DemandLike, forecast: pd.DataFrame, target_start: An
         ends = pd.DatetimeIndex(g["ds"]) + bucket
         likely = ends[g["p_any"].to_numpy() >= policy.ttl_p]
         want = (likely.max() - start).total_seconds() if len(likely) else 0.0
-        ttl = float(min(max(want, policy.ttl_min_s), policy.ttl_max_s))
+        ttl = policy.kv_cache.clamp_ttl(want)
         # expected hits: the forecast mass inside [start, start + ttl), partial buckets pro rata
         lo = (pd.DatetimeIndex(g["ds"]) - start).total_seconds().to_numpy()
         width = bucket.total_seconds()
@@ -189,16 +176,16 @@ class Choice:
 
 
 def _marginal(c: Candidate, chosen: dict[str, Candidate], ancestors: dict[str, list[str]],
-              descendants: dict[str, list[str]], cost: CostModel) -> float:
+              descendants: dict[str, list[str]], cost: PlanCosts) -> float:
     # Longest-prefix serving: an ancestor already planned serves these requests with
     # fewer tokens, so only the extra tokens are saved; planned descendants take their
     # own requests away from this prefix.
     base = next((a for a in ancestors.get(c.prefix_id, ()) if a in chosen), None)
-    saved_per_hit = cost.prefill_s(c.n_tokens) - (cost.prefill_s(chosen[base].n_tokens) if base else 0.0)
+    saved_per_hit = cost.prefill.seconds(c.n_tokens, chosen[base].n_tokens if base else 0)
     taken = sum(chosen[d].expected_hits for d in descendants.get(c.prefix_id, ())
                 if d in chosen and not any(a in chosen for a in _between(d, c.prefix_id, ancestors)))
     hits = max(c.expected_hits - taken, 0.0)
-    return hits * saved_per_hit - cost.prefill_s(c.n_tokens) - cost.storage_s(c.n_tokens, c.ttl_s)
+    return hits * saved_per_hit - cost.prefill.seconds(c.n_tokens) - cost.storage_s(c.n_tokens, c.ttl_s)
 
 
 def _between(desc: str, anc: str, ancestors: dict[str, list[str]]) -> list[str]:
@@ -207,7 +194,7 @@ def _between(desc: str, anc: str, ancestors: dict[str, list[str]]) -> list[str]:
     return chain[:chain.index(anc)] if anc in chain else chain
 
 
-def select(cands: list[Candidate], cost: CostModel, budget: Budget, *, min_value: float = 0.0) -> list[Choice]:
+def select(cands: list[Candidate], cost: PlanCosts, budget: Budget, *, min_value: float = 0.0) -> list[Choice]:
     """Lazy-greedy choice under both budgets; returns choices in value order (highest first).
 
     Raises:
@@ -233,7 +220,7 @@ def select(cands: list[Candidate], cost: CostModel, budget: Budget, *, min_value
             descendants.setdefault(a, []).append(d)
 
     def density(c: Candidate, value: float) -> float:
-        use = (cost.prefill_s(c.n_tokens) / budget.gpu_s if budget.gpu_s > 0 else math.inf) + \
+        use = (cost.prefill.seconds(c.n_tokens) / budget.gpu_s if budget.gpu_s > 0 else math.inf) + \
               (cost.bytes(c.n_tokens) / budget.store_bytes if budget.store_bytes > 0 else math.inf)
         return value / use if use > 0 else math.inf
 
@@ -251,7 +238,7 @@ def select(cands: list[Candidate], cost: CostModel, budget: Budget, *, min_value
             if value > min_value:
                 heapq.heappush(heap, (-density(c, value), pid, value))
             continue
-        g, b = cost.prefill_s(c.n_tokens), cost.bytes(c.n_tokens)
+        g, b = cost.prefill.seconds(c.n_tokens), cost.bytes(c.n_tokens)
         if g > gpu_left or b > bytes_left:
             continue
         chosen[pid] = c
@@ -262,7 +249,7 @@ def select(cands: list[Candidate], cost: CostModel, budget: Budget, *, min_value
     return result
 
 
-def make_plan(demand: DemandLike, forecast: pd.DataFrame, *, cost: CostModel, budget: Budget,
+def make_plan(demand: DemandLike, forecast: pd.DataFrame, *, cost: PlanCosts, budget: Budget,
               window_start: Any, window_end: Any, bucket: pd.Timedelta, policy: PlanPolicy = PlanPolicy(),
               model: str | None = None, block_size: int | None = None, created_at: float | None = None) -> Plan:
     """The prewarm plan for the off-peak window ``[window_start, window_end)``.
@@ -272,14 +259,15 @@ def make_plan(demand: DemandLike, forecast: pd.DataFrame, *, cost: CostModel, bu
             token_ids, text`` and optionally ``family``, ``parent``).
         forecast: per-prefix forecast ``unique_id, ds, y_hat, p_any`` reaching past
             the window (see :func:`forecasting.models.parallel.forecast_frame_parallel`).
-        cost, budget, policy: see :class:`CostModel`, :class:`Budget`, :class:`PlanPolicy`.
+        cost, budget, policy: see :class:`PlanCosts`, :class:`Budget`, :class:`PlanPolicy`.
         window_start, window_end: the off-peak window (Timestamps, tz-naive UTC); the
             target period starts at its end.
         bucket: the forecast's bucket length.
 
     Returns:
         A :class:`store.plan.Plan`, entries most valuable first; ``extra`` records the
-        budgets, what was spent and how many prefixes had no tokens or text.
+        budgets, what was spent, the KV bytes per token it was priced at (``prefill report``
+        reads them) and how many prefixes had no tokens or text.
     """
     start, end = _ts(window_start), _ts(window_end)
     if end <= start:
@@ -294,7 +282,7 @@ def make_plan(demand: DemandLike, forecast: pd.DataFrame, *, cost: CostModel, bu
     extra = {"budget_gpu_s": budget.gpu_s, "budget_store_bytes": budget.store_bytes,
              "planned_gpu_s": float(sum(ch.gpu_s for ch in chosen)),
              "planned_store_bytes": float(sum(ch.store_bytes for ch in chosen)),
-             "candidates": len(cands), "skipped_without_tokens": skipped}
+             "kv_bytes_per_token": float(cost.bytes_per_token), "candidates": len(cands), "skipped_without_tokens": skipped}
     unix = lambda t: (t - pd.Timestamp("1970-01-01")).total_seconds()  # noqa: E731 - tz-naive UTC
     return Plan(entries=entries, created_at=time.time() if created_at is None else created_at, block_size=block_size,
                 model=model, window_start=unix(start), window_end=unix(end), extra=extra)

@@ -19,6 +19,7 @@ import numpy as np
 
 from forecasting.ingest.traces import simulation_root
 from forecasting.simulate.replay import NEVER, BlockIndex, PredictorConfig, ReusePredictor
+from store.errors import BadInputError
 from store.identity.keys import block_keys
 from store.plan import Plan
 
@@ -166,19 +167,19 @@ def plan_blocks(index: BlockIndex, plan: Plan, *, model: str = "simulate") -> np
     space and never hit, as a prewarmed snapshot that no request asks for does.
 
     Raises:
-        ValueError: the trace has no block keys (a Mooncake trace), or an entry has
+        BadInputError: the trace has no block keys (a Mooncake trace), or an entry has
             text but no token ids (named by its position).
     """
     names = index.trace.key_names
     if names is None:
-        raise ValueError("a plan prewarm needs a trace with block keys (--format kvwarm or logs): "
+        raise BadInputError("a plan prewarm needs a trace with block keys (--format kvwarm or logs): "
                          "this trace has no block keys to match the plan's prefixes against")
     dense = {names[int(orig)]: i for i, orig in enumerate(index.original)}
     order: dict[int, None] = {}
     extra: dict[str, int] = {}
     for pos, entry in enumerate(plan.entries):
         if entry.token_ids is None:
-            raise ValueError(f"plan entry {pos} (tenant {entry.tenant!r}) has text but no token_ids: the "
+            raise BadInputError(f"plan entry {pos} (tenant {entry.tenant!r}) has text but no token_ids: the "
                              "simulation keys token ids; write the plan from tokenised logs (the pipeline's "
                              "plans carry token_ids)")
         keys = block_keys(simulation_root(entry.tenant, index.trace.block_tokens, model=model), entry.token_ids)

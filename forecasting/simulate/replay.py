@@ -29,6 +29,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from forecasting.ingest.traces import Trace
+from store.errors import BadInputError
 
 NEVER = np.iinfo(np.int64).max
 _LEN_EDGES = np.array([4, 8, 16, 32, 64])
@@ -258,9 +259,9 @@ class PredictorConfig:
     def __post_init__(self) -> None:
         for name in ("horizon_s", "tau_s", "refresh_s", "prior_weight"):
             if not getattr(self, name) > 0:
-                raise ValueError(f"PredictorConfig.{name} must be positive, got {getattr(self, name)!r}")
+                raise BadInputError(f"PredictorConfig.{name} must be positive, got {getattr(self, name)!r}")
         if not 0 < self.prior_rate < 1:
-            raise ValueError(f"PredictorConfig.prior_rate must be in (0, 1), got {self.prior_rate!r}")
+            raise BadInputError(f"PredictorConfig.prior_rate must be in (0, 1), got {self.prior_rate!r}")
 
 
 N_CLASSES = 3 * 2 * (len(_LEN_EDGES) + 1) * (len(_GAP_EDGES) + 2)

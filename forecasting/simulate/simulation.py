@@ -39,7 +39,8 @@ from forecasting.simulate.replay import (
     next_use,
     replay,
 )
-from forecasting.simulate.ttft import CostModel
+from store.cost import PrefillCost
+from store.errors import BadInputError
 
 SCENARIOS = ("steady", "restart", "scale-out")
 EVICTIONS = ("lru", "retention", "belady")
@@ -57,11 +58,11 @@ class Policy:
 
     def __post_init__(self) -> None:
         if self.eviction not in EVICTIONS:
-            raise ValueError(f"unknown eviction {self.eviction!r}; choose one of {', '.join(EVICTIONS)}")
+            raise BadInputError(f"unknown eviction {self.eviction!r}; choose one of {', '.join(EVICTIONS)}")
         if self.prewarm not in PREWARMS:
-            raise ValueError(f"unknown prewarm {self.prewarm!r}; choose one of {', '.join(PREWARMS)}")
+            raise BadInputError(f"unknown prewarm {self.prewarm!r}; choose one of {', '.join(PREWARMS)}")
         if self.eviction == "belady" and self.prewarm != "none":
-            raise ValueError("belady is the eviction ceiling and takes no prewarm; use 'belady' alone")
+            raise BadInputError("belady is the eviction ceiling and takes no prewarm; use 'belady' alone")
 
     @classmethod
     def parse(cls, text: str) -> Policy:
@@ -103,13 +104,13 @@ class Scenario:
 
     def __post_init__(self) -> None:
         if self.kind not in SCENARIOS:
-            raise ValueError(f"unknown scenario {self.kind!r}; choose one of {', '.join(SCENARIOS)}")
+            raise BadInputError(f"unknown scenario {self.kind!r}; choose one of {', '.join(SCENARIOS)}")
         if not 0 < self.share <= 1:
-            raise ValueError(f"share must be in (0, 1], got {self.share}")
+            raise BadInputError(f"share must be in (0, 1], got {self.share}")
         if self.window_s <= 0 or self.bucket_s <= 0 or self.lookback_s <= 0:
-            raise ValueError("window_s, bucket_s and lookback_s must be positive")
+            raise BadInputError("window_s, bucket_s and lookback_s must be positive")
         if not 0 < self.recovery_fraction <= 1:
-            raise ValueError(f"recovery_fraction must be in (0, 1], got {self.recovery_fraction}")
+            raise BadInputError(f"recovery_fraction must be in (0, 1], got {self.recovery_fraction}")
 
 
 @dataclass(frozen=True)
@@ -195,7 +196,7 @@ def _plan(index: BlockIndex, scenario: Scenario) -> _Plan:
         rows = np.arange(n, dtype=np.int64)
         return _Plan(0, rows, None, (0.0, float(ts[-1]) if n else 0.0))
     if not 0 <= scenario.at_s <= (ts[-1] if n else 0):
-        raise ValueError(f"event time {scenario.at_s:g} s is outside the trace (0 to {ts[-1] if n else 0:g} s)")
+        raise BadInputError(f"event time {scenario.at_s:g} s is outside the trace (0 to {ts[-1] if n else 0:g} s)")
     start = int(np.searchsorted(ts, scenario.at_s, side="left"))
     end = int(np.searchsorted(ts, scenario.at_s + scenario.window_s, side="left"))
     rows = np.arange(end, dtype=np.int64)
@@ -227,7 +228,7 @@ def _prewarm(policy: Policy, index: BlockIndex, plan: _Plan, capacity: int, scen
 
 
 def _measure(name: str, index: BlockIndex, rows: np.ndarray, hits: np.ndarray, scenario: Scenario,
-             window: tuple[float, float], cost: CostModel, reference: PolicyResult | None,
+             window: tuple[float, float], cost: PrefillCost, reference: PolicyResult | None,
              prewarmed: np.ndarray | None, start: int, seconds: float) -> PolicyResult:
     tr = index.trace
     keep = tr.timestamps_s[rows] >= window[0]  # rows already end at the window's end
@@ -262,8 +263,8 @@ def _measure(name: str, index: BlockIndex, rows: np.ndarray, hits: np.ndarray, s
         precision = good / len(prewarmed) if len(prewarmed) else 0.0
         possible = int((used & seen).sum())
         recall = good / possible if possible else 0.0
-    saved = cost.saved_s(hit_tok)
-    ttft = cost.prefill_s(total) - saved  # the uncached suffix's prefill; no queueing
+    saved = cost.seconds(hit_tok)
+    ttft = cost.seconds(total, hit_tok)  # the uncached suffix's prefill; no queueing
     p50, p99 = np.percentile(ttft, [50, 99]) if len(ttft) else (0.0, 0.0)
     return PolicyResult(
         policy=name, requests=len(rows), tokens=int(total.sum()), hit_tokens=int(hit_tok.sum()),
@@ -279,7 +280,7 @@ def _measure(name: str, index: BlockIndex, rows: np.ndarray, hits: np.ndarray, s
 
 
 def simulate(index: BlockIndex, capacity_blocks: int, scenario: Scenario, policies: Sequence[Policy | str],
-             *, predictor: PredictorConfig = PredictorConfig(), cost: CostModel = CostModel(),
+             *, predictor: PredictorConfig = PredictorConfig(), cost: PrefillCost = PrefillCost(),
              plan_blocks: np.ndarray | None = None) -> SimResult:
     """Replay ``index``'s trace under each policy in ``scenario``; metrics over its window.
 
@@ -289,16 +290,16 @@ def simulate(index: BlockIndex, capacity_blocks: int, scenario: Scenario, polici
     prewarm loads.
 
     Raises:
-        ValueError: a bad capacity, event time or policy (prewarms need a restart or
+        BadInputError: a bad capacity, event time or policy (prewarms need a restart or
             scale-out; the ``plan`` prewarm needs ``plan_blocks``).
     """
     if not isinstance(capacity_blocks, (int, np.integer)) or capacity_blocks < 1:
-        raise ValueError(f"capacity must be at least one block, got {capacity_blocks!r}")
+        raise BadInputError(f"capacity must be at least one block, got {capacity_blocks!r}")
     pols = [p if isinstance(p, Policy) else Policy.parse(p) for p in policies]
     if scenario.kind == "steady" and any(p.prewarm != "none" for p in pols):
-        raise ValueError("prewarm policies need an event to prewarm for: use --scenario restart or scale-out")
+        raise BadInputError("prewarm policies need an event to prewarm for: use --scenario restart or scale-out")
     if plan_blocks is None and any(p.prewarm == "plan" for p in pols):
-        raise ValueError("the plan prewarm needs a plan: pass --plan FILE (a kvwarm plan, docs/plan.md)")
+        raise BadInputError("the plan prewarm needs a plan: pass --plan FILE (a kvwarm plan, docs/plan.md)")
     plan = _plan(index, scenario)
     reference = None
     if plan.reference is not None:

@@ -5,8 +5,10 @@ the payload, every part (K, V and scales of each layer) one after the other in t
 header's order, each starting 8-byte aligned. :func:`canonical_layout` computes where
 each part lies from the header alone, and :func:`payload_span` finds the payload in a
 batch, so a reader cuts every part from one buffer, whatever the layer count.
-:func:`map_file` maps a file read-only and shared. No snapshot semantics here:
-:mod:`store.format.snapshot` verifies and interprets.
+:func:`payload_nbytes` and :func:`kv_bytes_per_token` say how large a payload is from
+the geometry and precision alone, before anything is written: the one source of the
+KV bytes a token takes in the store. :func:`map_file` maps a file read-only and shared.
+No snapshot semantics here: :mod:`store.format.snapshot` verifies and interprets.
 """
 from __future__ import annotations
 
@@ -18,9 +20,11 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 
 from store.errors import SnapshotCorrupt
+from store.format.precision import STORAGE_DTYPES
 
 if TYPE_CHECKING:
-    from store.format.header import SnapshotHeader
+    from store.format.header import Layout, SnapshotHeader
+    from store.format.precision import Precision
 
 #: schema metadata keys: the header's canonical JSON, and its xxh3-64 (hex)
 META_HEADER = b"kvwarm.header"
@@ -57,6 +61,11 @@ class PayloadLayout:
 _BY_PARTS: dict[tuple, PayloadLayout] = {}
 
 
+def _aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to the 8-byte boundary where the next part starts."""
+    return -(-nbytes // 8) * 8
+
+
 def canonical_layout(header: SnapshotHeader) -> PayloadLayout:
     """Where the parts lie in the payload: one after the other in the header's order, each
     starting 8-byte aligned (zero padding between them), the last one unpadded. Computed
@@ -67,11 +76,38 @@ def canonical_layout(header: SnapshotHeader) -> PayloadLayout:
         offsets, at = [], 0
         for p in header.parts:
             offsets.append(at)
-            at += -(-p.nbytes // 8) * 8
+            at += _aligned(p.nbytes)
         layout = PayloadLayout(sig, tuple(offsets), offsets[-1] + header.parts[-1].nbytes)
         if len(_BY_PARTS) < 1024:  # one per geometry and precision in practice
             _BY_PARTS[sig] = layout
     return layout
+
+
+def payload_nbytes(layout: Layout, precision: Precision) -> int:
+    """Bytes of the payload of one block of geometry ``layout`` stored in ``precision``.
+
+    What :func:`store.format.encode.encode_snapshot` lays out (``canonical_layout(...).nbytes``):
+    per layer K then V, ``[kv_heads, block_size, head_dim]`` in the layer's storage dtype
+    (FP8, or ``keep_dtype`` for the kept layers), each FP8 one followed by its fp32
+    scales (one per kv head, or per kv head and group of ``group_tokens``), 8-byte aligned.
+    """
+    values = layout.num_kv_heads * layout.block_size * layout.head_dim
+    if precision.granularity == "head_group":
+        scales = layout.num_kv_heads * -(-layout.block_size // precision.group_tokens)
+    else:
+        scales = layout.num_kv_heads
+    sizes: list[int] = []
+    for layer in range(layout.num_layers):
+        dtype = precision.layer_dtype(layer)
+        part = values * STORAGE_DTYPES[dtype].itemsize
+        sizes += [part, scales * 4] * 2 if dtype == "fp8_e4m3" else [part] * 2  # K (+ scales), V (+ scales)
+    return sum(_aligned(n) for n in sizes[:-1]) + sizes[-1]
+
+
+def kv_bytes_per_token(layout: Layout, precision: Precision) -> float:
+    """KV bytes one token takes in the store: :func:`payload_nbytes` over the block's tokens
+    (the kept layers and the per-block scales included; the file's header is not)."""
+    return payload_nbytes(layout, precision) / layout.block_size
 
 
 def payload_span(header: SnapshotHeader, batch: pa.RecordBatch, location: str) -> tuple[pa.Buffer, PayloadLayout]:

@@ -28,6 +28,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from store.errors import BadInputError
 from store.format.precision import Precision
 from store.home import kvwarm_home
 from store.identity.keys import KeyRoot
@@ -43,7 +44,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 _CHUNK = 8 << 20
 
 
-class IdentityError(ValueError):
+class IdentityError(BadInputError):
     """A model or tokenizer cannot be fingerprinted (missing files, unpinned revision)."""
 
 

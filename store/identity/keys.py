@@ -17,6 +17,8 @@ from typing import NewType, Sequence
 
 import numpy as np
 
+from store.errors import BadInputError
+
 #: Version of the snapshot format *and* of this key encoding. Part of every root key.
 FORMAT_VERSION = 2
 
@@ -214,8 +216,8 @@ def check_key(key: str) -> BlockKey:
     """Validate a key given from outside (CLI, file names) and return it typed.
 
     Raises:
-        ValueError: the key is not 64 lower-case hex characters.
+        BadInputError: (a ``ValueError``) the key is not 64 lower-case hex characters.
     """
     if not isinstance(key, str) or not _HEX64.fullmatch(key):
-        raise ValueError(f"not a block key (expected 64 lower-case hex characters): {key!r}")
+        raise BadInputError(f"not a block key (expected 64 lower-case hex characters): {key!r}")
     return BlockKey(key)

@@ -15,6 +15,7 @@ import hmac
 import re
 from dataclasses import dataclass, field
 
+from store.errors import BadInputError
 from store.identity.keys import salt_id
 
 PUBLIC = "public"
@@ -26,10 +27,10 @@ def check_tenant_name(name: str) -> str:
     """Validate a tenant name (it becomes a directory and an S3 prefix).
 
     Raises:
-        ValueError: not 1-63 characters of ``[a-z0-9_.-]`` starting with a letter or digit.
+        BadInputError: (a ``ValueError``) not 1-63 characters of ``[a-z0-9_.-]`` starting with a letter or digit.
     """
     if not isinstance(name, str) or not _NAME.fullmatch(name) or name in (".", ".."):
-        raise ValueError(
+        raise BadInputError(
             f"tenant name {name!r} is not allowed: use 1-63 characters of a-z, 0-9, '_', '.', '-', "
             "starting with a letter or digit"
         )

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from store.errors import StoreError
+from store.errors import OperationalError, StoreError
 from store.tiers.index import pid_alive
 from store.tiers.sqlite import LocalDB
 
@@ -49,11 +49,11 @@ INSERT OR IGNORE INTO meta VALUES ('epoch', 0), ('admission', 0);
 """
 
 
-class PoolFull(StoreError):
+class PoolFull(StoreError, OperationalError):
     """A snapshot cannot enter the pool: the budget is held by pinned snapshots."""
 
 
-class PoolAttachRefused(StoreError):
+class PoolAttachRefused(StoreError, OperationalError):
     """``max_shared_instances`` processes are already attached to this node's pool."""
 
 

@@ -21,6 +21,8 @@ from store.tiers.base import SUFFIX
 from store.tiers.store import Store
 
 KEY_ENV, SECRET_ENV = "KVWARM_FLOW_TEST_KEY", "KVWARM_FLOW_TEST_SECRET"
+#: the sample logs' prompts are short: 16-token blocks (the config's default, 256, would find no prefix)
+BLOCK = 16
 
 
 def _snapshots(store: Path) -> list[Path]:
@@ -38,9 +40,9 @@ def planned(prefect_harness, small_logs, tmp_path_factory) -> tuple[Path, str]:
     """A run mined, forecast and planned (nothing prefilled yet)."""
     store = tmp_path_factory.mktemp("store")
     url = f"file://{store}"
-    mine_logs(small_logs, url, "f", end="2026-03-04")
+    mine_logs(small_logs, url, "f", end="2026-03-04", block_size=BLOCK)
     forecast_demand(url, "f")
-    plan_prewarm(url, "f")
+    plan_prewarm(url, "f", block_size=BLOCK)
     return store, url
 
 
@@ -91,7 +93,7 @@ def test_a_bad_parameter_fails_mining_before_any_work(prefect_harness, small_log
 def test_a_deadline_already_past_fails_prefill_without_writing(planned) -> None:
     store, url = planned
     before = len(_snapshots(store))
-    message = _failed(prefill_plan(url, "f", deadline=1.0, return_state=True))
+    message = _failed(prefill_plan(url, "f", block_size=BLOCK, deadline=1.0, return_state=True))
     assert "deadline" in message and "already past" in message
     assert len(_snapshots(store)) == before
 
@@ -133,7 +135,7 @@ def _task_runs(state) -> dict[str, int]:
 def test_prefill_with_s3_down_fails_after_its_retries_saying_s3_is_unreachable(planned, s3_down, tmp_path) -> None:
     url = _copy_run(planned, tmp_path)
     config, port = s3_down
-    state = prefill_plan(f"{url},s3://kvwarm-down/p", "f", config_path=config, return_state=True)
+    state = prefill_plan(f"{url},s3://kvwarm-down/p", "f", config_path=config, block_size=BLOCK, return_state=True)
     message = _failed(state)
     assert "S3 is unreachable (prefill)" in message and f"127.0.0.1:{port}" in message
     assert "Traceback" not in message and len(message) < 2000
@@ -165,12 +167,12 @@ def test_a_prefill_that_died_midway_resumes_writing_only_the_missing_blocks(plan
 
     before = len(_snapshots(store))
     monkeypatch.setattr(Store, "put", put_then_die)
-    message = _failed(prefill_plan(url, "f", return_state=True))
+    message = _failed(prefill_plan(url, "f", block_size=BLOCK, return_state=True))
     assert "the disk went away" in message
     assert len(written) == 2 and len(_snapshots(store)) == before + 2
 
     monkeypatch.setattr(Store, "put", real_put)
-    report = prefill_plan(url, "f")
+    report = prefill_plan(url, "f", block_size=BLOCK)
     assert report["blocks_stored_before"] == 2
     assert report["blocks_written"] == report["blocks_total"] - 2 > 0
     assert len(_snapshots(store)) == before + report["blocks_total"]

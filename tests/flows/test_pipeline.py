@@ -9,10 +9,15 @@ import pandas as pd
 import pytest
 
 from flows.pipeline import kvwarm_pipeline, plan_prewarm, prefill_plan
-from flows.tasks import FlowInputError, kv_bytes_per_token, run_dir, transient
+from flows.tasks import FlowInputError, run_dir, transient
+from store.format.payload import canonical_layout, map_file
+from store.format.snapshot import read_snapshot
 from store.plan import read_plan
+from store.tiers.base import SUFFIX
 
 TRAIN_END = "2026-03-04"
+#: the sample logs' prompts are short: 16-token blocks (the config's default, 256, would find no prefix)
+BLOCK = 16
 
 
 def _snapshots(store: Path) -> list[Path]:
@@ -24,7 +29,7 @@ def _snapshots(store: Path) -> list[Path]:
 def pipeline_run(prefect_harness, small_logs, tmp_path_factory):
     store = tmp_path_factory.mktemp("store")
     url = f"file://{store}"
-    result = kvwarm_pipeline(small_logs, url, run="t", train_end=TRAIN_END)
+    result = kvwarm_pipeline(small_logs, url, run="t", train_end=TRAIN_END, block_size=BLOCK)
     return store, url, result
 
 
@@ -41,6 +46,9 @@ def test_the_pipeline_mines_plans_prefills_and_reports(pipeline_run) -> None:
     prefill = json.loads((out / "prefill.json").read_text())
     assert prefill["blocks_written"] == prefill["blocks_total"] > 0
     assert len(_snapshots(store)) >= prefill["blocks_written"]
+    # Storage was priced at what a block takes in the store: its payload (kept layer 0 and scales included).
+    snap = read_snapshot(map_file(next(p for p in _snapshots(store) if p.suffix == SUFFIX)))
+    assert plan.extra["kv_bytes_per_token"] == canonical_layout(snap.header).nbytes / BLOCK
     demand = pd.read_parquet(out / "demand" / "series.parquet")
     assert demand["ds"].max() < pd.Timestamp(TRAIN_END)  # trained only before train_end
     summary = json.loads((out / "report.json").read_text())
@@ -54,7 +62,7 @@ def test_the_pipeline_mines_plans_prefills_and_reports(pipeline_run) -> None:
 def test_a_rerun_writes_no_block_twice(pipeline_run) -> None:
     store, url, _ = pipeline_run
     before = len(_snapshots(store))
-    again = prefill_plan(url, "t")
+    again = prefill_plan(url, "t", block_size=BLOCK)
     assert again["blocks_written"] == 0
     assert again["blocks_stored_before"] == again["blocks_total"] > 0
     assert len(_snapshots(store)) == before
@@ -74,18 +82,12 @@ def test_a_stage_run_out_of_order_says_which_stage_to_run_first(prefect_harness,
     assert state.is_failed() and "mine_logs" in state.message
 
 
-def test_paths_and_sizes() -> None:
+def test_run_paths() -> None:
     assert run_dir("file:///var/cache/kv,s3://b/p", "r") == Path("/var/cache/kv/_flows/r")
     with pytest.raises(FlowInputError, match="local tier"):
         run_dir("s3://bucket/prefix", "r")
     with pytest.raises(FlowInputError, match="run name"):
         run_dir("file:///tmp/x", "../escape")
-
-    class Cfg:
-        num_hidden_layers, num_key_value_heads, num_attention_heads, head_dim, hidden_size = 4, 2, 4, 32, 128
-
-    assert kv_bytes_per_token(Cfg, "fp8") == 4 * 2 * 2 * 32
-    assert kv_bytes_per_token(Cfg, "bf16") == 2 * 4 * 2 * 2 * 32
 
 
 def test_bad_input_is_not_retried_but_io_errors_are() -> None:
@@ -135,14 +137,21 @@ def test_the_demo_replays_the_planned_period_through_the_loader(prefect_harness,
     store = f"file://{tmp_path / 'store'}"
     first = json.loads((run_dir(store, "demo") / "mine.json").read_text())["similarity"]
     assert first["source"] == "config" and first["threshold"] == 0.85
-    mine_logs(small_logs, store, "next")
+    mine_logs(small_logs, store, "next", block_size=BLOCK)
     chosen = json.loads((run_dir(store, "next") / "mine.json").read_text())["similarity"]
     assert chosen["source"] == "adapted" and chosen["from_run"] == "demo"
     assert chosen["hit_rate"] == pytest.approx(out["monitoring"]["cache_efficiency"]["request_hit_rate"])
     assert chosen["threshold"] == pytest.approx(adapt_threshold(0.85, chosen["hit_rate"]))
     # ... and its planner budgets GPU seconds at the prefill rate the demo's prefill measured.
     forecast_demand(store, "next")
-    plan_prewarm(store, "next")
-    rate = read_plan(run_dir(store, "next") / "plan.json").extra["prefill_rate"]
+    plan_prewarm(store, "next", block_size=BLOCK)
+    planned = read_plan(run_dir(store, "next") / "plan.json")
+    rate = planned.extra["prefill_rate"]
     assert rate["source"] == "measured" and rate["from_run"] == "demo"
     assert rate["tokens_per_s"] == pytest.approx(out["prefill"]["tokens_per_s"])
+    # ... and publishes its plan as the store's latest, for serving engines started with plan: latest.
+    from store.plan import latest_plan
+    from store.tiers.store import Store
+
+    tiers = Store.open(store).tiers
+    assert latest_plan(tiers) == planned

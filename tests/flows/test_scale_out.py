@@ -13,6 +13,8 @@ from flows.pipeline import mine_logs
 from flows.tasks import load_demand, run_dir
 
 START, END = "2026-03-02", "2026-03-05"
+#: the sample logs' prompts are short: 16-token blocks (the config's default, 256, would find no prefix)
+BLOCK = 16
 
 
 def _rows(path: str) -> list[dict]:
@@ -63,8 +65,8 @@ def _assert_same_demand(a: Path, b: Path) -> None:
 def test_dask_partitions_mine_exactly_the_single_partition_demand(prefect_harness, small_logs, partitioned_logs,
                                                                   dask_cluster, tmp_path) -> None:
     url = f"file://{tmp_path / 'store'}"
-    single = mine_logs(small_logs, url, "single")
-    spread = mine_logs(str(partitioned_logs), url, "dask", task_runner="dask",
+    single = mine_logs(small_logs, url, "single", block_size=BLOCK)
+    spread = mine_logs(str(partitioned_logs), url, "dask", block_size=BLOCK, task_runner="dask",
                        dask_address=dask_cluster.scheduler_address)
     _assert_same_demand(Path(single), Path(spread))
 
@@ -85,8 +87,9 @@ def test_time_slices_of_one_file_on_threads_give_the_same_demand_and_quarantine(
     bad = ['{"timestamp": "yesterday", "tenant": "acme", "model": "kvwarm-tiny", "prompt": "x"}', "{not json"]
     logs.write_text(Path(small_logs).read_text() + "\n".join(bad) + "\n")
     url = f"file://{tmp_path / 'store'}"
-    single = mine_logs(str(logs), url, "whole", start=START, end=END)
-    sliced = mine_logs(str(logs), url, "sliced", start=START, end=END, slices=3, parallelism=3)
+    single = mine_logs(str(logs), url, "whole", block_size=BLOCK, start=START, end=END)
+    sliced = mine_logs(str(logs), url, "sliced", block_size=BLOCK, start=START, end=END, slices=3,
+                       parallelism=3)
     _assert_same_demand(Path(single), Path(sliced))
     whole, parts = (json.loads((run_dir(url, r) / "mine.json").read_text()) for r in ("whole", "sliced"))
     assert [p["kind"] for p in parts["partitions"]] == ["slice"] * 3

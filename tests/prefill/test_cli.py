@@ -52,6 +52,59 @@ def test_empty_file_and_store_that_cannot_be_reached(tmp_path, capsys):
     assert "Unavailable" in capsys.readouterr().err
 
 
+@pytest.fixture()
+def no_model(monkeypatch):
+    """``prefill warm`` with a model loader that must never be called."""
+    calls = []
+    monkeypatch.setattr("prefill.warm.load_model", lambda *a, **k: calls.append(a) or pytest.fail("model loaded"))
+    return calls
+
+
+TEXT = ["--text", "x" * 200]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--store", "typo://x", *TEXT], "'typo://x' has an unknown scheme; use file:// or s3://"),
+    (["--config", "/nonexistent/kvwarm.yaml", *TEXT], "config file '/nonexistent/kvwarm.yaml' does not exist"),
+    (["--tenant", "Not A Name", *TEXT], "tenant name 'Not A Name' is not allowed"),
+    (["--block-size", "0", *TEXT], "kv_cache.block_size = 0"),
+    (["--device", "tpu9", *TEXT], "device 'tpu9' is not a device"),
+    (["--plan", "/nonexistent/plan.json"], "plan file '/nonexistent/plan.json' does not exist"),
+])
+def test_everything_but_the_model_is_checked_before_the_model_loads(tmp_path, capsys, no_model, args, message):
+    assert main(["warm", "--store", f"file://{tmp_path / 'store'}", *args]) == 2  # a later --store wins
+    err = capsys.readouterr().err
+    assert err.startswith("prefill: error: ") and message in err
+    assert no_model == []
+
+
+def test_a_bad_config_value_is_bad_input_before_the_model(tmp_path, capsys, no_model):
+    cfg = tmp_path / "kvwarm.yaml"
+    cfg.write_text("kv_cache:\n  compression: fp4\n")
+    assert warm(tmp_path, "--config", str(cfg), *TEXT) == 2
+    assert "kv_cache.compression" in capsys.readouterr().err and no_model == []
+
+
+@pytest.mark.parametrize("bug", [ValueError("shapes (3,4) and (5,) not aligned"), TypeError("'NoneType' object")])
+def test_a_bug_is_a_traceback_not_bad_input(tmp_path, capsys, monkeypatch, bug):
+    """Only kvwarm's own errors are the user's fault: a ValueError from deep inside (torch, numpy) propagates."""
+    def broken(*args, **kwargs):
+        raise bug
+
+    monkeypatch.setattr("prefill.warm.warm", broken)
+    with pytest.raises(type(bug)) as raised:
+        warm(tmp_path, *TEXT)
+    assert raised.value is bug
+    assert "error:" not in capsys.readouterr().err
+    monkeypatch.setattr("forecasting.simulate.cli.simulate", broken)
+    with pytest.raises(type(bug)):
+        main(["simulate", "--trace", "tests/data/mooncake/conversation_head.jsonl", "--capacity-blocks", "64"])
+    monkeypatch.setattr("store.cli._dispatch", broken)
+    with pytest.raises(type(bug)):
+        main(["store", "--store", f"file://{tmp_path / 'store'}", "ls", "--tenant", "acme"])
+    assert "error:" not in capsys.readouterr().err
+
+
 def test_deadlines_parse_in_every_documented_form():
     now = 1_764_442_800.0  # 2025-11-29 19:00 UTC
     assert parse_deadline("+90m", now) == now + 5400

@@ -33,8 +33,9 @@ DUMP_B: dict[str, Any] = {
     "latency": {"lookup": {"count": 30, "p50_s": 0.002, "p99_s": 0.003}},
     "elapsed_s": 15.0, "prompt_tokens": 11000,
 }
-# 48 planned tokens, 4,800 planned bytes: 100 KV bytes per token
-PLAN = {"kvwarm_plan": 1, "block_size": 16, "model": "m", "extra": {"planned_store_bytes": 4800.0},
+# 48 planned tokens at 100 KV bytes per token
+PLAN = {"kvwarm_plan": 1, "block_size": 16, "model": "m",
+        "extra": {"planned_store_bytes": 4800.0, "kv_bytes_per_token": 100.0},
         "entries": [{"tenant": "acme", "token_ids": list(range(32)), "prefix_id": "p1"},
                     {"tenant": "acme", "token_ids": list(range(16)), "prefix_id": "p2"}]}
 PREFILL = {"prefixes": 2, "blocks_written": 3, "tokens_computed": 2000, "seconds": 2.0, "tokens_per_s": 1000.0}
@@ -182,5 +183,6 @@ def test_prices_come_from_arguments_then_the_environment_and_are_checked() -> No
 
 def test_kv_bytes_per_token_comes_from_the_plan() -> None:
     assert kv_bytes_per_token(PLAN) == pytest.approx(100.0)
-    assert kv_bytes_per_token({"extra": {}, "entries": PLAN["entries"]}) is None
+    # Not derived back from what was planned: a plan that does not record it has none.
+    assert kv_bytes_per_token({"extra": {"planned_store_bytes": 4800.0}, "entries": PLAN["entries"]}) is None
     assert kv_bytes_per_token(None) is None

@@ -110,7 +110,7 @@ def test_real_loader_stats_feed_the_report(tmp_path, capsys) -> None:
     assert (cache["lookups"], cache["hits"], cache["tokens_served"]) == (3, 1, 3 * BS)
     assert cache["prompt_tokens"] == 2 * len(ids) + 40
     assert cache["bytes_mapped"] > 0
-    bpt = PLAN["extra"]["planned_store_bytes"] / 48  # the hand-built plan: 100 B/token
+    bpt = PLAN["extra"]["kv_bytes_per_token"]  # the hand-built plan: 100 B/token
     assert cache["memory_saving_ratio"] == pytest.approx(3 * BS * bpt / cache["bytes_mapped"])
     assert audit["refused_cross_tenant"] == 1 and audit["by_reason"]["tenant_refused"] == 1
     assert out["service_quality"]["latency_samples"] == 3 and out["service_quality"]["lookups_per_s"] == 1.5
@@ -127,3 +127,11 @@ def test_the_table_shows_every_family_in_readable_units_and_n_a_for_what_is_miss
     bare.mkdir(parents=True)
     text = format_table(compute("bare", read_run(bare), []))
     assert "lookups" in text and "n/a" in text and "notes:" in text
+
+
+def test_the_store_may_come_before_the_command_and_is_required(tmp_path, capsys) -> None:
+    url, dumps = build_run(tmp_path)
+    assert main(["--store", url, "report", "--run", "r1", "--loader-stats", *map(str, dumps), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["run"] == "r1"
+    assert report("--run", "r1") == 2
+    assert "prefill: error: prefill report needs --store URL" in capsys.readouterr().err

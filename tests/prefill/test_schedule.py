@@ -1,7 +1,7 @@
 """The segment tree: every missing block computed once, parents before children, batches sane."""
 from __future__ import annotations
 
-from prefill.schedule import PrefixJob, build_segments, plan_batches, split
+from prefill.schedule import TOKEN_UNITS, Batch, PrefixJob, build_segments, plan_batches, split
 from store.identity.keys import block_chain
 from tests.store.factories import ACME, make_root
 
@@ -79,3 +79,10 @@ def test_batches_run_the_most_valuable_prefixes_first():
     batches = plan_batches(segs, list(segs), max_batch_tokens=8, max_batch_size=1)
     orders = [segs[b.segments[0]].order for b in batches]
     assert orders == sorted(orders)
+
+
+def test_a_batch_costs_its_padded_tokens_attending_to_their_past():
+    # Two segments of (up to) 512 tokens after 1,024 stored ones: the rest of a 1,536-token prompt, twice.
+    batch = Batch((0, 1), past_tokens=1024, max_tokens=512)
+    assert batch.cost() == 2 * TOKEN_UNITS.seconds(1536, 1024)
+    assert batch.cost() > Batch((0, 1), past_tokens=0, max_tokens=512).cost() > 2 * 512  # attention over the past

@@ -81,3 +81,28 @@ def test_errors_are_clear(populated, capsys, tmp_path: Path) -> None:
     code, _, err = run(capsys, "store", "--config", str(cfg), "--store", url, "ls", "--tenant", "acme",
                        "--namespace", "bolt")
     assert code == 1 and "TenantAccessDenied" in err
+
+
+def test_store_and_config_go_before_or_after_the_command_and_the_later_wins(populated, capsys) -> None:
+    url, cfg, chain = populated
+    for argv in (["store", "ls", "--store", url, "--tenant", "acme", "--config", str(cfg)],
+                 ["store", "--config", str(cfg), "ls", "--tenant", "acme", "--store", url],
+                 ["--store", url, "--config", str(cfg), "store", "ls", "--tenant", "acme"]):
+        code, out, err = run(capsys, *argv)
+        assert code == 0 and "3 snapshot(s)" in out, (argv, err)
+    code, out, _ = run(capsys, "--store", "typo://x", "store", "--store", "typo://y", "ls", "--store", url,
+                       "--config", str(cfg), "--tenant", "acme")
+    assert code == 0 and "3 snapshot(s)" in out
+    code, _, err = run(capsys, "store", "--store", url, "ls", "--store", "typo://y", "--tenant", "acme")
+    assert code == 2 and err.startswith("prefill: error: ") and "'typo://y' has an unknown scheme" in err
+
+
+def test_every_command_that_reads_a_store_shows_both_options_in_its_help(capsys) -> None:
+    for command in (["warm"], ["report"], ["demo"], *[["store", c] for c in ("ls", "stat", "verify", "gc", "rm")]):
+        with pytest.raises(SystemExit) as done:
+            main([*command, "-h"])
+        text = capsys.readouterr().out
+        assert done.value.code == 0 and "--store URL" in text and "--config FILE" in text, command
+    with pytest.raises(SystemExit) as done:  # simulate reads neither: refused, not ignored
+        main(["--store", "file:///tmp/x", "simulate", "--trace", "t.jsonl", "--capacity-blocks", "8"])
+    assert done.value.code == 2 and "prefill simulate takes no --config or --store" in capsys.readouterr().err

@@ -80,6 +80,14 @@ def test_ttl_outside_policy_is_refused() -> None:
         c.kv_cache.ttl_seconds(7)
 
 
+def test_plan_ttls_are_clamped_into_the_policy_bounds() -> None:
+    kv = parse_config({"kv_cache": {"ttl_min_hours": 1, "ttl_hours": 2, "ttl_max_hours": 3}}).kv_cache
+    assert kv.clamp_ttl(None) == 2 * 3600.0  # no TTL asked for: the default one
+    assert kv.clamp_ttl(0.0) == kv.clamp_ttl(60.0) == 3600.0
+    assert kv.clamp_ttl(5400) == 5400.0
+    assert kv.clamp_ttl(1e9) == kv.ttl_max_s == 3 * 3600.0
+
+
 def test_tenant_secrets_come_from_named_env_vars() -> None:
     c = parse_config({"tenants": {"acme": {"secret_env": "ACME_SALT", "encryption_key_env": "ACME_KEY"}}})
     with pytest.raises(ConfigError, match=r"\$ACME_SALT is not set"):

@@ -187,6 +187,7 @@ class KvwarmConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         worker = self._worker
         assert worker is not None
+        t0 = time.perf_counter()
         names = sorted(kv_caches, key=_layer_index)
         tensors = [kv_caches[n] for n in names]
         spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
@@ -212,8 +213,9 @@ class KvwarmConnector(KVConnectorBase_V1):
         layout = detect_layout(tensors, backend=backend, isa=isa, num_kv_heads=heads, head_dim=dim,
                                block_size=block, index=index)
         worker.register(tensors, layout, total_kv_heads=self._total_kv_heads)
-        log.info("kvwarm: %d layers of KV, %s layout (backend %s, %s), %d blocks of %d tokens", len(tensors),
-                 layout.kind, backend, getattr(layer, "isa", None), layout.num_blocks, block)
+        log.info("kvwarm: %d layers of KV, %s layout (backend %s, %s), %d blocks of %d tokens; registered in %.3f s",
+                 len(tensors), layout.kind, backend, getattr(layer, "isa", None), layout.num_blocks, block,
+                 time.perf_counter() - t0)
         if self._settings.plan is not None:
             self._prefetch(worker)
 

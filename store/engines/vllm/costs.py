@@ -2,17 +2,18 @@
 
 A disk hit can be slower than recomputing it (ai-dynamo/dynamo#6101 measured 44x on a fast GPU),
 so the scheduler loads a hit only when :meth:`CostModel.worth_loading` says its estimated load
-time is below the estimated prefill time of its tokens. Both estimates follow this engine:
+time is below the estimated prefill time of its tokens (:func:`store.cost.load_beats_prefill`,
+kvwarm's one cost model). Both estimates follow this engine:
 
-- prefill: ``seconds(n, cached) = a * (n - c) + b * (n(n+1)/2 - c(c+1)/2)`` (linear work plus
-  causal attention pairs, the shape of ``store.cost.PrefillCost``). ``a`` is the configured
-  ``prefill_tokens_per_s``, else the rate the worker measured on steps that were mostly prefill
-  (a moving average), else :func:`default_prefill`: the H200 fit of an 8B Llama
-  (``bench/calibration/prefill-h200-8b.json``) scaled by this model's work per token, and by
-  :data:`CPU_SLOWDOWN` on a CPU engine. ``b`` keeps the fit's ratio to ``a``.
-- load, per tier (``pool``, ``nvme``, ``s3``): ``bytes / bytes_per_s + files * s_per_file`` from
-  :data:`DEFAULT_LOAD`, until the worker has measured that tier; then its measured seconds per
-  stored byte (a moving average over loads, mapping to the last engine write).
+- prefill (:class:`store.cost.PrefillCost`): the configured ``prefill_tokens_per_s``, else the rate
+  the worker measured on steps that were mostly prefill (a moving average), else
+  :func:`default_prefill`: the H200 fit of an 8B Llama (``PrefillCost()``'s defaults, from
+  ``bench/calibration/prefill-h200-8b.json``) scaled by this model's work per token, and by
+  :data:`CPU_SLOWDOWN` on a CPU engine. A rate keeps the model's shape (``PrefillCost.scaled``):
+  tokens after a long context cost more.
+- load, per tier (``pool``, ``nvme``, ``s3``; :class:`store.cost.LoadCost`): :data:`DEFAULT_LOAD`
+  until the worker has measured that tier, then its measured bytes per second (a moving
+  average over loads, from mapping the snapshots to the last write into the engine's blocks).
 
 Pure: no vLLM, no I/O.
 """
@@ -22,18 +23,18 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-#: The fit of an 8B Llama's bare forward on one H200 (seconds per token, per causal attention pair).
-H200_8B_S_PER_TOKEN = 2.8402e-5
-H200_8B_S_PER_PAIR = 8.664e-10
-#: That model's work per token: weights read per token (non-embedding plus the LM head) and
-#: attention width (layers x query heads x head dim).
+from store.cost import LoadCost, PrefillCost, load_beats_prefill
+
+#: The 8B Llama of ``PrefillCost()``'s fit: weights read per token (non-embedding plus the LM head)
+#: and attention width (layers x query heads x head dim).
 _8B_WEIGHTS = 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 14336) + 128256 * 4096
 _8B_ATTENTION = 32 * 32 * 128
 #: A CPU engine prefills this many times slower than the H200 for the same work per token
 #: (kvwarm-ref measured about 1,700x on a 2-core AVX2 host; 2,000 errs towards loading).
 CPU_SLOWDOWN = 2000.0
-#: Before a tier is measured: bytes per second and seconds per snapshot file.
-DEFAULT_LOAD: dict[str, tuple[float, float]] = {"pool": (4e9, 2e-5), "nvme": (1e9, 1e-4), "s3": (1e8, 0.05)}
+#: Before a tier is measured: its bytes per second and seconds per snapshot file.
+DEFAULT_LOAD: dict[str, LoadCost] = {"pool": LoadCost(4e9, 2e-5), "nvme": LoadCost(1e9, 1e-4),
+                                     "s3": LoadCost(1e8, 0.05)}
 #: Weight of a new measurement in the moving averages.
 ALPHA = 0.2
 
@@ -51,15 +52,15 @@ def model_work(hf_config: Mapping[str, Any]) -> tuple[float, float]:
     return float(weights), float(layers * heads * dim)
 
 
-def default_prefill(hf_config: Mapping[str, Any] | None, *, cpu: bool) -> tuple[float, float]:
-    """``(a, b)`` of the prefill estimate for a model nothing was measured for (see the module)."""
-    if hf_config is None:
-        scale_a = scale_b = 1.0
-    else:
+def default_prefill(hf_config: Mapping[str, Any] | None, *, cpu: bool) -> PrefillCost:
+    """The prefill estimate for a model nothing was measured for (see the module)."""
+    base = PrefillCost()
+    scale_a = scale_b = 1.0
+    if hf_config is not None:
         weights, attention = model_work(hf_config)
         scale_a, scale_b = weights / _8B_WEIGHTS, attention / _8B_ATTENTION
     device = CPU_SLOWDOWN if cpu else 1.0
-    return H200_8B_S_PER_TOKEN * scale_a * device, H200_8B_S_PER_PAIR * scale_b * device
+    return PrefillCost(base.s_per_token * scale_a * device, base.s_per_token_pair * scale_b * device)
 
 
 @dataclass
@@ -74,52 +75,48 @@ class CostModel:
     """Estimates of load and prefill time that follow this engine's measurements (thread-safe).
 
     Args:
-        prefill: ``(a, b)`` of the prefill estimate before any measurement (:func:`default_prefill`).
-        tokens_per_s: a configured prefill rate: fixes ``a`` (measurements then do not move it).
+        prefill: the prefill estimate before any measurement (:func:`default_prefill`).
+        tokens_per_s: a configured prefill rate (measurements then do not move the estimate).
     """
 
-    def __init__(self, prefill: tuple[float, float], *, tokens_per_s: float | None = None) -> None:
-        self._a0, self._b0 = prefill
+    def __init__(self, prefill: PrefillCost, *, tokens_per_s: float | None = None) -> None:
+        self._base = prefill
         self._configured = tokens_per_s
         self._rate = _Average()
-        self._per_byte: dict[str, _Average] = {}
+        self._bytes_per_s: dict[str, _Average] = {}
         self._lock = threading.Lock()
 
-    def _ab(self) -> tuple[float, float]:
-        rate = self._configured or self._rate.value
-        if not rate:
-            return self._a0, self._b0
-        a = 1.0 / rate
-        return a, self._b0 * a / self._a0 if self._a0 > 0 else 0.0
+    def prefill(self) -> PrefillCost:
+        """The prefill estimate in use."""
+        with self._lock:
+            rate = self._configured or self._rate.value
+        return self._base.scaled(rate) if rate and self._base.s_per_token > 0 else self._base
+
+    def load(self, tier: str) -> LoadCost:
+        """The load estimate of ``tier`` in use."""
+        with self._lock:
+            measured = self._bytes_per_s.get(tier)
+            rate = measured.value if measured is not None else None
+        return LoadCost(rate) if rate else DEFAULT_LOAD.get(tier, DEFAULT_LOAD["nvme"])
 
     def prefill_seconds(self, n_tokens: int, cached_tokens: int = 0) -> float:
         """Seconds to prefill ``n_tokens`` of which the first ``cached_tokens`` are already computed."""
-        with self._lock:
-            a, b = self._ab()
-        n, c = float(n_tokens), float(cached_tokens)
-        return a * (n - c) + b * (n * (n + 1) / 2 - c * (c + 1) / 2)
+        return float(self.prefill().seconds(n_tokens, cached_tokens))
 
     def load_seconds(self, tier: str, nbytes: float, files: int) -> float:
         """Seconds to load ``nbytes`` of stored KV in ``files`` snapshots from ``tier`` into the engine."""
-        with self._lock:
-            measured = self._per_byte.get(tier)
-            per_byte = measured.value if measured is not None else None
-        if per_byte is not None:
-            return nbytes * per_byte
-        bytes_per_s, s_per_file = DEFAULT_LOAD.get(tier, DEFAULT_LOAD["nvme"])
-        return nbytes / bytes_per_s + files * s_per_file
+        return float(self.load(tier).seconds(nbytes, files))
 
     def worth_loading(self, tier: str, *, cached_tokens: int, hit_tokens: int, nbytes: float, files: int) -> bool:
         """Whether loading ``hit_tokens`` (after ``cached_tokens`` the engine holds) beats computing them."""
-        if hit_tokens <= 0:
-            return False
-        return self.load_seconds(tier, nbytes, files) < self.prefill_seconds(cached_tokens + hit_tokens, cached_tokens)
+        return hit_tokens > 0 and load_beats_prefill(self.prefill(), self.load(tier), cached_tokens=cached_tokens,
+                                                     hit_tokens=hit_tokens, n_bytes=nbytes, files=files)
 
     def observe_load(self, tier: str, nbytes: int, seconds: float) -> None:
         """A load the worker measured: ``nbytes`` stored bytes from ``tier`` in ``seconds``."""
         if nbytes > 0 and seconds > 0:
             with self._lock:
-                self._per_byte.setdefault(tier, _Average()).add(seconds / nbytes)
+                self._bytes_per_s.setdefault(tier, _Average()).add(nbytes / seconds)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """A step of mostly prefill the worker measured: ``tokens`` computed in ``seconds``."""
@@ -129,9 +126,9 @@ class CostModel:
 
     def as_dict(self) -> dict[str, Any]:
         """The estimates in use, for ``stats()``."""
+        a = self.prefill().s_per_token
         with self._lock:
-            a, _ = self._ab()
             source = "configured" if self._configured else "measured" if self._rate.value else "default"
-            tiers = {t: 1.0 / m.value for t, m in self._per_byte.items() if m.value}
+            tiers = {t: m.value for t, m in self._bytes_per_s.items() if m.value}
         return {"prefill_tokens_per_s": 1.0 / a if a > 0 else None, "prefill_rate_source": source,
                 "load_bytes_per_s": tiers}

@@ -45,6 +45,7 @@ class SaveSpec:
     Attributes:
         req_id: vLLM's request id.
         tenant: the tenant whose namespace they go to (never ``public``).
+        chat: whether they extend the tenant's chat-keyed chain (the one the request's hit was in).
         first: the index of the first kvwarm block to write.
         token_ids: the prompt's tokens up to the end of the last block written (the keys chain from the root).
         block_ids: the engine blocks holding those kvwarm blocks, in token order.
@@ -52,6 +53,7 @@ class SaveSpec:
 
     req_id: str
     tenant: str
+    chat: bool
     first: int
     token_ids: tuple[int, ...]
     block_ids: tuple[int, ...]

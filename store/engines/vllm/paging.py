@@ -53,9 +53,10 @@ def write_layer(cache: torch.Tensor, layout: EngineLayout, block_ids: torch.Tens
         ids = np.asarray(block_ids, dtype=np.int64)
         kb, vb = kn.reshape(H, n, B, D), vn.reshape(H, n, B, D)
         if layout.kind == "cpu_vec":
-            flat = dst.reshape(layout.num_blocks, H, 2 * B * D)
-            flat[ids, :, : B * D] = kb.transpose(1, 0, 3, 2).reshape(n, H, D * B)  # K transposed: [D, B]
-            flat[ids, :, B * D :] = vb.transpose(1, 0, 2, 3).reshape(n, H, B * D)
+            # per (block, head): K transposed, [D, B], then V, [B, D]; each written in one strided pass
+            halves = dst.reshape(layout.num_blocks, H, 2, B * D)
+            halves[:, :, 0].reshape(layout.num_blocks, H, D, B)[ids] = kb.transpose(1, 0, 3, 2)
+            halves[:, :, 1].reshape(layout.num_blocks, H, B, D)[ids] = vb.transpose(1, 0, 2, 3)
         else:
             assert layout.index is not None
             blocks = np.empty((n, layout.block_elements), dtype=dst.dtype)

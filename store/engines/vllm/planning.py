@@ -9,7 +9,8 @@ engine's ``engine_block`` (vLLM's, 128 on the CPU backend, 16 on CUDA), which di
 - The load starts at vLLM's hit, which is a multiple of the engine block and may fall inside a
   kvwarm block: the second half of a stored block is loaded then.
 - Write-back saves a request's kvwarm blocks as their last token is computed, from the first
-  block the store lacks; generated tokens are not saved.
+  block the store lacks, in the chain they extend (a chain is found only from its first block);
+  generated tokens are not saved.
 
 Pure functions over plain values, no vLLM.
 """
@@ -18,6 +19,8 @@ from __future__ import annotations
 from typing import Sequence
 
 from store.engines.vllm.metadata import LoadSpec, SaveSpec
+from store.format.header import Layout
+from store.format.payload import payload_nbytes
 from store.format.precision import Precision
 
 #: Bytes of a snapshot's header and framing, about (token ids and part list as JSON).
@@ -57,7 +60,7 @@ def load_spec(req_id: str, tenant: str, chat: bool, prompt: Sequence[int], block
 
 
 def save_spec(req_id: str, tenant: str, prompt: Sequence[int], block_table: Sequence[int], *, save_from: int,
-              computed: int, scheduled: int, kv_block: int, engine_block: int) -> SaveSpec | None:
+              computed: int, scheduled: int, kv_block: int, engine_block: int, chat: bool = False) -> SaveSpec | None:
     """The full prompt blocks from ``save_from`` that are computed once this step has run, or ``None``.
 
     ``computed`` tokens were computed before the step, ``scheduled`` are computed in it.
@@ -70,22 +73,14 @@ def save_spec(req_id: str, tenant: str, prompt: Sequence[int], block_table: Sequ
     ids = block_table[save_from * ratio : full * ratio]
     if len(ids) < (full - save_from) * ratio:
         return None  # blocks not allocated yet: they are saved in a later step
-    return SaveSpec(req_id=req_id, tenant=tenant, first=save_from, token_ids=tuple(prompt[: full * kv_block]),
-                    block_ids=tuple(ids))
+    return SaveSpec(req_id=req_id, tenant=tenant, chat=chat, first=save_from,
+                    token_ids=tuple(prompt[: full * kv_block]), block_ids=tuple(ids))
 
 
 def stored_block_bytes(precision: Precision, *, layers: int, kv_heads: int, head_dim: int, kv_block: int) -> int:
-    """About how many bytes one stored block takes (what a load reads), from the precision and geometry."""
-    sizes = {"fp8_e4m3": 1, "bf16": 2, "fp16": 2, "fp32": 4}
-    per_layer = 2 * kv_heads * kv_block * head_dim
-    total = HEADER_BYTES
-    for layer in range(layers):
-        dtype = precision.layer_dtype(layer)
-        total += per_layer * sizes[dtype]
-        if dtype == "fp8_e4m3":
-            groups = 1 if precision.granularity == "head" else -(-kv_block // max(1, precision.group_tokens))
-            total += 2 * kv_heads * groups * 4
-    return total
+    """About how many bytes one stored block takes (what a load reads): its payload and header."""
+    layout = Layout(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim, block_size=kv_block)
+    return payload_nbytes(layout, precision) + HEADER_BYTES
 
 
 def prompt_tokens_scheduled(prompt_len: int, computed: int, scheduled: int) -> int:

@@ -33,7 +33,7 @@ COUNTERS = {
 #: ``kvwarm_connector_<name>_total{reason=...}``, and the reasons created at start.
 LABELLED = {
     "misses": ("Requests that load nothing, by reason.",
-               (*MISS_REASONS, "engine_cached", "slower_than_prefill", "tenant_unknown")),
+               (*MISS_REASONS, "engine_cached", "slower_than_prefill", "tenant_unknown", "unsupported")),
     "shortened": ("Requests that load less than the store could give, by reason.", MISS_REASONS),
     "load_failures": ("Loads that wrote fewer blocks than planned (vLLM recomputes the rest), by reason.",
                       MISS_REASONS),

@@ -92,10 +92,20 @@ class SchedulerRole:
 
     # -- per request ---------------------------------------------------------
     def on_new_request(self, request: Any) -> RequestState:
-        """Resolve the request's tenant and start its state."""
+        """Resolve the request's tenant and start its state.
+
+        A request whose KV depends on more than its token ids (images or other multimodal inputs,
+        a LoRA adapter, prompt embeddings) gets nothing from kvwarm (``unsupported``): kvwarm's keys
+        name tokens only, so a hit could hand it KV computed for other inputs.
+        """
+        if getattr(request, "mm_features", None) or getattr(request, "lora_request", None) is not None \
+                or getattr(request, "prompt_embeds", None) is not None:
+            return self.tracker.add(RequestState(req_id=request.request_id, prompt=(), tenant=None,
+                                                 refusal="unsupported"))
         who = self.tenants.resolve(getattr(request, "cache_salt", None), getattr(request, "kv_transfer_params", None))
-        if who.name is None:
-            log.warning("request %s gets nothing from kvwarm (%s): %s", request.request_id, who.refusal, who.detail)
+        if who.name is None:  # a refused claim is suspicious; a salt kvwarm does not map is a configuration choice
+            log.log(logging.WARNING if who.refusal == "tenant_refused" else logging.DEBUG,
+                    "request %s gets nothing from kvwarm (%s): %s", request.request_id, who.refusal, who.detail)
         return self.tracker.add(RequestState(req_id=request.request_id, prompt=tuple(request.prompt_token_ids or ()),
                                              tenant=who.name, refusal=who.refusal))
 
@@ -154,8 +164,10 @@ class SchedulerRole:
         if n == 0:
             if hit.blocks == 0:
                 reason = st.fetch_reason or hit.reason or "absent"
-            else:
-                reason = "engine_cached" if computed >= hit.blocks * self.kv_block else "short_prompt"
+            else:  # vLLM's own cache holds all a load could give, or the prompt leaves no whole block to load
+                usable = matched_tokens(hit.blocks, kv_block=self.kv_block, engine_block=self.engine_block,
+                                        prompt_tokens=len(st.prompt), computed=0)
+                reason = "engine_cached" if usable and computed >= usable else "short_prompt"
             self._count(st, reason, absent=hit.blocks == 0 and hit.reason == "absent")
             return 0, False
         span = kv_blocks_spanned(computed, computed + n, self.kv_block)
@@ -173,14 +185,19 @@ class SchedulerRole:
         if st.pending is not None:
             if st.pending.waiting(self.clock()):
                 return None
-            timed_out = not st.pending.future.done()
-            st.pending = None
+            future, st.pending = st.pending.future, None
+            why: str | None = "fetch_timeout"  # it goes on in the background: next time it is local
+            if future.done():
+                try:
+                    why = future.result()[1]  # why the copy got less than the chain (store_unavailable...)
+                except BaseException:  # noqa: BLE001 - cancelled, or a bug in the copy: a miss all the same
+                    why = "error"
             st.hit = self.probe.probe(st.tenant, st.prompt)
-            st.fetch_reason = "fetch_timeout" if timed_out and st.hit.blocks < st.hit.full_blocks else None
-            st.save_from = st.hit.blocks
+            st.fetch_reason = why if st.hit.blocks < st.hit.full_blocks else None
+            self._save_where(st)
             return st.hit
         hit = st.hit = self.probe.probe(st.tenant, st.prompt)
-        st.save_from = hit.blocks
+        self._save_where(st)
         if hit.blocks < hit.full_blocks and hit.reason in (None, "absent") and self.fetches.has_remote:
             if not self.fetches.usable(st.tenant):
                 st.fetch_reason = "store_unavailable"
@@ -197,6 +214,17 @@ class SchedulerRole:
             self.fetches.background(st.tenant, scope, chain[hit.blocks:])
             st.fetch_reason = "fetch_scheduled"
         return hit
+
+    @staticmethod
+    def _save_where(st: RequestState) -> None:
+        """Where write-back goes: on in the tenant's chain the hit is in, after it; after a hit
+        in ``public`` (or none), the tenant's plain chain from its first block, since a chain is
+        found only from its root (the tenant then holds its own copy of the public part)."""
+        hit = st.hit
+        if hit is not None and hit.blocks and hit.namespace == st.tenant:
+            st.save_from, st.save_chat = hit.blocks, hit.chat
+        else:
+            st.save_from, st.save_chat = 0, False
 
     def update_state_after_alloc(self, request: Any, block_table: Sequence[int], num_external: int) -> None:
         """vLLM allocated ``block_table`` (all the request's blocks); plan the load of ``num_external`` tokens."""
@@ -250,10 +278,14 @@ class SchedulerRole:
         return StepPlan(loads=loads, saves=tuple(saves), prompt_tokens=prompt_tokens, other_tokens=other)
 
     def _step(self, st: RequestState, computed: int, scheduled: int, saves: list[SaveSpec]) -> int:
-        if self.write_back and st.tenant not in (None, PUBLIC):
+        """Plan the request's write-back for this step; returns its prompt tokens in the step."""
+        full = min(computed + scheduled, len(st.prompt)) // self.kv_block
+        public = st.hit.blocks if st.hit is not None and st.hit.namespace == PUBLIC else 0
+        # a prompt not yet past the public chain it was served from gets no copy of it for the tenant
+        if self.write_back and st.tenant not in (None, PUBLIC) and not (public and full <= public):
             spec = save_spec(st.req_id, st.tenant, st.prompt, st.block_table, save_from=st.save_from,
                              computed=computed, scheduled=scheduled, kv_block=self.kv_block,
-                             engine_block=self.engine_block)
+                             engine_block=self.engine_block, chat=st.save_chat)
             if spec is not None:
                 st.save_from = spec.first + len(spec.block_ids) // self.ratio
                 saves.append(spec)

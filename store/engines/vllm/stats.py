@@ -18,7 +18,8 @@ Miss reasons: the loader's (``absent``, ``short_prompt``, ``fetch_scheduled``, `
 ``store_unavailable``, ``corrupt``, ``mismatch``, ``expired``, ``tenant_refused``, ...) and the
 connector's own: ``engine_cached`` (vLLM's own prefix cache already has the stored tokens),
 ``slower_than_prefill`` (the cost estimate), ``tenant_unknown`` (a cache_salt or tenant name the
-config does not know). Pure: no vLLM.
+config does not know), ``unsupported`` (multimodal inputs, a LoRA adapter or prompt embeddings:
+KV that depends on more than the tokens). Pure: no vLLM.
 """
 from __future__ import annotations
 

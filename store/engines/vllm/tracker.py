@@ -30,7 +30,8 @@ class RequestState:
         computed: vLLM's own hit at the last ask.
         answer: the tokens answered at the last ask.
         block_table: its engine blocks, in token order.
-        save_from: kvwarm blocks below this one are stored, or planned for write-back.
+        save_from: kvwarm blocks below this one are stored, or planned for write-back ...
+        save_chat: ... in the tenant's chat-keyed chain (else its plain one).
         in_flight: tokens of loads sent to the worker and not yet reported.
         loaded: tokens the worker reported loaded.
         planned: tokens of every load planned.
@@ -49,6 +50,7 @@ class RequestState:
     answer: int = 0
     block_table: list[int] = field(default_factory=list)
     save_from: int = 0
+    save_chat: bool = False
     in_flight: int = 0
     loaded: int = 0
     planned: int = 0

@@ -97,9 +97,11 @@ class WorkerRole:
         self.layout = layout
         self._heads = slice(self.tp_rank * layout.num_kv_heads, (self.tp_rank + 1) * layout.num_kv_heads)
         cfg = self.settings.config
+        for chat in (False, True) if self.identities[1] is not None else (False,):
+            self.loader(self.tenants.default, chat)  # made now, not in the first request's load
         if self.settings.write_back and self.tp_size == 1:
             self.writer = WriteBack(Store(tiers_from_url(self.settings.store_url, cfg.store)), self.tenants,
-                                    self.identities[0], cfg.kv_cache.precision(), kv_block=self.kv_block,
+                                    self.identities, cfg.kv_cache.precision(), kv_block=self.kv_block,
                                     ttl_s=cfg.kv_cache.ttl_seconds(), layout=layout, counters=self.counters,
                                     s3_backoff_s=cfg.loader.s3_backoff_s)
 

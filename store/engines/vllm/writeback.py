@@ -54,7 +54,7 @@ class WriteBack:
     Args:
         store: every tier, NVMe first.
         tenants: whose namespace and salt each block goes under.
-        identity: the model's identity for plain prompts (write-back keys are plain).
+        identities: the model's identities, plain and chat-keyed (a save extends the chain its spec names).
         precision: the storage precision.
         kv_block: kvwarm's block size.
         ttl_s: the snapshots' lifetime.
@@ -65,7 +65,8 @@ class WriteBack:
         clock: wall time (snapshot creation times).
     """
 
-    def __init__(self, store: Store, tenants: TenantBook, identity: ModelIdentity, precision: Precision, *,
+    def __init__(self, store: Store, tenants: TenantBook, identities: tuple[ModelIdentity, ModelIdentity | None],
+                 precision: Precision, *,
                  kv_block: int, ttl_s: float, layout: EngineLayout, counters: Counters,
                  max_bytes: int = MAX_QUEUED_BYTES, s3_backoff_s: float = 30.0,
                  clock: Callable[[], float] = time.time) -> None:
@@ -75,7 +76,7 @@ class WriteBack:
         self.local = local
         self._local_only = Store([local])
         self.tenants = tenants
-        self.identity = identity
+        self.identities = identities
         self.precision = precision
         self.kv_block = kv_block
         self.ttl_s = ttl_s
@@ -126,7 +127,10 @@ class WriteBack:
     def _write(self, job: _Job) -> None:
         spec = job.spec
         tenant = self.tenants.credentials(spec.tenant)
-        root = self.identity.key_root(self.precision, self.kv_block, tenant.salt)
+        identity = self.identities[1] if spec.chat else self.identities[0]
+        if identity is None:
+            raise ValueError("a chat-keyed save for a model without a chat template")
+        root = identity.key_root(self.precision, self.kv_block, tenant.salt)
         blocks = block_chain(root, spec.token_ids)[spec.first:]
         kv = [unpack_blocks(t, self.layout) for t in job.layers]  # per layer, [heads, n * kv_block, dim]
         store = self.store if time.monotonic() >= self._s3_after else self._local_only

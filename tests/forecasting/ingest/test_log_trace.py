@@ -11,6 +11,7 @@ from forecasting.ingest.log_trace import read_log_trace
 from forecasting.ingest.traces import TraceError, read_kvwarm, simulation_root
 from forecasting.mining.prefix_tree import MiningError
 from forecasting.simulate.cli import add_simulate_command
+from store.errors import BadInputError
 from store.identity.keys import block_keys
 
 
@@ -90,7 +91,8 @@ def test_simulate_reads_the_pipelines_logs(tmp_path: Path, capsys: pytest.Captur
     lru = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"][0]
     assert lru["policy"] == "lru" and (lru["hit_tokens"], lru["tokens"]) == (4, 15)
     args = parser.parse_args(argv[:5] + argv[7:])
-    assert args.func(args) == 2 and "the log holds 2 models" in capsys.readouterr().err
+    with pytest.raises(BadInputError, match="the log holds 2 models"):
+        args.func(args)
     args = parser.parse_args(argv[:6] + ["llama"] + argv[7:])
-    assert args.func(args) == 2
-    assert "no request of model 'llama' in" in (err := capsys.readouterr().err) and "(its models: m, other)" in err
+    with pytest.raises(BadInputError, match=r"no request of model 'llama' in .*\(its models: m, other\)"):
+        args.func(args)

@@ -10,15 +10,16 @@ from forecasting.models.catalog import candidates
 from forecasting.models.selection import forecast_frame
 from forecasting.planning.accuracy import warmup_accuracy
 from forecasting.planning.offpeak import lowest_window
-from forecasting.planning.planner import Budget, CostModel, PlanPolicy, candidates_from, make_plan, select
+from forecasting.planning.planner import Budget, PlanCosts, PlanPolicy, candidates_from, make_plan, select
 from store.config import KvCacheConfig
+from store.cost import PrefillCost
 from store.plan import read_plan, write_plan
 from tests.forecasting.synth import daily_means, long_table, poisson
 
 W0 = pd.Timestamp("2025-01-01 02:00")
 W1 = pd.Timestamp("2025-01-01 05:00")
 HOUR = pd.Timedelta(hours=1)
-COST = CostModel(tokens_per_s=1000.0, bytes_per_token=1000.0, quadratic_at=1e12, gpu_s_per_gib_hour=0.0)
+COST = PlanCosts(prefill=PrefillCost.from_rate(1000.0), bytes_per_token=1000.0, gpu_s_per_gib_hour=0.0)
 
 
 def _prefixes(rows: list[tuple], series: pd.DataFrame | None = None) -> Demand:
@@ -46,7 +47,7 @@ def test_entries_are_ordered_by_value_and_carry_the_forecast(tmp_path) -> None:
                         ("c", "bolt", 1000, None, None, [4, 5], None)])
     fc = _forecast({"a": 1.0, "b": 5.0, "c": 2.0})
     plan = make_plan(demand, fc, cost=COST, budget=Budget(1e6, 1e12), window_start=W0, window_end=W1, bucket=HOUR,
-                     policy=PlanPolicy(ttl_min_s=3600, ttl_max_s=4 * 3600), created_at=1.0)
+                     policy=PlanPolicy(kv_cache=KvCacheConfig(ttl_min_hours=1, ttl_max_hours=4)), created_at=1.0)
     assert [e.prefix_id for e in plan.entries] == ["b", "c", "a"]
     b = plan.entries[0]
     assert b.text == "You are b" and b.token_ids is None and b.ttl_s == 4 * 3600
@@ -69,10 +70,24 @@ def test_both_budgets_are_respected() -> None:
     assert nothing == []
 
 
-def test_quadratic_prefill_and_storage_cost() -> None:
-    cost = CostModel(tokens_per_s=1000.0, bytes_per_token=2**20, quadratic_at=2000.0, gpu_s_per_gib_hour=3.0)
-    assert cost.prefill_s(2000) == pytest.approx(4.0)  # 2 s linear, doubled by attention at 2000 tokens
-    assert cost.storage_s(1024, 7200) == pytest.approx(1.0 * 2 * 3.0)
+def test_storage_is_priced_in_gpu_seconds_per_gib_hour() -> None:
+    cost = PlanCosts(prefill=PrefillCost.from_rate(1000.0), bytes_per_token=2**20, gpu_s_per_gib_hour=3.0)
+    assert cost.bytes(1024) == 2**30 and cost.storage_s(1024, 7200) == pytest.approx(1.0 * 2 * 3.0)
+
+
+def test_attention_makes_long_prefixes_cost_more_per_token() -> None:
+    # One prefix of 8,000 tokens against four of 2,000, the same tokens and requests in all:
+    # the long one costs more to prefill (attention) and saves as much more per hit.
+    cost = PlanCosts(prefill=PrefillCost(1e-3, 1e-6), bytes_per_token=1.0, gpu_s_per_gib_hour=0.0)
+    demand = _prefixes([("long", "acme", 8000, None, None, [1], None)]
+                       + [(f"s{i}", "acme", 2000, None, None, [i + 2], None) for i in range(4)])
+    fc = _forecast({"long": 3.0, **{f"s{i}": 3.0 for i in range(4)}})
+    chosen = {c.candidate.prefix_id: c for c in select(candidates_from(demand, fc, W1, PlanPolicy(), HOUR)[0],
+                                                       cost, Budget(1e6, 1e12))}
+    assert chosen["long"].gpu_s == pytest.approx(8.0 + 1e-6 * 8000 * 8001 / 2)
+    assert chosen["long"].gpu_s > 4 * chosen["s0"].gpu_s
+    hits = chosen["long"].candidate.expected_hits
+    assert chosen["long"].value == pytest.approx((hits - 1) * chosen["long"].gpu_s)
 
 
 def test_a_prefix_under_a_planned_one_saves_only_its_extra_tokens() -> None:
@@ -91,7 +106,7 @@ def test_a_prefix_under_a_planned_one_saves_only_its_extra_tokens() -> None:
 
 
 def test_ttl_follows_the_forecast_within_the_configured_bounds() -> None:
-    policy = PlanPolicy.from_config(KvCacheConfig(ttl_min_hours=2, ttl_max_hours=6, ttl_hours=4))
+    policy = PlanPolicy(kv_cache=KvCacheConfig(ttl_min_hours=2, ttl_max_hours=6, ttl_hours=4))
     demand = _prefixes([("soon", "acme", 100, None, None, [1], None), ("long", "acme", 100, None, None, [2], None),
                         ("never", "acme", 100, None, None, [3], None)])
     fc = pd.concat([_forecast({"soon": 1.0}, hours=3, p=0.9), _forecast({"soon": 1.0}, hours=12, p=0.1).iloc[3:],
@@ -108,12 +123,14 @@ def test_prefixes_without_tokens_or_text_are_skipped_and_counted() -> None:
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="tokens_per_s"):
-        CostModel(tokens_per_s=0, bytes_per_token=1)
+    with pytest.raises(ValueError, match="bytes_per_token"):
+        PlanCosts(prefill=PrefillCost(), bytes_per_token=0)
+    with pytest.raises(ValueError, match="gpu_s_per_gib_hour"):
+        PlanCosts(prefill=PrefillCost(), bytes_per_token=1, gpu_s_per_gib_hour=-1)
     with pytest.raises(ValueError, match="gpu_s"):
         Budget(gpu_s=-1, store_bytes=1)
-    with pytest.raises(ValueError, match="TTL bounds"):
-        PlanPolicy(ttl_min_s=10, ttl_max_s=5)
+    with pytest.raises(ValueError, match="ttl_p"):
+        PlanPolicy(ttl_p=0.0)
     with pytest.raises(ValueError, match="not after"):
         make_plan(_prefixes([]), _forecast({"a": 1.0}), cost=COST, budget=Budget(1, 1), window_start=W1, window_end=W0,
                   bucket=HOUR)
@@ -133,7 +150,7 @@ def test_demand_to_forecast_to_plan_to_accuracy() -> None:
     total_fc = fc.groupby("ds")["y_hat"].sum()
     window = lowest_window(total_fc, 3)
     assert window.start.hour in (2, 3, 4)  # the known trough is at 04:00
-    cost = CostModel(tokens_per_s=2000.0, bytes_per_token=1000.0)
+    cost = PlanCosts(prefill=PrefillCost().scaled(2000.0), bytes_per_token=1000.0)
     plan = make_plan(demand, fc, cost=cost, budget=Budget(gpu_s=1e4, store_bytes=1e12), window_start=window.start,
                      window_end=window.end, bucket=HOUR)
     assert [e.prefix_id for e in plan.entries] == ["busy"]  # quiet and dead cost more than they save

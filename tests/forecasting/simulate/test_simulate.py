@@ -1,7 +1,6 @@
 """Scenarios, prewarms, metrics and the simulate command, on hand-made and real (Mooncake) traces."""
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
@@ -9,11 +8,11 @@ import numpy as np
 import pytest
 
 from forecasting.ingest.traces import from_chains, read_mooncake
-from forecasting.simulate.cli import add_simulate_command
 from forecasting.simulate.prewarm import kvwarm_prewarm, naive_prewarm, oracle_prewarm
 from forecasting.simulate.replay import BlockIndex, PredictorConfig
 from forecasting.simulate.simulation import Policy, Scenario, plot, simulate
-from forecasting.simulate.ttft import CostModel
+from prefill.cli import main
+from store.cost import PrefillCost
 from store.plan import Plan, PlanEntry, write_plan
 from tests.forecasting.simulate.test_replay import CHAINS, _perturbed
 
@@ -49,41 +48,18 @@ def test_restart_on_a_hand_made_trace() -> None:
     assert cold.prefill_tokens_saved == 3
 
 
-def test_cost_model_saves_linear_and_quadratic_time() -> None:
-    cost = CostModel(s_per_token=1e-3, s_per_token_pair=1e-6)
-    assert cost.saved_s(np.array([0]))[0] == 0.0
-    assert cost.saved_s(np.array([100]))[0] == pytest.approx(0.1 + 1e-6 * 100 * 101 / 2)
+def test_the_simulation_turns_hit_tokens_into_ttft_with_the_prefill_cost() -> None:
+    cost = PrefillCost(s_per_token=1e-3, s_per_token_pair=1e-6)
     index = BlockIndex.build(from_chains([0.0, 1.0], [[1, 2], [1, 2]], block_tokens=100))
     r = simulate(index, 8, Scenario("steady"), ["lru"], cost=cost).row("lru")
-    assert r.hit_tokens == 200 and r.ttft_saved_s == pytest.approx(float(cost.saved_s(np.array([200]))[0]))
+    assert r.hit_tokens == 200 and r.ttft_saved_s == pytest.approx(cost.seconds(200))
     assert r.ttft_saved_mean_s == pytest.approx(r.ttft_saved_s / 2)
     # Time to first token: the first request prefills all 200 tokens, the second none.
-    full = float(cost.prefill_s(np.array([200]))[0])
+    full = cost.seconds(200)
     assert r.ttft_p50_s == pytest.approx(full / 2) and r.ttft_p99_s == pytest.approx(0.99 * full)
 
 
 CALIBRATION = Path(__file__).resolve().parents[3] / "bench" / "calibration" / "prefill-h200-8b.json"
-
-
-def test_cost_model_is_fitted_to_the_prefill_bench() -> None:
-    # Exact on two lengths: t = a n + b n (n + 1) / 2.
-    truth = CostModel(2e-5, 1e-9)
-    points = [(n, float(truth.prefill_s(np.array([n]))[0])) for n in (1024, 4096, 16384)]
-    fitted = CostModel.fit(points)
-    assert fitted.s_per_token == pytest.approx(2e-5) and fitted.s_per_token_pair == pytest.approx(1e-9)
-    # One length cannot separate the terms: all of it goes to the linear one.
-    assert CostModel.fit([(1000, 0.05)]) == CostModel(5e-5, 0.0)
-    # Time per token falling with length would need a negative attention term: linear only.
-    assert CostModel.fit([(1000, 0.05), (4000, 0.1)]).s_per_token_pair == 0.0
-    with pytest.raises(ValueError, match="all positive"):
-        CostModel.fit([(0, 1.0)])
-    # The defaults are the fit of the H200 run that ships with the bench.
-    h200 = CostModel.from_prefill_bench(json.loads(CALIBRATION.read_text()))
-    assert h200.s_per_token == pytest.approx(CostModel().s_per_token, rel=1e-3)
-    assert h200.s_per_token_pair == pytest.approx(CostModel().s_per_token_pair, rel=1e-3)
-    assert 8192 / h200.prefill_s(np.array([8192]))[0] == pytest.approx(31298, rel=1e-3)
-    with pytest.raises(ValueError, match="no by_tokens figures"):
-        CostModel.from_prefill_bench({"prefill": {"forward_tokens_per_s": 400.0}})
 
 
 def test_simulate_command_takes_its_cost_model_from_a_bench_result(tmp_path: Path,
@@ -181,10 +157,7 @@ def test_scale_out_serves_a_share_and_compares_with_an_established_replica(moonc
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    parser = argparse.ArgumentParser(prog="prefill")
-    add_simulate_command(parser.add_subparsers(dest="cmd", required=True))
-    args = parser.parse_args(argv)
-    rc = args.func(args)
+    rc = main(argv)  # the installed command: bad input is exit 2 with "prefill: error: ..."
     out = capsys.readouterr()
     return rc, out.out, out.err
 
@@ -208,6 +181,12 @@ def test_simulate_command_table_and_bytes_capacity(capsys: pytest.CaptureFixture
     assert rc == 0
     assert "507 blocks of 512 tokens; steady" in out
     assert [line.split()[0] for line in out.splitlines()[2:]] == ["lru", "retention", "belady"]
+    # By default a token is the 8B geometry's in the store: 31 FP8 layers, layer 0 in bf16, the
+    # scales: 2 x 8 x 128 x (31 + 2) + 31 x 2 x 8 x 4 / 512 = 67,587.875 bytes, 34,604,992 a block.
+    rc, out, _ = _run(["simulate", "--trace", str(MOONCAKE), "--capacity-bytes", "1e10", "--policy", "lru"], capsys)
+    assert rc == 0 and f"{int(1e10 // 34_604_992)} blocks of 512 tokens" in out
+    rc, _, err = _run(["simulate", "--trace", str(MOONCAKE), "--capacity-bytes", "1e7", "--policy", "lru"], capsys)
+    assert rc == 2 and "holds no block (512 tokens x 67587.9 bytes each)" in err
 
 
 def test_simulate_command_reports_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -31,6 +31,9 @@ class Req:
     prompt_token_ids: list[int]
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    lora_request: Any = None
+    mm_features: list[Any] = field(default_factory=list)
+    prompt_embeds: Any = None
 
 
 @dataclass
@@ -60,8 +63,9 @@ class Out:
         return sum(self.num_scheduled_tokens.values())
 
 
-def config(**loader: Any) -> KvwarmConfig:
-    return parse_config({"kv_cache": {"block_size": KB}, "tenants": TENANTS, "loader": loader})
+def config(s3: dict[str, Any] | None = None, **loader: Any) -> KvwarmConfig:
+    return parse_config({"kv_cache": {"block_size": KB}, "tenants": TENANTS, "loader": loader,
+                         "store": {"s3": s3 or {}}})
 
 
 def tokens(n: int, seed: int = 0) -> list[int]:
@@ -70,21 +74,22 @@ def tokens(n: int, seed: int = 0) -> list[int]:
 
 
 def role(tmp_path: Path, *, tenant: str = "acme", write_back: bool = True, rate: float | None = None,
-         chat: bool = True, cfg: KvwarmConfig | None = None, **kw: Any) -> SchedulerRole:
-    settings = ConnectorSettings(store_url=f"file://{tmp_path}/nvme", tenant=tenant, config=cfg or config(),
+         chat: bool = True, cfg: KvwarmConfig | None = None, url: str | None = None, **kw: Any) -> SchedulerRole:
+    settings = ConnectorSettings(store_url=url or f"file://{tmp_path}/nvme", tenant=tenant, config=cfg or config(),
                                  model_dir=tmp_path, write_back=write_back, prefill_tokens_per_s=rate)
     return SchedulerRole(settings, identities=(PLAIN, CHAT if chat else None), engine_block=EB, layers=2,
                          kv_heads=2, head_dim=8, **kw)
 
 
 def store_prefix(tmp_path: Path, ids: Sequence[int], *, namespace: str = "acme", chat: bool = False,
-                 blocks: int | None = None, cfg: KvwarmConfig | None = None) -> None:
-    """Write synthetic snapshots of ``ids``'s first ``blocks`` full blocks under ``namespace``'s chain."""
+                 blocks: int | None = None, cfg: KvwarmConfig | None = None, url: str | None = None) -> None:
+    """Write synthetic snapshots of ``ids``'s first ``blocks`` full blocks under ``namespace``'s chain
+    (into the test's NVMe tier, or the tiers ``url`` names)."""
     cfg = cfg or config()
     tenant = cfg.tenant(namespace)
     precision = cfg.kv_cache.precision()
     root = (CHAT if chat else PLAIN).key_root(precision, KB, tenant.salt)
-    store = Store.open(f"file://{tmp_path}/nvme", cfg)
+    store = Store.open(url or f"file://{tmp_path}/nvme", cfg, create_bucket=url is not None)
     writer = Tenant.derive("acme") if namespace == "public" else tenant
     for b in block_chain(root, ids)[:blocks]:
         store.put(writer, make_snapshot(root, b, tenant=tenant, precision=precision))

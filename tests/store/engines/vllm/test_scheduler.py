@@ -85,7 +85,8 @@ def test_repeated_asks_probe_once_and_count_once(tmp_path, monkeypatch) -> None:
 
 @pytest.mark.parametrize("case, reason", [
     ("absent", "absent"), ("short", "short_prompt"), ("cached", "engine_cached"),
-    ("salt", "tenant_unknown"), ("claim", "tenant_refused"), ("name", "tenant_unknown"),
+    ("salt", "tenant_unknown"), ("claim", "tenant_refused"), ("name", "tenant_unknown"), ("lora", "unsupported"),
+    ("image", "unsupported"),
 ])
 def test_misses_are_counted_under_their_reason(tmp_path, case: str, reason: str) -> None:
     ids = tokens(2 * KB + 3)
@@ -95,7 +96,11 @@ def test_misses_are_counted_under_their_reason(tmp_path, case: str, reason: str)
     req = {"absent": Req("r", ids), "short": Req("r", ids[: KB - 1]), "cached": Req("r", ids),
            "salt": Req("r", ids, cache_salt="not-mapped"),
            "claim": Req("r", ids, cache_salt="salt-acme", kv_transfer_params={"kvwarm_tenant": "bolt"}),
-           "name": Req("r", ids, kv_transfer_params={"kvwarm_tenant": "mallory"})}[case]
+           "name": Req("r", ids, kv_transfer_params={"kvwarm_tenant": "mallory"})}.get(case) or Req("r", ids)
+    if case == "lora":
+        req.lora_request = object()
+    if case == "image":
+        req.mm_features = [object()]
     r.on_new_request(req)
     assert ask(r, req, computed=2 * KB if case == "cached" else 0) == (0, False)
     s = r.stats()
@@ -296,3 +301,25 @@ def test_memory_follows_the_requests_in_flight(tmp_path) -> None:
                          num_scheduled_tokens={req.request_id: KB + 3}))
         r.request_finished(req)
     assert len(r.tracker) == 0 and r.stats()["lookups"] == 2000
+
+
+def test_write_back_extends_the_chain_the_hit_is_in_and_copies_a_public_head(tmp_path) -> None:
+    chat_ids, pub_ids = tokens(3 * KB + 1, seed=8), tokens(3 * KB + 1, seed=9)
+    store_prefix(tmp_path, chat_ids, chat=True, blocks=1)  # prefill warm --chat stored the head
+    store_prefix(tmp_path, pub_ids, namespace="public", blocks=1)
+    r = role(tmp_path)
+    for name, ids in (("c", chat_ids), ("p", pub_ids)):
+        req = Req(name, ids)
+        assert ask(r, req) == (KB, False)
+        r.update_state_after_alloc(req, list(range(7)), KB)
+    plan = r.build_plan(Out([NewReq("c", chat_ids, (list(range(7)),), KB), NewReq("p", pub_ids, (list(range(7)),), KB)],
+                            num_scheduled_tokens={"c": 2 * KB + 1, "p": 2 * KB + 1}))
+    saves = {s.req_id: s for s in plan.saves}
+    assert (saves["c"].chat, saves["c"].first) == (True, 1)  # the tail of the chat-keyed chain it extends
+    assert (saves["p"].chat, saves["p"].first) == (False, 0)  # public's head is copied: a chain starts at its root
+    inside = tokens(KB + 3, seed=10)  # a prompt that does not go past the public chain is not copied
+    store_prefix(tmp_path, inside, namespace="public")
+    req = Req("i", inside)
+    assert ask(r, req) == (KB, False)
+    r.update_state_after_alloc(req, list(range(3)), KB)
+    assert r.build_plan(Out([NewReq("i", inside, (list(range(3)),), KB)], num_scheduled_tokens={"i": 3})).saves == ()

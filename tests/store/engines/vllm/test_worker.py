@@ -23,8 +23,9 @@ KB, EB, L, H, D, NB = 32, 16, 2, 2, 8, 64
 IDENT = ModelIdentity("test-model@1", "tok-1", name="m")
 
 
-def cfg(compression: str = "bf16"):
-    return parse_config({"kv_cache": {"block_size": KB, "compression": compression}})
+def cfg(compression: str = "bf16", pool_dir: Path | None = None):
+    loader = {"pool_dir": str(pool_dir)} if pool_dir is not None else {}
+    return parse_config({"kv_cache": {"block_size": KB, "compression": compression}, "loader": loader})
 
 
 def tokens(n: int, seed: int = 0) -> list[int]:
@@ -56,7 +57,8 @@ def expected(block: int):
 @pytest.fixture()
 def worker(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("KVWARM_HOME", str(tmp_path / "home"))
-    s = ConnectorSettings(store_url=f"file://{tmp_path}/nvme", tenant="acme", config=cfg(), model_dir=tmp_path)
+    s = ConnectorSettings(store_url=f"file://{tmp_path}/nvme", tenant="acme", config=cfg(pool_dir=tmp_path / "pool"),
+                          model_dir=tmp_path)
     w = WorkerRole(s, identities=(IDENT, None), engine_block=EB)
     caches = [torch.full((NB, H, EB, 2 * D), -3.0, dtype=torch.bfloat16) for _ in range(L)]
     w.register(caches, EngineLayout("cpu_vec", NB, H, EB, D, torch.bfloat16), total_kv_heads=H)
@@ -117,8 +119,8 @@ def test_write_back_stores_what_the_engine_computed_and_skips_what_is_stored(tmp
         v = torch.cat([expected(b)[layer][1] for b in (1, 2)], dim=1)
         write_layer(worker.caches[layer], worker.layout, table[2:6], k, v)
     worker.begin_step()
-    worker.after_forward(StepPlan(saves=(SaveSpec("r", "acme", 1, tuple(ids[: 3 * KB]), tuple(table[2:6])),
-                                         SaveSpec("s", "acme", 0, tuple(ids[:KB]), tuple(table[:2])))))
+    worker.after_forward(StepPlan(saves=(SaveSpec("r", "acme", False, 1, tuple(ids[: 3 * KB]), tuple(table[2:6])),
+                                         SaveSpec("s", "acme", False, 0, tuple(ids[:KB]), tuple(table[:2])))))
     assert worker.writer.drain(30)
     totals = worker.counters.totals()
     assert totals["written_back_blocks"] == 2 and totals["write_back_skipped:present"] == 1
@@ -139,14 +141,14 @@ def test_no_write_back_of_a_request_whose_load_failed_in_the_step(tmp_path, work
     ids = tokens(2 * KB + 1, seed=4)
     worker.begin_step()
     worker.start_load(StepPlan(loads=(LoadSpec("r", "acme", False, tuple(ids[: 2 * KB]), 0, 2 * KB, (1, 2, 3, 4)),)))
-    worker.after_forward(StepPlan(saves=(SaveSpec("r", "acme", 0, tuple(ids[: 2 * KB]), (1, 2, 3, 4)),)))
+    worker.after_forward(StepPlan(saves=(SaveSpec("r", "acme", False, 0, tuple(ids[: 2 * KB]), (1, 2, 3, 4)),)))
     assert worker.writer.drain(30) and "written_back_blocks" not in worker.counters.totals()
 
 
 def test_a_full_queue_drops_saves_and_counts_them(tmp_path, worker) -> None:
     worker.writer.max_bytes = 1
     ids = tokens(KB + 1, seed=5)
-    worker.after_forward(StepPlan(saves=(SaveSpec("r", "acme", 0, tuple(ids[:KB]), (1, 2)),)))
+    worker.after_forward(StepPlan(saves=(SaveSpec("r", "acme", False, 0, tuple(ids[:KB]), (1, 2)),)))
     assert worker.counters.totals()["write_back_dropped:queue_full"] == 1
 
 
@@ -171,3 +173,25 @@ def test_the_start_up_prefetch_maps_the_plan_into_the_pool(tmp_path, worker) -> 
         f.result(timeout=60)
     assert worker.counters.totals()["prefetched_blocks"] == 4 and worker.counters.totals()["prefetch_skipped"] == 1
     assert worker.loader("acme", False).pool.usage() > 0
+
+
+def test_a_chat_keyed_save_goes_under_the_chat_root(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVWARM_HOME", str(tmp_path / "home"))
+    chat_ident = ModelIdentity("test-model@1", "tok-1", chat_template_hash="c" * 64, name="m")
+    s = ConnectorSettings(store_url=f"file://{tmp_path}/nvme", tenant="acme", config=cfg(pool_dir=tmp_path / "pool"),
+                          model_dir=tmp_path)
+    w = WorkerRole(s, identities=(IDENT, chat_ident), engine_block=EB)
+    caches = [torch.zeros((NB, H, EB, 2 * D), dtype=torch.bfloat16) for _ in range(L)]
+    w.register(caches, EngineLayout("cpu_vec", NB, H, EB, D, torch.bfloat16), total_kv_heads=H)
+    ids = tokens(2 * KB, seed=8)
+    w.after_forward(StepPlan(saves=(SaveSpec("r", "acme", True, 1, tuple(ids), (5, 6)),)))
+    assert w.writer.drain(30) and w.counters.totals()["written_back_blocks"] == 1
+    c = cfg()
+    tenant = c.tenant("acme")
+    chat_root = chat_ident.key_root(c.kv_cache.precision(), KB, tenant.salt)
+    plain_root = IDENT.key_root(c.kv_cache.precision(), KB, tenant.salt)
+    store = Store.open(f"file://{tmp_path}/nvme", c)
+    assert store.get(tenant, block_chain(chat_root, ids)[1], chat_root) is not None
+    assert store.probe(tenant, block_chain(plain_root, ids), plain_root).count == 0
+    store.close()
+    w.close()
