@@ -102,9 +102,6 @@ class Plan:
         if self.window_start is not None and self.window_end is not None and self.window_end <= self.window_start:
             raise PlanError(f"plan: window end {self.window_end} is not after its start {self.window_start}")
 
-    def for_tenant(self, tenant: str) -> list[PlanEntry]:
-        return [e for e in self.entries if e.tenant == tenant]
-
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kvwarm_plan": PLAN_VERSION, "created_at": self.created_at}
         if self.block_size is not None:

@@ -72,3 +72,13 @@ def test_the_vllm_connector_imports_light() -> None:
         assert not used & {"prefect", "statsmodels", "datasketch"}, f"{path.name} imports {used}"
         if path.stem not in ("connector", "prom"):
             assert "vllm" not in used, f"{path.name} imports vllm: only connector.py and prom.py may"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_module_is_small_and_says_what_it_is(package: str) -> None:
+    for path in (REPO / package).rglob("*.py"):
+        where = path.relative_to(REPO)
+        source = path.read_text(encoding="utf-8")
+        lines = source.count("\n")
+        assert lines <= 400, f"{where} has {lines} lines: split it along a seam (one concept per module, under 400)"
+        assert ast.get_docstring(ast.parse(source)), f"{where} does not open with a docstring saying what it is"

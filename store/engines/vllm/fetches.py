@@ -66,7 +66,7 @@ class RemoteFetches:
         self.has_remote = len(store.tiers) > 1
         self.clock = clock
         self._executor = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvwarm-s3")
-        self._metrics = LoaderMetrics()
+        self._metrics = LoaderMetrics(store=store.stats)
         self._lock = threading.Lock()
         self._fetchers: dict[str, RemoteFetcher] = {}
         self._waited: dict[str, Pending] = {}
@@ -75,9 +75,7 @@ class RemoteFetches:
         with self._lock:
             f = self._fetchers.get(tenant)
         if f is None:
-            local = self.store.local
-            assert local is not None, "the store's first tier must be local"
-            f = RemoteFetcher(self.store, local, self.tenants.credentials(tenant), self._metrics, self._executor,
+            f = RemoteFetcher(self.store, self.tenants.credentials(tenant), self._metrics, self._executor,
                               timeout_s=self.timeout_s, backoff_s=self.backoff_s)
             with self._lock:
                 f = self._fetchers.setdefault(tenant, f)

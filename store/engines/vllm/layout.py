@@ -26,6 +26,8 @@ from typing import Sequence
 
 import torch
 
+from store.errors import BadInputError
+
 CPU_BACKEND = "CPU_ATTN"
 VEC_ISAS = ("vec", "vec16")
 KINDS = ("cpu_vec", "cpu_permuted", "split", "kv_first")
@@ -33,7 +35,7 @@ KINDS = ("cpu_vec", "cpu_permuted", "split", "kv_first")
 DIGIT = 256
 
 
-class UnsupportedLayout(ValueError):
+class UnsupportedLayout(BadInputError):
     """The engine's KV tensors are laid out in a way kvwarm does not know; the message shows them."""
 
 

@@ -15,8 +15,11 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from store.engines.vllm.stats import LATENCIES, labelled, merge, reduce
-from store.serving.metrics import LATENCY_BUCKETS, MISS_REASONS
+from store.miss import MissReason
+from store.serving.metrics import LATENCY_BUCKETS
 
+#: the loader's miss reasons (label values), which the connector's reasons extend
+MISS_REASONS = tuple(reason.value for reason in MissReason)
 #: ``kvwarm_connector_<name>_total``: counters without a label.
 COUNTERS = {
     "lookups": "Requests looked up in kvwarm (once each).",

@@ -39,7 +39,8 @@ from store.engines.vllm.tenancy import TenantBook
 from store.engines.vllm.tracker import RequestState, Tracker
 from store.identity.fingerprint import ModelIdentity
 from store.identity.tenant import PUBLIC
-from store.tiers.store import Store, tiers_from_url
+from store.tiers.registry import tiers_from_url
+from store.tiers.store import Store
 
 log = logging.getLogger("kvwarm.vllm")
 

@@ -37,7 +37,8 @@ from store.identity.tenant import PUBLIC
 from store.kernels.dequant import Dequantizer
 from store.plan import Plan
 from store.serving.loader import KVLoader
-from store.tiers.store import Store, tiers_from_url
+from store.tiers.registry import tiers_from_url
+from store.tiers.store import Store
 
 log = logging.getLogger("kvwarm.vllm")
 #: A step counts towards the prefill rate when at least this share of its tokens are prompt tokens ...
@@ -174,7 +175,7 @@ class WorkerRole:
                 v = kv[2 * layer + 1][self._heads, offset:]
                 write_layer(cache, self.layout, ids, k, v)
             span = range(first, -(-end // self.kv_block))
-            nbytes = sum(int(getattr(hit.snapshots[b], "source_size", 0)) for b in span)
+            nbytes = sum(hit.snapshots[b].nbytes for b in span)
         finally:
             tier = hit.tier
             hit.release()

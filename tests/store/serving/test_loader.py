@@ -247,7 +247,7 @@ def test_a_day_of_plans_keeps_one_plans_priorities(tmp_path):
         entries = [PlanEntry("acme", token_ids=tuple(prompt(2 * BS, seed=1000 * i + j)), score=float(j))
                    for j in range(10)]
         loader.prefetch(Plan(entries=tuple(entries)), map_ahead=False).result(timeout=60)
-    assert len(loader._priority) == 20  # 10 prefixes of 2 blocks: the last plan's
+    assert len(loader.mapper.priority) == 20  # 10 prefixes of 2 blocks: the last plan's
     loader.prefetch([prompt(2 * BS, seed=7)], map_ahead=False).result(timeout=60)  # bare prefixes keep them
-    assert len(loader._priority) == 20
+    assert len(loader.mapper.priority) == 20
     loader.close()
