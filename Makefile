@@ -42,9 +42,13 @@ install-engine: $(ENGINE_STAMP)
 demo: $(STAMP)
 	$(PY) -m flows.demo --store file://$(CURDIR)/.kvwarm-demo
 
-# KVWARM_ENGINE_PYTHON makes a missing engine venv an error in the engine tests, not a skip.
+# The whole suite in .venv (its engine tests start vLLM from .venv-engine; KVWARM_ENGINE_PYTHON
+# makes a missing engine venv an error there, not a skip), then, in .venv-engine, the checks of
+# the connector's modules that import vLLM (.venv cannot import them).
+ENGINE_ENV_TESTS := tests/store/engines/vllm/test_engine_env.py
 test: $(STAMP) $(ENGINE_STAMP)
 	KVWARM_ENGINE_PYTHON=$(CURDIR)/$(ENGINE_PY) $(PY) -m pytest -q
+	$(ENGINE_PY) -m pytest -q -p no:cacheprovider $(ENGINE_ENV_TESTS)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[bench]"
