@@ -7,7 +7,7 @@ that venv they are skipped, except under ``make test``, which builds it and sets
 Engines are few on purpose (each costs an import of vLLM and a start: 20 s on a quiet
 two-core machine, over a minute on a busy one): one without the connector computes the
 cold tokens of every prompt, and one engine on the bf16 store serves both the same-tokens
-test and the first half of the write-back test.
+test and the first half of the write-back test; the server test reads the same store.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ import pytest
 
 from bench.lib.vllm_engine import ENGINE_ENV, EngineRun, EngineUnavailable, engine_python, run_engine
 from tests.store.engines.vllm.harness import (
+    SALTS,
     TENANT,
     corpus_line,
     engine_spec,
@@ -28,7 +29,7 @@ from tests.store.engines.vllm.harness import (
     request,
     write_config,
 )
-from tests.store.engines.vllm.prompts import AGREE, CHAT_LINE, PROMPTS, all_ids
+from tests.store.engines.vllm.prompts import AGREE, CHAT_LINE, PROMPTS, SHARED, TEXT_LINE, all_ids
 
 #: prompts whose prefixes the bf16 (and the FP8) store holds; "short" has no full kvwarm block
 SAME = ["two_blocks", "three_blocks_exact", "one_block", "short", *AGREE]
@@ -89,11 +90,15 @@ def connector(config: Path, **extra) -> dict:
 
 @pytest.fixture(scope="session")
 def bf16_store(engine, tmp_path_factory) -> Path:
-    """A bf16 store (its config file) holding the SAME prefixes and a chat-templated one, by `prefill warm`."""
+    """A bf16 store (its config file, tenants acme and beta with their salts) holding, for acme, the
+    SAME prefixes, a chat-templated one, the prefix the server's concurrent prompts share and a
+    text prompt, all by one `prefill warm` run (each run is a model load)."""
     d = tmp_path_factory.mktemp("bf16")
-    cfg = write_config(d / "kvwarm.yaml", store_url=f"file://{d}/store", compression="bf16")
+    cfg = write_config(d / "kvwarm.yaml", store_url=f"file://{d}/store", compression="bf16",
+                       tenants={name: {"cache_salts": [salt]} for name, salt in SALTS.items()})
     prefill_warm(cfg, [*(entry(stored_prefix(n)) for n in SAME if stored_prefix(n)),
-                       entry(text=corpus_line(CHAT_LINE), chat=True)])
+                       entry(text=corpus_line(CHAT_LINE), chat=True),
+                       entry(SHARED.prefix), entry(text=corpus_line(TEXT_LINE))])
     return cfg
 
 

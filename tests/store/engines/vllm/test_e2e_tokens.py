@@ -22,7 +22,7 @@ from tests.store.engines.vllm.harness import (
     entry,
     expected_load,
     outcome,
-    prefill_warm,
+    prefill_here,
     reasons,
     request,
     tie_aware_agreement,
@@ -79,7 +79,7 @@ def fp8_engine(engine, tmp_path_factory):
     d = tmp_path_factory.mktemp("fp8")
     cfg = write_config(d / "kvwarm.yaml", store_url=f"file://{d}/store", compression="fp8")
     names = [n for n in SAME if stored_prefix(n)]
-    prefill_warm(cfg, [entry(stored_prefix(n)) for n in names])
+    prefill_here(cfg, [entry(stored_prefix(n)) for n in names])
     ids = all_ids()
     steps = [{"name": "warm", "requests": [request(ids[n]) for n in names], "together": True}]
     return names, run_engine(engine_spec(steps, extra=connector(cfg, write_back=False)), d / "engine")
