@@ -20,6 +20,7 @@ from bench.lib.vllm_engine import ENGINE_ENV, EngineRun, EngineUnavailable, engi
 from tests.store.engines.vllm.harness import (
     SALTS,
     TENANT,
+    connector,
     corpus_line,
     engine_spec,
     entry,
@@ -29,13 +30,7 @@ from tests.store.engines.vllm.harness import (
     request,
     write_config,
 )
-from tests.store.engines.vllm.prompts import AGREE, CHAT_LINE, PROMPTS, SHARED, TEXT_LINE, all_ids
-
-#: prompts whose prefixes the bf16 (and the FP8) store holds; "short" has no full kvwarm block
-SAME = ["two_blocks", "three_blocks_exact", "one_block", "short", *AGREE]
-#: a low prefill rate pinned for the tiny model, so that every stored hit "beats recomputing" whatever
-#: the machine's load does to the measured rates (the cost decision is unit-tested on its own)
-SLOW_PREFILL = 100.0
+from tests.store.engines.vllm.prompts import CHAT_LINE, SAME, SHARED, TEXT_LINE, all_ids, stored_prefix
 
 
 @pytest.fixture(scope="session")
@@ -75,17 +70,6 @@ def same_as_cold(cold_run):
         why = greedy_mismatch(tokens, want, gaps)
         assert why is None, f"{name}: not vLLM's cold tokens ({why})\n got  {tokens}\n cold {want}"
     return check
-
-
-def stored_prefix(name: str) -> list[int]:
-    """The prefix ``prefill warm`` is given for a prompt (empty when it has no full kvwarm block)."""
-    p = PROMPTS.get(name) or AGREE[name]
-    return p.prefix if p.stored >= 256 else []
-
-
-def connector(config: Path, **extra) -> dict:
-    """The connector's extra config for a test store (``tenant`` acme, the pinned prefill rate)."""
-    return {"config": str(config), "tenant": TENANT, "prefill_tokens_per_s": SLOW_PREFILL, **extra}
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,9 @@ SALTS = {"acme": "salt-acme", "beta": "salt-beta"}
 #: the continuations then part (both are right: the model cannot tell them apart in bf16). KV
 #: the engine itself computed, stored losslessly (bf16 write-back), must give exactly its tokens.
 NEAR_TIE = 0.13
+#: a low prefill rate pinned for the tiny model, so that every stored hit "beats recomputing" whatever
+#: the machine's load does to the measured rates (the cost decision is unit-tested on its own)
+SLOW_PREFILL = 100.0
 
 
 def tiny_dir() -> Path:
@@ -200,6 +203,11 @@ def engine_spec(steps: list[dict[str, Any]], *, extra: dict[str, Any] | None = N
     if extra is not None:
         spec["connector"] = {"extra": extra, "policy": policy}
     return spec
+
+
+def connector(config: Path, **extra: Any) -> dict[str, Any]:
+    """The connector's extra config for a test store (``tenant`` acme, the pinned prefill rate)."""
+    return {"config": str(config), "tenant": TENANT, "prefill_tokens_per_s": SLOW_PREFILL, **extra}
 
 
 def margins(logprobs: Sequence[dict[str, float]]) -> list[float]:

@@ -84,6 +84,16 @@ CONCURRENT_SHARED = [Prompt(f"shared_{i}", 30000, 512, 40 + 9 * i) for i in rang
 CONCURRENT_COLD = _chain([(f"cold_{i}", 0, 300 + 20 * i) for i in range(8)], start=33000)
 
 
+#: prompts whose prefixes the bf16 (and the FP8) store holds; "short" has no full kvwarm block
+SAME = ["two_blocks", "three_blocks_exact", "one_block", "short", *AGREE]
+
+
+def stored_prefix(name: str) -> list[int]:
+    """The prefix ``prefill warm`` is given for a prompt (empty when it has no full kvwarm block)."""
+    p = PROMPTS.get(name) or AGREE[name]
+    return p.prefix if p.stored >= 256 else []
+
+
 def concurrent_shared_ids() -> dict[str, list[int]]:
     """The shared prefix, then a distinct suffix per prompt (cut from elsewhere in the corpus)."""
     return {p.name: SHARED.prefix + segment(36500 + 97 * i, p.new) for i, p in enumerate(CONCURRENT_SHARED)}

@@ -28,10 +28,10 @@ from store.identity.keys import block_chain
 from store.tiers.base import object_name
 from store.tiers.store import Store
 from tests.seaweedfs import SeaweedFS
-from tests.store.engines.vllm.conftest import connector
 from tests.store.engines.vllm.harness import (
     SALTS,
     TENANT,
+    connector,
     count,
     engine_spec,
     entry,

@@ -19,8 +19,7 @@ import time
 import pytest
 
 from bench.lib.vllm_engine import Server
-from tests.store.engines.vllm.conftest import connector
-from tests.store.engines.vllm.harness import SALTS, outcome, tiny_dir
+from tests.store.engines.vllm.harness import SALTS, connector, outcome, tiny_dir
 from tests.store.engines.vllm.prompts import CONCURRENT_COLD, concurrent_shared_ids, text_prompt
 
 

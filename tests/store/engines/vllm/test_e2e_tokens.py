@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 
 from bench.lib.vllm_engine import run_engine
-from tests.store.engines.vllm.conftest import SAME, connector, stored_prefix
 from tests.store.engines.vllm.harness import (
     TENANT,
     agreement,
+    connector,
     count,
     engine_spec,
     entry,
@@ -29,7 +29,7 @@ from tests.store.engines.vllm.harness import (
     tiny_dir,
     write_config,
 )
-from tests.store.engines.vllm.prompts import all_ids, chat_prefix_ids
+from tests.store.engines.vllm.prompts import SAME, all_ids, chat_prefix_ids, stored_prefix
 
 FP8_TARGET = 0.95
 

@@ -18,8 +18,7 @@ from store.identity.fingerprint import identity_from_dir
 from store.identity.keys import block_chain
 from store.plan import plan_from_prefixes, write_plan
 from store.tiers.base import object_name
-from tests.store.engines.vllm.conftest import connector
-from tests.store.engines.vllm.harness import TENANT, count, engine_spec, outcome, reasons, request, tiny_dir
+from tests.store.engines.vllm.harness import TENANT, connector, count, engine_spec, outcome, reasons, request, tiny_dir
 from tests.store.engines.vllm.prompts import all_ids
 
 PROMPT = "written_back"  # 700 tokens: two full kvwarm blocks
