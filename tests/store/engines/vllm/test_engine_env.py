@@ -1,0 +1,52 @@
+"""The connector's vLLM-facing modules, where vLLM is installed (``make test`` runs this file in ``.venv-engine``).
+
+In the project's ``.venv`` vLLM is absent, so ``connector.py`` and ``prom.py`` cannot be
+imported there (tests/test_errors.py leaves them out): this file checks them in the engine
+venv, without starting an engine. Every module of ``store.engines.vllm`` imports beside
+vLLM, the errors they define are kvwarm errors of one kind, the class vLLM loads by name is
+one of vLLM's v1 connectors, and the stats dict vLLM carries between processes round-trips
+through the connector's own ``KVConnectorStats``.
+"""
+from __future__ import annotations
+
+import importlib
+import pkgutil
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+from store.errors import BadInputError, KvwarmError, OperationalError  # noqa: E402
+
+PACKAGE = "store.engines.vllm"
+
+
+def modules() -> list[str]:
+    package = importlib.import_module(PACKAGE)
+    return [PACKAGE, *(f"{PACKAGE}.{m.name}" for m in pkgutil.iter_modules(package.__path__))]
+
+
+def test_every_module_of_the_connector_imports_beside_vllm_and_its_errors_are_of_one_kind():
+    names = modules()
+    assert {f"{PACKAGE}.connector", f"{PACKAGE}.prom"} <= set(names)
+    for name in names:
+        module = importlib.import_module(name)
+        for obj in vars(module).values():
+            if isinstance(obj, type) and issubclass(obj, BaseException) and obj.__module__ == name:
+                where = f"{name}.{obj.__name__}"
+                assert issubclass(obj, KvwarmError), f"{where} does not derive from KvwarmError"
+                assert issubclass(obj, BadInputError) != issubclass(obj, OperationalError), f"{where}: one kind"
+
+
+def test_the_class_vllm_loads_by_name_is_a_v1_connector_whose_stats_round_trip():
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from store.engines.vllm import KvwarmConnector
+
+    assert issubclass(KvwarmConnector, KVConnectorBase_V1)
+    stats = KvwarmConnector.build_kv_connector_stats({"lookups": 3, "misses:absent": 1})
+    more = KvwarmConnector.build_kv_connector_stats({"lookups": 2, "misses:absent": 1, "hits": 1})
+    total = stats.aggregate(more)
+    assert not total.is_empty()
+    assert total.data["lookups"] == 5 and total.data["misses:absent"] == 2 and total.data["hits"] == 1
+    assert KvwarmConnector.build_kv_connector_stats({}).is_empty()

@@ -1,0 +1,140 @@
+"""Soak (done-when 5): memory stays bounded over 10,000 lookups of distinct prompts and a day of plans.
+
+A real engine would take about an hour on two cores to serve 10,000 prompts, so these
+tests drive, in this process, the objects the connector serves through: its scheduler
+role (:class:`store.engines.vllm.scheduler.SchedulerRole`, fed vLLM-shaped requests and
+steps from ``scheduler_fakes``: every call vLLM makes for a request, from its arrival to
+its end), and the :class:`KVLoader` its worker role holds (the lookup each load makes,
+and the prefetch that runs at start-up and whenever a new plan is published). Memory is
+Python's own allocations (``tracemalloc``), measured after a warm-up and again at the
+end: what the work keeps for ever grows with the number of prompts or plans, what it
+bounds does not. The bounds are a fraction of what one kept entry per prompt or plan
+entry would hold.
+"""
+from __future__ import annotations
+
+import gc
+import pathlib
+import tracemalloc
+
+import pytest
+
+from store.engines.vllm.metadata import LoadResult, WorkerReport
+from store.plan import Plan, PlanEntry
+from store.serving.loader import KVLoader
+from store.tiers.store import Store
+from tests.store.engines.vllm import scheduler_fakes as fakes
+from tests.store.pool_workers import ACME, TINY, config, prompt, synthetic_prefix
+
+BS = 16
+PLANS_PER_DAY = 24 * 60 // 5  # a plan re-prefetched every five minutes
+
+
+def traced() -> int:
+    """Bytes Python holds now, less the interpreter's table of interned strings.
+
+    pathlib interns every path part, and that table is the interpreter's (every module's
+    identifiers are in it): it doubles now and then as names come and go, whatever kvwarm
+    keeps. The strings themselves die with their last reference.
+    """
+    gc.collect()
+    snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, pathlib.__file__),
+                                                      tracemalloc.Filter(False, tracemalloc.__file__)])
+    return sum(stat.size for stat in snap.statistics("filename"))
+
+
+@pytest.fixture
+def loader(tmp_path):
+    cfg = config(BS, "bf16")
+    store = Store.open(f"file://{tmp_path}/nvme", cfg)
+    recurring = [prompt(2 * BS, seed=s) for s in range(8)]
+    for i, ids in enumerate(recurring):
+        synthetic_prefix(store, cfg, ids, layers=2, heads=2, head_dim=16, seed=i)
+    store.close()
+    with KVLoader(f"file://{tmp_path}/nvme", tenant=ACME, model=TINY, pool_bytes=64 << 20, config=cfg,
+                  pool_dir=tmp_path / "pool") as ld:
+        yield ld, recurring
+
+
+def a_plan(n: int, recurring: list[list[int]]) -> Plan:
+    """Plan ``n`` of the day: the recurring prefixes (stored), then 40 prefixes no earlier plan named."""
+    fresh = [prompt(2 * BS, seed=100_000 + 40 * n + i) for i in range(40)]
+    entries = [PlanEntry(tenant=ACME.name, token_ids=tuple(ids), score=1.0 + (n + i) % 7)
+               for i, ids in enumerate(recurring + fresh)]
+    return Plan(entries=tuple(entries), created_at=1_000_000.0 + 300 * n)
+
+
+def test_a_day_of_plans_re_prefetched_every_five_minutes_keeps_memory_bounded(loader):
+    ld, recurring = loader
+    tracemalloc.start()
+    try:
+        for n in range(PLANS_PER_DAY):
+            result = ld.prefetch(a_plan(n, recurring)).result(timeout=60)
+            assert result.present == 2 * len(recurring)  # the stored prefixes are found every time
+            if n == PLANS_PER_DAY // 6:
+                after_warmup = traced()
+        grown = traced() - after_warmup
+    finally:
+        tracemalloc.stop()
+    # ~240 plans x 40 new entries x 2 blocks: one kept name per block would be > 2 MiB
+    assert grown < 512 << 10, f"memory grew by {grown / 1024:.0f} KiB over {PLANS_PER_DAY} plans"
+    hit = ld.lookup(recurring[0] + [1])
+    assert hit is not None and hit.tokens == 2 * BS  # and the plans still serve
+    hit.release()
+
+
+def test_ten_thousand_lookups_of_distinct_prompts_keep_memory_bounded(loader):
+    ld, recurring = loader
+    tracemalloc.start()
+    try:
+        for i in range(10_000):
+            ids = prompt(3 * BS + i % BS, seed=1_000_000 + i)
+            if i % 10 == 0:  # one in ten shares a stored prefix: hits are pinned and released
+                ids = recurring[i % len(recurring)] + ids[: BS + 1]
+            hit = ld.lookup(ids)
+            if hit is not None:
+                hit.release()
+            if i == 2_000:
+                after_warmup = traced()
+        grown = traced() - after_warmup
+    finally:
+        tracemalloc.stop()
+    stats = ld.stats()
+    assert stats["lookups"] == 10_000 and stats["hits"] == 1_000
+    # one kept entry per prompt (a key, a tracker row) would be > 1 MiB over 8,000 prompts
+    assert grown < 256 << 10, f"memory grew by {grown / 1024:.0f} KiB over 8,000 lookups"
+
+
+def test_ten_thousand_requests_through_the_connectors_scheduler_role_keep_memory_bounded(tmp_path):
+    """Each request as vLLM drives it: arrival, the lookup (asked twice, as while it waits), the
+    allocation, the step plan, the worker's report, the end. One in ten hits a stored prefix."""
+    stored = [fakes.tokens(3 * fakes.KB, seed=s) for s in range(8)]
+    for ids in stored:
+        fakes.store_prefix(tmp_path, ids)
+    role = fakes.role(tmp_path, rate=100.0)
+    tracemalloc.start()
+    try:
+        for i in range(10_000):
+            ids = fakes.tokens(2 * fakes.KB + 3, seed=1_000_000 + i)
+            if i % 10 == 0:
+                ids = stored[i % len(stored)] + ids[:5]
+            req = fakes.Req(f"r{i}", ids, cache_salt="salt-acme" if i % 3 else None)
+            role.on_new_request(req)
+            role.get_num_new_matched_tokens(req, 0)
+            n, _ = role.get_num_new_matched_tokens(req, 0)
+            table = list(range(1, len(ids) // fakes.EB + 2))
+            role.update_state_after_alloc(req, table, n or 0)
+            plan = role.build_plan(fakes.Out([fakes.NewReq(req.request_id, ids, (table,), n or 0)],
+                                             num_scheduled_tokens={req.request_id: len(ids) - (n or 0)}))
+            role.update_output(WorkerReport([LoadResult(s.req_id, s.end - s.start, s.end - s.start, nbytes=1 << 20,
+                                                        seconds=1e-4) for s in plan.loads]), None)
+            assert role.request_finished(req)["kvwarm"]["loaded_tokens"] == (n or 0)
+            if i == 2_000:
+                after_warmup = traced()
+        grown = traced() - after_warmup
+    finally:
+        tracemalloc.stop()
+    stats = role.stats()
+    role.close()
+    assert stats["lookups"] == 10_000 and stats["hits"] == 1_000 and stats["requests_tracked"] == 0
+    assert grown < 256 << 10, f"memory grew by {grown / 1024:.0f} KiB over 8,000 requests"
