@@ -257,14 +257,15 @@ def prefill_task(plan_path: Path, loaded: Any, store_url: str, config: KvwarmCon
     if plan.block_size is not None and plan.block_size != config.kv_cache.block_size:
         raise FlowInputError(f"plan {plan_path} was made for block size {plan.block_size}, the config says "
                              f"{config.kv_cache.block_size}: pass the same block_size to every stage")
-    if not plan.entries:
+    entries = plan.prefill_entries()  # retain entries are the loaders' to prefetch
+    if not entries:
         return {"prefixes": 0, "blocks_written": 0, "blocks_total": 0, "tokens_computed": 0, "seconds": 0.0,
                 "tokens_per_s": 0.0}
     store = Store.open(store_url, config)
     try:
         with s3_reachable(config, "prefill"):
             check_remote_tiers(store)
-            report = warm(list(plan.entries), loaded=loaded, store=store, config=config, deadline=deadline)
+            report = warm(entries, loaded=loaded, store=store, config=config, deadline=deadline)
     finally:
         store.close()
     return report.as_dict()
