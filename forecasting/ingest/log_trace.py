@@ -102,6 +102,27 @@ def requests_from_trace(trace: Trace, *, model: str = "mooncake", origin: pd.Tim
         "output_tokens": pd.array(trace.output_tokens, dtype="Int64")})
 
 
+def read_log_requests(source: str | Path, *, load_tokenizer: Callable[[str], Tokenizer] | None = None,
+                      model: str | None = None, quarantine: str | Path | None = None,
+                      storage_options: dict[str, Any] | None = None) -> tuple[pd.DataFrame, ReadReport]:
+    """Read kvwarm request logs (docs/logs.md): one model's rows, text tokenised (see :func:`read_log_trace`).
+
+    Raises:
+        TraceError: none of ``model``'s rows.
+        forecasting.ingest.logs.LogError: the source is missing or holds no log files.
+        forecasting.mining.prefix_tree.MiningError: several models and no ``model``.
+    """
+    log = read_logs(source, quarantine=quarantine, storage_options=storage_options)
+    requests = one_model(log.requests, model)
+    if model is not None and not len(requests):
+        have = ", ".join(sorted(set(log.requests["model"]))[:10]) or "none"
+        raise TraceError(f"no request of model {model!r} in {source} (its models: {have})")
+    if load_tokenizer is not None and (requests["token_ids"].isna() & requests["hash_ids"].isna()).any():
+        name = model if model is not None else str(requests["model"].iloc[0])
+        requests = tokenize_requests(requests, load_tokenizer(name))
+    return requests, log.report
+
+
 def read_log_trace(source: str | Path, *, block_size: int, load_tokenizer: Callable[[str], Tokenizer] | None = None,
                    model: str | None = None, quarantine: str | Path | None = None,
                    storage_options: dict[str, Any] | None = None) -> tuple[Trace, ReadReport]:
@@ -124,12 +145,6 @@ def read_log_trace(source: str | Path, *, block_size: int, load_tokenizer: Calla
         forecasting.ingest.logs.LogError: the source is missing or holds no log files.
         forecasting.mining.prefix_tree.MiningError: several models and no ``model``.
     """
-    log = read_logs(source, quarantine=quarantine, storage_options=storage_options)
-    requests = one_model(log.requests, model)
-    if model is not None and not len(requests):
-        have = ", ".join(sorted(set(log.requests["model"]))[:10]) or "none"
-        raise TraceError(f"no request of model {model!r} in {source} (its models: {have})")
-    if load_tokenizer is not None and (requests["token_ids"].isna() & requests["hash_ids"].isna()).any():
-        name = model if model is not None else str(requests["model"].iloc[0])
-        requests = tokenize_requests(requests, load_tokenizer(name))
-    return trace_from_requests(requests, block_size=block_size, source=str(source)), log.report
+    requests, report = read_log_requests(source, load_tokenizer=load_tokenizer, model=model, quarantine=quarantine,
+                                         storage_options=storage_options)
+    return trace_from_requests(requests, block_size=block_size, source=str(source)), report
