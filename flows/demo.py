@@ -188,23 +188,26 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
     """
     from flows import report as reports
     from flows.pipeline import kvwarm_pipeline, report
+    from flows.spec import ForecastSpec, MiningSpec, RunSpec, RunTarget
     from flows.tasks import flow_config, load_model_task, mine_task, read_logs_task, run_dir
     from forecasting.planning.accuracy import warmup_accuracy
-    from prefill.monitoring import PRICE_ENV, Prices, compute, read_loader_stats, read_run
+    from prefill.monitoring import PRICE_ENV, Prices, compute
     from prefill.report_cli import format_table
+    from prefill.run_results import read_loader_stats, read_run
     from store.cost import PrefillCost
     from store.plan import read_plan
 
     t0 = time.perf_counter()
     everything = read_logs_task.fn(logs, None, None, None).requests
     last_day = everything["timestamp"].max().floor("D")
-    result = kvwarm_pipeline(logs, store, run=run_name, config_path=config_path, model=model, block_size=block_size,
-                             train_end=str(last_day), window_hours=window_hours, workers=workers)
-    out = run_dir(store, run_name)
-    plan = read_plan(out / "plan.json")
+    target = RunTarget(store=store, run=run_name, config_path=config_path, model=model, block_size=block_size)
+    result = kvwarm_pipeline(RunSpec(target=target, mining=MiningSpec(logs=logs, end=str(last_day)),
+                                     forecast=ForecastSpec(window_hours=window_hours, workers=workers)))
+    out = run_dir(target)
+    plan = read_plan(out.plan)
     prefill = result.get("prefill", {})
     ws, we = pd.Timestamp(plan.window_start, unit="s"), pd.Timestamp(plan.window_end, unit="s")
-    config = flow_config(config_path, block_size)
+    config = flow_config(target)
     # the replay runs as long as the longest-lived snapshot the prefill wrote (the policy's longest, if none)
     kv = config.kv_cache
     ttl = max((kv.clamp_ttl(e.ttl_s) for e in plan.entries), default=kv.ttl_max_s)
@@ -212,16 +215,15 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
 
     loaded = load_model_task.fn(model)
     test = everything[everything["timestamp"] >= last_day]
-    target = test[(test["timestamp"] >= we) & (test["timestamp"] < period_end)]
-    cold_dir = out / "cold_store"
-    shutil.rmtree(cold_dir, ignore_errors=True)  # the baseline starts cold on every run
-    rep = replay(target, store=store, config=config, loaded=loaded, model=model, pool_dir=out / "pool", plan=plan,
-                 cold_store=f"file://{cold_dir}", stats_dir=out / reports.LOADER_STATS_DIR)
+    replayed = test[(test["timestamp"] >= we) & (test["timestamp"] < period_end)]
+    shutil.rmtree(out.cold_store, ignore_errors=True)  # the baseline starts cold on every run
+    rep = replay(replayed, store=store, config=config, loaded=loaded, model=model, pool_dir=out.pool, plan=plan,
+                 cold_store=f"file://{out.cold_store}", stats_dir=out.loader_stats)
     outcomes = rep.pop("outcomes")
-    outcomes.to_parquet(out / "replay_outcomes.parquet", index=False)
+    outcomes.to_parquet(out.replay_outcomes, index=False)
     buckets = reports.replay_buckets(outcomes, replay_bucket, [e.prefix_id for e in plan.entries if e.prefix_id],
                                      start=we, end=period_end)
-    hitrate_png = reports.plot_replay(buckets, out / "hitrate.png", bucket=replay_bucket,
+    hitrate_png = reports.plot_replay(buckets, out.hitrate_plot, bucket=replay_bucket,
                                       cold_label="cold store, each request's KV written back after it (reactive)")
     observed = mine_task.fn(test, loaded, config, k=1, bucket="1h")
     in_period = observed.series[(observed.series["ds"] >= we) & (observed.series["ds"] < period_end)]
@@ -235,7 +237,7 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
     actual_prefix = {e.prefix_id: [[str(d), float(y)] for d, y in
                                    observed.series.loc[observed.series["unique_id"] == e.prefix_id, ["ds", "y"]].itertuples(index=False)]
                      for e in plan.entries}
-    what = whatif(everything, loaded.tokenizer, out / "plan.json", logs=logs, block_size=config.kv_cache.block_size,
+    what = whatif(everything, loaded.tokenizer, out.plan, logs=logs, block_size=config.kv_cache.block_size,
                   start=we, end=period_end)
     extra = {"replay": {k: v for k, v in rep.items() if k != "per_tenant"},
              "whatif": what,
@@ -247,11 +249,11 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
              "replay_plots": {"hitrate": str(hitrate_png)}}
     if gpu_price_per_hour is None and not os.environ.get(PRICE_ENV):
         gpu_price_per_hour = ASSUMED_GPU_PRICE
-    dumps = read_loader_stats(sorted((out / reports.LOADER_STATS_DIR).glob("*.json")))
+    dumps = read_loader_stats(out.loader_stats_files())
     monitoring = compute(run_name, read_run(out), dumps, Prices.from_env(gpu_price_per_hour))
     extra["monitoring"] = monitoring.as_dict()
     actual_total = [[str(d), float(y)] for d, y in observed.total[["ds", "y"]].itertuples(index=False)]
-    summary = report(store, run_name, extra=extra, actual_total=actual_total)
+    summary = report(target, extra=extra, actual_total=actual_total)
     elapsed = time.perf_counter() - t0
 
     print()
@@ -260,7 +262,7 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
     print(f"  prefill window {ws:%Y-%m-%d %H:%M} to {we:%H:%M} UTC; plan: {len(plan.entries)} prefixes, "
           f"{prefill.get('blocks_written', 0)} blocks written ({prefill.get('tokens_computed', 0)} tokens at "
           f"{rate:.0f} tokens/s)")
-    mined = json.loads((out / "mine.json").read_text()).get("similarity", {})
+    mined = json.loads(out.mine.read_text()).get("similarity", {})
     print(f"  families at LSH threshold {mined.get('threshold', float('nan')):.3g} ({mined.get('source', '?')}"
           f"{', from run ' + mined['from_run'] if mined.get('from_run') else ''}); GPU budget at "
           f"{budget.get('tokens_per_s', float('nan')):.0f} prefill tokens/s ({budget.get('source', '?')}"
@@ -284,7 +286,7 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
     print(f"  plots: {plots['forecast']}")
     print(f"         {plots['offpeak']}")
     print(f"         {plots['hitrate']}")
-    print(f"  report: {out / 'report.json'} ({elapsed:.0f} s)")
+    print(f"  report: {out.report} ({elapsed:.0f} s)")
     print()
     print(format_table(monitoring))
     print(f"  (GPU price {monitoring.economics.gpu_price_per_hour} per hour: --gpu-price-per-hour or ${PRICE_ENV}; "

@@ -1,6 +1,6 @@
 """What earlier runs of a store measured feeds the next run: the LSH threshold and the prefill rate.
 
-Runs live side by side under ``<local tier>/_flows/``; each records what it used and,
+Runs live side by side (:meth:`prefill.rundir.RunDir.others`); each records what it used and,
 once served, what it achieved. Two knobs of a new run come from there unless its flow
 parameters pin them:
 
@@ -24,28 +24,23 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from flows.report import monitoring_summary
 from forecasting.mining.families import adapt_threshold
 from prefill.monitoring import MonitoringError
+from prefill.rundir import RunDir
 
 #: the planner's prefill rate when no earlier run of the model measured one (tokens/s)
 DEFAULT_PREFILL_TOKENS_PER_S = 2000.0
 
 
-def _earlier(run_dir: Path, marker: str) -> list[Path]:
-    """The store's other runs that have ``marker`` (a stage's result file), most recent first."""
-    root = run_dir.parent
-    if not root.is_dir():
-        return []
-    found: list[tuple[float, Path]] = []
-    for d in root.iterdir():
-        if d.name == run_dir.name:
-            continue
+def _earlier(run: RunDir, stage: str) -> list[RunDir]:
+    """The store's other runs that have ``stage``'s result file, most recently written first."""
+    found: list[tuple[float, RunDir]] = []
+    for d in run.others():
         try:
-            found.append(((d / marker).stat().st_mtime, d))
+            found.append((d.result(stage).stat().st_mtime, d))
         except OSError:  # not a run of that stage (or removed meanwhile)
             continue
     return [d for _, d in sorted(found, key=lambda x: x[0], reverse=True)]
@@ -74,28 +69,27 @@ class ThresholdChoice:
         return f"similarity threshold {self.threshold:.4g} ({self.source})"
 
 
-def _measured(run_dir: Path) -> tuple[float, float] | None:
+def _measured(run: RunDir) -> tuple[float, float] | None:
     """(threshold mined with, measured request hit rate) of an earlier run, or None when it has none."""
-    mine = run_dir / "mine.json"
-    if not mine.is_file():
+    if not run.mine.is_file():
         return None
-    recorded = json.loads(mine.read_text()).get("similarity")
+    recorded = json.loads(run.mine.read_text()).get("similarity")
     if not isinstance(recorded, dict) or not isinstance(recorded.get("threshold"), (int, float)):
         return None  # mined before thresholds were recorded: nothing to adapt from
-    rate = monitoring_summary(run_dir)["cache_efficiency"].get("request_hit_rate")
+    rate = monitoring_summary(run)["cache_efficiency"].get("request_hit_rate")
     return None if rate is None else (float(recorded["threshold"]), float(rate))
 
 
-def choose_threshold(run_dir: Path, configured: float, pinned: float | None = None) -> ThresholdChoice:
-    """The threshold run ``run_dir`` mines with (see the module docstring).
+def choose_threshold(run: RunDir, configured: float, pinned: float | None = None) -> ThresholdChoice:
+    """The threshold run ``run`` mines with (see the module docstring).
 
-    Earlier runs are the other directories beside ``run_dir`` (``<local tier>/_flows/``),
+    Earlier runs are the store's other runs (:meth:`prefill.rundir.RunDir.others`),
     most recently mined first.
     """
     if pinned is not None:
         return ThresholdChoice(float(pinned), "parameter")
     skipped: list[str] = []
-    for d in _earlier(run_dir, "mine.json"):
+    for d in _earlier(run, "mine"):
         try:
             found = _measured(d)
         except (MonitoringError, OSError, ValueError) as exc:
@@ -122,23 +116,23 @@ class RateChoice:
         return {**asdict(self), "skipped": list(self.skipped)}
 
 
-def _measured_rate(run_dir: Path, model: str) -> float | None:
+def _measured_rate(run: RunDir, model: str) -> float | None:
     """The tokens/s an earlier run's prefill measured for ``model``, or None (other model, nothing computed)."""
-    plan = json.loads((run_dir / "plan.json").read_text()) if (run_dir / "plan.json").is_file() else {}
+    plan = json.loads(run.plan.read_text()) if run.plan.is_file() else {}
     if not isinstance(plan, dict) or plan.get("model") != model:
         return None
-    report = json.loads((run_dir / "prefill.json").read_text())
+    report = json.loads(run.prefill.read_text())
     rate, computed = report.get("tokens_per_s"), report.get("tokens_computed")
     ok = isinstance(rate, (int, float)) and rate > 0 and isinstance(computed, (int, float)) and computed > 0
     return float(rate) if ok else None
 
 
-def choose_prefill_rate(run_dir: Path, model: str, given: float | None = None) -> RateChoice:
-    """The prefill tokens/s run ``run_dir`` plans with: ``given``, else the last measured for ``model``, else the default."""
+def choose_prefill_rate(run: RunDir, model: str, given: float | None = None) -> RateChoice:
+    """The prefill tokens/s run ``run`` plans with: ``given``, else the last measured for ``model``, else the default."""
     if given is not None:
         return RateChoice(float(given), "parameter")
     skipped: list[str] = []
-    for d in _earlier(run_dir, "prefill.json"):
+    for d in _earlier(run, "prefill"):
         try:
             rate = _measured_rate(d, model)
         except (OSError, ValueError, AttributeError) as exc:

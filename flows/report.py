@@ -23,11 +23,11 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import pandas as pd
 
-from prefill.monitoring import Prices, compute, read_loader_stats, read_run
+from prefill.monitoring import Prices, compute
 from prefill.report_cli import format_value, rows_of
+from prefill.run_results import read_loader_stats, read_run
+from prefill.rundir import RunDir
 
-#: where a run keeps the serving loaders' stats dumps (``KVLoader.stats()`` as JSON, one per loader)
-LOADER_STATS_DIR = "loader_stats"
 #: a nested field of the report up to this long is shown inline in the markdown artifact
 MARKDOWN_INLINE_CHARS = 200
 #: columns of the per-request replay outcomes :func:`replay_buckets` reads
@@ -217,26 +217,25 @@ def _span(step: pd.Timedelta) -> str:
     return f"{minutes // 60} h" if minutes % 60 == 0 else f"{minutes} min"
 
 
-def monitoring_summary(out: str | Path, summary: Mapping[str, Any] | None = None, *,
+def monitoring_summary(run: RunDir, summary: Mapping[str, Any] | None = None, *,
                        gpu_price_per_hour: float | None = None,
                        prefill_tokens_per_s: float | None = None) -> dict[str, Any]:
-    """The four monitoring families of the run in directory ``out`` (``Monitoring.as_dict()``).
+    """The four monitoring families of run ``run`` (``Monitoring.as_dict()``).
 
-    Reads the run's JSON files and the loader stats dumps under ``out/loader_stats/``;
+    Reads the run's JSON results and the loader stats dumps kept with it (``loader_stats/``);
     ``summary``, the report being built, stands in for ``report.json`` (it is fresher:
     its ``replay`` section is used when no dumps exist). The GPU price falls back to
     ``$KVWARM_GPU_PRICE_PER_HOUR``; without one the costs are ``None``.
 
     Raises:
-        prefill.monitoring.MonitoringError: ``out`` does not exist or a file is malformed.
+        prefill.monitoring.MonitoringError: the run directory does not exist or a file is malformed.
     """
-    directory = Path(out)
-    files = read_run(directory)
+    files = read_run(run)
     if summary is not None:
         files["report"] = dict(summary)
-    stats = read_loader_stats(sorted((directory / LOADER_STATS_DIR).glob("*.json")))
-    run = str((summary or {}).get("run") or directory.name)
-    return compute(run, files, stats, Prices.from_env(gpu_price_per_hour, prefill_tokens_per_s)).as_dict()
+    stats = read_loader_stats(run.loader_stats_files())
+    name = str((summary or {}).get("run") or run.name)
+    return compute(name, files, stats, Prices.from_env(gpu_price_per_hour, prefill_tokens_per_s)).as_dict()
 
 
 def monitoring_table(monitoring: Mapping[str, Any]) -> list[dict[str, str]]:

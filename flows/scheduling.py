@@ -3,8 +3,9 @@
 The plan stage knows when the load will be low (``window.json``, written by
 :func:`flows.tasks.window_task`); :func:`schedule_prefill` asks the Prefect server to
 run the prefill deployment (``prefect.yaml``: ``prefill-plan/prefill-offpeak``, on the
-GPU pool) at that window's start, with the plan's store and run, and a deadline at the
-window's end. Nothing waits for the prefill: the scheduled run is left to a worker.
+GPU pool) at that window's start, with the plan's run target (:class:`flows.spec.RunTarget`)
+and a deadline at the window's end. Nothing waits for the prefill: the scheduled run is
+left to a worker.
 
 Scheduling is best effort. With no Prefect server (ephemeral mode, the demo, the
 tests), or when the deployment is not registered or the API cannot be reached, the
@@ -25,6 +26,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.exceptions import MissingContextError, ObjectNotFound
 
+from flows.spec import RunTarget
 from flows.tasks import FlowInputError
 
 #: the prefill deployment in prefect.yaml (flow name / deployment name)
@@ -87,26 +89,29 @@ def _api_configured() -> bool:
     return bool(PREFECT_API_URL.value())
 
 
-def schedule_prefill(store: str, run: str, window: Mapping[str, Any], deployment: str = DEFAULT_PREFILL_DEPLOYMENT,
-                     *, parameters: Mapping[str, Any] | None = None, now: datetime | None = None) -> str | None:
+def schedule_prefill(target: RunTarget, window: Mapping[str, Any], deployment: str = DEFAULT_PREFILL_DEPLOYMENT,
+                     *, now: datetime | None = None) -> str | None:
     """Schedule the prefill deployment at the window's start; return the flow run id, or ``None``.
 
-    The run gets ``store``, ``run`` and ``deadline`` (the window's end, Unix seconds)
-    plus ``parameters`` (e.g. the plan's ``config_path``, ``model``, ``block_size``:
-    the prefill must use the block size the plan was made for); the deployment's own
-    defaults fill the rest (``device``, ``dtype``). A window that has already started
-    is scheduled now. Calling it again for the same store, run and window returns
-    the same flow run (an idempotency key), so a rerun of the plan schedules no
-    second prefill.
+    The run gets the plan's ``target`` whole (store, run, config, model and block size:
+    the prefill must use the block size the plan was made for) and ``deadline`` (the
+    window's end, Unix seconds); the deployment's own ``prefill`` section fills the rest
+    (``device``, ``dtype``). A window that has already started is scheduled now. Calling
+    it again for the same store, run and window returns the same flow run (an
+    idempotency key), so a rerun of the plan schedules no second prefill.
 
     Returns ``None``, after logging that the cron schedule in ``prefect.yaml`` will
     run the prefill, when no Prefect API is configured (ephemeral mode: no worker
     could pick the run up), the deployment does not exist, or the API cannot be
-    reached. Raises :class:`flows.tasks.FlowInputError` only for a malformed window.
+    reached. Raises :class:`flows.tasks.FlowInputError` only for a malformed window,
+    or a target that names no run.
     """
     start, end = window_bounds(window)
     when = prefill_time(window, now)
-    params: dict[str, Any] = {"store": store, "run": run, "deadline": end.timestamp(), **(parameters or {})}
+    store, run = target.store, target.run
+    if run is None:
+        raise FlowInputError("the prefill to schedule needs target.run: the run whose plan it prefills")
+    params: dict[str, Any] = {"target": target.model_dump(mode="json"), "deadline": end.timestamp()}
     log = _logger()
     fallback = (f"the prefill of run {run!r} for the window {start.isoformat()} to {end.isoformat()} is left to "
                 f"the cron schedule of {deployment!r} in prefect.yaml")

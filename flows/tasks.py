@@ -1,13 +1,9 @@
 """Prefect tasks: thin wrappers over the packages' functions, and the run directory they share.
 
-Every stage persists what it produces under the store's metadata area,
-``<first local tier>/_flows/<run>/`` (see :func:`run_dir`), so that each stage flow can
-run on its own (a deployment per stage) and a rerun reads what an earlier stage wrote:
-
-- ``demand/{series,total,prefixes,families}.parquet`` + ``demand/meta.json`` (mine_logs)
-- ``forecast.parquet``, ``total_forecast.parquet``, ``window.json`` (forecast_demand)
-- ``plan.json`` (plan_prewarm), ``prefill.json`` (prefill_plan), ``gc.json`` (gc_store)
-- ``report.json`` and ``*.png`` (report)
+Every stage persists what it produces in the run's directory under the store's first
+(local) tier (:class:`prefill.rundir.RunDir` names it and every file in it), so that
+each stage flow can run on its own (a deployment per stage) and a rerun reads what an
+earlier stage wrote.
 
 Retries are set only on tasks that do I/O (reading logs, loading the model, writing
 files and the store); pure computations fail at once with the package's typed error.
@@ -29,6 +25,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from flows.partitions import Partition, PartitionRead, plan_partitions, where
+from flows.spec import RunTarget
 from forecasting.ingest.logs import Quarantined, RequestLog, read_logs
 from forecasting.mining.demand import Demand, build_demand
 from forecasting.mining.families import find_families
@@ -38,11 +35,11 @@ from forecasting.models.catalog import candidates
 from forecasting.models.parallel import forecast_frame_parallel
 from forecasting.planning.offpeak import load_predictors, lowest_window, offpeak_windows, pick_window
 from forecasting.planning.planner import Budget, PlanCosts, PlanPolicy, make_plan
-from prefill.monitoring import MonitoringError, run_directory
+from prefill.rundir import DEMAND_TABLES, RunDir, RunDirError
 from store.config import KvwarmConfig, load_config, parse_config
 from store.cost import PrefillCost
 from store.errors import BadInputError, OperationalError, StoreUnavailable
-from store.plan import Plan, read_plan, write_plan
+from store.plan import Plan, publish_plan, read_plan, write_plan
 
 IO_RETRIES = 2
 IO_RETRY_DELAY_S = 1.0
@@ -58,47 +55,34 @@ class StoreUnreachable(OperationalError):
 
 # ---------------------------------------------------------------- paths and config (pure)
 
-def run_dir(store_url: str, run: str) -> Path:
-    """Where run ``run`` keeps its results: ``<local tier>/_flows/<run>``
-    (:func:`prefill.monitoring.run_directory`, which ``prefill report`` reads too).
+def run_dir(target: RunTarget) -> RunDir:
+    """Where ``target``'s run keeps its results (:meth:`prefill.rundir.RunDir.of`, which ``prefill report`` reads too).
 
     Raises:
-        FlowInputError: a bad run name, or a store URL without a ``file://`` tier first.
+        FlowInputError: the target names no run, or a store URL without a ``file://`` tier first.
     """
+    if target.run is None:
+        raise FlowInputError("target.run is not set: name the run whose files this stage reads and writes (every "
+                             "stage of one run takes the same name)")
     try:
-        return run_directory(store_url, run)
-    except MonitoringError as exc:
+        return RunDir.of(target.store, target.run)
+    except RunDirError as exc:
         raise FlowInputError(str(exc)) from None
 
 
-def flow_config(config_path: str | None, block_size: int | None) -> KvwarmConfig:
-    """The kvwarm config, with ``kv_cache.block_size`` replaced when the flow sets one.
+def flow_config(target: RunTarget) -> KvwarmConfig:
+    """The kvwarm config at ``target.config_path``, with ``kv_cache.block_size`` replaced when ``target`` sets one.
 
     Raises:
         ConfigError: the file is missing or has a bad value, or ``block_size`` is out of
             range (one line per bad key).
     """
-    config = load_config(config_path)
-    if block_size is None:
+    config = load_config(target.config_path)
+    if target.block_size is None:
         return config
     data = config.model_dump()
-    data["kv_cache"]["block_size"] = block_size
-    return parse_config(data, source=f"{config_path or 'the defaults'} with the block_size parameter")
-
-
-def check_bucket(bucket: str) -> pd.Timedelta:
-    """The demand bucket as a positive Timedelta.
-
-    Raises:
-        FlowInputError: ``bucket`` is not a duration or not positive.
-    """
-    try:
-        step = pd.Timedelta(bucket)
-    except (ValueError, TypeError):
-        step = None
-    if step is None or pd.isna(step) or step <= pd.Timedelta(0):
-        raise FlowInputError(f"bucket {bucket!r} is not a positive duration: use e.g. '1h', '15min' or '1D'")
-    return step
+    data["kv_cache"]["block_size"] = target.block_size
+    return parse_config(data, source=f"{target.config_path or 'the defaults'} with target.block_size")
 
 
 def need(path: Path, stage: str) -> Path:
@@ -200,22 +184,22 @@ def load_model_task(model: str, dtype: str = "fp32", device: str | None = "cpu")
 
 
 @task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
-def save_demand(demand: Demand, directory: Path) -> Path:
-    """Persist a :class:`Demand` as parquet files plus ``meta.json``."""
-    directory.mkdir(parents=True, exist_ok=True)
+def save_demand(demand: Demand, run: RunDir) -> Path:
+    """Persist a :class:`Demand` in the run's demand tables plus their ``meta.json``; returns their folder."""
+    run.demand.mkdir(parents=True, exist_ok=True)
     prefixes = demand.prefixes.copy()
     prefixes["token_ids"] = [None if t is None else [int(x) for x in t] for t in prefixes["token_ids"]]
-    for name, frame in (("series", demand.series), ("total", demand.total), ("prefixes", prefixes),
-                        ("families", demand.families)):
-        frame.to_parquet(directory / f"{name}.parquet", index=False)
-    (directory / "meta.json").write_text(json.dumps({"bucket": str(demand.bucket)}))
-    return directory
+    frames = {"series": demand.series, "total": demand.total, "prefixes": prefixes, "families": demand.families}
+    for name in DEMAND_TABLES:
+        frames[name].to_parquet(run.demand_table(name), index=False)
+    run.demand_meta.write_text(json.dumps({"bucket": str(demand.bucket)}))
+    return run.demand
 
 
-def load_demand(directory: Path) -> Demand:
+def load_demand(run: RunDir) -> Demand:
     """Read back what :func:`save_demand` wrote."""
-    meta = json.loads(need(directory / "meta.json", "mine_logs").read_text())
-    frames = {n: pd.read_parquet(directory / f"{n}.parquet") for n in ("series", "total", "prefixes", "families")}
+    meta = json.loads(need(run.demand_meta, "mine_logs").read_text())
+    frames = {n: pd.read_parquet(run.demand_table(n)) for n in DEMAND_TABLES}
     p = frames["prefixes"]
     p["token_ids"] = [None if t is None else [int(x) for x in t] for t in p["token_ids"]]
     for col in ("parent", "family", "text"):
@@ -244,6 +228,19 @@ def save_frame(frame: pd.DataFrame, path: Path) -> Path:
 @task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
 def save_plan(plan: Plan, path: Path) -> Path:
     return write_plan(plan, path)
+
+
+@task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
+def publish_latest_plan(plan: Plan, store_url: str, config: KvwarmConfig) -> int:
+    """Make ``plan`` the store's latest (``store.plan.publish_plan``): serving engines started with
+    ``plan: latest`` prefetch it. Returns the tiers written."""
+    from store.tiers.store import Store
+
+    store = Store.open(store_url, config)
+    try:
+        return publish_plan(plan, store.tiers)
+    finally:
+        store.close()
 
 
 @task(retries=1, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)

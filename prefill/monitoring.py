@@ -7,13 +7,13 @@ The write-up asks for four families of figures; here each is a frozen dataclass:
 - :class:`SecurityAudit` (refused accesses),
 - :class:`Economics` (prefill GPU-seconds saved, cost per 1,000 requests at a configured price).
 
-Inputs, all plain JSON (this module does no other I/O than reading them):
+Inputs, already read (this module does no I/O; :mod:`prefill.run_results` reads them):
 
-- a run directory ``<local tier>/_flows/<run>/`` (see :func:`run_directory`) with
-  ``prefill.json`` (the prefill job: tokens computed, seconds, tokens/s), ``plan.json``
-  (the KV bytes per token the planner priced storage at: ``extra.kv_bytes_per_token``), and
-  optionally ``mine.json``, ``gc.json``, ``report.json`` (its ``replay`` section, written
-  by the demo, stands in for loader stats when none are given);
+- a run's stage results (the JSON files of :class:`prefill.rundir.RunDir`): ``prefill``
+  (the prefill job: tokens computed, seconds, tokens/s), ``plan`` (the KV bytes per
+  token the planner priced storage at: ``extra.kv_bytes_per_token``), and optionally
+  ``mine``, ``gc``, ``report`` (its ``replay`` section, written by the demo, stands in
+  for loader stats when none are given);
 - zero or more loader stats dumps: the dict :meth:`store.serving.loader.KVLoader.stats` returns,
   saved as JSON, optionally with two keys the dumping process adds: ``elapsed_s`` (the
   seconds the loader served: gives throughput) and ``prompt_tokens`` (the prompt tokens
@@ -25,12 +25,10 @@ A figure that cannot be computed from what was given is ``None`` and
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 from store.cost import PrefillCost
 from store.errors import BadInputError
@@ -41,7 +39,6 @@ PRICE_ENV = "KVWARM_GPU_PRICE_PER_HOUR"
 TENANT_REASONS = ("tenant_refused",)
 #: miss/shortened reasons that are a snapshot refused (and quarantined) for its content
 INTEGRITY_REASONS = ("corrupt", "mismatch", "unknown_version")
-RUN_FILES = ("mine", "plan", "prefill", "gc", "report")
 
 
 class MonitoringError(BadInputError):
@@ -196,83 +193,11 @@ class Monitoring:
                 "notes": list(self.notes)}
 
 
-# ---------------------------------------------------------------- reading (the I/O edge)
-
-def run_directory(store_url: str, run: str) -> Path:
-    """``<local tier>/_flows/<run>``: where the flows keep run ``run`` of store ``store_url``.
-
-    Raises:
-        MonitoringError: a bad run name, or a store URL without a ``file://`` tier first.
-    """
-    if not run or "/" in run or run.startswith("."):
-        raise MonitoringError(f"run name {run!r} must be a non-empty name without '/' (it names a directory)")
-    first = store_url.split(",")[0].strip()
-    if not first.startswith("file://"):
-        raise MonitoringError(f"store url {store_url!r} has no local tier first; runs are kept under it: "
-                              f"use file:///DIR or file:///DIR,s3://bucket/prefix")
-    return Path(os.path.expanduser(first[len("file://"):])).resolve() / "_flows" / run
-
-
-def read_run(directory: str | os.PathLike[str]) -> dict[str, dict[str, Any]]:
-    """The run's JSON files by stage name (``mine``, ``plan``, ``prefill``, ``gc``, ``report``; absent ones left out).
-
-    Raises:
-        MonitoringError: the directory does not exist, or a file is not a JSON object.
-    """
-    d = Path(directory)
-    if not d.is_dir():
-        raise MonitoringError(f"no run directory {d}: the kvwarm pipeline writes it (the kvwarm-pipeline flow with "
-                              f"this store and run, or `python -m flows.demo --store ...`); check --store and --run")
-    out: dict[str, dict[str, Any]] = {}
-    for name in RUN_FILES:
-        p = d / f"{name}.json"
-        if p.exists():
-            out[name] = _json_object(p, f"the {name} stage's result")
-    return out
-
-
-def read_loader_stats(paths: Iterable[str | os.PathLike[str]]) -> list[dict[str, Any]]:
-    """Loader stats dumps (``KVLoader.stats()`` as JSON), checked.
-
-    Raises:
-        MonitoringError: a file is missing, not JSON, or lacks the counters of ``stats()``.
-    """
-    out = []
-    for path in paths:
-        p = Path(path)
-        if not p.exists():
-            raise MonitoringError(f"loader stats file {p} does not exist: save `json.dumps(loader.stats())` from the "
-                                  f"serving process (see docs/monitoring.md)")
-        d = _json_object(p, "a loader stats dump")
-        missing = [k for k in ("lookups", "hits", "tokens_served") if not isinstance(d.get(k), (int, float))]
-        if missing:
-            raise MonitoringError(f"{p} is not a KVLoader.stats() dump: it lacks the number(s) {missing}")
-        out.append(d)
-    return out
-
-
-def _json_object(path: Path, what: str) -> dict[str, Any]:
-    try:
-        obj = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise MonitoringError(f"{path} ({what}) is unreadable or not JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise MonitoringError(f"{path} ({what}) holds a {type(obj).__name__}, expected a JSON object")
-    return obj
-
-
-def monitoring_for_run(store_url: str, run: str, loader_stats: Sequence[str | os.PathLike[str]] = (),
-                       prices: Prices = Prices()) -> Monitoring:
-    """Read run ``run`` and the stats dumps, compute the families (see :func:`compute`)."""
-    files = read_run(run_directory(store_url, run))
-    return compute(run, files, read_loader_stats(loader_stats), prices)
-
-
 # ---------------------------------------------------------------- the figures (pure)
 
 def compute(run: str, files: Mapping[str, Mapping[str, Any]], stats: Sequence[Mapping[str, Any]],
             prices: Prices = Prices()) -> Monitoring:
-    """The four families from a run's files (:func:`read_run`), loader stats dumps and prices.
+    """The four families from a run's results (:func:`prefill.run_results.read_run`), loader stats dumps and prices.
 
     With stats dumps, the cache, latency and security figures are theirs (summed over the
     dumps); without, the demo's ``report.json`` ``replay`` section gives the cache figures.

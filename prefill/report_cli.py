@@ -13,12 +13,12 @@ import json
 from pathlib import Path
 from typing import Any, Mapping
 
-from prefill.monitoring import Monitoring, Prices, compute, read_loader_stats, read_run, run_directory
+from prefill.monitoring import Monitoring, Prices, compute
+from prefill.run_results import read_loader_stats, read_run
+from prefill.rundir import RunDir
 from store.cli import CONFIG_HELP, add_location_options
 from store.config import load_config
 from store.errors import BadInputError
-
-STATS_DIR = "loader_stats"
 
 
 def rows_of(families: Mapping[str, Any]) -> list[tuple[str, str, Any]]:
@@ -69,11 +69,11 @@ def format_table(m: Monitoring) -> str:
     return "\n".join(lines)
 
 
-def stats_files(run_dir: Path, given: list[str] | None) -> list[Path]:
-    """The dumps to read: those given, else ``<run_dir>/loader_stats/*.json`` (sorted)."""
+def stats_files(run: RunDir, given: list[str] | None) -> list[Path]:
+    """The dumps to read: those given, else the run's own (``<run>/loader_stats/*.json``, sorted)."""
     if given:
         return [Path(p) for p in given]
-    return sorted((run_dir / STATS_DIR).glob("*.json"))
+    return run.loader_stats_files()
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -83,7 +83,7 @@ def _report(args: argparse.Namespace) -> int:
     prices = Prices.from_env(configured.gpu_price_per_hour if args.gpu_price_per_hour is None else args.gpu_price_per_hour,
                              configured.prefill_tokens_per_s if args.prefill_tokens_per_s is None
                              else args.prefill_tokens_per_s)
-    directory = run_directory(args.store, args.run)
+    directory = RunDir.of(args.store, args.run)
     files = read_run(directory)
     m = compute(args.run, files, read_loader_stats(stats_files(directory, args.loader_stats)), prices)
     if args.json:
@@ -105,7 +105,7 @@ def add_report_command(sub: Any) -> None:
                                      f"prefill_tokens_per_s")
     p.add_argument("--run", required=True, metavar="NAME", help="run name (results under <local tier>/_flows/<run>/)")
     p.add_argument("--loader-stats", nargs="+", metavar="FILE",
-                   help=f"loader stats dumps (default: <run>/{STATS_DIR}/*.json if any)")
+                   help="loader stats dumps (default: <run>/loader_stats/*.json if any)")
     p.add_argument("--gpu-price-per-hour", type=float, default=None, metavar="PRICE",
                    help="price of one GPU-hour for the economics (default: the config's monitoring.gpu_price_per_hour, "
                         "else $KVWARM_GPU_PRICE_PER_HOUR)")

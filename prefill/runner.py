@@ -7,9 +7,9 @@
 2. merges what is missing into segments (``prefill.schedule``), so a system prompt
    shared by many prefixes is computed once, and continues each segment from its
    parent's KV (computed in this run) or from the stored KV (loaded from the store);
-3. runs batches of segments of equal past length in priority order, extracting each
-   layer's K and V per block and writing one snapshot per block through the store
-   (each write is atomic, so nothing partial is ever visible);
+3. runs batches of segments of equal past length in priority order, and hands each
+   batch's KV to :class:`prefill.block_writer.BlockWriter`, which writes one snapshot
+   per block through the store (each write is atomic, so nothing partial is ever visible);
 4. never starts a batch that its measured rate says cannot finish before the
    deadline (a batch that does not fit is halved first), and halves a batch that runs
    out of GPU memory.
@@ -18,7 +18,6 @@ A rerun skips everything that exists, so a killed job resumes where it stopped.
 """
 from __future__ import annotations
 
-import concurrent.futures as cf
 import logging
 import time
 from collections import deque
@@ -27,13 +26,13 @@ from typing import Callable, Sequence
 
 import torch
 
+from prefill.block_writer import BlockWriter
 from prefill.models import LoadedModel
 from prefill.progress import Progress
 from prefill.schedule import Batch, PrefixJob, Segment, build_segments, plan_batches, split
 from store.errors import BadInputError, KvwarmError, OperationalError, StoreError
-from store.format.encode import StoredLayer, encode_snapshot
-from store.format.precision import Precision, dequantize, quantize, relative_errors
-from store.identity.keys import Block, block_chain
+from store.format.precision import Precision
+from store.identity.keys import block_chain
 from store.identity.tenant import Tenant
 from store.tiers.store import Store
 
@@ -166,6 +165,7 @@ class Prefiller:
         self.options = options
         self.clock = clock
         self.progress = progress
+        self.writer = BlockWriter(store, options.precision, options.block_size, options.write_threads)
         self.rate = _Rate()
         self._oom = _oom_errors()
 
@@ -348,18 +348,10 @@ class Prefiller:
         layers = out.cache.layers
         report.forward_tokens += int(ids.numel())
         report.batches += 1
-        bs = self.options.block_size
-        now = self.clock()
-        where = [(j, past_len + n * bs) for j, s in enumerate(segs) for n in range(len(s.blocks))]
-        stored = self._quantise(layers, where)
-        jobs = [(tenants[s.tenant], s, block) for s in segs for block in s.blocks]
-        with cf.ThreadPoolExecutor(max(1, self.options.write_threads), thread_name_prefix="kvwarm-write") as ex:
-            futures = [ex.submit(self._write, tenant, s, block, stored, b, now) for b, (tenant, s, block) in enumerate(jobs)]
-            written = [f.result() for f in futures]  # the first failure is raised here, after the others finished
-        report.blocks_written += sum(written)
-        report.blocks_skipped += len(written) - sum(written)
-        for errs in stored.errors.values():
-            report.quant_error_max = max([report.quant_error_max, *(e for per_layer in errs for e in per_layer)])
+        wrote = self.writer.write(layers, segs, past_len, tenants, self.clock())
+        report.blocks_written += wrote.written
+        report.blocks_skipped += wrote.skipped
+        report.quant_error_max = max(report.quant_error_max, wrote.quant_error_max)
         for j, s in enumerate(segs):
             report.tokens_computed += s.n_tokens
             if s.children:
@@ -369,46 +361,6 @@ class Prefiller:
                 self.progress.advance(s.n_tokens)
         self.rate.observe(batch.cost(), time.perf_counter() - t0)
         return [s.id for s in segs]
-
-    def _quantise(self, layers: Sequence, where: list[tuple[int, int]]) -> "_Quantised":
-        """Quantise every written block of the batch, layer by layer, where the KV is.
-
-        On a GPU this is a handful of kernels per layer over all blocks at once and one
-        copy of the stored bytes (not the bf16 KV) to the host, instead of a dozen small
-        kernels and a synchronisation per block, layer and K/V. Each block is quantised
-        exactly as :func:`store.format.snapshot.build_snapshot` would quantise it alone.
-        """
-        out = _Quantised()
-        if not where:
-            return out
-        prec, bs = self.options.precision, self.options.block_size
-        for i, layer in enumerate(layers):
-            for name, t in (("k", layer.keys), ("v", layer.values)):
-                x = torch.stack([t[j, :, lo: lo + bs] for j, lo in where])  # [blocks, heads, bs, dim]
-                q, scale = quantize(x, prec, i)
-                err = relative_errors(x, dequantize(q, scale, torch.float32, prec.group_tokens))
-                out.parts.setdefault(i, {})[name] = (q.cpu(), None if scale is None else scale.cpu())
-                out.errors.setdefault(name, []).append(err.cpu().tolist())
-        return out
-
-    def _write(self, tenant: Tenant, seg: Segment, block: Block, q: "_Quantised", b: int, now: float) -> bool:
-        """Encode and store block ``b`` of the batch; ``True`` if it was written (not already there)."""
-        layers = [StoredLayer(p["k"][0][b], None if p["k"][1] is None else p["k"][1][b],
-                              p["v"][0][b], None if p["v"][1] is None else p["v"][1][b])
-                  for _, p in sorted(q.parts.items())]
-        errors = {f"{name}_rel_l2": [per_layer[b] for per_layer in q.errors[name]] for name in ("k", "v")}
-        snap = encode_snapshot(root=seg.root, block=block, tenant=tenant.name, layers=layers, errors=errors,
-                               precision=self.options.precision, created_at=now, ttl_s=seg.ttl_s)
-        return self.store.put(tenant, snap)
-
-
-@dataclass
-class _Quantised:
-    """One batch's stored blocks on the host: ``parts[layer][k|v] = (stored [blocks, ...], scales)``
-    and ``errors[k|v][layer][block]``."""
-
-    parts: dict[int, dict[str, tuple[torch.Tensor, torch.Tensor | None]]] = field(default_factory=dict)
-    errors: dict[str, list[list[float]]] = field(default_factory=dict)
 
 
 _RECOMPUTE: KV = []  # sentinel: the stored past could not be loaded

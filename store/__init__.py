@@ -6,7 +6,8 @@ pays only for what it uses):
 - ``store.identity.keys``: ``KeyRoot``, ``block_chain``, ``block_keys``, ``root_key``, ``chain_key``
 - ``store.format.precision``: ``Precision``, ``quantize``, ``dequantize``
 - ``store.format.snapshot``: ``build_snapshot``, ``read_snapshot``, ``Snapshot``, ``EncodedSnapshot``
-- ``store.tiers.store``: ``Store`` (tiered, tenant-isolated), ``Probe``
+- ``store.tiers.store``: ``Store`` (tiered, tenant-isolated), ``Probe``, ``Read``; ``store.tiers.registry``:
+  ``tiers_from_url``, ``TIERS`` (a tier per URL scheme); ``store.miss``: ``MissReason``
 - ``store.identity.tenant``: ``Tenant``, ``PUBLIC``
 - ``store.config``: ``load_config``, ``KvwarmConfig``
 - ``store.tiers.maintenance``: ``verify``, ``gc``

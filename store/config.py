@@ -176,6 +176,9 @@ class TenantConfig(_Section):
     encryption_key_env: Optional[str] = Field(
         None, description="Env var holding a hex 32-byte AES-GCM key: S3 objects are encrypted at rest."
     )
+    cache_salts: tuple[str, ...] = Field(
+        (), description="vLLM cache_salt values whose requests are this tenant's (the KV connector maps a "
+        "request's cache_salt to its tenant through these).")
 
 
 class KvwarmConfig(_Section):
@@ -189,10 +192,21 @@ class KvwarmConfig(_Section):
 
     @model_validator(mode="after")
     def _check_tenants(self) -> "KvwarmConfig":
+        owner: dict[str, str] = {}
         for name, tc in self.tenants.items():
             check_tenant_name(name)
             if name == PUBLIC and tc.secret_env:
                 raise ValueError("tenants.public cannot have a secret_env: the public salt is well known")
+            if name == PUBLIC and tc.cache_salts:
+                raise ValueError("tenants.public cannot have cache_salts: requests are a tenant's own, and "
+                                 "public prefixes serve every tenant already")
+            for salt in tc.cache_salts:
+                if not salt:
+                    raise ValueError(f"tenants.{name}.cache_salts: a cache_salt must not be empty")
+                if salt in owner:
+                    raise ValueError(f"tenants.{name}.cache_salts: {salt!r} is already tenant "
+                                     f"{owner[salt]!r}'s; a cache_salt names one tenant")
+                owner[salt] = name
         return self
 
     def tenant(self, name: str, environ: Optional[dict[str, str]] = None) -> Tenant:

@@ -32,15 +32,20 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from store.errors import ConfigError
+from store.errors import ConfigError, StoreUnavailable
+
+if TYPE_CHECKING:
+    from store.tiers.base import Tier
 
 PLAN_VERSION = 2
 #: plan versions this kvwarm reads (version 1: no ``action``, ``hash_ids`` or ``as_of``)
 READABLE_VERSIONS = (1, 2)
 #: what a plan entry asks for: compute the prefix in the off-peak window, or keep a stored one close
 ACTIONS = ("prefill", "retain")
+#: Where :func:`publish_plan` puts the latest plan in each tier's metadata area.
+LATEST_PLAN = "plans/latest.json"
 
 
 class PlanError(ConfigError):
@@ -121,9 +126,6 @@ class Plan:
             raise PlanError(f"plan: 'block_size' must be a positive integer, got {self.block_size!r}")
         if self.window_start is not None and self.window_end is not None and self.window_end <= self.window_start:
             raise PlanError(f"plan: window end {self.window_end} is not after its start {self.window_start}")
-
-    def for_tenant(self, tenant: str) -> list[PlanEntry]:
-        return [e for e in self.entries if e.tenant == tenant]
 
     def prefill_entries(self) -> list[PlanEntry]:
         """The entries the prefill job computes, in order (:attr:`PlanEntry.prefillable`)."""
@@ -234,6 +236,48 @@ def write_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return p
+
+
+def publish_plan(plan: Plan, tiers: Sequence["Tier"]) -> int:
+    """Make ``plan`` the store's latest (``LATEST_PLAN`` in every tier's metadata area); returns tiers written.
+
+    Serving nodes read it back with :func:`latest_plan` (a KV connector with ``plan: latest``),
+    so the plan is found with the store alone. A tier that cannot be reached is skipped.
+
+    Raises:
+        StoreUnavailable: no tier could be written.
+    """
+    data = json.dumps(plan.to_json()).encode("utf-8")
+    written, error = 0, None
+    for tier in tiers:
+        try:
+            tier.put_meta(LATEST_PLAN, data)
+            written += 1
+        except (StoreUnavailable, OSError) as exc:
+            error = exc
+    if not written:
+        raise StoreUnavailable(f"no tier took the plan: {error}")
+    return written
+
+
+def latest_plan(tiers: Sequence["Tier"]) -> Plan | None:
+    """The plan last published to these tiers (the fastest tier that has it), or ``None``.
+
+    Raises:
+        PlanError: the published plan is not a valid plan.
+    """
+    for tier in tiers:
+        try:
+            raw = tier.get_meta(LATEST_PLAN)
+        except (StoreUnavailable, OSError):
+            continue
+        if raw is not None:
+            try:
+                doc = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+                raise PlanError(f"the latest plan in {tier.describe(LATEST_PLAN)} is not valid JSON: {exc}") from None
+            return parse_plan(doc, tier.describe(LATEST_PLAN))
+    return None
 
 
 def plan_from_prefixes(tenant: str, prefixes: Iterable[Sequence[int] | str], **kw: Any) -> Plan:

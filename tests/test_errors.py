@@ -10,6 +10,8 @@ from store.errors import BadInputError, KvwarmError, OperationalError
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGES = ("flows", "forecasting", "prefill", "store")
+# engines a serving node brings itself; the modules that import them are checked where they are installed
+OPTIONAL_ENGINES = {"vllm"}
 
 
 def _modules() -> list[str]:
@@ -24,7 +26,12 @@ def _modules() -> list[str]:
 def _project_exceptions() -> list[type[BaseException]]:
     found = []
     for name in _modules():
-        module = importlib.import_module(name)
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").split(".")[0] in OPTIONAL_ENGINES:
+                continue
+            raise
         for obj in vars(module).values():
             if isinstance(obj, type) and issubclass(obj, BaseException) and obj.__module__ == name:
                 found.append(obj)

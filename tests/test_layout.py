@@ -52,3 +52,33 @@ def test_serving_path_imports_only_store_and_its_light_deps() -> None:
 def test_console_script_is_declared() -> None:
     text = (REPO / "pyproject.toml").read_text()
     assert 'name = "kvwarm"' in text and 'prefill = "prefill.cli:main"' in text
+
+
+def test_the_vllm_connector_imports_light() -> None:
+    """``store.engines.vllm`` (imported by vLLM in each of its processes) pulls in neither Prefect nor
+    statsmodels, and its pure parts need neither vLLM nor transformers (they are tested without them)."""
+    pure = ", ".join(f"store.engines.vllm.{m}" for m in (
+        "settings", "tenancy", "layout", "paging", "planning", "costs", "probe", "fetches", "tracker", "metadata",
+        "stats", "scheduler", "worker", "writeback"))
+    code = (
+        f"import sys, store.engines.vllm, {pure};"
+        "heavy = [m for m in ('prefect', 'statsmodels', 'datasketch', 'transformers', 'vllm', 'flows', 'prefill',"
+        " 'forecasting') if m in sys.modules]; print(','.join(heavy))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "", f"the connector's pure modules pulled in: {out.stdout.strip()}"
+    for path in (REPO / "store" / "engines" / "vllm").glob("*.py"):
+        used = _imports(path)
+        assert not used & {"prefect", "statsmodels", "datasketch"}, f"{path.name} imports {used}"
+        if path.stem not in ("connector", "prom"):
+            assert "vllm" not in used, f"{path.name} imports vllm: only connector.py and prom.py may"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_module_is_small_and_says_what_it_is(package: str) -> None:
+    for path in (REPO / package).rglob("*.py"):
+        where = path.relative_to(REPO)
+        source = path.read_text(encoding="utf-8")
+        lines = source.count("\n")
+        assert lines <= 400, f"{where} has {lines} lines: split it along a seam (one concept per module, under 400)"
+        assert ast.get_docstring(ast.parse(source)), f"{where} does not open with a docstring saying what it is"

@@ -1,2 +1,2 @@
 """Adapters from stored KV to the caches serving engines use: contiguous caches for transformers and
-paged caches for vLLM (``paged``)."""
+paged caches (``paged``), and kvwarm inside vLLM as a KV connector (``vllm``: ``KvwarmConnector``)."""

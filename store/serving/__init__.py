@@ -1,3 +1,4 @@
 """The serving side: ``KVLoader`` (``loader``) and its hits (``hit``), the node-wide shared pool
-(``pool``), prefetch (``prefetch``), S3 -> NVMe fetches (``fetch``) and metrics (``metrics``).
-A serving node imports this, ``torch`` and its engine: no Prefect, no statsmodels."""
+(``pool``) and this process's mappings of it (``mapper``), prefetch (``prefetch``), S3 -> NVMe fetches
+(``fetch``) and metrics (``metrics``). A serving node imports this, ``torch`` and its engine: no
+Prefect, no statsmodels."""

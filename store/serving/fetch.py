@@ -4,7 +4,8 @@ Two ways, as the loader's ``fetch_mode`` says: in the background (an NVMe miss a
 now and the chain is copied for next time; at most one fetch in flight per chain head)
 or waiting up to a timeout (and going on in the background past it). After S3 fails,
 it is not asked again for ``backoff_s``. Nothing here raises for store trouble: each
-outcome is a count of blocks now in NVMe and a reason when fewer than S3 holds.
+outcome is a count of blocks now in NVMe and a reason when fewer than S3 holds. The
+copying is the store's own read-through (:meth:`store.tiers.store.Store.read`).
 """
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from store.errors import SnapshotCorrupt, SnapshotMismatch, StoreError, StoreUnavailable, TenantAccessDenied
+from store.errors import StoreError, StoreUnavailable, TenantAccessDenied
 from store.identity.keys import Block, KeyRoot
 from store.identity.tenant import Tenant
+from store.miss import MissReason
 from store.serving.metrics import LoaderMetrics
 from store.tiers.base import object_name
-from store.tiers.local import LocalTier
 from store.tiers.store import Store
 
 log = logging.getLogger("kvwarm.loader")
@@ -43,27 +44,27 @@ class Scope:
 
 
 class RemoteFetcher:
-    """Read-through of chains from every tier of ``store`` into ``local``, on ``executor``.
+    """Read-through of chains from the remote tiers of ``store`` into its local one, on ``executor``.
 
     Args:
-        store: all tiers, NVMe first (its ``get`` copies a remote hit into NVMe).
-        local: the NVMe tier.
-        tenant: whose snapshots (the store checks every namespace against it).
-        metrics: counts what was fetched, present and refused.
+        store: all tiers, NVMe first (its ``read`` copies a remote hit into NVMe).
+        tenant: whose snapshots (the store checks every namespace against it, and counts refusals).
+        metrics: counts what was fetched and present.
         executor: where background fetches run (shared with the loader).
         timeout_s: the most :meth:`fetch_sync` waits.
         backoff_s: after S3 fails, do not ask it again for this long.
     """
 
-    def __init__(self, store: Store, local: LocalTier, tenant: Tenant, metrics: LoaderMetrics,
+    def __init__(self, store: Store, tenant: Tenant, metrics: LoaderMetrics,
                  executor: cf.Executor, *, timeout_s: float, backoff_s: float) -> None:
         self.store = store
-        self.local = local
         self.tenant = tenant
         self.metrics = metrics
         self.timeout_s = float(timeout_s)
         self.backoff_s = float(backoff_s)
-        self.has_remote = len(store.tiers) > 1
+        remote = [t.kind for t in store.tiers if t.remote]
+        self.has_remote = bool(remote)
+        self.remote_kind = remote[0] if remote else ""  # where a fetched hit came from
         self._executor = executor
         self._down_until = 0.0
         self._lock = threading.Lock()
@@ -78,13 +79,14 @@ class RemoteFetcher:
         self._down_until = time.monotonic() + self.backoff_s
         log.warning("S3 tier unavailable, not asked again for %g s: %s", self.backoff_s, exc)
 
-    def fetch_sync(self, scope: Scope, blocks: list[Block], have: int) -> tuple[int, str | None]:
+    def fetch_sync(self, scope: Scope, blocks: list[Block],
+                   have: int) -> tuple[int, MissReason | None]:
         """Wait up to ``timeout_s`` for S3; returns blocks now in NVMe and why not more."""
         fut = self._executor.submit(self.fetch_chain, blocks, scope)
         try:
             got, reason = fut.result(timeout=self.timeout_s)
         except cf.TimeoutError:
-            return have, "fetch_timeout"  # it goes on in the background: next time it is local
+            return have, MissReason.FETCH_TIMEOUT  # it goes on in the background: next time it is local
         return max(got, have), reason
 
     def schedule(self, scope: Scope, blocks: Sequence[Block]) -> None:
@@ -101,39 +103,37 @@ class RemoteFetcher:
         with self._lock:
             self._inflight.difference_update(names)
 
-    def fetch_chain(self, blocks: list[Block], scope: Scope) -> tuple[int, str | None]:
+    def fetch_chain(self, blocks: list[Block], scope: Scope) -> tuple[int, MissReason | None]:
         """Copy the leading stored blocks of a chain from S3 into NVMe (read-through).
 
         Returns how many leading blocks are now in NVMe (counting from ``blocks[0]``) and a
         reason when fewer than the remote tier holds.
         """
         try:
-            # Store.probe counts an unreachable tier and answers from the others; the
-            # counter's move is how this fetch learns S3 is down (and backs off).
-            down_before = self.store.stats["unavailable"]
-            found = self.store.probe(self.tenant, blocks, scope.root).count
-            if self.store.stats["unavailable"] > down_before:
-                raise StoreUnavailable(f"the S3 tier did not answer a probe of {len(blocks)} blocks")
-            for i, block in enumerate(blocks[:found]):
-                if self.local.exists(object_name(scope.ns, block.key)):
+            # Store.probe counts an unreachable tier and answers from the others; a fetch
+            # that S3 did not answer backs off.
+            probe = self.store.probe(self.tenant, blocks, scope.root)
+            if probe.unavailable:
+                raise StoreUnavailable(f"the {', '.join(probe.unavailable)} tier did not answer a probe of "
+                                       f"{len(blocks)} blocks")
+            for i, block in enumerate(blocks[: probe.count]):
+                if self.store.probe(self.tenant, [block], scope.root, local_only=True).count:
                     self.metrics.prefetched("present")
                     continue
-                snap = self.store.get(self.tenant, block, scope.root)
-                if snap is None:
-                    return i, "expired"
+                found = self.store.read(self.tenant, block, scope.root)
+                if found.snapshot is None:
+                    if isinstance(found.error, StoreUnavailable):
+                        raise found.error
+                    return i, found.miss  # expired, corrupt...: the store counted (and quarantined) it
+                found.snapshot.close()
                 self.metrics.prefetched("fetched")
-            return found, None
+            return probe.count, None
         except StoreUnavailable as exc:
             self.failed(exc)
-            return 0, "store_unavailable"
-        except TenantAccessDenied as exc:
-            self.metrics.refused()
+            return 0, MissReason.STORE_UNAVAILABLE
+        except TenantAccessDenied as exc:  # counted by the store
             log.warning("fetch refused: %s", exc)
-            return 0, "tenant_refused"
-        except SnapshotCorrupt:
-            return 0, "corrupt"  # the store quarantined and counted it
-        except SnapshotMismatch:
-            return 0, "mismatch"
+            return 0, MissReason.TENANT_REFUSED
         except ERRORS as exc:
             log.exception("background fetch failed: %s", exc)
-            return 0, "error"
+            return 0, MissReason.ERROR

@@ -104,10 +104,11 @@ class LoaderHit:
         if self.released:
             raise RuntimeError("this hit was released; build caches before release() (or lookup again)")
 
-    def _parts(self, layer: int, name: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def _parts(self, layer: int, name: str,
+               blocks: slice = slice(None)) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         self._check_live()
         out = []
-        for snap in self.snapshots:
+        for snap in self.snapshots[blocks]:
             parts = _tensors(snap)
             out.append((parts[f"{name}.{layer}"], parts.get(f"{name}_scale.{layer}")))
         return out
@@ -140,20 +141,42 @@ class LoaderHit:
             if layers != lay.num_layers:
                 raise ValueError(f"the model config has {layers} layers; the snapshots have {lay.num_layers}")
         cache = new_dynamic_cache(cfg)  # transformers is imported only here: serving nodes may lack it
-        g = self.snapshots[0].header.precision.group_tokens if self.snapshots else 0
-        dq = self._loader.dequantizer
-        kv = None
-        if torch.device(device).type == "cpu":  # whole payloads at once where the layout allows
-            payloads = [s.payload for s in self.snapshots]
-            if all(p is not None for p in payloads):
-                kv = dq.payload_layers(payloads, self.usable_tokens, dtype)  # type: ignore[arg-type]
-        if kv is None:
-            runs = [self._parts(i, name) for i in range(lay.num_layers) for name in ("k", "v")]
-            kv = dq.layers(runs, self.usable_tokens, dtype, device, g)
+        kv = self.dequantized(dtype, device=device)
         for i in range(lay.num_layers):
             put_layer(cache, i, kv[2 * i][None], kv[2 * i + 1][None])
         self._loader.metrics.observe("to_dynamic_cache", time.perf_counter() - t0)
         return cache
+
+    def dequantized(self, dtype: torch.dtype, *, first_block: int = 0, tokens: int | None = None,
+                    device: str | torch.device = "cpu") -> list[torch.Tensor]:
+        """K and V of every layer, ``[K.0, V.0, K.1, ...]``, each ``[kv_heads, tokens, head_dim]`` in ``dtype``.
+
+        They start at block ``first_block`` of the hit and hold ``tokens`` tokens (default: up to
+        :attr:`usable_tokens`): what an engine copies into its own cache layout.
+
+        Raises:
+            ValueError: the range is outside the hit.
+            RuntimeError: the hit was released.
+        """
+        self._check_live()
+        if tokens is None:
+            tokens = self.usable_tokens - first_block * self.block_size
+        blocks = slice(first_block, first_block + -(-tokens // self.block_size))
+        snaps = self.snapshots[blocks]
+        if first_block < 0 or tokens <= 0 or len(snaps) * self.block_size < tokens:
+            raise ValueError(f"{tokens} tokens from block {first_block} are outside this hit of "
+                             f"{len(self.snapshots)} blocks")
+        g = snaps[0].header.precision.group_tokens
+        dq = self._loader.dequantizer
+        if torch.device(device).type == "cpu":  # whole payloads at once where the layout allows
+            payloads = [s.payload for s in snaps]
+            if all(p is not None for p in payloads):
+                kv = dq.payload_layers(payloads, tokens, dtype)  # type: ignore[arg-type]
+                if kv is not None:
+                    return kv
+        lay = self.layout
+        runs = [self._parts(i, name, blocks) for i in range(lay.num_layers) for name in ("k", "v")]
+        return dq.layers(runs, tokens, dtype, device, g)
 
     def copy_into_paged(self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], *,
                         partial: bool = False) -> int:

@@ -22,7 +22,6 @@ import concurrent.futures as cf
 import logging
 import os
 import sqlite3
-import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Sequence
@@ -32,28 +31,21 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from store.config import KvwarmConfig, load_config
-from store.errors import (
-    SnapshotCorrupt,
-    SnapshotError,
-    SnapshotMismatch,
-    StoreUnavailable,
-    TenantAccessDenied,
-    UnknownFormatVersion,
-)
-from store.format.payload import map_file
-from store.format.snapshot import Snapshot, read_snapshot
+from store.errors import StoreUnavailable, TenantAccessDenied
 from store.identity.fingerprint import ModelIdentity, identity_from_dir
 from store.identity.keys import Block, KeyRoot, block_chain
 from store.identity.tenant import PUBLIC, PUBLIC_TENANT, Tenant
 from store.kernels.dequant import Dequantizer, DequantMode
+from store.miss import MissReason
 from store.plan import Plan
 from store.serving.fetch import ERRORS, RemoteFetcher, Scope
 from store.serving.hit import LoaderHit
+from store.serving.mapper import PoolMapper
 from store.serving.metrics import LoaderMetrics
-from store.serving.pool import Admit, PoolAttachRefused, SnapshotPool, default_pool_dir, readahead
+from store.serving.pool import PoolAttachRefused, SnapshotPool, default_pool_dir, readahead
 from store.serving.prefetch import PrefetchResult, plan_chains, run_prefetch
-from store.tiers.local import LocalTier
-from store.tiers.store import Store, tiers_from_url
+from store.tiers.registry import tiers_from_url
+from store.tiers.store import Store
 
 log = logging.getLogger("kvwarm.loader")
 FetchMode = Literal["background", "sync"]
@@ -131,25 +123,24 @@ class KVLoader:
         self.fetch_mode: FetchMode = d.fetch_mode
         self.verify_payload = d.verify_payload
         self.clock = clock
-        self.metrics = LoaderMetrics(registry, tenant=self.tenant.name)
 
         tiers = tiers_from_url(store_url, self.config.store)
-        if not isinstance(tiers[0], LocalTier):
-            raise ValueError("the loader needs a local (file://) tier first: snapshots are mapped from it")
-        self.local: LocalTier = tiers[0]
-        self.store = Store(tiers, clock=clock)  # every tier: background and sync fetches
-        self._local_store = Store([self.local], clock=clock)  # the hot path never waits on the network
+        if not tiers[0].mappable:
+            raise ValueError(f"the loader needs a tier it can map first (file://), got {tiers[0].url!r}: "
+                             "snapshots are mapped from it")
+        # One store: the hot path asks only its local tiers (never the network), fetches all of them.
+        self.store = Store(tiers, clock=clock)
+        self.local = tiers[0]
+        self.metrics = LoaderMetrics(registry, tenant=self.tenant.name, store=self.store.stats)
 
-        self.pool = SnapshotPool(d.pool_dir or default_pool_dir(self.local.root), budget_bytes=int(d.pool_bytes),
+        self.pool = SnapshotPool(d.pool_dir or default_pool_dir(self.local.url), budget_bytes=int(d.pool_bytes),
                                  max_instances=self.config.kv_cache.max_shared_instances, clock=clock)
         self._attach_next = 0.0
         self._try_attach()
-        self._lock = threading.Lock()
-        self._mapped: dict[str, tuple[int, Snapshot]] = {}  # name -> (admission id, mapping)
-        self._epoch = -1
-        self._priority: dict[str, float] = {}
+        self.mapper = PoolMapper(self.store, self.tenant, self.pool, self.metrics, verify_payload=self.verify_payload,
+                                 clock=clock)
         self._executor = cf.ThreadPoolExecutor(max_workers=d.fetch_workers, thread_name_prefix="kvwarm-fetch")
-        self.fetcher = RemoteFetcher(self.store, self.local, self.tenant, self.metrics, self._executor,
+        self.fetcher = RemoteFetcher(self.store, self.tenant, self.metrics, self._executor,
                                      timeout_s=d.sync_fetch_timeout_s, backoff_s=d.s3_backoff_s)
         self.dequantizer = dequant if isinstance(dequant, Dequantizer) else Dequantizer(d.dequant, self._executor)
         self._closed = False
@@ -195,6 +186,13 @@ class KVLoader:
         cut short before the failing block). Bad arguments (not a flat sequence of token
         ids) raise ``ValueError``.
         """
+        return self.lookup_with_reason(token_ids)[0]
+
+    def lookup_with_reason(self, token_ids: Sequence[int] | np.ndarray | torch.Tensor
+                           ) -> tuple[LoaderHit | None, str | None]:
+        """:meth:`lookup`, and why the hit is missing or shorter than the stored chain (a
+        :data:`store.serving.metrics.MISS_REASONS` value; ``None`` for a full hit). An engine
+        that was promised the whole chain reports that reason for the part it did not get."""
         t0 = time.perf_counter()
         ids = token_ids.detach().cpu().numpy() if isinstance(token_ids, torch.Tensor) else np.asarray(token_ids)
         if ids.ndim == 2 and ids.shape[0] == 1:
@@ -205,34 +203,34 @@ class KVLoader:
             hit, reason = self._lookup(self._own, blocks, len(ids))
             if self._public is not None and (hit is None or len(hit.blocks) < len(blocks)):
                 hit, reason = self._longer_public(hit, reason, ids)
-        except TenantAccessDenied as exc:
-            self.metrics.refused()
+        except TenantAccessDenied as exc:  # counted by the store
             log.warning("lookup refused: %s", exc)
-            hit, reason = None, "tenant_refused"
+            hit, reason = None, MissReason.TENANT_REFUSED
         except StoreUnavailable as exc:
-            hit, reason = None, "store_unavailable"
+            hit, reason = None, MissReason.STORE_UNAVAILABLE
             log.warning("lookup: %s", exc)
         except ERRORS as exc:
-            hit, reason = None, "error"
+            hit, reason = None, MissReason.ERROR
             log.exception("lookup failed, served as a miss: %s", exc)
         if hit is None:
-            self.metrics.miss(reason or "absent")
+            reason = reason or MissReason.ABSENT
+            self.metrics.miss(reason)
             log.debug("miss (%s) for a %d-token prompt", reason, len(ids))
         else:
             self.metrics.hit(hit.tokens)
             if reason:
                 self.metrics.shortened(reason)
         self.metrics.observe("lookup", time.perf_counter() - t0)
-        return hit
+        return hit, reason
 
-    def _longer_public(self, hit: LoaderHit | None, reason: str | None,
-                       ids: np.ndarray) -> tuple[LoaderHit | None, str | None]:
+    def _longer_public(self, hit: LoaderHit | None, reason: MissReason | None,
+                       ids: np.ndarray) -> tuple[LoaderHit | None, MissReason | None]:
         """The public namespace's hit for ``ids`` if it is longer than the tenant's own ``hit``."""
         assert self._public is not None
         have = len(hit.blocks) if hit is not None else 0
         bs = self._public.root.block_size
         head = block_chain(self._public.root, ids[: (have + 1) * bs])  # only what the first probe needs
-        if len(head) <= have or self._local_store.probe(self.tenant, head, self._public.root).count <= have:
+        if len(head) <= have or self._probe_local(head, self._public) <= have:
             return hit, reason  # nothing longer stored locally under public (the common case: one probe)
         phit, preason = self._lookup(self._public, block_chain(self._public.root, ids), len(ids))
         if phit is None or len(phit.blocks) <= have:
@@ -243,117 +241,41 @@ class KVLoader:
             hit.release()
         return phit, preason
 
-    def _lookup(self, scope: Scope, blocks: list[Block], n_tokens: int) -> tuple[LoaderHit | None, str | None]:
+    def _lookup(self, scope: Scope, blocks: list[Block],
+                n_tokens: int) -> tuple[LoaderHit | None, MissReason | None]:
         if not blocks or n_tokens < 2:
-            return None, "short_prompt"
+            return None, MissReason.SHORT_PROMPT
         if not self._try_attach():
-            return None, "max_shared_instances"
-        self._reconcile()
-        count = self._local_store.probe(self.tenant, blocks, scope.root).count
-        reason: str | None = None
-        tier = "nvme"
+            return None, MissReason.MAX_SHARED_INSTANCES
+        self.mapper.reconcile()
+        count = self._probe_local(blocks, scope)
+        reason: MissReason | None = None
+        tier = self.local.kind
         if count < len(blocks) and self.fetcher.has_remote:
             if not self.fetcher.usable():
-                reason = "store_unavailable"
+                reason = MissReason.STORE_UNAVAILABLE
             elif self.fetch_mode == "sync":
                 got, reason = self.fetcher.fetch_sync(scope, blocks, count)
                 if got > count:
-                    count, tier = got, "s3"
+                    count, tier = got, self.fetcher.remote_kind
             else:
                 self.fetcher.schedule(scope, blocks[count:])
-                reason = "fetch_scheduled"
+                reason = MissReason.FETCH_SCHEDULED
         if count == 0:
-            return None, reason or "absent"
+            return None, reason or MissReason.ABSENT
         hit, stop = self._map_and_pin(blocks[:count], n_tokens, tier, scope)
         return hit, stop or (reason if hit is None else None)
 
-    def _reconcile(self) -> None:
-        """Drop this process's mappings of snapshots evicted from the pool by anyone."""
-        epoch = self.pool.epoch()
-        if epoch == self._epoch:
-            return
-        with self._lock:
-            names = list(self._mapped)
-        present = self.pool.admissions(names) if names else {}  # nothing mapped: nothing to drop
-        with self._lock:
-            for name in names:
-                cached = self._mapped.get(name)
-                if cached is not None and present.get(name) != cached[0]:
-                    del self._mapped[name]  # unmapped when the last view of it goes
-            self._epoch = epoch
-
     def _map_and_pin(self, blocks: Sequence[Block], n_tokens: int, tier: str,
-                     scope: Scope) -> tuple[LoaderHit | None, str | None]:
-        names = scope.names(blocks)
-        in_pool = self.pool.admissions(names)
-        now = self.clock()
-        snaps: list[Snapshot] = []
-        stop: str | None = None
-        all_pooled = True
-        for block, name in zip(blocks, names):
-            with self._lock:
-                cached = self._mapped.get(name)
-            snap = cached[1] if cached is not None and in_pool.get(name) == cached[0] else None
-            if snap is None:
-                all_pooled &= name in in_pool
-                got = self._map_local(block, name, scope.root, verify=self.verify_payload and name not in in_pool)
-                if isinstance(got, str):
-                    stop = got
-                    break
-                snap = got
-            if snap.header.expired(now):
-                stop = "expired"
-                break
-            snaps.append(snap)
-        if not snaps:
-            return None, stop
-        admits = [Admit(n, str(self.local.path(n)), s.source_size, s.header.expires_at, self._priority.get(n))
-                  for n, s in zip(names, snaps)] if snaps else []
-        ids = self.pool.pin(admits)
-        if len(ids) < len(snaps):
-            stop = "pool_full"
-            snaps = snaps[: len(ids)]
-        with self._lock:
-            for name, adm, snap in zip(names, ids, snaps):
-                self._mapped[name] = (adm, snap)
-        self.metrics.pool(self.pool.last_usage, self.pool.last_budget)
-        if not snaps:
-            return None, stop
-        hit = LoaderHit(self, blocks[: len(snaps)], snaps, names[: len(snaps)], ids, n_tokens,
-                        "pool" if all_pooled and tier == "nvme" else tier)
-        return hit, stop
+                     scope: Scope) -> tuple[LoaderHit | None, MissReason | None]:
+        pinned = self.mapper.map_and_pin(blocks, scope)
+        if not pinned.snapshots:
+            return None, pinned.stop
+        n = len(pinned.snapshots)
+        hit = LoaderHit(self, blocks[:n], pinned.snapshots, pinned.names, pinned.admissions, n_tokens,
+                        "pool" if pinned.all_pooled and tier == self.local.kind else tier)
+        return hit, pinned.stop
 
-    def _map_local(self, block: Block, name: str, root: KeyRoot, *, verify: bool) -> Snapshot | str:
-        """Map one NVMe snapshot and check it is exactly ``block``; a reason string if not."""
-        try:
-            # the hit is about to be used: the kernel reads the file ahead once (if not cached)
-            src = map_file(self.local.path(name), willneed=True)
-        except FileNotFoundError:
-            return "absent"  # evicted from NVMe since the probe
-        self.local.touch(name)
-        location = self.local.describe(name)
-        size = src.size
-        try:
-            snap = read_snapshot(src, location=location, verify_payload=verify)
-            snap.header.check_matches(block, root, location=location)
-        except SnapshotError as exc:
-            del src  # unmapped with its last view
-            return self._refuse_file(name, exc)
-        snap.source_size = size  # type: ignore[attr-defined]
-        self.metrics.mapped(snap.source_size)  # type: ignore[attr-defined]
-        return snap
-
-    def _refuse_file(self, name: str, exc: SnapshotError) -> str:
-        if isinstance(exc, UnknownFormatVersion):
-            log.error("snapshot refused: %s", exc)
-            return "unknown_version"
-        reason = "mismatch" if isinstance(exc, SnapshotMismatch) else "corrupt"
-        where = self.local.quarantine(name, f"{type(exc).__name__}: {exc}") if isinstance(
-            exc, (SnapshotCorrupt, SnapshotMismatch)) else None
-        log.error("%s snapshot quarantined to %s: %s", reason, where, exc)
-        return reason
-
-    # -- S3 -> NVMe ----------------------------------------------------------
     # -- prefetch ------------------------------------------------------------
     def prefetch(self, items: Plan | str | os.PathLike[str] | Iterable[Sequence[int]], *, map_ahead: bool = True,
                  tokenizer: Callable[[str], Sequence[int]] | None = None) -> "cf.Future[PrefetchResult]":
@@ -361,8 +283,9 @@ class KVLoader:
 
         Args:
             items: a :class:`store.plan.Plan` (or a plan file): its entries for this tenant
-                and for ``public`` (unless public prefixes are off), in priority order; their ``score`` becomes the pool's retention priority of
-                their blocks. Or prefixes as token-id sequences.
+                and for ``public`` (unless public prefixes are off), in priority order; their
+                ``score`` becomes the pool's retention priority of their blocks, in place of the
+                last plan's. Or prefixes as token-id sequences (no priority).
             map_ahead: also map and admit them into the node's pool (and read them ahead
                 into the page cache), so the first lookup pays nothing.
             tokenizer: turns a plan entry's ``text`` into token ids (entries with text are
@@ -373,24 +296,31 @@ class KVLoader:
         """
         scopes = {self.tenant.name: self._own, **({PUBLIC: self._public} if self._public else {})}
         chains, skipped = plan_chains(items, self._own, scopes, tokenizer)
-        for chain, score, scope in chains:
-            if score is not None:
+        if isinstance(items, (Plan, str, os.PathLike)):
+            # The latest plan's scores replace the last plan's: a node re-prefetching a plan every
+            # few minutes keeps one plan's priorities, not every entry it was ever given.
+            priority: dict[str, float] = {}
+            for chain, score, scope in chains:
+                if score is None:
+                    continue
                 for name in scope.names(chain):
-                    self._priority[name] = max(score, self._priority.get(name, score))
+                    priority[name] = max(score, priority.get(name, score))
+            self.mapper.priority = priority
         return self._executor.submit(run_prefetch, chains, skipped, probe=self._probe_local, fetcher=self.fetcher,
                                      map_ahead=self._map_ahead if map_ahead else None, metrics=self.metrics)
 
     def _probe_local(self, chain: list[Block], scope: Scope) -> int:
-        return self._local_store.probe(self.tenant, chain, scope.root).count
+        """Leading blocks of ``chain`` in the local tiers (no network)."""
+        return self.store.probe(self.tenant, chain, scope.root, local_only=True).count
 
     def _map_ahead(self, chain: list[Block], scope: Scope) -> int:
         """Read ``chain``'s files ahead, map and admit them (pinned only for this call)."""
         if not self._try_attach():
             return 0
-        self._reconcile()  # so that the first lookup after a prefetch finds the mappings current
+        self.mapper.reconcile()  # so that the first lookup after a prefetch finds the mappings current
         for name in scope.names(chain):
             readahead(self.local.path(name))
-        hit, _ = self._map_and_pin(chain, len(chain) * self.root.block_size + 1, "nvme", scope)
+        hit, _ = self._map_and_pin(chain, len(chain) * self.root.block_size + 1, self.local.kind, scope)
         if hit is None:
             return 0
         mapped = len(hit.snapshots)
@@ -407,7 +337,7 @@ class KVLoader:
         except sqlite3.Error as exc:
             log.warning("pool state unavailable: %s", exc)
         out.update(attached=self.pool.attached, fetch_mode=self.fetch_mode,
-                   s3_backoff=self.fetcher.has_remote and not self.fetcher.usable(), mapped_here=len(self._mapped),
+                   s3_backoff=self.fetcher.has_remote and not self.fetcher.usable(), mapped_here=len(self.mapper),
                    store=self.store.stats.as_dict())
         return out
 
@@ -417,8 +347,7 @@ class KVLoader:
             return
         self._closed = True
         self._executor.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            self._mapped.clear()
+        self.mapper.clear()
         self.pool.close()
         self.store.close()
 

@@ -1,34 +1,26 @@
-"""The loader's metrics: Prometheus collectors plus the same figures as a plain dict.
+"""The loader's metrics: Prometheus collectors, and the same figures read back from them as a dict.
 
 Every :class:`store.serving.loader.KVLoader` owns one :class:`LoaderMetrics`. By default it
 registers its collectors in a fresh ``CollectorRegistry`` (so several loaders, and
 tests, never collide); a serving process passes ``prometheus_client.REGISTRY`` (or its
 own registry) to have them scraped with the rest of its metrics.
+
+Each figure is kept once: in its collector. :meth:`LoaderMetrics.as_dict` (the loader's
+``stats()``) reads the collectors back, and the latency percentiles come from the
+histogram's buckets. Refusals of another tenant's namespace are counted once, by the
+store that refuses them (:class:`store.tiers.stats.StoreStats`); the loader's
+``refused_cross_tenant`` series reads that count.
 """
 from __future__ import annotations
 
-import threading
-from collections import Counter as _Counts
-from typing import Any
+import math
+from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
 
-#: Why a lookup (or part of one) was not served. Each is counted under ``reason``.
-MISS_REASONS: tuple[str, ...] = (
-    "absent",  # no tier holds the first block
-    "short_prompt",  # fewer tokens than one block plus the one a model must compute
-    "fetch_scheduled",  # not in NVMe; S3 is being asked in the background (default mode)
-    "fetch_timeout",  # not in NVMe; the synchronous S3 fetch did not finish in time
-    "store_unavailable",  # S3 unreachable (or in its back-off window after a failure)
-    "corrupt",  # damaged file: quarantined
-    "mismatch",  # intact file that is not what was asked (wrong model, tokens...): quarantined
-    "unknown_version",  # written by a snapshot format this reader does not know
-    "expired",  # past its TTL
-    "tenant_refused",  # a namespace owned by another tenant's secret
-    "pool_full",  # the node's pool budget is held by pinned snapshots
-    "max_shared_instances",  # this process could not attach to the node's pool
-    "error",  # any other StoreError or OSError (logged with its traceback)
-)
+from store.miss import MissReason
+from store.tiers.stats import StoreStats
 
 #: Operations whose latency the histogram records (its ``stage`` label).
 STAGES = ("lookup", "to_dynamic_cache", "copy_into_paged")
@@ -36,22 +28,66 @@ STAGES = ("lookup", "to_dynamic_cache", "copy_into_paged")
 #: Buckets of the load-latency histogram (seconds): lookups are ~0.1-10 ms, loads more.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
+_REFUSED = "kvwarm_loader_refused_cross_tenant"
+
+
+class _Refusals:
+    """A collector exposing the store's count of refused cross-tenant attempts as the loader's counter."""
+
+    def __init__(self, stats: StoreStats, tenant: str) -> None:
+        self.stats = stats
+        self.tenant = tenant
+
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(_REFUSED, "Refused attempts to reach another tenant's namespace.",
+                                   labels=["tenant"])
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._family()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._family()
+        family.add_metric([self.tenant], self.stats["refused"])
+        yield family
+
+
+def _samples(collector: Any, suffix: str) -> Iterator[tuple[dict[str, str], float]]:
+    """``(labels, value)`` of a collector's samples named ``<name><suffix>``."""
+    for family in collector.collect():
+        for s in family.samples:
+            if s.name == family.name + suffix:
+                yield s.labels, s.value
+
+
+def _number(v: float) -> int | float:
+    return int(v) if float(v).is_integer() else v
+
+
+def _upper_bound(buckets: list[tuple[float, float]], q: float) -> float:
+    """The upper edge of the bucket holding the ``q`` quantile of a histogram's samples
+    (``buckets``: cumulative ``(le, count)``, ``+Inf`` last). Beyond the last finite
+    bucket, that bucket's edge: read it as "at least"."""
+    total = buckets[-1][1]
+    rank = min(total, int(total * q) + 1)  # the sample a sorted list would give at index int(n * q)
+    finite = [le for le, _ in buckets if not math.isinf(le)]
+    for le, count in buckets:
+        if count >= rank:
+            return finite[-1] if math.isinf(le) else le
+    return finite[-1]
+
 
 class LoaderMetrics:
-    """Counters, gauges and a histogram of one loader (thread-safe).
+    """Counters, gauges and a histogram of one loader (thread-safe: the collectors are).
 
     Args:
         registry: where the Prometheus collectors register (default: a new registry).
         tenant: value of the ``tenant`` label on every series.
+        store: the loader's store's counters (the refusals are counted there).
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None, *, tenant: str = "") -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *, tenant: str = "",
+                 store: StoreStats) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
-        self._lock = threading.Lock()
-        self._counts: _Counts[str] = _Counts()
-        self._misses: _Counts[str] = _Counts()
-        self._shortened: _Counts[str] = _Counts()
-        self._latency: dict[str, list[float]] = {}
         self.tenant = tenant
         r, t = self.registry, ["tenant"]
         self._lookups = Counter("kvwarm_loader_lookups", "Lookups made.", t, registry=r)
@@ -63,95 +99,76 @@ class LoaderMetrics:
         self._tokens = Counter("kvwarm_loader_tokens_served", "Prompt tokens covered by hits.", t, registry=r)
         self._mapped = Counter("kvwarm_loader_bytes_mapped", "Snapshot bytes newly mapped by this process.", t,
                                registry=r)
-        self._refused = Counter("kvwarm_loader_refused_cross_tenant",
-                                "Refused attempts to reach another tenant's namespace.", t, registry=r)
+        self._refused = _Refusals(store, tenant)
+        r.register(self._refused)
         self._prefetch = Counter("kvwarm_loader_prefetch_blocks", "Blocks handled by prefetch, by outcome.",
                                  [*t, "outcome"], registry=r)
         self._pool_bytes = Gauge("kvwarm_pool_bytes_in_use", "Bytes of snapshots held in the node's shared pool.",
                                  registry=r)
         self._pool_budget = Gauge("kvwarm_pool_budget_bytes", "The node pool's byte budget.", registry=r)
-        self._latency_h = Histogram("kvwarm_loader_load_seconds", "Latency of loader operations.", [*t, "stage"],
-                                    buckets=LATENCY_BUCKETS, registry=r)
+        self._latency = Histogram("kvwarm_loader_load_seconds", "Latency of loader operations.", [*t, "stage"],
+                                  buckets=LATENCY_BUCKETS, registry=r)
         # Every series exists from the start, so dashboards see zeros, not gaps (and the
-        # first request does not pay for creating them).
-        for reason in MISS_REASONS:
-            self._miss.labels(tenant, reason)
-            self._short.labels(tenant, reason)
-        for counter in (self._lookups, self._hits, self._tokens, self._mapped, self._refused):
-            counter.labels(tenant)
-        for stage in STAGES:
-            self._latency_h.labels(tenant, stage)
-
-    def _incr(self, name: str, n: float = 1) -> None:
-        with self._lock:
-            self._counts[name] += n
+        # first request does not pay for creating them). The children are kept: the hot
+        # path increments them without looking labels up.
+        self._miss_by = {reason: self._miss.labels(tenant, reason.value) for reason in MissReason}
+        self._short_by = {reason: self._short.labels(tenant, reason.value) for reason in MissReason}
+        self._lookups_t, self._hits_t = self._lookups.labels(tenant), self._hits.labels(tenant)
+        self._tokens_t, self._mapped_t = self._tokens.labels(tenant), self._mapped.labels(tenant)
+        self._stage = {stage: self._latency.labels(tenant, stage) for stage in STAGES}
 
     def lookup(self) -> None:
-        self._incr("lookups")
-        self._lookups.labels(self.tenant).inc()
+        self._lookups_t.inc()
 
     def hit(self, tokens: int) -> None:
-        self._incr("hits")
-        self._incr("tokens_served", tokens)
-        self._hits.labels(self.tenant).inc()
-        self._tokens.labels(self.tenant).inc(tokens)
+        self._hits_t.inc()
+        self._tokens_t.inc(tokens)
 
-    def miss(self, reason: str) -> None:
+    def miss(self, reason: MissReason) -> None:
         """Count a lookup that returned no hit, under its reason."""
-        if reason not in MISS_REASONS:
-            raise ValueError(f"unknown miss reason {reason!r}; one of {', '.join(MISS_REASONS)}")
-        with self._lock:
-            self._misses[reason] += 1
-        self._miss.labels(self.tenant, reason).inc()
+        self._miss_by[reason].inc()
 
-    def shortened(self, reason: str) -> None:
+    def shortened(self, reason: MissReason) -> None:
         """Count a hit that stopped before a block the store holds (corrupt, expired, pool full...)."""
-        if reason not in MISS_REASONS:
-            raise ValueError(f"unknown reason {reason!r}; one of {', '.join(MISS_REASONS)}")
-        with self._lock:
-            self._shortened[reason] += 1
-        self._short.labels(self.tenant, reason).inc()
+        self._short_by[reason].inc()
 
     def mapped(self, nbytes: int) -> None:
-        self._incr("bytes_mapped", nbytes)
-        self._mapped.labels(self.tenant).inc(nbytes)
-
-    def refused(self) -> None:
-        self._incr("refused_cross_tenant")
-        self._refused.labels(self.tenant).inc()
+        self._mapped_t.inc(nbytes)
 
     def prefetched(self, outcome: str, n: int = 1) -> None:
-        self._incr(f"prefetch_{outcome}", n)
+        """Count ``n`` blocks prefetch found ``present``, ``fetched`` or ``mapped``."""
         self._prefetch.labels(self.tenant, outcome).inc(n)
 
     def pool(self, in_use: int, budget: int) -> None:
-        with self._lock:
-            self._counts["pool_bytes_in_use"] = in_use
-            self._counts["pool_budget_bytes"] = budget
         self._pool_bytes.set(in_use)
         self._pool_budget.set(budget)
 
     def observe(self, stage: str, seconds: float) -> None:
         """Record the latency of one ``lookup``, ``to_dynamic_cache`` or ``copy_into_paged``."""
-        with self._lock:
-            samples = self._latency.setdefault(stage, [])
-            samples.append(seconds)
-            if len(samples) > 4096:  # keep a bounded recent window for stats() percentiles
-                del samples[:2048]
-        self._latency_h.labels(self.tenant, stage).observe(seconds)
+        self._stage[stage].observe(seconds)
 
     def as_dict(self) -> dict[str, Any]:
-        """Every figure as plain numbers: counters, misses by reason, latency percentiles."""
-        with self._lock:
-            out: dict[str, Any] = {k: (int(v) if float(v).is_integer() else v) for k, v in self._counts.items()}
-            for name in ("lookups", "hits", "tokens_served", "bytes_mapped", "refused_cross_tenant"):
-                out.setdefault(name, 0)
-            out["misses"] = sum(self._misses.values())
-            out["misses_by_reason"] = dict(self._misses)
-            out["shortened_by_reason"] = dict(self._shortened)
-            lat = {}
-            for stage, samples in self._latency.items():
-                s = sorted(samples)
-                lat[stage] = {"count": len(s), "p50_s": s[len(s) // 2], "p99_s": s[min(len(s) - 1, int(len(s) * 0.99))]}
-            out["latency"] = lat
+        """Every figure as plain numbers, read from the collectors: counters, misses by
+        reason (those that happened), latency per stage (count, and the upper edges of the
+        histogram buckets holding the p50 and p99: upper bounds of the true percentiles)."""
+        out: dict[str, Any] = {}
+        for key, collector in (("lookups", self._lookups), ("hits", self._hits), ("tokens_served", self._tokens),
+                               ("bytes_mapped", self._mapped), ("refused_cross_tenant", self._refused)):
+            out[key] = _number(sum(v for _, v in _samples(collector, "_total")))
+        for labels, v in _samples(self._prefetch, "_total"):
+            out[f"prefetch_{labels['outcome']}"] = _number(v)
+        out["pool_bytes_in_use"] = _number(next(_samples(self._pool_bytes, ""))[1])
+        out["pool_budget_bytes"] = _number(next(_samples(self._pool_budget, ""))[1])
+        for key, collector in (("misses_by_reason", self._miss), ("shortened_by_reason", self._short)):
+            out[key] = {labels["reason"]: _number(v) for labels, v in _samples(collector, "_total") if v}
+        out["misses"] = sum(out["misses_by_reason"].values())
+        buckets: dict[str, list[tuple[float, float]]] = {}
+        for labels, v in _samples(self._latency, "_bucket"):
+            buckets.setdefault(labels["stage"], []).append((float(labels["le"]), v))
+        out["latency"] = {}
+        for stage, cum in buckets.items():
+            cum.sort()
+            if cum[-1][1]:
+                out["latency"][stage] = {"count": int(cum[-1][1]), "p50_s": _upper_bound(cum, 0.5),
+                                         "p99_s": _upper_bound(cum, 0.99)}
         return out

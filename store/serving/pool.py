@@ -49,10 +49,6 @@ INSERT OR IGNORE INTO meta VALUES ('epoch', 0), ('admission', 0);
 """
 
 
-class PoolFull(StoreError, OperationalError):
-    """A snapshot cannot enter the pool: the budget is held by pinned snapshots."""
-
-
 class PoolAttachRefused(StoreError, OperationalError):
     """``max_shared_instances`` processes are already attached to this node's pool."""
 
@@ -68,9 +64,9 @@ class Admit:
     priority: float | None = None
 
 
-def default_pool_dir(local_root: str | os.PathLike[str]) -> Path:
-    """``/dev/shm/kvwarm-pool-<digest of the NVMe tier's path>``: one pool per tier per node."""
-    digest = hashlib.sha256(str(Path(local_root).resolve()).encode()).hexdigest()[:16]
+def default_pool_dir(tier_url: str) -> Path:
+    """``/dev/shm/kvwarm-pool-<digest of the mapped tier's URL>``: one pool per tier per node."""
+    digest = hashlib.sha256(tier_url.encode()).hexdigest()[:16]
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
     return base / f"kvwarm-pool-{digest}"
 

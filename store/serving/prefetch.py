@@ -17,6 +17,7 @@ import numpy as np
 
 from store.errors import TenantAccessDenied
 from store.identity.keys import Block, block_chain
+from store.miss import MissReason
 from store.plan import Plan, read_plan
 from store.serving.fetch import ERRORS, RemoteFetcher, Scope
 from store.serving.metrics import LoaderMetrics
@@ -36,10 +37,10 @@ class PrefetchResult:
     present: int = 0  # already in NVMe
     mapped: int = 0  # mapped into this process and admitted to the pool
     skipped: int = 0  # plan entries for other tenants, or text without a tokenizer
-    failed: dict[str, int] = field(default_factory=dict)
+    failed: dict[str, int] = field(default_factory=dict)  # by miss reason (its label value)
 
-    def fail(self, reason: str) -> None:
-        self.failed[reason] = self.failed.get(reason, 0) + 1
+    def fail(self, reason: MissReason) -> None:
+        self.failed[reason.value] = self.failed.get(reason.value, 0) + 1
 
 
 def plan_chains(items: Plan | str | os.PathLike[str] | Iterable[Sequence[int]], own: Scope,
@@ -80,13 +81,12 @@ def run_prefetch(chains: list[PrefixChain], skipped: int, *, probe: Callable[[li
             continue
         try:
             have = probe(chain, scope)
-        except TenantAccessDenied:
-            metrics.refused()
-            res.fail("tenant_refused")
+        except TenantAccessDenied:  # counted by the store
+            res.fail(MissReason.TENANT_REFUSED)
             continue
         except ERRORS as exc:
             log.exception("prefetch probe failed: %s", exc)
-            res.fail("error")
+            res.fail(MissReason.ERROR)
             continue
         res.present += have
         if have < len(chain) and fetcher.usable():

@@ -1,3 +1,4 @@
-"""Storage tiers and the ``Store`` over them: the tier interface (``base``), the NVMe tier
-(``local``, with its index ``index`` over ``sqlite``), the S3 tier (``s3``, sealed with ``crypto``),
-the tiered, tenant-isolated ``Store`` (``store``), and housekeeping (``maintenance``)."""
+"""Storage tiers and the ``Store`` over them: the tier interface and its capabilities (``base``), the
+registry of tiers by URL scheme (``registry``), the NVMe tier (``local``, with its index ``index`` over
+``sqlite`` and its metadata area ``metadir``), the S3 tier (``s3``, sealed with ``crypto``), the tiered,
+tenant-isolated ``Store`` (``store``), its counters (``stats``), and housekeeping (``maintenance``)."""

@@ -4,16 +4,21 @@ Tiers store opaque snapshot files under names ``<tenant>/<key[:2]>/<key>.kvw``. 
 know nothing of headers or tenants' secrets: the :class:`store.tiers.store.Store` checks
 those. Every tier has the same small surface (after SGLang's HiCache storage):
 read, write, exists, a batch probe answering "how many leading names exist", delete,
-list, quarantine.
+list, quarantine; the same constructor, :meth:`Tier.from_url`; and says what else it
+can do by its capabilities (``remote``, ``stores_encoded``, ``mappable``, ``capped``),
+never by its class. A new tier is one module and one line in
+:data:`store.tiers.registry.TIERS`.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Iterator, Sequence
 
 import pyarrow as pa
 
+from store.config import StoreConfig
 from store.format.encode import EncodedSnapshot
 from store.identity.keys import check_key
 from store.identity.tenant import check_tenant_name
@@ -48,17 +53,62 @@ class Entry:
     mtime: float
 
 
+@dataclass
+class Housekeeping:
+    """What a capped tier's :meth:`Tier.housekeep` did."""
+
+    temp_removed: int = 0  # temp files of dead writers
+    expired_removed: int = 0  # snapshots past their recorded expiry
+    evicted: int = 0  # snapshots evicted (LRU) to get under the cap
+    index_fixes: dict[str, int] = field(default_factory=dict)  # drift between the tier's index and its objects
+
+
 class Tier(ABC):
     """A place snapshots are kept. Reads of a missing object return ``None``;
-    an unreachable tier raises :class:`store.errors.StoreUnavailable`."""
+    an unreachable tier raises :class:`store.errors.StoreUnavailable`.
 
+    Capabilities (class attributes; the store, the loader and GC go by these):
+
+    - ``remote``: reached over a network, so it may be slow or down. The serving hot
+      path never asks it (``Store.probe/read(..., local_only=True)``), a hit in it is
+      copied into the first tier when that one is not remote (read-through), and a
+      store URL without a local tier gets the default local directory first.
+    - ``stores_encoded``: :meth:`write` takes the encoded snapshot as it is (never
+      sealed: its files stay mappable) and itself skips an object that exists,
+      returning ``False``. Other tiers get the snapshot's bytes, sealed for a tenant
+      with an encryption key, and only after :meth:`exists` said it is not there.
+    - ``mappable``: :meth:`path` names the local file of an object, which the loader
+      maps (and shares through the node's pool); its first tier must be mappable.
+    - ``capped``: a byte cap with LRU eviction, and each object's expiry recorded:
+      :meth:`housekeep` removes what has expired. GC ages other tiers' objects by
+      their modification time instead.
+    """
+
+    #: the URL scheme it serves (``file`` for ``file://...``); its line in the registry
+    scheme: ClassVar[str] = ""
+    remote: ClassVar[bool] = True
+    stores_encoded: ClassVar[bool] = False
+    mappable: ClassVar[bool] = False
+    capped: ClassVar[bool] = False
     #: short name for metrics and messages ("nvme", "s3")
     kind: str = "tier"
     url: str = ""
 
+    @classmethod
     @abstractmethod
-    def read(self, name: str) -> pa.Buffer | None:
-        """The object's bytes: a buffer over a read-only memory map (local) or in memory (remote)."""
+    def from_url(cls, url: str, settings: StoreConfig, *, create_bucket: bool = False) -> "Tier":
+        """The tier a store URL's part names (``<scheme>://...``), with the config's ``store`` section.
+
+        Raises:
+            ConfigError: a malformed URL or setting (the message names it).
+        """
+
+    @abstractmethod
+    def read(self, name: str, *, readahead: bool = False) -> pa.Buffer | None:
+        """The object's bytes: a buffer over a read-only memory map (mappable) or in memory.
+
+        ``readahead``: the caller will use the whole object at once; a tier that maps
+        files may ask the kernel to read it ahead."""
 
     @abstractmethod
     def write(self, name: str, data: EncodedSnapshot | bytes | pa.Buffer, *, expires_at: float) -> bool:
@@ -102,6 +152,15 @@ class Tier(ABC):
 
     def touch(self, name: str) -> None:
         """Record an access for LRU (tiers without eviction ignore it)."""
+
+    def path(self, name: str) -> Path:
+        """The local file holding an object (``mappable`` tiers only)."""
+        raise NotImplementedError(f"the {self.kind} tier holds no local files to map")
+
+    def housekeep(self, now: float) -> Housekeeping:
+        """Remove temp files of dead writers, fix index drift, remove what expired by
+        ``now`` and get under the cap (``capped`` tiers only)."""
+        raise NotImplementedError(f"the {self.kind} tier keeps no expiry or cap of its own")
 
     def describe(self, name: str) -> str:
         """Where an object lives, for messages."""

@@ -16,7 +16,6 @@ from store.format.snapshot import read_snapshot
 from store.identity.tenant import Tenant
 from store.tiers.base import Tier, parse_object_name
 from store.tiers.crypto import is_sealed, plaintext
-from store.tiers.local import LocalTier
 from store.tiers.store import Store
 
 log = logging.getLogger("kvwarm.store")
@@ -115,21 +114,21 @@ def gc(store: Store, *, now: float | None = None, ttl_max_s: float | None = None
        tenants: Mapping[str, Tenant] = {}) -> GcReport:
     """Collect garbage.
 
-    Local tier: temp files left by dead writers, index drift, expired snapshots,
-    anything over the cap (LRU order). Remote tiers: objects older than ``ttl_max_s``
-    (the TTL policy's upper bound, so they are certainly expired; no GET needed).
+    Capped tiers (the local one) keep each snapshot's expiry: their housekeeping removes
+    temp files left by dead writers, index drift, expired snapshots and anything over
+    the cap (LRU order). Other tiers (S3): objects older than ``ttl_max_s`` (the TTL
+    policy's upper bound, so they are certainly expired; no GET needed).
     With ``verify_all``, every snapshot is also checked and bad ones quarantined.
     """
     now = store.clock() if now is None else now
     report = GcReport()
     for tier in store.tiers:
-        if isinstance(tier, LocalTier):
-            for f in tier.stale_temp_files(now):
-                f.unlink(missing_ok=True)
-                report.temp_removed += 1
-            report.index_fixes = tier.reconcile()
-            report.expired_removed += len(tier.remove_expired(now))
-            report.evicted += len(tier.trim())
+        if tier.capped:
+            done = tier.housekeep(now)
+            report.temp_removed += done.temp_removed
+            report.index_fixes = done.index_fixes
+            report.expired_removed += done.expired_removed
+            report.evicted += done.evicted
         elif ttl_max_s is not None:
             for entry in list(tier.entries()):
                 if entry.mtime and entry.mtime + ttl_max_s <= now:

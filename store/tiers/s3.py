@@ -21,7 +21,7 @@ import s3fs
 from botocore.exceptions import BotoCoreError, ClientError
 from fsspec.asyn import sync
 
-from store.config import S3Config
+from store.config import S3Config, StoreConfig
 from store.errors import ConfigError, StoreUnavailable
 from store.format.encode import EncodedSnapshot, snapshot_bytes
 from store.tiers.base import SUFFIX, Entry, Tier
@@ -40,6 +40,7 @@ class S3Tier(Tier):
         create_bucket: create the bucket if it does not exist (tests, first deploy).
     """
 
+    scheme = "s3"
     kind = "s3"
 
     def __init__(self, url: str, options: S3Config = S3Config(), *, create_bucket: bool = False) -> None:
@@ -77,6 +78,11 @@ class S3Tier(Tier):
         if create_bucket:
             self._call(self._ensure_bucket(), "create bucket")
 
+    @classmethod
+    def from_url(cls, url: str, settings: StoreConfig, *, create_bucket: bool = False) -> "S3Tier":
+        """``s3://bucket[/prefix]``, reached as the config's ``store.s3`` section says."""
+        return cls(url, settings.s3, create_bucket=create_bucket)
+
     async def _ensure_bucket(self) -> None:
         if not await self.fs._exists(self.bucket):
             try:
@@ -100,7 +106,7 @@ class S3Tier(Tier):
     def _path(self, name: str) -> str:
         return f"{self.base}/{name}"
 
-    def read(self, name: str) -> pa.Buffer | None:
+    def read(self, name: str, *, readahead: bool = False) -> pa.Buffer | None:
         try:
             data = self._call(self.fs._cat_file(self._path(name)), f"GET {name}")
         except FileNotFoundError:

@@ -1,4 +1,10 @@
-"""Counters a store keeps: the raw material of the hit-rate and security-audit metrics."""
+"""Counters a store keeps: the raw material of the hit-rate and security-audit metrics.
+
+Each figure of the store is counted here once. Readers of a figure read it from here:
+``Store.stats`` for the CLI and the prefill job, the loader's ``stats()["store"]``, and
+the loader's ``kvwarm_loader_refused_cross_tenant`` series (the store refuses, and counts,
+every cross-tenant attempt; nothing else counts it again).
+"""
 from __future__ import annotations
 
 import threading
@@ -7,7 +13,8 @@ from collections import Counter
 
 class StoreStats:
     """Thread-safe named counters (``hits``, ``misses``, ``expired``, ``corrupt``,
-    ``mismatched``, ``quarantined``, ``refused``, ``read_through``, ``unavailable``...)."""
+    ``mismatched``, ``unknown_version``, ``undecryptable``, ``quarantined``, ``refused``,
+    ``read_through``, ``unavailable``, ``writes``, ``writes_skipped``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

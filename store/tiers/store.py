@@ -1,10 +1,14 @@
 """The tiered snapshot store: what prefill jobs write to and serving nodes read from.
 
 Tiers are ordered fastest first (NVMe, then S3). Reads go through them in order; a
-hit in a lower tier is copied into the first one atomically (read-through). Writes go
-to every tier. Every call names a tenant (its credentials): the key root's salt picks
-the namespace (the tenant's own, or ``public``), and a namespace records the salt id
-of its owner, so a caller holding the wrong secret is refused and counted.
+hit in a remote tier is copied into the first, local one atomically (read-through).
+Writes go to every tier. Every call names a tenant (its credentials): the key root's
+salt picks the namespace (the tenant's own, or ``public``), and a namespace records the
+salt id of its owner, so a caller holding the wrong secret is refused and counted.
+
+:meth:`Store.read` is the one read path: the loader's hot path uses it too, asking only
+the local tiers (``local_only``) and checking payloads only where it says (``verify``).
+A miss says why (:class:`store.miss.MissReason`).
 """
 from __future__ import annotations
 
@@ -16,9 +20,8 @@ from typing import Callable, Sequence, TypeVar
 
 import pyarrow as pa
 
-from store.config import KvwarmConfig, StoreConfig, load_config
+from store.config import KvwarmConfig, load_config
 from store.errors import (
-    ConfigError,
     SnapshotCorrupt,
     SnapshotError,
     SnapshotMismatch,
@@ -26,65 +29,41 @@ from store.errors import (
     StoreFull,
     StoreUnavailable,
     TenantAccessDenied,
-    UnknownFormatVersion,
 )
 from store.format.encode import EncodedSnapshot, snapshot_bytes
 from store.format.header import SnapshotHeader
 from store.format.snapshot import Snapshot, read_header, read_snapshot
 from store.identity.keys import Block, KeyRoot, check_key
 from store.identity.tenant import PUBLIC, PUBLIC_TENANT, Tenant
+from store.miss import MissReason, reason_of
 from store.tiers.base import Tier, object_name
 from store.tiers.crypto import plaintext, seal
-from store.tiers.local import LocalTier
+from store.tiers.registry import tiers_from_url
 from store.tiers.stats import StoreStats
 
 log = logging.getLogger("kvwarm.store")
 T = TypeVar("T")
-DEFAULT_LOCAL = "file://~/.cache/kvwarm"
-
-
-def tiers_from_url(url: str, settings: StoreConfig = StoreConfig(), *, create_bucket: bool = False) -> list[Tier]:
-    """Build the tiers a store URL names (``file://...``, ``s3://...``, or both, comma-separated).
-
-    Raises:
-        ConfigError: an unknown scheme, more than one tier of a kind, or a local tier
-            that is not first.
-    """
-    parts = [p.strip() for p in url.split(",") if p.strip()]
-    if not parts:
-        raise ConfigError("store.url is empty; give file:///path, s3://bucket/prefix, or both comma-separated")
-    if not any(p.startswith("file://") for p in parts):
-        parts.insert(0, DEFAULT_LOCAL)
-    tiers: list[Tier] = []
-    for i, part in enumerate(parts):
-        if part.startswith("file://"):
-            if i != 0:
-                raise ConfigError(f"store.url: the local tier must come first and only once, got {url!r}")
-            tiers.append(
-                LocalTier(
-                    part[len("file://") :],
-                    cap_bytes=int(settings.nvme_cap),
-                    recency_flush_s=settings.recency_flush_s,
-                    evict_to_fraction=settings.evict_to_fraction,
-                )
-            )
-        elif part.startswith("s3://"):
-            from store.tiers.s3 import S3Tier  # s3fs is only imported when an S3 tier is configured
-
-            if any(t.kind == "s3" for t in tiers):
-                raise ConfigError(f"store.url: only one s3:// tier is supported, got {url!r}")
-            tiers.append(S3Tier(part, settings.s3, create_bucket=create_bucket))
-        else:
-            raise ConfigError(f"store.url: {part!r} has an unknown scheme; use file:// or s3://")
-    return tiers
 
 
 @dataclass(frozen=True)
 class Probe:
-    """Answer of :meth:`Store.probe`: how many leading blocks exist, and in which tier."""
+    """Answer of :meth:`Store.probe`: how many leading blocks exist, in which tier, and
+    which tiers could not be asked (unreachable: counted, and the others answered)."""
 
     count: int
     tier: str | None
+    unavailable: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Read:
+    """Answer of :meth:`Store.read`: the snapshot of a block, or why there is none."""
+
+    snapshot: Snapshot | None
+    miss: MissReason | None = None  # None on a hit
+    tier: str | None = None  # kind of the tier that held it
+    size: int = 0  # bytes of the object it was read from (the file mapped, on a mappable tier)
+    error: StoreError | None = None  # what made it a miss, when something failed (see Store.get)
 
 
 @dataclass(frozen=True)
@@ -100,7 +79,7 @@ class Store:
     """Tiered, tenant-isolated snapshot store.
 
     Args:
-        tiers: fastest first; the first must be a :class:`LocalTier` for read-through.
+        tiers: fastest first; read-through copies remote hits into the first when it is local.
         clock: time source for TTL checks.
     """
 
@@ -119,9 +98,10 @@ class Store:
         return cls(tiers_from_url(url or config.store.url, config.store, create_bucket=create_bucket))
 
     @property
-    def local(self) -> LocalTier | None:
+    def local(self) -> Tier | None:
+        """The first tier when it is local (not ``remote``): where remote hits are read through."""
         first = self.tiers[0]
-        return first if isinstance(first, LocalTier) else None
+        return None if first.remote else first
 
     # -- tenancy -------------------------------------------------------------
     def _refuse(self, tenant: Tenant, what: str) -> TenantAccessDenied:
@@ -177,7 +157,7 @@ class Store:
             self._guard(tenant, ns, "write to", i)
         for i, tier in enumerate(self.tiers):
             self._claim(tenant, ns, i)
-            if isinstance(tier, LocalTier):
+            if tier.stores_encoded:
                 wrote |= tier.write(name, snap, expires_at=snap.header.expires_at)
             elif not tier.exists(name):
                 data = snapshot_bytes(snap)
@@ -199,79 +179,112 @@ class Store:
             log.warning("%s", exc)
             return exc
 
-    def probe(self, tenant: Tenant, blocks: Sequence[Block], root: KeyRoot) -> Probe:
+    def probe(self, tenant: Tenant, blocks: Sequence[Block], root: KeyRoot, *, local_only: bool = False) -> Probe:
         """How many leading ``blocks`` exist in the longest-holding tier (existence only:
-        :meth:`get` validates each one). One round trip per tier at most."""
+        :meth:`read` validates each one). One round trip per tier at most; with
+        ``local_only``, remote tiers are not asked (the serving hot path)."""
         if not blocks:
             return Probe(0, None)
         ns = self._namespace_of(tenant, root.salt_id, "probe")
         names = [object_name(ns, b.key) for b in blocks]
         best = Probe(0, None)
+        down: list[str] = []
         for i, tier in enumerate(self.tiers):
+            if local_only and tier.remote:
+                continue
             n = self._ask(tenant, ns, "probe", i, lambda t: t.probe(names))
             if isinstance(n, StoreUnavailable):
+                down.append(tier.kind)
                 continue
             if n > best.count:
                 best = Probe(n, tier.kind)
             if n == len(names):
                 break
-        return best
+        return Probe(best.count, best.tier, tuple(down)) if down else best
 
-    def get(self, tenant: Tenant, block: Block, root: KeyRoot, *, now: float | None = None) -> Snapshot | None:
-        """The snapshot of exactly ``block`` under ``root``, or ``None`` on a miss.
+    def read(self, tenant: Tenant, block: Block, root: KeyRoot, *, now: float | None = None, verify: bool = True,
+             local_only: bool = False, readahead: bool = False) -> Read:
+        """The snapshot of exactly ``block`` under ``root``, or why there is none.
 
-        An expired snapshot is a miss. A corrupt or mismatched one is quarantined,
-        counted, and the next tier is tried; if none serves the block, the error is
-        raised (:class:`SnapshotCorrupt`, :class:`SnapshotMismatch`), as is
-        :class:`StoreUnavailable` when a tier that might hold it could not be reached.
+        Tiers are asked fastest first (only local ones with ``local_only``). An expired
+        snapshot is a miss. A corrupt or mismatched one is quarantined, counted, and the
+        next tier is tried; an unreachable tier is counted and the next one tried. A miss
+        says why, with the error behind it: a copy refused (the last one met: ``corrupt``,
+        ``mismatch``, ``unknown_version``, ``undecryptable``), else an unreachable tier
+        (``store_unavailable``), else ``expired`` or ``absent``.
+
+        Args:
+            now: the time TTLs are checked against (default: the store's clock).
+            verify: check the payload's checksums (headers are always checked); the
+                loader checks a snapshot once, when it first enters the node's pool.
+            readahead: the snapshot is about to be used whole (a mapped file is read ahead).
+
+        Raises:
+            TenantAccessDenied: ``root`` is salted for another tenant, or the namespace's
+                owner holds another secret (counted).
         """
         ns = self._namespace_of(tenant, root.salt_id, "read")
         name = object_name(ns, block.key)
         now = self.clock() if now is None else now
-        error: StoreError | None = None
+        failed: Read | None = None
+        expired = False
         for i, tier in enumerate(self.tiers):
-            src = self._ask(tenant, ns, "read", i, lambda t: t.read(name))
+            if local_only and tier.remote:
+                continue
+            src = self._ask(tenant, ns, "read", i, lambda t: t.read(name, readahead=readahead))
             if isinstance(src, StoreUnavailable):
-                error = error or src
+                failed = failed or Read(None, MissReason.STORE_UNAVAILABLE, error=src)
                 continue
             if src is None:
                 continue
             location = tier.describe(name)
             try:
                 src = self._plaintext(tenant, ns, name, src, location)
-                snap = read_snapshot(src, location=location)
+                snap = read_snapshot(src, location=location, verify_payload=verify)
                 snap.header.check_matches(block, root, location=location)
             except SnapshotError as exc:
                 src = None  # the mapping of a file we refuse must not outlive the refusal
-                error = self._bad(tier, name, exc)
+                failed = Read(None, self._bad(tier, name, exc), error=exc)  # every bad copy is counted
                 continue
             if snap.header.expired(now):
                 self.stats.incr("expired")
                 snap.close()
+                expired = True
                 continue
+            size = src.size
             if i > 0:
                 snap = self._read_through(name, src, snap)
             self.stats.incr("hits")
-            return snap
+            return Read(snap, tier=tier.kind, size=size)
         self.stats.incr("misses")
-        if error is not None:
-            raise error
-        return None
+        return failed or Read(None, MissReason.EXPIRED if expired else MissReason.ABSENT)
+
+    def get(self, tenant: Tenant, block: Block, root: KeyRoot, *, now: float | None = None) -> Snapshot | None:
+        """The snapshot of exactly ``block`` under ``root``, or ``None`` on a miss
+        (:meth:`read`, payload checked, every tier).
+
+        Raises:
+            SnapshotCorrupt, SnapshotMismatch, UnknownFormatVersion, SnapshotError: no
+                tier served the block and one held it in that state (quarantined where
+                corrupt or mismatched).
+            StoreUnavailable: no tier served the block and one that might hold it could
+                not be reached.
+            TenantAccessDenied: as for :meth:`read`.
+        """
+        found = self.read(tenant, block, root, now=now)
+        if found.error is not None:
+            raise found.error
+        return found.snapshot
 
     @staticmethod
     def _plaintext(tenant: Tenant, ns: str, name: str, src: pa.Buffer | pa.NativeFile, location: str) -> pa.Buffer | pa.NativeFile:
         """Decrypt an object sealed for this tenant (public objects are never sealed)."""
         return plaintext(src, tenant.encryption_key if ns == tenant.name else None, name, location=location)
 
-    def _bad(self, tier: Tier, name: str, exc: SnapshotError) -> SnapshotError:
-        if isinstance(exc, SnapshotMismatch):
-            kind = "mismatched"
-        elif isinstance(exc, SnapshotCorrupt):
-            kind = "corrupt"
-        elif isinstance(exc, UnknownFormatVersion):
-            kind = "unknown_version"
-        else:  # sound but not readable here: encrypted for a key this node lacks
-            kind = "undecryptable"
+    def _bad(self, tier: Tier, name: str, exc: SnapshotError) -> MissReason:
+        """Count a refused object (quarantined when corrupt or mismatched); its miss reason."""
+        reason = reason_of(exc)  # undecryptable: sound, but sealed for a key this node lacks
+        kind = "mismatched" if reason is MissReason.MISMATCH else reason.value
         self.stats.incr(kind)
         if isinstance(exc, (SnapshotCorrupt, SnapshotMismatch)):
             where = tier.quarantine(name, f"{type(exc).__name__}: {exc}")
@@ -280,7 +293,7 @@ class Store:
             log.error("%s snapshot quarantined to %s: %s", kind, where, exc)
         else:
             log.error("snapshot refused: %s", exc)
-        return exc
+        return reason
 
     def _read_through(self, name: str, src: pa.Buffer, snap: Snapshot) -> Snapshot:
         local = self.local

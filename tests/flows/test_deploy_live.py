@@ -16,6 +16,7 @@ from uuid import UUID
 import yaml
 
 from flows.scheduling import DEFAULT_PREFILL_DEPLOYMENT, schedule_prefill
+from flows.spec import RunTarget
 from store.config import KvwarmConfig
 from store.tiers.base import object_name
 from store.tiers.store import Store
@@ -69,7 +70,7 @@ def test_gc_deployment_runs_through_a_process_worker_and_collects_the_store(kvwa
 
     with kvwarm_deployments.api():
         submitted = run_deployment("gc-store/gc-15min", timeout=0, as_subflow=False,
-                                   parameters={"store": url, "config_path": None, "block_size": 16, "run": "live"})
+                                   parameters={"target": {"store": url, "block_size": 16, "run": "live"}})
     run = kvwarm_deployments.wait_for_run(submitted.id, timeout_s=75)
     assert run.state is not None and run.state.is_completed(), (
         f"flow run {run.id} ended {run.state!r}, not COMPLETED; worker log:\n{cpu_worker.tail()}\n"
@@ -100,12 +101,11 @@ def test_schedule_prefill_creates_a_scheduled_run_at_the_window_start(kvwarm_dep
 
     start = (datetime.now(timezone.utc) + timedelta(days=1)).replace(minute=0, second=0, microsecond=0)
     end = start + timedelta(hours=3)
-    store = f"file://{tmp_path / 'store'}"
-    plan_params = {"config_path": None, "model": "kvwarm-tiny", "block_size": 16}
+    target = RunTarget(store=f"file://{tmp_path / 'store'}", run="night-1", model="kvwarm-tiny", block_size=16)
     with kvwarm_deployments.api():
-        run_id = schedule_prefill(store, "night-1", _window(start), parameters=plan_params)
+        run_id = schedule_prefill(target, _window(start))
         assert run_id is not None
-        assert schedule_prefill(store, "night-1", _window(start), parameters=plan_params) == run_id, \
+        assert schedule_prefill(target, _window(start)) == run_id, \
             "a rerun of the plan must not schedule a second prefill"
         with get_client(sync_client=True) as client:
             run = client.read_flow_run(UUID(run_id))
@@ -117,9 +117,8 @@ def test_schedule_prefill_creates_a_scheduled_run_at_the_window_start(kvwarm_dep
     assert run.expected_start_time == start
     assert run.work_pool_name == "kvwarm-gpu"
     p = run.parameters
-    assert (p["store"], p["run"], p["deadline"]) == (store, "night-1", end.timestamp())
-    assert {k: p[k] for k in plan_params} == plan_params
-    assert (p["device"], p["dtype"]) == ("cuda", "bf16"), "the deployment's own defaults fill the rest"
+    assert RunTarget.model_validate(p["target"]) == target and p["deadline"] == end.timestamp()
+    assert p["prefill"] == {"device": "cuda", "dtype": "bf16"}, "the deployment's own prefill section fills the rest"
 
 
 def test_a_window_already_started_is_scheduled_now(kvwarm_deployments, tmp_path: Path) -> None:
@@ -128,7 +127,7 @@ def test_a_window_already_started_is_scheduled_now(kvwarm_deployments, tmp_path:
     start = datetime.now(timezone.utc) - timedelta(hours=1)
     before = datetime.now(timezone.utc)
     with kvwarm_deployments.api():
-        run_id = schedule_prefill(f"file://{tmp_path}", "late-1", _window(start))
+        run_id = schedule_prefill(RunTarget(store=f"file://{tmp_path}", run="late-1"), _window(start))
         after = datetime.now(timezone.utc)
         with get_client(sync_client=True) as client:
             run = client.read_flow_run(UUID(run_id))
@@ -138,6 +137,7 @@ def test_a_window_already_started_is_scheduled_now(kvwarm_deployments, tmp_path:
 def test_an_unknown_deployment_leaves_the_prefill_to_cron(kvwarm_deployments, tmp_path: Path, caplog) -> None:
     start = datetime.now(timezone.utc) + timedelta(hours=5)
     with kvwarm_deployments.api(), caplog.at_level("WARNING", logger="flows.scheduling"):
-        got = schedule_prefill(f"file://{tmp_path}", "r", _window(start), deployment="prefill-plan/not-deployed")
+        got = schedule_prefill(RunTarget(store=f"file://{tmp_path}", run="r"), _window(start),
+                               deployment="prefill-plan/not-deployed")
     assert got is None
     assert "not registered" in caplog.text and "cron schedule" in caplog.text

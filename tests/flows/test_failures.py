@@ -15,7 +15,9 @@ from pathlib import Path
 import pytest
 
 from flows.pipeline import forecast_demand, gc_store, kvwarm_pipeline, mine_logs, plan_prewarm, prefill_plan
-from flows.tasks import StoreUnreachable, run_dir
+from flows.spec import RunTarget
+from flows.tasks import StoreUnreachable
+from prefill.rundir import RunDir
 from store.plan import read_plan
 from store.tiers.base import SUFFIX
 from store.tiers.store import Store
@@ -40,9 +42,10 @@ def planned(prefect_harness, small_logs, tmp_path_factory) -> tuple[Path, str]:
     """A run mined, forecast and planned (nothing prefilled yet)."""
     store = tmp_path_factory.mktemp("store")
     url = f"file://{store}"
-    mine_logs(small_logs, url, "f", end="2026-03-04", block_size=BLOCK)
-    forecast_demand(url, "f")
-    plan_prewarm(url, "f", block_size=BLOCK)
+    target = RunTarget(store=url, run="f", block_size=BLOCK)
+    mine_logs(target, {"logs": small_logs, "end": "2026-03-04"})
+    forecast_demand(target)
+    plan_prewarm(target)
     return store, url
 
 
@@ -54,7 +57,8 @@ def _failed(state) -> str:
 # -- bad input ------------------------------------------------------------------------------
 
 def test_a_malformed_logs_path_fails_mining_with_the_reason(prefect_harness, tmp_path) -> None:
-    state = mine_logs("nosuchproto://bucket/logs", f"file://{tmp_path}", "bad", return_state=True)
+    state = mine_logs(RunTarget(store=f"file://{tmp_path}", run="bad"), {"logs": "nosuchproto://bucket/logs"},
+                      return_state=True)
     message = _failed(state)
     assert "nosuchproto://bucket/logs" in message and "not a path or URL" in message
 
@@ -62,9 +66,10 @@ def test_a_malformed_logs_path_fails_mining_with_the_reason(prefect_harness, tmp
 def test_logs_whose_every_row_is_bad_fail_with_the_counts_and_the_quarantine_file(prefect_harness, tmp_path) -> None:
     logs = tmp_path / "bad.jsonl"
     logs.write_text('{"timestamp": 1, "tenant": "acme"}\nnot json\n[1, 2]\n')
-    state = mine_logs(str(logs), f"file://{tmp_path / 'store'}", "allbad", return_state=True)
+    state = mine_logs(RunTarget(store=f"file://{tmp_path / 'store'}", run="allbad"), {"logs": str(logs)},
+                      return_state=True)
     message = _failed(state)
-    quarantine = run_dir(f"file://{tmp_path / 'store'}", "allbad") / "quarantine.jsonl"
+    quarantine = RunDir.of(f"file://{tmp_path / 'store'}", "allbad").quarantine
     assert "no usable request" in message and "quarantined 3" in message and str(quarantine) in message
     reasons = sorted(json.loads(line)["reason"] for line in quarantine.read_text().splitlines())
     assert reasons == ["bad_model", "invalid_json", "not_an_object"]  # nothing lost
@@ -73,27 +78,32 @@ def test_logs_whose_every_row_is_bad_fail_with_the_counts_and_the_quarantine_fil
 def test_a_bad_config_value_fails_the_pipeline_naming_the_key(prefect_harness, small_logs, tmp_path) -> None:
     config = tmp_path / "kvwarm.yaml"
     config.write_text("kv_cache:\n  compression: fp4\n")
-    state = kvwarm_pipeline(small_logs, f"file://{tmp_path / 'store'}", run="badcfg", config_path=str(config),
+    state = kvwarm_pipeline({"target": {"store": f"file://{tmp_path / 'store'}", "run": "badcfg",
+                                        "config_path": str(config)}, "mining": {"logs": small_logs}},
                             return_state=True)
     message = _failed(state)
     assert "kv_cache.compression" in message and "fp4" in message and str(config) in message
 
 
-@pytest.mark.parametrize("params, match", [
-    ({"block_size": 0}, "kv_cache.block_size = 0"),
-    ({"bucket": "banana"}, "bucket 'banana' is not a positive duration"),
-    ({"task_runner": "ray"}, "task_runner 'ray' is not one of threads, dask"),
+@pytest.mark.parametrize("target, mining, runner, match", [
+    ({"block_size": 0}, {}, {}, "target.block_size: Input should be greater than or equal to 1"),
+    ({}, {"bucket": "banana"}, {}, "mining.bucket: Value error, bucket 'banana' is not a positive duration"),
+    ({}, {}, {"task_runner": "ray"}, "runner.task_runner: Input should be 'threads' or 'dask'"),
+    ({}, {"bukcet": "1h"}, {}, "mining.bukcet: Extra inputs are not permitted"),
 ])
-def test_a_bad_parameter_fails_mining_before_any_work(prefect_harness, small_logs, tmp_path, params, match) -> None:
-    state = mine_logs(small_logs, f"file://{tmp_path}", "p", return_state=True, **params)
+def test_a_bad_parameter_fails_mining_before_any_work(prefect_harness, small_logs, tmp_path, target, mining, runner,
+                                                      match) -> None:
+    url = f"file://{tmp_path}"
+    state = mine_logs({"store": url, "run": "p", **target}, {"logs": small_logs, **mining}, runner,
+                      return_state=True)
     assert match in _failed(state)
-    assert not (run_dir(f"file://{tmp_path}", "p") / "demand").exists()
+    assert not RunDir.of(url, "p").demand.exists()
 
 
 def test_a_deadline_already_past_fails_prefill_without_writing(planned) -> None:
     store, url = planned
     before = len(_snapshots(store))
-    message = _failed(prefill_plan(url, "f", block_size=BLOCK, deadline=1.0, return_state=True))
+    message = _failed(prefill_plan(RunTarget(store=url, run="f", block_size=BLOCK), deadline=1.0, return_state=True))
     assert "deadline" in message and "already past" in message
     assert len(_snapshots(store)) == before
 
@@ -118,7 +128,7 @@ def _copy_run(planned, tmp_path) -> str:
     """The planned run under a fresh local tier (so a failed run here leaves the shared one untouched)."""
     _, url = planned
     fresh = f"file://{tmp_path / 'node'}"
-    shutil.copytree(run_dir(url, "f"), run_dir(fresh, "f"))
+    shutil.copytree(RunDir.of(url, "f").path, RunDir.of(fresh, "f").path)
     return fresh
 
 
@@ -135,7 +145,8 @@ def _task_runs(state) -> dict[str, int]:
 def test_prefill_with_s3_down_fails_after_its_retries_saying_s3_is_unreachable(planned, s3_down, tmp_path) -> None:
     url = _copy_run(planned, tmp_path)
     config, port = s3_down
-    state = prefill_plan(f"{url},s3://kvwarm-down/p", "f", config_path=config, block_size=BLOCK, return_state=True)
+    state = prefill_plan(RunTarget(store=f"{url},s3://kvwarm-down/p", run="f", config_path=config,
+                                   block_size=BLOCK), return_state=True)
     message = _failed(state)
     assert "S3 is unreachable (prefill)" in message and f"127.0.0.1:{port}" in message
     assert "Traceback" not in message and len(message) < 2000
@@ -147,7 +158,7 @@ def test_prefill_with_s3_down_fails_after_its_retries_saying_s3_is_unreachable(p
 def test_gc_with_s3_down_fails_saying_s3_is_unreachable(planned, s3_down, tmp_path) -> None:
     url = _copy_run(planned, tmp_path)
     config, port = s3_down
-    message = _failed(gc_store(f"{url},s3://kvwarm-down/p", config_path=config, return_state=True))
+    message = _failed(gc_store(RunTarget(store=f"{url},s3://kvwarm-down/p", config_path=config), return_state=True))
     assert "S3 is unreachable (gc)" in message and f"127.0.0.1:{port}" in message
 
 
@@ -155,7 +166,7 @@ def test_gc_with_s3_down_fails_saying_s3_is_unreachable(planned, s3_down, tmp_pa
 
 def test_a_prefill_that_died_midway_resumes_writing_only_the_missing_blocks(planned, monkeypatch) -> None:
     store, url = planned
-    assert read_plan(run_dir(url, "f") / "plan.json").entries
+    assert read_plan(RunDir.of(url, "f").plan).entries
     real_put, written = Store.put, []
 
     def put_then_die(self, tenant, snap):
@@ -167,13 +178,13 @@ def test_a_prefill_that_died_midway_resumes_writing_only_the_missing_blocks(plan
 
     before = len(_snapshots(store))
     monkeypatch.setattr(Store, "put", put_then_die)
-    message = _failed(prefill_plan(url, "f", block_size=BLOCK, return_state=True))
+    message = _failed(prefill_plan(RunTarget(store=url, run="f", block_size=BLOCK), return_state=True))
     assert "the disk went away" in message
     assert len(written) == 2 and len(_snapshots(store)) == before + 2
 
     monkeypatch.setattr(Store, "put", real_put)
-    report = prefill_plan(url, "f", block_size=BLOCK)
+    report = prefill_plan(RunTarget(store=url, run="f", block_size=BLOCK))
     assert report["blocks_stored_before"] == 2
     assert report["blocks_written"] == report["blocks_total"] - 2 > 0
     assert len(_snapshots(store)) == before + report["blocks_total"]
-    assert json.loads((run_dir(url, "f") / "prefill.json").read_text()) == report
+    assert json.loads(RunDir.of(url, "f").prefill.read_text()) == report

@@ -9,7 +9,9 @@ import pandas as pd
 import pytest
 
 from flows.pipeline import kvwarm_pipeline, plan_prewarm, prefill_plan
+from flows.spec import RunSpec, RunTarget
 from flows.tasks import FlowInputError, run_dir, transient
+from prefill.rundir import RunDir
 from store.format.payload import canonical_layout, map_file
 from store.format.snapshot import read_snapshot
 from store.plan import read_plan
@@ -29,48 +31,49 @@ def _snapshots(store: Path) -> list[Path]:
 def pipeline_run(prefect_harness, small_logs, tmp_path_factory):
     store = tmp_path_factory.mktemp("store")
     url = f"file://{store}"
-    result = kvwarm_pipeline(small_logs, url, run="t", train_end=TRAIN_END, block_size=BLOCK)
+    result = kvwarm_pipeline(RunSpec.model_validate({"target": {"store": url, "run": "t", "block_size": BLOCK},
+                                                     "mining": {"logs": small_logs, "end": TRAIN_END}}))
     return store, url, result
 
 
 def test_the_pipeline_mines_plans_prefills_and_reports(pipeline_run) -> None:
     store, url, result = pipeline_run
-    out = run_dir(url, "t")
-    plan = read_plan(out / "plan.json")
+    out = RunDir.of(url, "t")
+    plan = read_plan(out.plan)
     assert plan.entries and plan.block_size == 16 and plan.model == "kvwarm-tiny"
     assert pd.Timestamp(plan.window_start, unit="s") >= pd.Timestamp(TRAIN_END)  # the window is in the future
-    window = json.loads((out / "window.json").read_text())
+    window = json.loads(out.window.read_text())
     # under three days of history there are no past days to score load predictors on
     assert window["source"] == {"name": "forecast", "regrets": {}}
     assert all(e.token_ids and len(e.token_ids) % 16 == 0 for e in plan.entries)
-    prefill = json.loads((out / "prefill.json").read_text())
+    prefill = json.loads(out.prefill.read_text())
     assert prefill["blocks_written"] == prefill["blocks_total"] > 0
     assert len(_snapshots(store)) >= prefill["blocks_written"]
     # Storage was priced at what a block takes in the store: its payload (kept layer 0 and scales included).
     snap = read_snapshot(map_file(next(p for p in _snapshots(store) if p.suffix == SUFFIX)))
     assert plan.extra["kv_bytes_per_token"] == canonical_layout(snap.header).nbytes / BLOCK
-    demand = pd.read_parquet(out / "demand" / "series.parquet")
+    demand = pd.read_parquet(out.demand_table("series"))
     assert demand["ds"].max() < pd.Timestamp(TRAIN_END)  # trained only before train_end
-    summary = json.loads((out / "report.json").read_text())
+    summary = json.loads(out.report.read_text())
     assert summary["plan"]["entries"] == len(plan.entries)
     assert summary["prefill"]["blocks_written"] == prefill["blocks_written"]
     for png in summary["plots"].values():
         assert Path(png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert result["plan"] == str(out / "plan.json")
+    assert result["plan"] == str(out.plan)
 
 
 def test_a_rerun_writes_no_block_twice(pipeline_run) -> None:
     store, url, _ = pipeline_run
     before = len(_snapshots(store))
-    again = prefill_plan(url, "t", block_size=BLOCK)
+    again = prefill_plan(RunTarget(store=url, run="t", block_size=BLOCK))
     assert again["blocks_written"] == 0
     assert again["blocks_stored_before"] == again["blocks_total"] > 0
     assert len(_snapshots(store)) == before
 
 
 def test_a_missing_logs_path_fails_the_flow_with_the_reason(prefect_harness, tmp_path) -> None:
-    state = kvwarm_pipeline(str(tmp_path / "nope.jsonl"), f"file://{tmp_path / 'store'}", run="bad",
-                            return_state=True)
+    state = kvwarm_pipeline({"target": {"store": f"file://{tmp_path / 'store'}", "run": "bad"},
+                             "mining": {"logs": str(tmp_path / "nope.jsonl")}}, return_state=True)
     assert state.is_failed()
     assert "nope.jsonl" in state.message and "does not exist" in state.message
     with pytest.raises(FlowInputError, match="does not exist"):
@@ -78,16 +81,14 @@ def test_a_missing_logs_path_fails_the_flow_with_the_reason(prefect_harness, tmp
 
 
 def test_a_stage_run_out_of_order_says_which_stage_to_run_first(prefect_harness, tmp_path) -> None:
-    state = plan_prewarm(f"file://{tmp_path / 'store'}", "empty", return_state=True)
+    state = plan_prewarm(RunTarget(store=f"file://{tmp_path / 'store'}", run="empty"), return_state=True)
     assert state.is_failed() and "mine_logs" in state.message
 
 
 def test_run_paths() -> None:
-    assert run_dir("file:///var/cache/kv,s3://b/p", "r") == Path("/var/cache/kv/_flows/r")
-    with pytest.raises(FlowInputError, match="local tier"):
-        run_dir("s3://bucket/prefix", "r")
-    with pytest.raises(FlowInputError, match="run name"):
-        run_dir("file:///tmp/x", "../escape")
+    assert run_dir(RunTarget(store="file:///var/cache/kv,s3://b/p", run="r")).path == Path("/var/cache/kv/_flows/r")
+    with pytest.raises(FlowInputError, match="target.run is not set"):
+        run_dir(RunTarget(store="file:///var/cache/kv"))
 
 
 def test_bad_input_is_not_retried_but_io_errors_are() -> None:
@@ -135,16 +136,24 @@ def test_the_demo_replays_the_planned_period_through_the_loader(prefect_harness,
     from forecasting.mining.families import adapt_threshold
 
     store = f"file://{tmp_path / 'store'}"
-    first = json.loads((run_dir(store, "demo") / "mine.json").read_text())["similarity"]
+    first = json.loads(RunDir.of(store, "demo").mine.read_text())["similarity"]
     assert first["source"] == "config" and first["threshold"] == 0.85
-    mine_logs(small_logs, store, "next", block_size=BLOCK)
-    chosen = json.loads((run_dir(store, "next") / "mine.json").read_text())["similarity"]
+    nxt = RunTarget(store=store, run="next", block_size=BLOCK)
+    mine_logs(nxt, {"logs": small_logs})
+    chosen = json.loads(RunDir.of(store, "next").mine.read_text())["similarity"]
     assert chosen["source"] == "adapted" and chosen["from_run"] == "demo"
     assert chosen["hit_rate"] == pytest.approx(out["monitoring"]["cache_efficiency"]["request_hit_rate"])
     assert chosen["threshold"] == pytest.approx(adapt_threshold(0.85, chosen["hit_rate"]))
     # ... and its planner budgets GPU seconds at the prefill rate the demo's prefill measured.
-    forecast_demand(store, "next")
-    plan_prewarm(store, "next", block_size=BLOCK)
-    rate = read_plan(run_dir(store, "next") / "plan.json").extra["prefill_rate"]
+    forecast_demand(nxt)
+    plan_prewarm(nxt)
+    planned = read_plan(RunDir.of(store, "next").plan)
+    rate = planned.extra["prefill_rate"]
     assert rate["source"] == "measured" and rate["from_run"] == "demo"
     assert rate["tokens_per_s"] == pytest.approx(out["prefill"]["tokens_per_s"])
+    # ... and publishes its plan as the store's latest, for serving engines started with plan: latest.
+    from store.plan import latest_plan
+    from store.tiers.store import Store
+
+    tiers = Store.open(store).tiers
+    assert latest_plan(tiers) == planned

@@ -7,6 +7,7 @@ import pandas as pd
 import pytest
 
 from flows import report as reports
+from prefill.rundir import RunDir
 from tests.prefill.test_monitoring import DUMP_A, DUMP_B, build_run
 
 T0 = pd.Timestamp("2026-03-04 03:00")
@@ -62,15 +63,15 @@ def test_the_hit_rate_plot_is_a_png(tmp_path) -> None:
 
 def test_monitoring_summary_reads_the_run_and_its_kept_dumps(tmp_path) -> None:
     url, dumps = build_run(tmp_path)
-    out = tmp_path / "store" / "_flows" / "r1"
+    out = RunDir.of(url, "r1")
     # no dumps kept yet: the in-memory summary's replay stands in for report.json's
     fresh = {"run": "r1", "replay": {"requests": 4, "requests_hit": 1, "cached_tokens": 10, "prompt_tokens": 40}}
     m = reports.monitoring_summary(out, fresh)
     assert m["cache_efficiency"]["source"] == "report.json replay"
     assert m["cache_efficiency"]["lookups"] == 4 and m["cache_efficiency"]["token_hit_rate"] == pytest.approx(0.25)
-    (out / reports.LOADER_STATS_DIR).mkdir()
+    out.loader_stats.mkdir()
     for p in dumps:
-        p.rename(out / reports.LOADER_STATS_DIR / p.name)
+        p.rename(out.loader_stats / p.name)
     m = reports.monitoring_summary(out, fresh, gpu_price_per_hour=3.6)
     assert m["cache_efficiency"]["lookups"] == DUMP_A["lookups"] + DUMP_B["lookups"]
     assert m["economics"]["saving_per_1k_requests"] == pytest.approx(0.25)
@@ -79,10 +80,10 @@ def test_monitoring_summary_reads_the_run_and_its_kept_dumps(tmp_path) -> None:
 
 def test_markdown_renders_the_families_as_one_table(tmp_path) -> None:
     url, dumps = build_run(tmp_path)
-    out = tmp_path / "store" / "_flows" / "r1"
-    (out / reports.LOADER_STATS_DIR).mkdir()
+    out = RunDir.of(url, "r1")
+    out.loader_stats.mkdir()
     for p in dumps:
-        p.rename(out / reports.LOADER_STATS_DIR / p.name)
+        p.rename(out.loader_stats / p.name)
     text = reports.markdown({"run": "r1", "plan": {"entries": 2},
                              "monitoring": reports.monitoring_summary(out, gpu_price_per_hour=3.6)})
     assert "| family | figure | value |" in text
@@ -103,10 +104,10 @@ def test_the_families_are_published_as_a_table_artifact(prefect_harness, tmp_pat
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     url, dumps = build_run(tmp_path)
-    out = tmp_path / "store" / "_flows" / "r1"
-    (out / reports.LOADER_STATS_DIR).mkdir()
+    out = RunDir.of(url, "r1")
+    out.loader_stats.mkdir()
     for p in dumps:
-        p.rename(out / reports.LOADER_STATS_DIR / p.name)
+        p.rename(out.loader_stats / p.name)
 
     @flow
     def publish() -> None:

@@ -10,7 +10,9 @@ import pytest
 
 from flows.partitions import Partition, PartitionError, plan_partitions, task_runner
 from flows.pipeline import mine_logs
-from flows.tasks import load_demand, run_dir
+from flows.spec import RunTarget
+from flows.tasks import load_demand
+from prefill.rundir import RunDir
 
 START, END = "2026-03-02", "2026-03-05"
 #: the sample logs' prompts are short: 16-token blocks (the config's default, 256, would find no prefix)
@@ -54,7 +56,7 @@ def dask_cluster():
         cluster.close()
 
 
-def _assert_same_demand(a: Path, b: Path) -> None:
+def _assert_same_demand(a: RunDir, b: RunDir) -> None:
     one, other = load_demand(a), load_demand(b)
     assert one.bucket == other.bucket
     for name in ("series", "total", "prefixes", "families"):
@@ -65,12 +67,13 @@ def _assert_same_demand(a: Path, b: Path) -> None:
 def test_dask_partitions_mine_exactly_the_single_partition_demand(prefect_harness, small_logs, partitioned_logs,
                                                                   dask_cluster, tmp_path) -> None:
     url = f"file://{tmp_path / 'store'}"
-    single = mine_logs(small_logs, url, "single", block_size=BLOCK)
-    spread = mine_logs(str(partitioned_logs), url, "dask", block_size=BLOCK, task_runner="dask",
-                       dask_address=dask_cluster.scheduler_address)
-    _assert_same_demand(Path(single), Path(spread))
+    single = mine_logs(RunTarget(store=url, run="single", block_size=BLOCK), {"logs": small_logs})
+    spread = mine_logs(RunTarget(store=url, run="dask", block_size=BLOCK), {"logs": str(partitioned_logs)},
+                       {"task_runner": "dask", "dask_address": dask_cluster.scheduler_address})
+    assert single == str(RunDir.of(url, "single").demand) and spread == str(RunDir.of(url, "dask").demand)
+    _assert_same_demand(RunDir.of(url, "single"), RunDir.of(url, "dask"))
 
-    mined = json.loads((run_dir(url, "dask") / "mine.json").read_text())
+    mined = json.loads(RunDir.of(url, "dask").mine.read_text())
     parts = mined["partitions"]
     assert mined["task_runner"] == "dask" and len(parts) == 3
     assert [Path(p["source"]).parent.name for p in parts] == sorted(Path(p["source"]).parent.name for p in parts)
@@ -87,15 +90,15 @@ def test_time_slices_of_one_file_on_threads_give_the_same_demand_and_quarantine(
     bad = ['{"timestamp": "yesterday", "tenant": "acme", "model": "kvwarm-tiny", "prompt": "x"}', "{not json"]
     logs.write_text(Path(small_logs).read_text() + "\n".join(bad) + "\n")
     url = f"file://{tmp_path / 'store'}"
-    single = mine_logs(str(logs), url, "whole", block_size=BLOCK, start=START, end=END)
-    sliced = mine_logs(str(logs), url, "sliced", block_size=BLOCK, start=START, end=END, slices=3,
-                       parallelism=3)
-    _assert_same_demand(Path(single), Path(sliced))
-    whole, parts = (json.loads((run_dir(url, r) / "mine.json").read_text()) for r in ("whole", "sliced"))
+    mine_logs(RunTarget(store=url, run="whole", block_size=BLOCK), {"logs": str(logs), "start": START, "end": END})
+    mine_logs(RunTarget(store=url, run="sliced", block_size=BLOCK),
+              {"logs": str(logs), "start": START, "end": END, "slices": 3}, {"parallelism": 3})
+    _assert_same_demand(RunDir.of(url, "whole"), RunDir.of(url, "sliced"))
+    whole, parts = (json.loads(RunDir.of(url, r).mine.read_text()) for r in ("whole", "sliced"))
     assert [p["kind"] for p in parts["partitions"]] == ["slice"] * 3
-    assert parts["read"] == whole["read"].replace(str(run_dir(url, "whole")), str(run_dir(url, "sliced")))
+    assert parts["read"] == whole["read"].replace(str(RunDir.of(url, "whole").path), str(RunDir.of(url, "sliced").path))
     for run in ("whole", "sliced"):  # each bad row quarantined once, with its reason
-        lines = [json.loads(x) for x in (run_dir(url, run) / "quarantine.jsonl").read_text().splitlines()]
+        lines = [json.loads(x) for x in RunDir.of(url, run).quarantine.read_text().splitlines()]
         assert sorted(x["reason"] for x in lines) == ["bad_timestamp", "invalid_json"]
 
 

@@ -11,10 +11,12 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from flows.scheduling import prefill_time, schedule_prefill, schedule_prefill_task, window_bounds
+from flows.spec import RunTarget
 from flows.tasks import FlowInputError
 from tests.flows.prefect_server import free_port
 
 UTC = timezone.utc
+TARGET = RunTarget(store="file:///tmp/kvwarm-x", run="r")
 WINDOW = {"chosen": {"start": "2026-12-01 02:00:00", "end": "2026-12-01 05:00:00", "mean_load": 3.0,
                      "max_load": 4.0}, "offpeak": [], "fraction": 0.6}
 
@@ -37,7 +39,7 @@ def test_a_malformed_window_is_a_clear_input_error(window, says) -> None:
     with pytest.raises(FlowInputError, match=says):
         window_bounds(window)
     with pytest.raises(FlowInputError, match=says):
-        schedule_prefill("file:///tmp/kvwarm-x", "r", window)
+        schedule_prefill(TARGET, window)
 
 
 def test_the_prefill_starts_at_the_window_start_or_now_if_it_has_begun() -> None:
@@ -56,7 +58,7 @@ def test_without_a_configured_server_it_leaves_the_prefill_to_cron_at_once(caplo
 
     t0 = time.monotonic()
     with temporary_settings(restore_defaults={PREFECT_API_URL}), caplog.at_level("INFO", logger="flows.scheduling"):
-        assert schedule_prefill("file:///tmp/kvwarm-x", "r", WINDOW) is None
+        assert schedule_prefill(TARGET, WINDOW) is None
     assert time.monotonic() - t0 < 5, "it must not start an ephemeral server just to give up"
     assert "no Prefect server configured" in caplog.text and "cron schedule" in caplog.text
 
@@ -66,7 +68,7 @@ def test_an_unreachable_api_leaves_the_prefill_to_cron(caplog) -> None:
 
     dead = f"http://127.0.0.1:{free_port()}/api"  # nothing listens there
     with temporary_settings(updates={PREFECT_API_URL: dead}), caplog.at_level("WARNING", logger="flows.scheduling"):
-        assert schedule_prefill("file:///tmp/kvwarm-x", "r", WINDOW) is None
+        assert schedule_prefill(TARGET, WINDOW) is None
     assert "could not reach the Prefect API" in caplog.text and "cron schedule" in caplog.text
 
 
@@ -74,12 +76,12 @@ def test_a_missing_deployment_returns_none_and_the_calling_flow_completes(prefec
     from prefect import flow
 
     with caplog.at_level("WARNING", logger="flows.scheduling"):
-        assert schedule_prefill("file:///tmp/kvwarm-x", "r", WINDOW) is None
+        assert schedule_prefill(TARGET, WINDOW) is None
     assert "is not registered" in caplog.text
 
     @flow(name="plan-like")
     def plan_like() -> str | None:
-        return schedule_prefill_task("file:///tmp/kvwarm-x", "r", WINDOW)
+        return schedule_prefill_task(TARGET, WINDOW)
 
     state = plan_like(return_state=True)
     assert state.is_completed(), state

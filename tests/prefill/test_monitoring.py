@@ -7,16 +7,9 @@ from typing import Any
 
 import pytest
 
-from prefill.monitoring import (
-    MonitoringError,
-    Prices,
-    compute,
-    kv_bytes_per_token,
-    monitoring_for_run,
-    read_loader_stats,
-    read_run,
-    run_directory,
-)
+from prefill.monitoring import MonitoringError, Prices, compute, kv_bytes_per_token
+from prefill.run_results import monitoring_for_run, read_loader_stats, read_run
+from prefill.rundir import RunDir
 
 # Two loaders (two serving nodes) over one run. Every figure below is computed by hand from these.
 DUMP_A: dict[str, Any] = {
@@ -112,7 +105,7 @@ def test_without_dumps_the_replay_in_report_json_gives_the_cache_figures(tmp_pat
 def test_a_run_with_only_a_plan_says_what_is_missing(tmp_path) -> None:
     out = tmp_path / "_flows" / "bare"
     out.mkdir(parents=True)
-    m = compute("bare", read_run(out), [])
+    m = compute("bare", read_run(RunDir(out)), [])
     assert m.cache.source == "none" and m.economics.gpu_seconds_saved is None
     text = " ".join(m.notes)
     assert "prefill.json" in text and "--loader-stats" in text and "plan.json" in text
@@ -122,7 +115,7 @@ def test_a_run_with_only_a_plan_says_what_is_missing(tmp_path) -> None:
 def test_dumps_without_prompt_tokens_or_elapsed_leave_those_figures_out_and_say_why(tmp_path) -> None:
     url, _ = build_run(tmp_path, dumps=False)
     bare = {k: v for k, v in DUMP_A.items() if k not in ("elapsed_s", "prompt_tokens")}
-    m = compute("r1", read_run(run_directory(url, "r1")), [bare, DUMP_B], Prices(gpu_per_hour=1.0))
+    m = compute("r1", read_run(RunDir.of(url, "r1")), [bare, DUMP_B], Prices(gpu_per_hour=1.0))
     assert m.cache.lookups == 40 and m.cache.prompt_tokens is None and m.cache.token_hit_rate is None
     assert m.service.lookups_per_s is None and m.economics.cost_per_1k_requests_cold is None
     assert m.economics.saving_per_1k_requests == pytest.approx(10.0 / 3600 / 40 * 1000)
@@ -135,14 +128,9 @@ def test_a_missing_run_names_the_path_and_what_writes_it(tmp_path) -> None:
         monitoring_for_run(f"file://{tmp_path}", "nope")
 
 
-@pytest.mark.parametrize("url, run, message", [
-    ("s3://bucket/prefix", "r", "no local tier first"),
-    ("file:///tmp/x", "../up", "without '/'"),
-    ("file:///tmp/x", "", "non-empty"),
-])
-def test_bad_store_urls_and_run_names_are_refused(url, run, message) -> None:
-    with pytest.raises(MonitoringError, match=message):
-        run_directory(url, run)
+def test_a_bad_run_name_is_refused_as_a_monitoring_error(tmp_path) -> None:
+    with pytest.raises(MonitoringError, match="without '/'"):
+        monitoring_for_run(f"file://{tmp_path}", "../up")
 
 
 def test_bad_stats_dumps_are_refused_with_the_file_named(tmp_path) -> None:
@@ -164,7 +152,7 @@ def test_bad_stats_dumps_are_refused_with_the_file_named(tmp_path) -> None:
 
 def test_a_corrupt_run_file_is_named(tmp_path) -> None:
     url, _ = build_run(tmp_path, dumps=False)
-    (run_directory(url, "r1") / "prefill.json").write_text("oops")
+    RunDir.of(url, "r1").prefill.write_text("oops")
     with pytest.raises(MonitoringError, match="prefill.json"):
         monitoring_for_run(url, "r1")
 

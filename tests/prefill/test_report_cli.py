@@ -6,8 +6,10 @@ import json
 import pytest
 
 from prefill.cli import main
-from prefill.monitoring import Prices, compute, monitoring_for_run, read_run
+from prefill.monitoring import Prices, compute
 from prefill.report_cli import format_table
+from prefill.run_results import monitoring_for_run, read_run
+from prefill.rundir import RunDir
 from store.identity.tenant import Tenant
 from store.serving.loader import KVLoader
 from store.tiers.store import Store
@@ -125,7 +127,7 @@ def test_the_table_shows_every_family_in_readable_units_and_n_a_for_what_is_miss
     assert "75.0%" in text and "8.00x" in text and "4.000 ms" in text and "1,050,000 B" in text
     bare = tmp_path / "_flows" / "bare"
     bare.mkdir(parents=True)
-    text = format_table(compute("bare", read_run(bare), []))
+    text = format_table(compute("bare", read_run(RunDir(bare)), []))
     assert "lookups" in text and "n/a" in text and "notes:" in text
 
 

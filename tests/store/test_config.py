@@ -109,3 +109,14 @@ def test_loader_section_supplies_the_loader_defaults(tmp_path):
     assert parse_config(None).loader.fetch_mode == "background"
     with pytest.raises(ConfigError, match="loader.fetch_mode"):
         parse_config({"loader": {"fetch_mode": "eventually"}})
+
+
+def test_cache_salts_name_one_tenant_each() -> None:
+    c = parse_config({"tenants": {"acme": {"cache_salts": ["s-acme", "s-acme-2"]}, "bolt": {"cache_salts": ["s-b"]}}})
+    assert c.tenants["acme"].cache_salts == ("s-acme", "s-acme-2")
+    with pytest.raises(ConfigError, match="'s-acme' is already tenant 'acme'"):
+        parse_config({"tenants": {"acme": {"cache_salts": ["s-acme"]}, "bolt": {"cache_salts": ["s-acme"]}}})
+    with pytest.raises(ConfigError, match="tenants.public cannot have cache_salts"):
+        parse_config({"tenants": {"public": {"cache_salts": ["x"]}}})
+    with pytest.raises(ConfigError, match="must not be empty"):
+        parse_config({"tenants": {"acme": {"cache_salts": [""]}}})

@@ -292,3 +292,21 @@ def test_new_dynamic_cache_is_what_the_constructor_makes():
     assert [type(layer).__name__ for layer in new_dynamic_cache(MistralConfig(sliding_window=64, **small)).layers] \
         == ["DynamicSlidingWindowLayer"] * 3
     assert type(new_dynamic_cache(None)) is DynamicCache and not new_dynamic_cache(None).layers
+
+
+@pytest.mark.parametrize("compression", ["bf16", "fp8"])
+def test_dequantized_gives_any_block_range_as_to_dynamic_cache_does(tmp_path, bf16_model, compression):
+    model, cfg = bf16_model
+    ids = prompt(4 * BS + 2, seed=5)
+    loader = loader_for(tmp_path, compression, model, ids[: 4 * BS])
+    hit = loader.lookup(ids)
+    whole = hit.to_dynamic_cache("cpu", torch.bfloat16, model_config=cfg)
+    part = hit.dequantized(torch.bfloat16, first_block=1, tokens=2 * BS + 5)  # ends inside block 3
+    assert len(part) == 4
+    for layer in range(2):
+        assert torch.equal(part[2 * layer], whole.layers[layer].keys[0][:, BS : 3 * BS + 5])
+        assert torch.equal(part[2 * layer + 1], whole.layers[layer].values[0][:, BS : 3 * BS + 5])
+    with pytest.raises(ValueError, match="outside this hit"):
+        hit.dequantized(torch.bfloat16, first_block=3, tokens=2 * BS)
+    hit.release()
+    loader.close()

@@ -236,3 +236,18 @@ def test_a_public_prefix_serves_every_tenant_from_one_pooled_copy_and_their_own_
     assert loader3.lookup(ids) is None
     for ld in (loader, loader2, loader3):
         ld.close()
+
+
+def test_a_day_of_plans_keeps_one_plans_priorities(tmp_path):
+    """Re-prefetching a new plan every five minutes for a day: the loader holds the latest plan's scores only."""
+    from store.plan import Plan, PlanEntry
+
+    loader = make_loader(tmp_path, config(BS, "bf16"))
+    for i in range(288):
+        entries = [PlanEntry("acme", token_ids=tuple(prompt(2 * BS, seed=1000 * i + j)), score=float(j))
+                   for j in range(10)]
+        loader.prefetch(Plan(entries=tuple(entries)), map_ahead=False).result(timeout=60)
+    assert len(loader.mapper.priority) == 20  # 10 prefixes of 2 blocks: the last plan's
+    loader.prefetch([prompt(2 * BS, seed=7)], map_ahead=False).result(timeout=60)  # bare prefixes keep them
+    assert len(loader.mapper.priority) == 20
+    loader.close()

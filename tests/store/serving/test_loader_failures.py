@@ -69,9 +69,9 @@ def test_a_corrupt_block_shortens_the_hit_and_is_quarantined(tmp_path, model):
     fresh = KVLoader(f"file://{tmp_path}/nvme", tenant=ACME, model=TINY, config=cfg, pool_bytes=1 << 30,
                      pool_dir=tmp_path / "p2")  # a fresh node pool: the file is verified when admitted
 
-    hit = fresh.lookup(ids)
+    hit, reason = fresh.lookup_with_reason(ids)
 
-    assert hit is not None and hit.tokens == BS  # served up to the bad block
+    assert hit is not None and hit.tokens == BS and reason == "corrupt"  # served up to the bad block
     assert fresh.stats()["shortened_by_reason"] == {"corrupt": 1}
     assert not path.exists() and len(store.local.quarantined()) == 1
     assert serve(m, hit, ids) == cold(m, ids)
@@ -98,8 +98,8 @@ def test_corrupt_first_block_expired_and_mismatched_snapshots_are_misses(tmp_pat
 
     fresh = KVLoader(f"file://{tmp_path}/nvme", tenant=ACME, model=TINY, config=cfg, pool_bytes=1 << 30,
                      pool_dir=tmp_path / "p2")
-    for ids in (a, b, c):
-        assert fresh.lookup(ids) is None
+    for ids, why in ((a, "corrupt"), (b, "expired"), (c, "mismatch")):
+        assert fresh.lookup_with_reason(ids) == (None, why)
         assert serve(m, None, ids) == cold(m, ids)
     assert fresh.stats()["misses_by_reason"] == {"corrupt": 1, "expired": 1, "mismatch": 1}
     assert len(store.local.quarantined()) == 2

@@ -340,7 +340,7 @@ def test_s3_down_nvme_keeps_serving_and_s3_calls_fail_fast(tmp_path, dedicated):
 
     before = store.stats["unavailable"]
     probe, took = timed(store.probe, ACME, chain, root)
-    assert probe == Probe(2, "nvme")  # degrades to the local count instead of raising
+    assert probe == Probe(2, "nvme", ("s3",))  # degrades to the local count instead of raising, and says why
     assert took <= cfg.op_timeout_s + SLACK_S
     assert store.stats["unavailable"] == before + 1
 
@@ -380,7 +380,7 @@ def test_s3_hanging_fails_within_the_deadline(tmp_path, dedicated):
         err = assert_unavailable(cfg, url, store.get, ACME, chain[1], root)
         assert "did not finish within 4 s" in str(err)  # the hard deadline, not a refused connection
         probe, took = timed(store.probe, ACME, chain, root)
-        assert probe == Probe(1, "nvme") and took <= cfg.op_timeout_s + SLACK_S
+        assert probe == Probe(1, "nvme", ("s3",)) and took <= cfg.op_timeout_s + SLACK_S
         assert_unavailable(cfg, url, s3.write, names[0], snaps[0], expires_at=0)
     finally:
         os.killpg(server.proc.pid, signal.SIGCONT)

@@ -1,0 +1,121 @@
+"""S3 -> NVMe for the scheduler, which never waits on the network itself.
+
+A prompt whose chain the NVMe tier holds only in part may have the rest in S3. The loader's
+``fetch_mode`` (docs/config.md) decides what a request does about it:
+
+- ``background``: it is answered with what NVMe holds now; the rest of the chain is copied for
+  the next request (at most one copy in flight per chain head).
+- ``sync``: when fetching is estimated to beat recomputing, the request waits for the copy, up
+  to ``sync_fetch_timeout_s``: the scheduler answers vLLM "ask again" (``None``) meanwhile, so
+  other requests run, and then loads the NVMe hit like any other. A fetch that would not beat
+  recomputing goes to the background.
+
+The copies are :class:`store.serving.fetch.RemoteFetcher`'s (read-through, back-off after S3
+fails); they run on this module's threads.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from store.engines.vllm.tenancy import TenantBook
+from store.identity.keys import Block
+from store.serving.fetch import RemoteFetcher, Scope
+from store.serving.metrics import LoaderMetrics
+from store.tiers.store import Store
+
+#: Most chains copied at once for waiting requests (others go to the background).
+MAX_WAITED = 256
+
+
+@dataclass
+class Pending:
+    """A copy a request waits for: done when ``future`` is, abandoned at ``deadline`` (monotonic)."""
+
+    future: "cf.Future[tuple[int, str | None]]"
+    deadline: float
+
+    def waiting(self, now: float) -> bool:
+        """Whether the request should still wait."""
+        return not self.future.done() and now < self.deadline
+
+
+class RemoteFetches:
+    """The scheduler's copies from the remote tier.
+
+    Args:
+        store: every tier, NVMe first.
+        tenants: whose credentials each copy runs under.
+        mode: ``background`` or ``sync``.
+        timeout_s: the most a ``sync`` request waits.
+        backoff_s: after S3 fails, it is not asked again for this long.
+        workers: copy threads.
+        clock: monotonic time (deadlines).
+    """
+
+    def __init__(self, store: Store, tenants: TenantBook, *, mode: str, timeout_s: float, backoff_s: float,
+                 workers: int = 2, clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.tenants = tenants
+        self.mode = mode
+        self.timeout_s = timeout_s
+        self.backoff_s = backoff_s
+        self.has_remote = len(store.tiers) > 1
+        self.clock = clock
+        self._executor = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvwarm-s3")
+        self._metrics = LoaderMetrics(store=store.stats)
+        self._lock = threading.Lock()
+        self._fetchers: dict[str, RemoteFetcher] = {}
+        self._waited: dict[str, Pending] = {}
+
+    def _fetcher(self, tenant: str) -> RemoteFetcher:
+        with self._lock:
+            f = self._fetchers.get(tenant)
+        if f is None:
+            f = RemoteFetcher(self.store, self.tenants.credentials(tenant), self._metrics, self._executor,
+                              timeout_s=self.timeout_s, backoff_s=self.backoff_s)
+            with self._lock:
+                f = self._fetchers.setdefault(tenant, f)
+        return f
+
+    def usable(self, tenant: str) -> bool:
+        """Whether S3 may be asked now for ``tenant`` (there is one, and it is not in its back-off)."""
+        return self.has_remote and self._fetcher(tenant).usable()
+
+    def background(self, tenant: str, scope: Scope, blocks: Sequence[Block]) -> None:
+        """Copy ``blocks`` (the part of a chain NVMe lacks) for next time."""
+        self._fetcher(tenant).schedule(scope, blocks)
+
+    def wait_for(self, tenant: str, scope: Scope, blocks: Sequence[Block]) -> Pending | None:
+        """Start (or join) a copy of the chain ``blocks`` that a request will wait for.
+
+        Returns ``None`` when too many copies are already waited for (the caller goes on in the background).
+        """
+        head = scope.names(blocks[:1])[0]
+        with self._lock:
+            have = self._waited.get(head)
+            if have is not None and not have.future.done():
+                return have
+            if len(self._waited) >= MAX_WAITED:
+                self._waited = {k: p for k, p in self._waited.items() if not p.future.done()}
+                if len(self._waited) >= MAX_WAITED:
+                    return None
+        future = self._executor.submit(self._fetcher(tenant).fetch_chain, list(blocks), scope)
+        pending = Pending(future, self.clock() + self.timeout_s)
+        with self._lock:
+            self._waited[head] = pending
+        future.add_done_callback(lambda _: self._forget(head, pending))
+        return pending
+
+    def _forget(self, head: str, pending: Pending) -> None:
+        with self._lock:
+            if self._waited.get(head) is pending:
+                del self._waited[head]
+
+    def close(self) -> None:
+        """Stop the copy threads (a copy in flight finishes; queued ones are dropped)."""
+        self._executor.shutdown(wait=False, cancel_futures=True)
+        self.store.close()

@@ -1,0 +1,101 @@
+"""The connector's figures in vLLM's metrics: its ``KVConnectorStats`` and the ``kvwarm_connector_*`` series.
+
+vLLM collects each role's :meth:`store.engines.vllm.stats.Counters.take` every step as a
+:class:`KvwarmStats`, sums the workers' and the scheduler's (:meth:`KvwarmStats.aggregate`),
+logs :meth:`KvwarmStats.reduce` ("KV Transfer metrics: ..."), and hands the dict to the API
+server's :class:`KvwarmPromMetrics`, which adds it to the series on ``/metrics`` (labels
+``model_name``, ``engine``, and ``reason`` where a counter has one). A kvwarm registry in the
+worker process would not be on the server's ``/metrics``: everything goes through the stats dict.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+from store.engines.vllm.stats import LATENCIES, labelled, merge, reduce
+from store.miss import MissReason
+from store.serving.metrics import LATENCY_BUCKETS
+
+#: the loader's miss reasons (label values), which the connector's reasons extend
+MISS_REASONS = tuple(reason.value for reason in MissReason)
+#: ``kvwarm_connector_<name>_total``: counters without a label.
+COUNTERS = {
+    "lookups": "Requests looked up in kvwarm (once each).",
+    "hits": "Requests that load stored KV.",
+    "tokens_matched": "Prompt tokens answered to vLLM as stored and allocated for loading.",
+    "refused_cross_tenant": "Requests whose prefix is stored for another tenant, refused.",
+    "loads": "Loads into the engine's blocks that wrote at least one block.",
+    "tokens_loaded": "Prompt tokens loaded into the engine's blocks.",
+    "bytes_loaded": "Stored bytes read by loads.",
+    "written_back_blocks": "Blocks the engine computed, written to the store (write-back, not prefill).",
+    "written_back_bytes": "Bytes of written-back snapshots.",
+    "prefetched_blocks": "Blocks mapped into the node's pool by the start-up prefetch.",
+}
+#: ``kvwarm_connector_<name>_total{reason=...}``, and the reasons created at start.
+LABELLED = {
+    "misses": ("Requests that load nothing, by reason.",
+               (*MISS_REASONS, "engine_cached", "slower_than_prefill", "tenant_unknown", "unsupported")),
+    "shortened": ("Requests that load less than the store could give, by reason.", MISS_REASONS),
+    "load_failures": ("Loads that wrote fewer blocks than planned (vLLM recomputes the rest), by reason.",
+                      MISS_REASONS),
+    "write_back_skipped": ("Blocks not written back, by reason (present: the store had them).", ("present",)),
+    "write_back_dropped": ("Blocks dropped by write-back, by reason.", ("queue_full", "error")),
+}
+PREFIX = "kvwarm_connector_"
+
+
+@dataclass
+class KvwarmStats(KVConnectorStats):
+    """One interval's figures (``data``: the dict :mod:`store.engines.vllm.stats` describes)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        merge(self.data, other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return reduce(self.data)
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KvwarmPromMetrics(KVConnectorPromMetrics):
+    """The ``kvwarm_connector_*`` series, made once in the API server, fed each interval."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._plain: dict[str, dict[int, Any]] = {}
+        for name, doc in COUNTERS.items():
+            counter = self._counter_cls(name=PREFIX + name, documentation=doc, labelnames=labelnames)
+            self._plain[name] = {i: counter.labels(*v) for i, v in per_engine_labelvalues.items()}
+        self._labelled: dict[str, Any] = {}
+        for name, (doc, reasons) in LABELLED.items():
+            counter = self._counter_cls(name=PREFIX + name, documentation=doc, labelnames=[*labelnames, "reason"])
+            self._labelled[name] = counter
+            for values in per_engine_labelvalues.values():
+                for reason in reasons:
+                    counter.labels(*values, reason)
+        hist = self._histogram_cls(name=PREFIX + "load_seconds", documentation="Seconds per load into the engine's "
+                                   "blocks (mapping to the last write).", labelnames=labelnames,
+                                   buckets=LATENCY_BUCKETS)
+        self._latency = {i: hist.labels(*v) for i, v in per_engine_labelvalues.items()}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        values = self.per_engine_labelvalues[engine_idx]
+        for name, by_engine in self._plain.items():
+            n = transfer_stats_data.get(name)
+            if n:
+                by_engine[engine_idx].inc(n)
+        for name, counter in self._labelled.items():
+            for reason, n in labelled(transfer_stats_data, name).items():
+                if n:
+                    counter.labels(*values, reason).inc(n)
+        for seconds in transfer_stats_data.get(LATENCIES, ()):
+            self._latency[engine_idx].observe(seconds)
+

@@ -1,0 +1,342 @@
+"""The connector's scheduler role: count what kvwarm holds for each request, and plan its loads and saves.
+
+It runs in vLLM's scheduler (EngineCore) and never touches KV:
+
+1. ``get_num_new_matched_tokens``: the request's tenant (:mod:`store.engines.vllm.tenancy`), a
+   probe of the NVMe tier (:mod:`store.engines.vllm.probe`; kept while the request waits: vLLM
+   asks at every step), S3 as ``fetch_mode`` says (:mod:`store.engines.vllm.fetches`), the
+   answer in whole engine blocks beyond vLLM's own hit (:mod:`store.engines.vllm.planning`), and
+   the cost check (:mod:`store.engines.vllm.costs`). Never raises: trouble answers 0.
+2. ``update_state_after_alloc``: the load (tokens and the engine blocks vLLM gave them).
+3. ``build_plan`` (vLLM's ``build_connector_meta``): this step's loads and write-back saves.
+4. ``update_output``: what the worker reported (loads, timings) feeds the counters and estimates.
+5. ``request_finished``: what kvwarm did for the request, returned in its ``kv_transfer_params``.
+
+A planned load is always sent to the worker, which either loads it or reports its blocks
+failed (vLLM then recomputes them): a request never computes over blocks nobody wrote.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+from store.engines.vllm.costs import CostModel, default_prefill
+from store.engines.vllm.fetches import RemoteFetches
+from store.engines.vllm.metadata import LoadSpec, SaveSpec, StepPlan, WorkerReport
+from store.engines.vllm.planning import (
+    kv_blocks_spanned,
+    load_spec,
+    matched_tokens,
+    prompt_tokens_scheduled,
+    save_spec,
+    stored_block_bytes,
+)
+from store.engines.vllm.probe import ProbeHit, StoreProbe
+from store.engines.vllm.settings import ConnectorSettings, check_block_sizes
+from store.engines.vllm.stats import Counters, merge
+from store.engines.vllm.tenancy import TenantBook
+from store.engines.vllm.tracker import RequestState, Tracker
+from store.identity.fingerprint import ModelIdentity
+from store.identity.tenant import PUBLIC
+from store.tiers.registry import tiers_from_url
+from store.tiers.store import Store
+
+log = logging.getLogger("kvwarm.vllm")
+
+
+class SchedulerRole:
+    """Everything the scheduler side of :class:`store.engines.vllm.KvwarmConnector` does.
+
+    Args:
+        settings: the checked extra config.
+        identities: the model's plain and chat-keyed identities.
+        engine_block: vLLM's block size.
+        layers, kv_heads, head_dim: the model's KV geometry (all heads: what a snapshot holds).
+        hf_config: the model's config numbers (the default prefill estimate).
+        cpu: whether the engine runs on the CPU (the default prefill estimate).
+        tp_size: tensor-parallel workers (write-back needs every head in one worker: 1).
+        clock: monotonic time (S3 waits).
+    """
+
+    def __init__(self, settings: ConnectorSettings, *, identities: tuple[ModelIdentity, ModelIdentity | None],
+                 engine_block: int, layers: int, kv_heads: int, head_dim: int,
+                 hf_config: Mapping[str, Any] | None = None, cpu: bool = True, tp_size: int = 1,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        cfg = settings.config
+        self.kv_block = cfg.kv_cache.block_size
+        self.engine_block = engine_block
+        self.ratio = check_block_sizes(self.kv_block, engine_block)
+        self.tenants = TenantBook(cfg, settings.tenant)
+        tiers = tiers_from_url(settings.store_url, cfg.store)
+        precision = cfg.kv_cache.precision()
+        self.probe = StoreProbe(Store(tiers[:1]), identities, precision, self.kv_block, self.tenants,
+                                public_prefixes=cfg.loader.public_prefixes)
+        self.fetches = RemoteFetches(Store(tiers), self.tenants, mode=cfg.loader.fetch_mode,
+                                     timeout_s=cfg.loader.sync_fetch_timeout_s, backoff_s=cfg.loader.s3_backoff_s,
+                                     workers=cfg.loader.fetch_workers, clock=clock)
+        self.costs = CostModel(default_prefill(hf_config, cpu=cpu), tokens_per_s=settings.prefill_tokens_per_s)
+        self.block_bytes = stored_block_bytes(precision, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
+                                              kv_block=self.kv_block)
+        self.write_back = settings.write_back and tp_size == 1
+        if settings.write_back and tp_size > 1:
+            log.warning("kvwarm write-back is off: with %d tensor-parallel workers no worker holds every KV head",
+                        tp_size)
+        if self.write_back and settings.tenant == PUBLIC:
+            log.warning("kvwarm writes back no request of tenant 'public' (its prefixes serve every tenant): set "
+                        "kv_connector_extra_config.tenant, or give requests a tenant, to write back")
+        self.clock = clock
+        self.counters = Counters()
+        self.tracker = Tracker()
+        self._loads: list[LoadSpec] = []
+        self._worker_totals: dict[str, Any] = {}
+
+    # -- per request ---------------------------------------------------------
+    def on_new_request(self, request: Any) -> RequestState:
+        """Resolve the request's tenant and start its state.
+
+        A request whose KV depends on more than its token ids (images or other multimodal inputs,
+        a LoRA adapter, prompt embeddings) gets nothing from kvwarm (``unsupported``): kvwarm's keys
+        name tokens only, so a hit could hand it KV computed for other inputs.
+        """
+        if getattr(request, "mm_features", None) or getattr(request, "lora_request", None) is not None \
+                or getattr(request, "prompt_embeds", None) is not None:
+            return self.tracker.add(RequestState(req_id=request.request_id, prompt=(), tenant=None,
+                                                 refusal="unsupported"))
+        who = self.tenants.resolve(getattr(request, "cache_salt", None), getattr(request, "kv_transfer_params", None))
+        if who.name is None:  # a refused claim is suspicious; a salt kvwarm does not map is a configuration choice
+            log.log(logging.WARNING if who.refusal == "tenant_refused" else logging.DEBUG,
+                    "request %s gets nothing from kvwarm (%s): %s", request.request_id, who.refusal, who.detail)
+        return self.tracker.add(RequestState(req_id=request.request_id, prompt=tuple(request.prompt_token_ids or ()),
+                                             tenant=who.name, refusal=who.refusal))
+
+    def _state(self, request: Any) -> RequestState:
+        return self.tracker.get(request.request_id) or self.on_new_request(request)
+
+    def _count(self, st: RequestState, reason: str | None, *, absent: bool = False) -> None:
+        """Count the request's lookup, once: a hit, or a miss under ``reason``.
+
+        ``absent``: nothing of the prompt is stored for the request's tenant; another tenant's
+        copy of it is then counted as a refused cross-tenant access.
+        """
+        if st.counted:
+            return
+        st.counted = True
+        self.counters.add("lookups")
+        if reason is None:
+            self.counters.add("hits")
+            if st.fetch_reason is not None:
+                self.counters.add("shortened", reason=st.fetch_reason)
+            return
+        if absent and st.tenant is not None:
+            other = self.probe.held_by_another(st.tenant, st.prompt)
+            if other is not None:
+                log.warning("request %s of tenant %r: its prefix is stored for tenant %r; refused",
+                            st.req_id, st.tenant, other)
+                self.counters.add("refused_cross_tenant")
+                reason = "tenant_refused"
+        st.reason = reason
+        self.counters.add("misses", reason=reason)
+
+    def get_num_new_matched_tokens(self, request: Any, computed: int) -> tuple[int | None, bool]:
+        """Stored tokens beyond vLLM's ``computed`` ones that the worker will load before the forward.
+
+        ``(None, False)`` while the request waits for an S3 copy; ``(0, False)`` for a miss or any trouble.
+        """
+        try:
+            return self._matched(request, computed)
+        except Exception:  # noqa: BLE001 - a request never fails because of kvwarm
+            log.exception("kvwarm lookup failed for request %s; served cold", getattr(request, "request_id", "?"))
+            return 0, False
+
+    def _matched(self, request: Any, computed: int) -> tuple[int | None, bool]:
+        st = self._state(request)
+        st.answer = 0
+        if st.tenant is None:
+            self._count(st, st.refusal)
+            return 0, False
+        if st.hit is None or st.pending is not None:
+            if self._look(st) is None:
+                return None, False
+        hit = st.hit
+        assert hit is not None
+        n = matched_tokens(hit.blocks, kv_block=self.kv_block, engine_block=self.engine_block,
+                           prompt_tokens=len(st.prompt), computed=computed)
+        if n == 0:
+            if hit.blocks == 0:
+                reason = st.fetch_reason or hit.reason or "absent"
+            else:  # vLLM's own cache holds all a load could give, or the prompt leaves no whole block to load
+                usable = matched_tokens(hit.blocks, kv_block=self.kv_block, engine_block=self.engine_block,
+                                        prompt_tokens=len(st.prompt), computed=0)
+                reason = "engine_cached" if usable and computed >= usable else "short_prompt"
+            self._count(st, reason, absent=hit.blocks == 0 and hit.reason == "absent")
+            return 0, False
+        span = kv_blocks_spanned(computed, computed + n, self.kv_block)
+        if not self.costs.worth_loading("nvme", cached_tokens=computed, hit_tokens=n,
+                                        nbytes=len(span) * self.block_bytes, files=len(span)):
+            self._count(st, "slower_than_prefill")
+            return 0, False
+        st.computed, st.answer = computed, n
+        self._count(st, None)
+        return n, False
+
+    def _look(self, st: RequestState) -> ProbeHit | None:
+        """Probe NVMe (again after an S3 copy); ``None`` while the request should wait for S3."""
+        assert st.tenant is not None
+        if st.pending is not None:
+            if st.pending.waiting(self.clock()):
+                return None
+            future, st.pending = st.pending.future, None
+            why: str | None = "fetch_timeout"  # it goes on in the background: next time it is local
+            if future.done():
+                try:
+                    why = future.result()[1]  # why the copy got less than the chain (store_unavailable...)
+                except BaseException:  # noqa: BLE001 - cancelled, or a bug in the copy: a miss all the same
+                    why = "error"
+            st.hit = self.probe.probe(st.tenant, st.prompt)
+            st.fetch_reason = why if st.hit.blocks < st.hit.full_blocks else None
+            self._save_where(st)
+            return st.hit
+        hit = st.hit = self.probe.probe(st.tenant, st.prompt)
+        self._save_where(st)
+        if hit.blocks < hit.full_blocks and hit.reason in (None, "absent") and self.fetches.has_remote:
+            if not self.fetches.usable(st.tenant):
+                st.fetch_reason = "store_unavailable"
+                return hit
+            ns, chat = (hit.namespace, hit.chat) if hit.blocks else (st.tenant, False)
+            scope = self.probe.scope(ns, chat)
+            chain = self.probe.chain(ns, chat, st.prompt)
+            missing = hit.full_blocks - hit.blocks
+            if self.fetches.mode == "sync" and self.costs.load_seconds("s3", missing * self.block_bytes, missing) \
+                    < self.costs.prefill_seconds(hit.full_blocks * self.kv_block, hit.blocks * self.kv_block):
+                st.pending = self.fetches.wait_for(st.tenant, scope, chain)
+                if st.pending is not None:
+                    return None
+            self.fetches.background(st.tenant, scope, chain[hit.blocks:])
+            st.fetch_reason = "fetch_scheduled"
+        return hit
+
+    @staticmethod
+    def _save_where(st: RequestState) -> None:
+        """Where write-back goes: on in the tenant's chain the hit is in, after it; after a hit
+        in ``public`` (or none), the tenant's plain chain from its first block, since a chain is
+        found only from its root (the tenant then holds its own copy of the public part)."""
+        hit = st.hit
+        if hit is not None and hit.blocks and hit.namespace == st.tenant:
+            st.save_from, st.save_chat = hit.blocks, hit.chat
+        else:
+            st.save_from, st.save_chat = 0, False
+
+    def update_state_after_alloc(self, request: Any, block_table: Sequence[int], num_external: int) -> None:
+        """vLLM allocated ``block_table`` (all the request's blocks); plan the load of ``num_external`` tokens."""
+        st = self._state(request)
+        st.block_table = list(block_table)
+        if num_external <= 0:
+            return
+        start, end = st.computed, st.computed + num_external
+        try:
+            hit = st.hit
+            assert st.tenant is not None and hit is not None
+            spec = load_spec(st.req_id, st.tenant, hit.chat, st.prompt, st.block_table, start=start,
+                             tokens=num_external, kv_block=self.kv_block, engine_block=self.engine_block)
+        except Exception:  # noqa: BLE001 - the worker must still hear of these blocks, to fail them
+            log.exception("kvwarm could not plan the load of request %s; its blocks are reported failed", st.req_id)
+            ids = tuple(st.block_table[start // self.engine_block : end // self.engine_block])
+            spec = LoadSpec(st.req_id, st.tenant or PUBLIC, False, (), start, end, ids)
+        st.in_flight += num_external
+        st.planned += num_external
+        self.counters.add("tokens_matched", num_external)
+        self._loads.append(spec)
+
+    # -- per step ------------------------------------------------------------
+    def build_plan(self, scheduler_output: Any) -> StepPlan:
+        """This step's loads (everything allocated since the last step) and write-back saves."""
+        loads, self._loads = tuple(self._loads), []
+        saves: list[SaveSpec] = []
+        prompt_tokens = 0
+        try:
+            scheduled = scheduler_output.num_scheduled_tokens
+            for nr in scheduler_output.scheduled_new_reqs:
+                st = self.tracker.get(nr.req_id)
+                if st is not None:
+                    st.block_table = list(nr.block_ids[0])
+                    prompt_tokens += self._step(st, nr.num_computed_tokens, scheduled.get(nr.req_id, 0), saves)
+            cached = scheduler_output.scheduled_cached_reqs
+            for i, req_id in enumerate(cached.req_ids):
+                st = self.tracker.get(req_id)
+                if st is None:
+                    continue
+                new = cached.new_block_ids[i]
+                if req_id in cached.resumed_req_ids:
+                    st.block_table = list(new[0]) if new else []
+                elif new:
+                    st.block_table.extend(new[0])
+                prompt_tokens += self._step(st, cached.num_computed_tokens[i], scheduled.get(req_id, 0), saves)
+            other = max(0, int(scheduler_output.total_num_scheduled_tokens) - prompt_tokens)
+        except Exception:  # noqa: BLE001 - saves are best effort; the loads above are always sent
+            log.exception("kvwarm could not plan this step's write-back")
+            return StepPlan(loads=loads)
+        return StepPlan(loads=loads, saves=tuple(saves), prompt_tokens=prompt_tokens, other_tokens=other)
+
+    def _step(self, st: RequestState, computed: int, scheduled: int, saves: list[SaveSpec]) -> int:
+        """Plan the request's write-back for this step; returns its prompt tokens in the step."""
+        full = min(computed + scheduled, len(st.prompt)) // self.kv_block
+        public = st.hit.blocks if st.hit is not None and st.hit.namespace == PUBLIC else 0
+        # a prompt not yet past the public chain it was served from gets no copy of it for the tenant
+        if self.write_back and st.tenant not in (None, PUBLIC) and not (public and full <= public):
+            spec = save_spec(st.req_id, st.tenant, st.prompt, st.block_table, save_from=st.save_from,
+                             computed=computed, scheduled=scheduled, kv_block=self.kv_block,
+                             engine_block=self.engine_block, chat=st.save_chat)
+            if spec is not None:
+                st.save_from = spec.first + len(spec.block_ids) // self.ratio
+                saves.append(spec)
+        return prompt_tokens_scheduled(len(st.prompt), computed, scheduled)
+
+    def update_output(self, report: WorkerReport | None, worker_stats: Mapping[str, Any] | None) -> None:
+        """What the worker reported after a step: each load's outcome, its timings, its counters."""
+        if worker_stats:
+            merge(self._worker_totals, {k: v for k, v in worker_stats.items() if k != "load_latencies"})
+        if report is None:
+            return
+        for r in report.loads:
+            if r.seconds > 0:
+                self.costs.observe_load(r.tier, r.nbytes, r.seconds)
+            st = self.tracker.get(r.req_id)
+            if st is None:
+                continue
+            st.in_flight = max(0, st.in_flight - r.planned)
+            st.loaded += r.loaded
+            if r.reason is not None:
+                st.reason = r.reason
+                # recomputed blocks may be written back (they replace what was corrupt, expired or gone)
+                st.save_from = min(st.save_from, (st.computed + r.loaded) // self.kv_block)
+        if report.forward_tokens:
+            self.costs.observe_prefill(report.forward_tokens, report.forward_seconds)
+
+    def request_finished(self, request: Any) -> dict[str, Any]:
+        """Forget the request; what kvwarm did for it (its ``kv_transfer_params["kvwarm"]``)."""
+        st = self.tracker.drop(request.request_id)
+        if st is None:
+            return {}
+        if st.pending is not None:
+            st.pending.future.cancel()
+        return {"kvwarm": st.outcome()}
+
+    # -- reporting -----------------------------------------------------------
+    def block_keys(self, token_ids: Sequence[int], *, tenant: str | None = None, chat: bool = False) -> list[str]:
+        """The keys of the prompt's full kvwarm blocks under ``tenant``'s (default: the default tenant's)
+        plain or chat-keyed root, as the probe computes them (``prefill warm`` must compute the same)."""
+        return [b.key for b in self.probe.chain(tenant or self.tenants.default, chat, token_ids)]
+
+    def stats(self) -> dict[str, Any]:
+        """Every figure since start: this role's counters, the worker's as reported, the estimates."""
+        out = dict(self.counters.totals())
+        merge(out, self._worker_totals)
+        out["requests_tracked"] = len(self.tracker)
+        out["estimates"] = self.costs.as_dict()
+        return out
+
+    def close(self) -> None:
+        """Stop the S3 copy threads and release the store."""
+        self.fetches.close()
+        self.probe.local.close()

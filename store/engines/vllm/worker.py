@@ -1,0 +1,253 @@
+"""The connector's worker role: load planned snapshots into the engine's blocks, copy blocks out for write-back.
+
+It runs in vLLM's worker, beside the model, and only moves bytes the scheduler planned:
+
+- :meth:`WorkerRole.start_load`: for each :class:`store.engines.vllm.metadata.LoadSpec`, the tenant's
+  :class:`store.serving.loader.KVLoader` maps the chain's snapshots from the node's shared pool
+  (verified on first entry into the pool, pinned while used), :meth:`store.serving.hit.LoaderHit.dequantized`
+  dequantises the needed blocks into the engine's KV dtype (the native FP8 table gather where built), and
+  :func:`store.engines.vllm.paging.write_layer` writes each layer into the engine blocks vLLM assigned.
+  Synchronous: vLLM runs the forward after it (docs/engines.md says why). Whatever was not loaded
+  (a snapshot gone, corrupt, expired) is reported by engine block id, and vLLM recomputes it.
+- :meth:`WorkerRole.after_forward`: copies the blocks of each save out of the cache and hands them to
+  :class:`store.engines.vllm.writeback.WriteBack`; times the step for the scheduler's prefill estimate.
+- :meth:`WorkerRole.prefetch`: at start-up, the plan's prefixes into the node's pool (``KVLoader.prefetch``,
+  whose retention follows the plan's scores).
+
+No vLLM import: the connector passes the tensors and the layout in.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+from store.engines.vllm.layout import EngineLayout
+from store.engines.vllm.metadata import LoadResult, LoadSpec, StepPlan, WorkerReport
+from store.engines.vllm.paging import take_blocks, write_layer
+from store.engines.vllm.settings import ConnectorSettings, check_block_sizes
+from store.engines.vllm.stats import Counters
+from store.engines.vllm.tenancy import TenantBook
+from store.engines.vllm.writeback import WriteBack
+from store.identity.fingerprint import ModelIdentity
+from store.identity.tenant import PUBLIC
+from store.kernels.dequant import Dequantizer
+from store.plan import Plan
+from store.serving.loader import KVLoader
+from store.tiers.registry import tiers_from_url
+from store.tiers.store import Store
+
+log = logging.getLogger("kvwarm.vllm")
+#: A step counts towards the prefill rate when at least this share of its tokens are prompt tokens ...
+PREFILL_SHARE = 0.9
+#: ... and at least this many.
+PREFILL_MIN_TOKENS = 64
+
+
+class WorkerRole:
+    """Everything the worker side of :class:`store.engines.vllm.KvwarmConnector` does.
+
+    Args:
+        settings: the checked extra config.
+        identities: the model's plain and chat-keyed identities.
+        engine_block: vLLM's block size.
+        tp_rank, tp_size: this worker's tensor-parallel rank (it holds a slice of the KV heads).
+        clock: seconds for timings.
+    """
+
+    def __init__(self, settings: ConnectorSettings, *, identities: tuple[ModelIdentity, ModelIdentity | None],
+                 engine_block: int, tp_rank: int = 0, tp_size: int = 1,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        cfg = settings.config
+        self.settings = settings
+        self.identities = identities
+        self.kv_block = cfg.kv_cache.block_size
+        self.engine_block = engine_block
+        check_block_sizes(self.kv_block, engine_block)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.tenants = TenantBook(cfg, settings.tenant)
+        self.dequantizer = Dequantizer(cfg.loader.dequant)
+        self.counters = Counters()
+        self.clock = clock
+        self.layout: EngineLayout | None = None
+        self.caches: list[torch.Tensor] = []
+        self.writer: WriteBack | None = None
+        self._lock = threading.Lock()
+        self._loaders: dict[tuple[str, bool], KVLoader] = {}
+        self._failed: set[int] = set()
+        self._failed_reqs: set[str] = set()
+        self._report = WorkerReport()
+        self._step_start = 0.0
+        self._load_seconds = 0.0
+
+    # -- setup ---------------------------------------------------------------
+    def register(self, caches: Sequence[torch.Tensor], layout: EngineLayout, *, total_kv_heads: int) -> None:
+        """The engine's per-layer KV tensors (in layer order) and their layout.
+
+        Raises:
+            ValueError: this worker's heads are not an equal share of the model's.
+        """
+        if layout.num_kv_heads * self.tp_size != total_kv_heads:
+            raise ValueError(f"kvwarm connector: the engine holds {layout.num_kv_heads} KV heads per worker over "
+                             f"{self.tp_size} workers; the model has {total_kv_heads} (replicated heads are not "
+                             "supported)")
+        self.caches = list(caches)
+        self.layout = layout
+        self._heads = slice(self.tp_rank * layout.num_kv_heads, (self.tp_rank + 1) * layout.num_kv_heads)
+        cfg = self.settings.config
+        for chat in (False, True) if self.identities[1] is not None else (False,):
+            self.loader(self.tenants.default, chat)  # made now, not in the first request's load
+        if self.settings.write_back and self.tp_size == 1:
+            self.writer = WriteBack(Store(tiers_from_url(self.settings.store_url, cfg.store)), self.tenants,
+                                    self.identities, cfg.kv_cache.precision(), kv_block=self.kv_block,
+                                    ttl_s=cfg.kv_cache.ttl_seconds(), layout=layout, counters=self.counters,
+                                    s3_backoff_s=cfg.loader.s3_backoff_s)
+
+    def loader(self, tenant: str, chat: bool) -> KVLoader:
+        """The loader of ``tenant``'s chains, plain or chat-keyed (one per pair, made on first use)."""
+        key = (tenant, chat)
+        with self._lock:
+            got = self._loaders.get(key)
+        if got is None:
+            identity = self.identities[1] if chat else self.identities[0]
+            if identity is None:
+                raise ValueError("this model has no chat template: there is no chat-keyed chain")
+            # every tier (a start-up prefetch copies S3 -> NVMe), but a lookup never waits on S3: the
+            # scheduler planned only what NVMe holds
+            got = KVLoader(self.settings.store_url, tenant=self.tenants.credentials(tenant), model=identity,
+                           config=self.settings.config, dequant=self.dequantizer, fetch_mode="background")
+            with self._lock:
+                got = self._loaders.setdefault(key, got)
+        return got
+
+    # -- a step --------------------------------------------------------------
+    def begin_step(self) -> None:
+        """The step's metadata arrived (vLLM binds it just before the forward)."""
+        self._step_start = self.clock()
+        self._load_seconds = 0.0
+
+    def start_load(self, plan: StepPlan) -> None:
+        """Load every planned range before the forward; what fails is reported by block id."""
+        t0 = self.clock()
+        for spec in plan.loads:
+            try:
+                result = self._load(spec)
+            except Exception:  # noqa: BLE001 - a request never fails because of kvwarm
+                log.exception("kvwarm load for request %s failed; vLLM recomputes it", spec.req_id)
+                result = LoadResult(spec.req_id, 0, spec.end - spec.start, reason="error")
+            loaded_blocks = result.loaded // self.engine_block
+            if result.loaded < result.planned:
+                self._failed.update(spec.block_ids[loaded_blocks:])
+                self._failed_reqs.add(spec.req_id)
+                self.counters.add("load_failures", reason=result.reason or "error")
+            if result.loaded:
+                self.counters.add("loads")
+                self.counters.add("tokens_loaded", result.loaded)
+                self.counters.add("bytes_loaded", result.nbytes)
+                self.counters.add("load_seconds", result.seconds)
+                self.counters.sample(result.seconds)
+            self._report.loads.append(result)
+        self._load_seconds += self.clock() - t0
+
+    def _load(self, spec: LoadSpec) -> LoadResult:
+        planned = spec.end - spec.start
+        if not spec.token_ids or self.layout is None:
+            return LoadResult(spec.req_id, 0, planned, reason="error")
+        t0 = self.clock()
+        loader = self.loader(spec.tenant, spec.chat)
+        hit, reason = loader.lookup_with_reason(spec.token_ids)
+        if hit is None:
+            return LoadResult(spec.req_id, 0, planned, reason=reason or "absent")
+        try:
+            end = min(spec.end, hit.tokens) // self.engine_block * self.engine_block
+            if end <= spec.start:
+                return LoadResult(spec.req_id, 0, planned, reason=reason or "absent", tier=hit.tier)
+            first = spec.start // self.kv_block
+            offset = spec.start - first * self.kv_block
+            kv = hit.dequantized(self.layout.dtype, first_block=first, tokens=end - first * self.kv_block,
+                                 device=self.caches[0].device)
+            ids = spec.block_ids[: (end - spec.start) // self.engine_block]
+            for layer, cache in enumerate(self.caches):
+                k = kv[2 * layer][self._heads, offset:]
+                v = kv[2 * layer + 1][self._heads, offset:]
+                write_layer(cache, self.layout, ids, k, v)
+            span = range(first, -(-end // self.kv_block))
+            nbytes = sum(hit.snapshots[b].nbytes for b in span)
+        finally:
+            tier = hit.tier
+            hit.release()
+        return LoadResult(spec.req_id, end - spec.start, planned, reason=None if end == spec.end else reason or
+                          "absent", tier=tier, nbytes=nbytes, seconds=self.clock() - t0)
+
+    def after_forward(self, plan: StepPlan) -> None:
+        """Copy this step's saves out of the cache for write-back, and time the step."""
+        t0 = self.clock()
+        if self.writer is not None and self.layout is not None:
+            for spec in plan.saves:
+                if spec.req_id in self._failed_reqs:
+                    continue  # its forward ran over blocks that failed to load: nothing of it is kept
+                nbytes = len(self.caches) * len(spec.block_ids) * self.layout.block_bytes
+                if not self.writer.room(nbytes):
+                    self.counters.add("write_back_dropped", len(spec.block_ids) * self.engine_block // self.kv_block,
+                                      reason="queue_full")
+                    continue
+                self.writer.submit(spec, [take_blocks(c, self.layout, spec.block_ids) for c in self.caches])
+        tokens = plan.prompt_tokens + plan.other_tokens
+        if plan.prompt_tokens >= PREFILL_MIN_TOKENS and plan.prompt_tokens >= PREFILL_SHARE * tokens:
+            self._report.forward_tokens = tokens
+            self._report.forward_seconds = max(0.0, t0 - self._step_start - self._load_seconds)
+
+    def take_failed(self) -> set[int]:
+        """Engine blocks whose load failed this step (vLLM recomputes them)."""
+        failed, self._failed, self._failed_reqs = self._failed, set(), set()
+        return failed
+
+    def take_report(self) -> WorkerReport | None:
+        """The step's report for the scheduler (``None`` when there is nothing to say)."""
+        report, self._report = self._report, WorkerReport()
+        return report if report.loads or report.forward_tokens else None
+
+    # -- start-up and shutdown -----------------------------------------------
+    def prefetch(self, plan: Plan, tokenizer: Callable[[str, bool], Sequence[int]] | None = None) -> list[Any]:
+        """Prefetch ``plan`` (a :class:`store.plan.Plan`) into the node's pool; returns the futures.
+
+        Each tenant's entries go through that tenant's loader (plain or chat-keyed as the entry
+        says), ``public``'s through the default tenant's; tenants this engine does not serve are
+        skipped. ``tokenizer(text, chat)`` turns entries given as text into token ids.
+        """
+        groups: dict[tuple[str, bool], list[Any]] = {}
+        for e in plan.entries:
+            if e.tenant not in self.tenants.known or (e.chat and self.identities[1] is None):
+                self.counters.add("prefetch_skipped")
+                continue
+            owner = self.tenants.default if e.tenant == PUBLIC else e.tenant
+            groups.setdefault((owner, e.chat), []).append(e)
+        futures = []
+        for (tenant, chat), entries in groups.items():
+            encode = (lambda text, chat=chat: tokenizer(text, chat)) if tokenizer is not None else None
+            fut = self.loader(tenant, chat).prefetch(Plan(entries=tuple(entries)), tokenizer=encode)
+            fut.add_done_callback(self._prefetched)
+            futures.append(fut)
+        return futures
+
+    def _prefetched(self, fut: Any) -> None:
+        try:
+            result = fut.result()
+        except Exception:  # noqa: BLE001 - prefetch is best effort
+            log.exception("kvwarm start-up prefetch failed")
+            return
+        self.counters.add("prefetched_blocks", result.mapped)
+        log.info("kvwarm prefetched %d prefixes: %d blocks mapped, %d fetched from S3, %d skipped, failures %s",
+                 result.prefixes, result.mapped, result.fetched, result.skipped, result.failed or "none")
+
+    def close(self) -> None:
+        """Write what is queued, then release the loaders (their pins and pool slot)."""
+        if self.writer is not None:
+            self.writer.close()
+        with self._lock:
+            loaders, self._loaders = list(self._loaders.values()), {}
+        for ld in loaders:
+            ld.close()

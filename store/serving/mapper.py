@@ -1,0 +1,128 @@
+"""This process's mappings of the node's pooled snapshots: map a chain from the local tier, pin it.
+
+A :class:`PoolMapper` maps each snapshot of a chain through the store's read path
+(local tiers only: the hot path never waits on the network), checks its payload only
+when it first enters the node's pool, pins the chain in the pool, and keeps the
+mappings for later lookups until the pool evicts them (its epoch moves). The loader
+turns what it pinned into a :class:`store.serving.hit.LoaderHit`; an engine adapter
+that maps blocks from the pool can use it the same way.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from store.format.snapshot import Snapshot
+from store.identity.keys import Block
+from store.identity.tenant import Tenant
+from store.miss import MissReason
+from store.serving.fetch import Scope
+from store.serving.metrics import LoaderMetrics
+from store.serving.pool import Admit, SnapshotPool
+from store.tiers.store import Store
+
+
+@dataclass(frozen=True)
+class Pinned:
+    """What :meth:`PoolMapper.map_and_pin` pinned: a leading part of the chain asked for."""
+
+    snapshots: list[Snapshot]
+    names: list[str]
+    admissions: list[int]
+    all_pooled: bool  # every one was in the node's pool already
+    stop: MissReason | None  # why it stopped short of the chain asked for
+
+
+class PoolMapper:
+    """Maps chains from ``store``'s first (mappable) tier and pins them in ``pool``.
+
+    Args:
+        store: the loader's store; its first tier is mapped.
+        tenant: whose snapshots (the store checks every namespace against it).
+        pool: the node's shared pool.
+        metrics: counts the bytes newly mapped and the pool's gauges.
+        verify_payload: check payload checksums when a snapshot first enters the pool.
+        clock: time source for TTLs.
+    """
+
+    def __init__(self, store: Store, tenant: Tenant, pool: SnapshotPool, metrics: LoaderMetrics, *,
+                 verify_payload: bool, clock: Callable[[], float]) -> None:
+        self.store = store
+        self.local = store.tiers[0]
+        self.tenant = tenant
+        self.pool = pool
+        self.metrics = metrics
+        self.verify_payload = verify_payload
+        self.clock = clock
+        #: retention priority of object names in the pool (plan scores, from prefetch)
+        self.priority: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._mapped: dict[str, tuple[int, Snapshot, int]] = {}  # name -> (admission id, mapping, file bytes)
+        self._epoch = -1
+
+    def __len__(self) -> int:
+        """Snapshots this process keeps mapped."""
+        return len(self._mapped)
+
+    def reconcile(self) -> None:
+        """Drop this process's mappings of snapshots evicted from the pool by anyone."""
+        epoch = self.pool.epoch()
+        if epoch == self._epoch:
+            return
+        with self._lock:
+            names = list(self._mapped)
+        present = self.pool.admissions(names) if names else {}  # nothing mapped: nothing to drop
+        with self._lock:
+            for name in names:
+                cached = self._mapped.get(name)
+                if cached is not None and present.get(name) != cached[0]:
+                    del self._mapped[name]  # unmapped when the last view of it goes
+            self._epoch = epoch
+
+    def map_and_pin(self, blocks: Sequence[Block], scope: Scope) -> Pinned:
+        """Map ``blocks`` (in order, stopping at the first that cannot be served) and pin them."""
+        names = scope.names(blocks)
+        in_pool = self.pool.admissions(names)
+        now = self.clock()
+        snaps: list[Snapshot] = []
+        sizes: list[int] = []
+        stop: MissReason | None = None
+        all_pooled = True
+        for block, name in zip(blocks, names):
+            with self._lock:
+                cached = self._mapped.get(name)
+            if cached is not None and in_pool.get(name) == cached[0]:
+                snap, size = cached[1], cached[2]
+            else:
+                all_pooled &= name in in_pool
+                # The payload is checked once per node, when it enters the pool; the kernel
+                # reads a snapshot about to be used ahead.
+                found = self.store.read(self.tenant, block, scope.root, now=now, local_only=True,
+                                        verify=self.verify_payload and name not in in_pool, readahead=True)
+                if found.snapshot is None:
+                    stop = found.miss  # absent: evicted from NVMe since the probe
+                    break
+                snap, size = found.snapshot, found.size
+                self.metrics.mapped(size)
+            if snap.header.expired(now):
+                stop = MissReason.EXPIRED
+                break
+            snaps.append(snap)
+            sizes.append(size)
+        if not snaps:
+            return Pinned([], [], [], all_pooled, stop)
+        ids = self.pool.pin([Admit(n, str(self.local.path(n)), size, s.header.expires_at, self.priority.get(n))
+                             for n, s, size in zip(names, snaps, sizes)])
+        if len(ids) < len(snaps):
+            stop = MissReason.POOL_FULL
+        with self._lock:
+            for name, adm, snap, size in zip(names, ids, snaps, sizes):
+                self._mapped[name] = (adm, snap, size)
+        self.metrics.pool(self.pool.last_usage, self.pool.last_budget)
+        return Pinned(snaps[: len(ids)], names[: len(ids)], ids, all_pooled, stop)
+
+    def clear(self) -> None:
+        """Drop every mapping (each goes when its last view does)."""
+        with self._lock:
+            self._mapped.clear()

@@ -1,0 +1,57 @@
+"""A local tier's metadata area: small files (namespace owners, run results) written atomically.
+
+Not snapshots: nothing here counts against the tier's cap or is evicted. A write goes
+to a temp file named ``.<name>.<pid>.<rand>.tmp`` beside its target, is fsynced and
+renamed, and the directory is fsynced, so a reader sees the old file or the new one;
+GC removes the temp files of writers that died (:meth:`store.tiers.local.LocalTier.stale_temp_files`).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Iterator
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class MetaDir:
+    """Small files under ``root`` (created if missing), by relative name (``tenants/acme.json``)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, name: str) -> Path:
+        if name.startswith("/") or ".." in name.split("/"):
+            raise ValueError(f"invalid metadata name {name!r}")
+        return self.root / name
+
+    def get(self, name: str) -> bytes | None:
+        """The file's bytes, or ``None`` if there is none."""
+        try:
+            return self._path(name).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def put(self, name: str, data: bytes) -> None:
+        """Replace the file atomically (and durably)."""
+        path = self._path(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+
+    def temp_files(self) -> Iterator[Path]:
+        """Temp files of writes in progress (or of writers that died)."""
+        return self.root.rglob(".*.tmp")

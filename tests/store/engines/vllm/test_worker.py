@@ -1,0 +1,197 @@
+"""The worker role over a real local store and engine-shaped CPU caches: loads, failures, write-back, prefetch."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from store.config import parse_config
+from store.engines.vllm.layout import EngineLayout
+from store.engines.vllm.metadata import LoadSpec, SaveSpec, StepPlan
+from store.engines.vllm.paging import read_layer, write_layer
+from store.engines.vllm.settings import ConnectorSettings
+from store.engines.vllm.worker import WorkerRole
+from store.identity.fingerprint import ModelIdentity
+from store.identity.keys import block_chain
+from store.plan import Plan, PlanEntry
+from store.tiers.store import Store
+from tests.store.factories import make_kv, make_snapshot
+
+KB, EB, L, H, D, NB = 32, 16, 2, 2, 8, 64
+IDENT = ModelIdentity("test-model@1", "tok-1", name="m")
+
+
+def cfg(compression: str = "bf16", pool_dir: Path | None = None):
+    loader = {"pool_dir": str(pool_dir)} if pool_dir is not None else {}
+    return parse_config({"kv_cache": {"block_size": KB, "compression": compression}, "loader": loader})
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    g = random.Random(seed)
+    return [g.randrange(1000) for _ in range(n)]
+
+
+def store_blocks(tmp_path: Path, ids, blocks: int | None = None, compression: str = "bf16") -> list:
+    c = cfg(compression)
+    tenant = c.tenant("acme")
+    root = IDENT.key_root(c.kv_cache.precision(), KB, tenant.salt)
+    store = Store.open(f"file://{tmp_path}/nvme", c)
+    chain = block_chain(root, ids)[:blocks]
+    for i, b in enumerate(chain):
+        store.put(tenant, make_snapshot(root, b, tenant=tenant, precision=c.kv_cache.precision(), layers=L,
+                                        heads=H, head_dim=D, seed=i))
+    store.close()
+    return chain
+
+
+def expected(block: int):
+    """Per layer (K, V) of stored block ``block`` as the engine holds them (bf16)."""
+    c = cfg()
+    root = IDENT.key_root(c.kv_cache.precision(), KB, c.tenant("acme").salt)
+    return [(k.to(torch.bfloat16), v.to(torch.bfloat16)) for k, v in make_kv(root, layers=L, heads=H, head_dim=D,
+                                                                               seed=block)]
+
+
+@pytest.fixture()
+def worker(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("KVWARM_HOME", str(tmp_path / "home"))
+    s = ConnectorSettings(store_url=f"file://{tmp_path}/nvme", tenant="acme", config=cfg(pool_dir=tmp_path / "pool"),
+                          model_dir=tmp_path)
+    w = WorkerRole(s, identities=(IDENT, None), engine_block=EB)
+    caches = [torch.full((NB, H, EB, 2 * D), -3.0, dtype=torch.bfloat16) for _ in range(L)]
+    w.register(caches, EngineLayout("cpu_vec", NB, H, EB, D, torch.bfloat16), total_kv_heads=H)
+    yield w
+    w.close()
+
+
+def test_a_load_writes_the_stored_kv_into_the_planned_blocks_from_vllms_hit(tmp_path, worker) -> None:
+    ids = tokens(3 * KB + 5)
+    store_blocks(tmp_path, ids)
+    # vLLM's own cache holds the first engine block: the load starts in the middle of kvwarm block 0
+    spec = LoadSpec("r", "acme", False, tuple(ids[: 3 * KB]), EB, 3 * KB, (40, 7, 33, 2, 19))
+    worker.start_load(StepPlan(loads=(spec,)))
+    assert worker.take_failed() == set()
+    (result,) = worker.take_report().loads
+    assert (result.loaded, result.planned, result.reason) == (3 * KB - EB, 3 * KB - EB, None) and result.nbytes > 0
+    for layer in range(L):
+        k, v = read_layer(worker.caches[layer], worker.layout, list(spec.block_ids))
+        want_k = torch.cat([expected(b)[layer][0] for b in range(3)], dim=1)[:, EB:]
+        want_v = torch.cat([expected(b)[layer][1] for b in range(3)], dim=1)[:, EB:]
+        assert torch.equal(k, want_k) and torch.equal(v, want_v)
+    assert bool((worker.caches[0][[0, 1, 3]] == -3.0).all())  # nothing else written
+    assert worker.counters.totals()["tokens_loaded"] == 3 * KB - EB
+
+
+def test_what_is_not_there_is_reported_by_block_id_and_counted(tmp_path, worker) -> None:
+    ids = tokens(3 * KB + 1, seed=1)
+    chain = store_blocks(tmp_path, ids)
+    (tmp_path / "nvme" / "objects" / "acme" / chain[1].key[:2] / f"{chain[1].key}.kvw").unlink()  # evicted meanwhile
+    spec = LoadSpec("r", "acme", False, tuple(ids[: 3 * KB]), 0, 3 * KB, tuple(range(10, 16)))
+    unplanned = LoadSpec("x", "acme", False, (), 0, 2 * EB, (20, 21))
+    worker.start_load(StepPlan(loads=(spec, unplanned)))
+    assert worker.take_failed() == {12, 13, 14, 15, 20, 21}  # block 0 loaded; the rest recomputed by vLLM
+    results = {r.req_id: r for r in worker.take_report().loads}
+    assert (results["r"].loaded, results["r"].reason) == (KB, "absent")
+    assert results["x"].loaded == 0
+    assert worker.counters.totals()["load_failures:absent"] == 1 and worker.take_failed() == set()
+
+
+def test_a_corrupt_snapshot_fails_its_blocks_and_is_quarantined(tmp_path, worker) -> None:
+    ids = tokens(2 * KB + 1, seed=2)
+    chain = store_blocks(tmp_path, ids)
+    path = tmp_path / "nvme" / "objects" / "acme" / chain[0].key[:2] / f"{chain[0].key}.kvw"
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    worker.start_load(StepPlan(loads=(LoadSpec("r", "acme", False, tuple(ids[: 2 * KB]), 0, 2 * KB, (1, 2, 3, 4)),)))
+    assert worker.take_failed() == {1, 2, 3, 4}
+    assert worker.take_report().loads[0].reason == "corrupt" and not path.exists()
+
+
+def test_write_back_stores_what_the_engine_computed_and_skips_what_is_stored(tmp_path, worker) -> None:
+    ids = tokens(3 * KB + 3, seed=3)
+    store_blocks(tmp_path, ids, blocks=1)
+    table = [50, 51, 52, 53, 54, 55]
+    for layer in range(L):  # the engine "computed" blocks 1 and 2
+        k = torch.cat([expected(b)[layer][0] for b in (1, 2)], dim=1)
+        v = torch.cat([expected(b)[layer][1] for b in (1, 2)], dim=1)
+        write_layer(worker.caches[layer], worker.layout, table[2:6], k, v)
+    worker.begin_step()
+    worker.after_forward(StepPlan(saves=(SaveSpec("r", "acme", False, 1, tuple(ids[: 3 * KB]), tuple(table[2:6])),
+                                         SaveSpec("s", "acme", False, 0, tuple(ids[:KB]), tuple(table[:2])))))
+    assert worker.writer.drain(30)
+    totals = worker.counters.totals()
+    assert totals["written_back_blocks"] == 2 and totals["write_back_skipped:present"] == 1
+    c = cfg()
+    tenant = c.tenant("acme")
+    root = IDENT.key_root(c.kv_cache.precision(), KB, tenant.salt)
+    store = Store.open(f"file://{tmp_path}/nvme", c)
+    for b in (1, 2):
+        snap = store.get(tenant, block_chain(root, ids)[b], root)
+        assert snap is not None
+        for layer in range(L):
+            k, v = snap.layer(layer, torch.bfloat16)
+            assert torch.equal(k, expected(b)[layer][0]) and torch.equal(v, expected(b)[layer][1])
+    store.close()
+
+
+def test_no_write_back_of_a_request_whose_load_failed_in_the_step(tmp_path, worker) -> None:
+    ids = tokens(2 * KB + 1, seed=4)
+    worker.begin_step()
+    worker.start_load(StepPlan(loads=(LoadSpec("r", "acme", False, tuple(ids[: 2 * KB]), 0, 2 * KB, (1, 2, 3, 4)),)))
+    worker.after_forward(StepPlan(saves=(SaveSpec("r", "acme", False, 0, tuple(ids[: 2 * KB]), (1, 2, 3, 4)),)))
+    assert worker.writer.drain(30) and "written_back_blocks" not in worker.counters.totals()
+
+
+def test_a_full_queue_drops_saves_and_counts_them(tmp_path, worker) -> None:
+    worker.writer.max_bytes = 1
+    ids = tokens(KB + 1, seed=5)
+    worker.after_forward(StepPlan(saves=(SaveSpec("r", "acme", False, 0, tuple(ids[:KB]), (1, 2)),)))
+    assert worker.counters.totals()["write_back_dropped:queue_full"] == 1
+
+
+def test_steps_of_mostly_prefill_are_timed_for_the_scheduler(worker) -> None:
+    worker.begin_step()
+    worker.after_forward(StepPlan(prompt_tokens=500, other_tokens=3))
+    report = worker.take_report()
+    assert report.forward_tokens == 503 and report.forward_seconds >= 0
+    worker.begin_step()
+    worker.after_forward(StepPlan(prompt_tokens=10, other_tokens=30))
+    assert worker.take_report() is None
+
+
+def test_the_start_up_prefetch_maps_the_plan_into_the_pool(tmp_path, worker) -> None:
+    a, b = tokens(2 * KB, seed=6), tokens(2 * KB, seed=7)
+    store_blocks(tmp_path, a)
+    store_blocks(tmp_path, b)
+    plan = Plan(entries=(PlanEntry("acme", token_ids=tuple(a), score=2.0), PlanEntry("acme", text="b", score=1.0),
+                         PlanEntry("mallory", token_ids=tuple(b))))
+    futures = worker.prefetch(plan, tokenizer=lambda text, chat: b)
+    for f in futures:
+        f.result(timeout=60)
+    assert worker.counters.totals()["prefetched_blocks"] == 4 and worker.counters.totals()["prefetch_skipped"] == 1
+    assert worker.loader("acme", False).pool.usage() > 0
+
+
+def test_a_chat_keyed_save_goes_under_the_chat_root(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVWARM_HOME", str(tmp_path / "home"))
+    chat_ident = ModelIdentity("test-model@1", "tok-1", chat_template_hash="c" * 64, name="m")
+    s = ConnectorSettings(store_url=f"file://{tmp_path}/nvme", tenant="acme", config=cfg(pool_dir=tmp_path / "pool"),
+                          model_dir=tmp_path)
+    w = WorkerRole(s, identities=(IDENT, chat_ident), engine_block=EB)
+    caches = [torch.zeros((NB, H, EB, 2 * D), dtype=torch.bfloat16) for _ in range(L)]
+    w.register(caches, EngineLayout("cpu_vec", NB, H, EB, D, torch.bfloat16), total_kv_heads=H)
+    ids = tokens(2 * KB, seed=8)
+    w.after_forward(StepPlan(saves=(SaveSpec("r", "acme", True, 1, tuple(ids), (5, 6)),)))
+    assert w.writer.drain(30) and w.counters.totals()["written_back_blocks"] == 1
+    c = cfg()
+    tenant = c.tenant("acme")
+    chat_root = chat_ident.key_root(c.kv_cache.precision(), KB, tenant.salt)
+    plain_root = IDENT.key_root(c.kv_cache.precision(), KB, tenant.salt)
+    store = Store.open(f"file://{tmp_path}/nvme", c)
+    assert store.get(tenant, block_chain(chat_root, ids)[1], chat_root) is not None
+    assert store.probe(tenant, block_chain(plain_root, ids), plain_root).count == 0
+    store.close()
+    w.close()
