@@ -25,7 +25,8 @@ class PolicyResult:
     """One policy over the window (rates in [0, 1], times in seconds).
 
     ``level_excl_root`` holds the hit rate excluding the root per level (:data:`LEVELS`);
-    ``per_bucket`` is ``(minutes since the event, hit rate excluding the root)``.
+    ``per_bucket`` is ``(minutes since the event, hit rate excluding the root)``;
+    ``prefetched_blocks`` the blocks a plan's (or the oracle's) prefetch copied from S3.
     """
 
     policy: str
@@ -45,11 +46,12 @@ class PolicyResult:
     warmup_recall: float | None
     per_bucket: tuple[tuple[float, float], ...]
     seconds: float
+    prefetched_blocks: int = 0
 
 
 def measure(policy: str, index: BlockIndex, rows: np.ndarray, served: list[Served], *, start_s: float,
             bucket_s: float = 60.0, warm: set[int] | None = None, stored_by: int | None = None,
-            prefill_gpu_s: float = 0.0, seconds: float = 0.0) -> PolicyResult:
+            prefill_gpu_s: float = 0.0, seconds: float = 0.0, prefetched_blocks: int = 0) -> PolicyResult:
     """Metrics of ``served`` (one per row of ``rows``, in order) from ``start_s`` on.
 
     ``warm``: the blocks the node held or had queued at the event; ``stored_by``: the
@@ -103,4 +105,5 @@ def measure(policy: str, index: BlockIndex, rows: np.ndarray, served: list[Serve
         first_minute_ttft_mean_s=float(ttft[first].mean()) if first.any() else 0.0,
         prefill_gpu_s=float(prefill_gpu_s), warmup_blocks=None if warm is None else len(warm),
         warmup_precision=precision, warmup_recall=recall,
-        per_bucket=tuple((float(k * bucket_s / 60.0), float(r)) for k, r in enumerate(rates)), seconds=seconds)
+        per_bucket=tuple((float(k * bucket_s / 60.0), float(r)) for k, r in enumerate(rates)), seconds=seconds,
+        prefetched_blocks=int(prefetched_blocks))

@@ -246,6 +246,7 @@ def _run_policy(policy: str, index: BlockIndex, shape: NodeShape, costs: TierCos
     forks: dict[int, NodeRun] = {}
     main_rows = np.arange(n, dtype=np.int64)
     main_served: list = []
+    main_prefetched = 0
     if need_main:
         t0 = time.perf_counter()
         ends = [int(windows[k][0][-1]) + 1 if len(windows[k][0]) else 0 for k in need_main]
@@ -262,24 +263,28 @@ def _run_policy(policy: str, index: BlockIndex, shape: NodeShape, costs: TierCos
             if cut in cuts:
                 forks[cut] = run.fork()
         main_s = time.perf_counter() - t0
+        main_prefetched = run.node.prefetcher.copied
     for k, sc in enumerate(scenarios):
         rows, routed = windows[k]
         t0 = time.perf_counter()
         spent = gpu_s  # the base plan's prefill job, run once before its window ends
         if sc.kind == "steady":
             results[(k, policy)] = measure(policy, index, rows, main_served[: len(rows)], start_s=0.0,
-                                           bucket_s=sc.bucket_s, prefill_gpu_s=spent, seconds=main_s)
+                                           bucket_s=sc.bucket_s, prefill_gpu_s=spent, seconds=main_s,
+                                           prefetched_blocks=main_prefetched)
             continue
         if sc.kind == "restart":
             run = forks[int(rows[0])]
             run.node.restart()
         else:  # a new node: a replacement, or one that takes a share of the traffic
             run = make_node(policy, index, shape, costs, stored, rows, ticks)
+        before = run.node.prefetcher.copied
         warm, _ = start(policy, run, rows, sc.at_s)
         served = run.serve(rows)
         results[(k, policy)] = measure(policy, index, rows, served, start_s=sc.at_s, bucket_s=sc.bucket_s,
                                        warm=warm, stored_by=int(rows[0]) if len(rows) else None,
-                                       prefill_gpu_s=spent, seconds=time.perf_counter() - t0)
+                                       prefill_gpu_s=spent, seconds=time.perf_counter() - t0,
+                                       prefetched_blocks=run.node.prefetcher.copied - before)
         if not references:
             continue
         if sc.kind == "scale-out":

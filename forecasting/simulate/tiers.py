@@ -198,7 +198,8 @@ class FetchChannel:
     """Copies from S3 to the node tier, first come first served, ``fetch_s`` seconds of channel each.
 
     A queued block that the node tier holds by the time its turn comes is skipped at no
-    cost, as the loader's fetcher skips what NVMe already has.
+    cost, as the loader's fetcher skips what NVMe already has. :attr:`copied` counts the
+    copies made (what the channel spent).
     """
 
     def __init__(self, fetch_s: float) -> None:
@@ -206,6 +207,7 @@ class FetchChannel:
         self._busy_until = -math.inf
         self._queue: deque[tuple[float, int]] = deque()
         self.pending: set[int] = set()
+        self.copied = 0
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -237,11 +239,13 @@ class FetchChannel:
             self.pending.discard(b)
             self._busy_until = done
             out.append(b)
+        self.copied += len(out)
         return out
 
     def copy(self) -> FetchChannel:
         out = FetchChannel(self.fetch_s)
         out._busy_until, out._queue, out.pending = self._busy_until, deque(self._queue), set(self.pending)
+        out.copied = self.copied
         return out
 
     def clear(self) -> None:

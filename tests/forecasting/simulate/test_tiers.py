@@ -50,7 +50,7 @@ def test_copies_land_first_come_first_served_and_skip_what_the_tier_has() -> Non
     assert channel.landed(1.9, tier) == []
     assert channel.landed(2.0, tier) == [1]
     assert channel.landed(4.0, tier) == [3]  # 2 was skipped at no cost
-    assert channel.pending == set()
+    assert channel.pending == set() and channel.copied == 2
 
 
 def test_a_request_takes_vllm_hits_then_node_tier_loads_then_misses() -> None:
