@@ -44,7 +44,8 @@ class ReuseConfig:
     Attributes:
         horizon_s: an occurrence counts as reused when its block is used again within this.
         tau_s: recency scale: the expected uses of a prefix last used ``a`` seconds ago
-            are ``p * exp(-a / tau_s)``.
+            are ``p * exp(-a / tau_s)`` (1,800 s: chosen by ``bench/replay_bench.py --tune``
+            on Mooncake events that are never evaluated; docs/simulate.md).
         prior_weight: pseudo-count pulling a class towards the overall reuse rate.
         prior_rate: reuse probability assumed before any outcome is known (and the
             fallback's per-use rate).
@@ -52,7 +53,7 @@ class ReuseConfig:
     """
 
     horizon_s: float = 300.0
-    tau_s: float = 300.0
+    tau_s: float = 1800.0
     prior_weight: float = 20.0
     prior_rate: float = 0.3
     min_outcomes: int = 1000

@@ -26,7 +26,7 @@ from store.identity.keys import KeyRoot
 from store.plan import Plan
 
 #: the share of the node tier a plan may retain (chosen by ``bench/replay_bench.py --tune``)
-RETAIN_FRACTION = 0.5
+RETAIN_FRACTION = 0.25
 
 
 def retain_spec(deployment: Deployment, *, fraction: float | None = None, reuse: ReuseConfig | None = None,
