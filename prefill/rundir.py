@@ -14,7 +14,8 @@ write them, :mod:`prefill.run_results` reads the JSON results back):
   job's report; ``gc.json``: garbage collection;
 - ``report.json``, ``forecast.png``, ``offpeak.png``: the report;
 - ``loader_stats/*.json``: the serving loaders' stats dumps (docs/monitoring.md);
-- ``replay_outcomes.parquet``, ``hitrate.png``, ``pool/``, ``cold_store/``: the demo's replay.
+- ``replay_outcomes.parquet``, ``hitrate.png``, ``pool/``, ``cold_store/``: the demo's replay;
+  ``whatif-restart.png``, ``whatif-replacement.png``: its what-if (``flows/whatif.py``).
 
 The store itself knows nothing of runs: a run directory is metadata beside the
 snapshots, under a name (``_flows``) that no tenant's objects use.
