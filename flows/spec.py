@@ -33,6 +33,7 @@ from typing import Literal, Optional
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from forecasting.planning.cadence import CADENCE_MINUTES
 from prefill.models import DEFAULT_MODEL
 from prefill.rundir import check_run_name, local_root
 from store.errors import BadInputError
@@ -175,7 +176,7 @@ class PlanSpec(_Section):
 class CadenceSpec(_Section):
     """The short plans (``plan_cadence``): stored prefixes to prefetch and retain, remade every ``minutes``."""
 
-    minutes: float = Field(5.0, gt=0, le=1440, description="Minutes between short plans: the cadence deployment "
+    minutes: float = Field(CADENCE_MINUTES, gt=0, le=1440, description="Minutes between short plans: the cadence deployment "
                                                            "runs this often, a new replica prefetches a plan at most "
                                                            "this old, and a plan counts the uses it expects within "
                                                            "this (the reuse model's horizon).")
