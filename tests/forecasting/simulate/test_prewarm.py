@@ -15,15 +15,12 @@ from forecasting.simulate.prewarm import oracle_prewarm, plan_blocks, plan_prior
 from forecasting.simulate.replay import BlockIndex
 from store.identity.keys import block_keys
 from store.plan import Plan, PlanEntry
-
-# One request a second; block 1 is a shared root.
-TIMES = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
-CHAINS = [[1, 9], [1, 2], [1, 3], [1, 2, 4], [1, 5], [1, 3, 6], [1, 2, 4, 7]]
+from tests.forecasting.simulate.hand_traces import PREWARM_CHAINS, PREWARM_TIMES
 
 
 @pytest.fixture(scope="module")
 def hand() -> BlockIndex:
-    return BlockIndex.build(from_chains(TIMES, CHAINS))
+    return BlockIndex.build(from_chains(PREWARM_TIMES, PREWARM_CHAINS))
 
 
 def _orig(index: BlockIndex, blocks: np.ndarray) -> list[int]:
@@ -57,7 +54,7 @@ def test_hash_id_entries_name_a_mooncake_traces_blocks_and_priorities_take_the_b
 
 
 def test_a_mined_trees_nodes_are_the_traces_blocks() -> None:
-    trace = from_chains(TIMES, CHAINS, block_tokens=4)
+    trace = from_chains(PREWARM_TIMES, PREWARM_CHAINS, block_tokens=4)
     index = BlockIndex.build(trace)
     tree = mine_requests(requests_from_trace(trace), block_size=4)
     dense = tree_blocks(index, tree)

@@ -6,12 +6,10 @@ import pytest
 
 from forecasting.ingest.traces import from_chains
 from forecasting.simulate.replay import NEVER, BeladyCache, BlockIndex, LRUCache, next_use, replay
-
-# Five requests, one token per block; block ids are chained (1 is the shared root).
-CHAINS = [[1, 2], [1, 3], [1, 2, 4], [1, 3], [1, 2, 4]]
+from tests.forecasting.simulate.hand_traces import REPLAY_CHAINS, dense_ids
 
 
-def _index(chains: list[list[int]] = CHAINS, times: list[float] | None = None) -> BlockIndex:
+def _index(chains: list[list[int]] = REPLAY_CHAINS, times: list[float] | None = None) -> BlockIndex:
     times = [float(i) for i in range(len(chains))] if times is None else times
     return BlockIndex.build(from_chains(times, chains))
 
@@ -22,13 +20,13 @@ def _originals(index: BlockIndex, blocks: list[int]) -> list[int]:
 
 def test_index_links_each_use_to_the_previous_and_next() -> None:
     index = _index()
-    assert index.original[index.ids].tolist() == [b for c in CHAINS for b in c]
+    assert index.original[index.ids].tolist() == [b for c in REPLAY_CHAINS for b in c]
     # Occurrences of block 2: requests 0, 2, 4.
     occ2 = np.flatnonzero(index.original[index.ids] == 2)
     assert index.prev_request[occ2].tolist() == [-1, 0, 2]
     assert index.next_request[occ2].tolist() == [2, 4, NEVER]
     assert index.lead_seen.tolist() == [0, 1, 2, 2, 3]
-    dense = {int(index.original[d]): d for d in range(index.n_unique)}
+    dense = dense_ids(index)
     assert index.parent[dense[4]] == dense[2] and index.parent[dense[3]] == dense[1]
     assert index.parent[dense[1]] == -1
 
