@@ -53,7 +53,7 @@ test: $(STAMP) $(ENGINE_STAMP)
 # Every bench, one at a time, as docs/benchmarks.md shows it (80 minutes on 2 busy cores), each writing
 # bench/results/<bench>.json; then the page is made again from those records. The bench extra adds
 # statsforecast. A test checks that these lines are the commands the page's records name.
-bench: $(STAMP)
+bench: $(STAMP) $(ENGINE_STAMP)
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) bench/store_bench.py --no-cold
 	$(PY) bench/prefill_bench.py
@@ -61,6 +61,7 @@ bench: $(STAMP)
 	$(PY) bench/mining_bench.py
 	$(PY) bench/forecast_bench.py
 	$(PY) bench/replay_bench.py
+	$(PY) bench/engine_bench.py
 	$(PY) bench/report.py
 
 clean:

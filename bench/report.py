@@ -29,7 +29,8 @@ from bench.lib.results import RESULTS, result_path  # noqa: E402
 PAGE = ROOT / "docs" / "benchmarks.md"
 #: (bench, variant, page): the CPU sections, in the order of the data flow.
 CPU_SECTIONS = (("store", None, "store"), ("prefill", None, "prefill"), ("loader", None, "loader"),
-                ("mining", None, "mining"), ("forecast", None, "forecast"), ("replay", None, "replay"))
+                ("mining", None, "mining"), ("forecast", None, "forecast"), ("replay", None, "replay"),
+                ("engine", None, "engine"))
 GPU_SECTIONS = (("prefill", "h200", "prefill-gpu"), ("loader", "h200", "loader-gpu"))
 #: Shown, clearly marked, when a bench has no full record.
 FALLBACKS = ("quick", "partial")

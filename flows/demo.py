@@ -15,10 +15,11 @@
 4. Each prewarmed loader's ``stats()`` is saved under ``<run>/loader_stats/``; the four
    monitoring families (:mod:`prefill.monitoring`) are computed from them and the run's
    files, added to the report and printed (``prefill report`` prints the same table).
-5. A what-if (:func:`whatif`): the same period replayed by ``prefill simulate`` against a
-   prefix cache of :data:`WHATIF_BLOCKS` blocks restarted at the window's end: cold LRU,
-   LRU prewarmed with the plan, and the best possible prewarm; it prints the command that
-   reruns it on the logs (``--format logs``).
+5. A what-if (:func:`flows.whatif.whatif`): the logs replayed by ``prefill simulate``'s
+   deployment-shaped replay, with a restart and a replacement at the window's end:
+   ``vllm`` against ``reactive-store`` against ``kvwarm`` (the cadence flow's plans), in
+   the printed report and a plot per event; it prints the command that reruns the
+   replacement on the logs (``--format logs``).
 """
 from __future__ import annotations
 
@@ -40,8 +41,6 @@ import pandas as pd  # noqa: E402
 SAMPLE = Path(__file__).resolve().parent / "data" / "sample_logs.jsonl.gz"
 #: the GPU price per hour the demo's economics assume when none is configured
 ASSUMED_GPU_PRICE = 2.0
-#: blocks of the prefix cache the demo's what-if replays (:func:`whatif`)
-WHATIF_BLOCKS = 256
 
 
 def replay(requests: pd.DataFrame, *, store: str, config: Any, loaded: Any, model: str, pool_dir: Path,
@@ -152,34 +151,6 @@ def _dump_stats(directory: Path, loaders: dict[str, Any], elapsed: dict[str, flo
         (directory / f"{tenant}.json").write_text(json.dumps(dump, indent=2, default=str))
 
 
-def whatif(requests: pd.DataFrame, tokenizer: Any, plan_path: Path, *, logs: str, block_size: int,
-           start: pd.Timestamp, end: pd.Timestamp, capacity: int = WHATIF_BLOCKS) -> dict[str, Any]:
-    """Replay ``requests`` through ``prefill simulate``'s cache model: a restart at ``start``, measured to ``end``.
-
-    Returns the token hit rates of cold LRU, LRU prewarmed with the plan at ``plan_path``
-    and LRU with the best possible prewarm, the plan's warm-up precision in that cache,
-    and the ``prefill simulate`` command that reruns it on ``logs``.
-    """
-    from forecasting.ingest.log_trace import trace_from_requests
-    from forecasting.mining.prefix_tree import tokenize_requests
-    from forecasting.simulate.prewarm import plan_blocks
-    from forecasting.simulate.replay import BlockIndex
-    from forecasting.simulate.simulation import Scenario, simulate
-    from store.plan import read_plan
-
-    trace = trace_from_requests(tokenize_requests(requests, tokenizer), block_size=block_size, source=logs)
-    index = BlockIndex.build(trace)
-    at = start.timestamp() - trace.start_s
-    window = (end - start).total_seconds()
-    result = simulate(index, capacity, Scenario("restart", at_s=at, window_s=window),
-                      ["lru", "lru+plan", "lru+oracle"], plan_blocks=plan_blocks(index, read_plan(plan_path)))
-    cold, warm, best = (result.row(p) for p in ("lru", "lru+plan", "lru+oracle"))
-    command = (f"prefill simulate --trace {logs} --format logs --block-size {block_size} --capacity-blocks "
-               f"{capacity} --scenario restart --at {at:.3f} --window {window:.0f} --plan {plan_path}")
-    return {"capacity_blocks": capacity, "cold_lru": cold.hit_rate, "plan": warm.hit_rate, "best": best.hit_rate,
-            "plan_precision": warm.warmup_precision, "plan_blocks": warm.prewarm_blocks, "command": command}
-
-
 def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_size: int = 16,
         config_path: str | None = None, model: str = "kvwarm-tiny", window_hours: float = 3.0,
         workers: int = 1, replay_bucket: str = "30min", gpu_price_per_hour: float | None = None) -> dict[str, Any]:
@@ -192,6 +163,7 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
     from flows.pipeline import kvwarm_pipeline, report
     from flows.spec import ForecastSpec, MiningSpec, RunSpec, RunTarget
     from flows.tasks import flow_config, load_model_task, mine_task, read_logs_task, run_dir
+    from flows.whatif import whatif
     from forecasting.planning.accuracy import warmup_accuracy
     from prefill.monitoring import PRICE_ENV, Prices, compute
     from prefill.report_cli import format_table
@@ -240,7 +212,7 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
                                    observed.series.loc[observed.series["unique_id"] == e.prefix_id, ["ds", "y"]].itertuples(index=False)]
                      for e in plan.entries}
     what = whatif(everything, loaded.tokenizer, out.plan, logs=logs, block_size=config.kv_cache.block_size,
-                  start=we, end=period_end)
+                  start=we, end=period_end, plot_dir=out.path)
     extra = {"replay": {k: v for k, v in rep.items() if k != "per_tenant"},
              "whatif": what,
              "replay_period": {"start": str(we), "end": str(period_end)},
@@ -280,14 +252,20 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
           f"recall {acc.recall:.2f} (requests that began with a planned prefix)")
     print(f"  TTFT saved: {rep['cached_tokens']} prefill tokens = {saved_s:.2f} s of prefill at the {rate_from} "
           f"{rate:.0f} tokens/s")
-    print(f"  what-if, a {what['capacity_blocks']}-block prefix cache restarted at {we:%H:%M} (prefill simulate): "
-          f"cold LRU {what['cold_lru']:.1%}, prewarmed with the plan {what['plan']:.1%} ({what['plan_blocks']} blocks, "
-          f"precision {what['plan_precision']:.2f}), best possible prewarm {what['best']:.1%}")
+    print(f"  what-if at {we:%H:%M} (prefill simulate: a {what['gpu_blocks']}-block vLLM cache over a "
+          f"{what['node_blocks']}-block node tier over S3; kvwarm plans every {what['cadence_s'] / 60:g} min):")
+    for kind in ("restart", "replacement"):
+        got = what[kind]
+        print(f"    {kind:<12}" + "; ".join(f"{p} {got[p]['hit_rate']:.1%} of tokens, TTFT {got[p]['ttft_mean_ms']:.1f} ms"
+                                          for p in ("vllm", "reactive-store", "kvwarm"))
+              + f" (no {kind}: {got['no-event']['hit_rate']:.1%})")
     print(f"    rerun: {what['command']}")
     plots = {**summary["plots"], "hitrate": str(hitrate_png)}
     print(f"  plots: {plots['forecast']}")
     print(f"         {plots['offpeak']}")
     print(f"         {plots['hitrate']}")
+    for kind, path in what["plots"].items():
+        print(f"         {path}")
     print(f"  report: {out.report} ({elapsed:.0f} s)")
     print()
     print(format_table(monitoring))

@@ -30,6 +30,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flows import history, partitions
 from flows import report as reports
+from flows.cadence import plan_cadence
 from flows.scheduling import schedule_prefill_task
 from flows.spec import (
     ForecastSpec,
@@ -274,6 +275,9 @@ def report(target: RunTarget, monitoring: MonitoringSpec = MonitoringSpec(), ext
 def kvwarm_pipeline(spec: RunSpec) -> dict[str, Any]:
     """Mine the logs up to ``spec.mining.end``, forecast, plan the off-peak prefill, prefill, GC, report.
 
+    With ``spec.stages.cadence`` it also makes one short plan at ``spec.mining.end``
+    (:func:`flows.cadence.plan_cadence`) after the off-peak one.
+
     Each stage gets ``spec.target`` (named ``run-<UTC time>`` when it names no run) and
     its own sections of ``spec``. Returns ``run``, the run directory and the path of
     each stage's result.
@@ -288,6 +292,8 @@ def kvwarm_pipeline(spec: RunSpec) -> dict[str, Any]:
     result["demand"] = mine_logs(target, spec.mining, spec.runner)
     result["window"] = forecast_demand(target, spec.forecast)
     result["plan"] = plan_prewarm(target, spec.plan)
+    if spec.stages.cadence:
+        result["cadence_plan"] = plan_cadence(target, spec.mining, spec.cadence, as_of=spec.mining.end)
     if spec.stages.prefill:
         result["prefill"] = prefill_plan(target, spec.prefill)
     if spec.stages.gc:

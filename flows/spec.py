@@ -10,6 +10,8 @@ form, so the flows take their knobs in these sections instead of long keyword li
 - :class:`ForecastSpec` (``forecast``): the horizon and the off-peak window;
 - :class:`PlanSpec` (``plan``): the planner's prefill rate and budgets, and the prefill
   deployment to schedule at the window's start;
+- :class:`CadenceSpec` (``cadence``): how often the short plans are made (default every
+  5 minutes), what they learn from and what they may retain (``plan_cadence``);
 - :class:`PrefillSpec` (``prefill``): the prefill job's device and dtype;
 - :class:`MonitoringSpec` (``monitoring``): the GPU price of the report's economics;
 - :class:`StagesSpec` (``stages``): which optional stages the pipeline runs.
@@ -31,6 +33,7 @@ from typing import Literal, Optional
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from forecasting.planning.cadence import CADENCE_MINUTES
 from prefill.models import DEFAULT_MODEL
 from prefill.rundir import check_run_name, local_root
 from store.errors import BadInputError
@@ -170,6 +173,22 @@ class PlanSpec(_Section):
         return name
 
 
+class CadenceSpec(_Section):
+    """The short plans (``plan_cadence``): stored prefixes to prefetch and retain, remade every ``minutes``."""
+
+    minutes: float = Field(CADENCE_MINUTES, gt=0, le=1440, description="Minutes between short plans: the cadence deployment "
+                                                           "runs this often, a new replica prefetches a plan at most "
+                                                           "this old, and a plan counts the uses it expects within "
+                                                           "this (the reuse model's horizon).")
+    lookback_minutes: float = Field(60.0, gt=0, description="Minutes of logs before the plan's time it learns from.")
+    node_bytes: float = Field(float(1 << 38), ge=0, description="Bytes a plan may retain on a serving node's tier.")
+    store_bytes: Optional[float] = Field(None, ge=0, description="Bytes of the store a plan may retain (None: no "
+                                                                 "limit beyond node_bytes).")
+    prefill_tokens_per_s: Optional[float] = Field(None, gt=0, description="Prefill rate the seconds a hit saves are "
+                                                                          "priced at (default: the last measured for "
+                                                                          "the model, else 2,000).")
+
+
 class PrefillSpec(_Section):
     """The prefill job's device and dtype (``prefill_plan``)."""
 
@@ -191,6 +210,9 @@ class StagesSpec(_Section):
 
     prefill: bool = Field(True, description="Prefill the plan after planning it.")
     gc: bool = Field(True, description="Collect the store's garbage before the report.")
+    cadence: bool = Field(False, description="Make one short plan (plan_cadence) after the off-peak plan, as the "
+                                             "cadence deployment does every cadence.minutes, and publish it as "
+                                             "the store's latest.")
 
 
 class RunSpec(_Section):
@@ -201,6 +223,7 @@ class RunSpec(_Section):
     runner: RunnerSpec = RunnerSpec()
     forecast: ForecastSpec = ForecastSpec()
     plan: PlanSpec = PlanSpec()
+    cadence: CadenceSpec = CadenceSpec()
     prefill: PrefillSpec = PrefillSpec()
     monitoring: MonitoringSpec = MonitoringSpec()
     stages: StagesSpec = StagesSpec()

@@ -29,7 +29,8 @@ from flows.spec import RunTarget
 from forecasting.ingest.logs import Quarantined, RequestLog, read_logs
 from forecasting.mining.demand import Demand, build_demand
 from forecasting.mining.families import find_families
-from forecasting.mining.prefix_tree import mine_text, tokenize_requests
+from forecasting.mining.prefix_tree import tokenize_requests
+from forecasting.mining.request_tree import mine_requests
 from forecasting.models.catalog import candidates
 from forecasting.models.parallel import forecast_frame_parallel
 from forecasting.planning.offpeak import load_predictors, lowest_window, offpeak_windows, pick_window
@@ -254,14 +255,15 @@ def prefill_task(plan_path: Path, loaded: Any, store_url: str, config: KvwarmCon
     if plan.block_size is not None and plan.block_size != config.kv_cache.block_size:
         raise FlowInputError(f"plan {plan_path} was made for block size {plan.block_size}, the config says "
                              f"{config.kv_cache.block_size}: pass the same block_size to every stage")
-    if not plan.entries:
+    entries = plan.prefill_entries()  # retain entries are the loaders' to prefetch
+    if not entries:
         return {"prefixes": 0, "blocks_written": 0, "blocks_total": 0, "tokens_computed": 0, "seconds": 0.0,
                 "tokens_per_s": 0.0}
     store = Store.open(store_url, config)
     try:
         with s3_reachable(config, "prefill"):
             check_remote_tiers(store)
-            report = warm(list(plan.entries), loaded=loaded, store=store, config=config, deadline=deadline)
+            report = warm(entries, loaded=loaded, store=store, config=config, deadline=deadline)
     finally:
         store.close()
     return report.as_dict()
@@ -287,14 +289,17 @@ def gc_task(store_url: str, config: KvwarmConfig, now: float | None = None) -> d
 @task(cache_policy=NO_CACHE)
 def mine_task(requests: pd.DataFrame, loaded: Any, config: KvwarmConfig, *, k: int, bucket: str,
               similarity: float | None = None, start: str | None = None, end: str | None = None) -> Demand:
-    """Mine the requests into a demand table: prefix trees, families, per-bucket counts."""
+    """Mine the requests into a demand table: prefix trees, families, per-bucket counts.
+
+    Logs that name prompts by hash ids only (the Mooncake format) are mined from the ids,
+    each standing for ``block_size`` tokens (:func:`forecasting.mining.request_tree.mine_requests`)."""
     if requests.empty:
         raise FlowInputError("the logs hold no usable request in the chosen period: check the path and start/end")
     precision = config.kv_cache.precision()
     block = config.kv_cache.block_size
     roots = {t: loaded.key_root(precision, block, config.tenant(t).salt) for t in requests["tenant"].unique()}
     model = requests["model"].iloc[0] if requests["model"].nunique() == 1 else loaded.name
-    tree = mine_text(requests, loaded.tokenizer, roots, model=model)
+    tree = mine_requests(requests, block_size=block, tokenizer=loaded.tokenizer, roots=roots, model=model)
     threshold = config.kv_cache.similarity_threshold if similarity is None else similarity
     families = find_families(tree, threshold=threshold)
     return build_demand(tree, k=k, bucket=bucket, families=families, start=start, end=end,

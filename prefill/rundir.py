@@ -9,11 +9,13 @@ write them, :mod:`prefill.run_results` reads the JSON results back):
 - ``demand/{series,total,prefixes,families}.parquet``, ``demand/meta.json``, ``mine.json``,
   ``quarantine.jsonl``: mining;
 - ``forecast.parquet``, ``total_forecast.parquet``, ``window.json``: forecasting;
-- ``plan.json``: planning (the :mod:`store.plan` format); ``prefill.json``: the prefill
+- ``plan.json``: planning (the :mod:`store.plan` format); ``cadence_plan.json``: the latest
+  short plan (``flows/cadence.py``); ``prefill.json``: the prefill
   job's report; ``gc.json``: garbage collection;
 - ``report.json``, ``forecast.png``, ``offpeak.png``: the report;
 - ``loader_stats/*.json``: the serving loaders' stats dumps (docs/guides/monitoring.md);
-- ``replay_outcomes.parquet``, ``hitrate.png``, ``pool/``, ``cold_store/``: the demo's replay.
+- ``replay_outcomes.parquet``, ``hitrate.png``, ``pool/``, ``cold_store/``: the demo's replay;
+  ``whatif-restart.png``, ``whatif-replacement.png``: its what-if (``flows/whatif.py``).
 
 The store itself knows nothing of runs: a run directory is metadata beside the
 snapshots, under a name (``_flows``) that no tenant's objects use.
@@ -143,6 +145,11 @@ class RunDir:
     def plan(self) -> Path:
         """``plan.json``: the plan (:mod:`store.plan`)."""
         return self.result("plan")
+
+    @property
+    def cadence_plan(self) -> Path:
+        """``cadence_plan.json``: the latest short plan, remade every few minutes (:mod:`store.plan`)."""
+        return self.path / "cadence_plan.json"
 
     @property
     def prefill(self) -> Path:

@@ -59,9 +59,11 @@ def _entries(args: argparse.Namespace) -> list[PlanEntry]:
     if args.file:
         return entries_from_file(args.file, args.tenant, chat=args.chat)
     if args.plan:
-        entries = list(read_plan(args.plan).entries)
+        plan = read_plan(args.plan)
+        entries = plan.prefill_entries()
         if not entries:
-            raise InputError(f"plan {args.plan!r} has no entries")
+            raise InputError(f"plan {args.plan!r} has nothing to prefill: {len(plan.entries)} entries, none with "
+                             "action 'prefill' and token ids or text")
         return entries
     out = []
     for i, spec in enumerate(args.token_ids):

@@ -21,7 +21,7 @@ matters).
 
 Loading. Reading stored KV from a tier costs its bytes at the tier's measured
 throughput plus a fixed latency per file (open and verify a snapshot; an S3 request):
-:class:`LoadCost`.
+:class:`LoadCost`, fitted to measured reads with :meth:`LoadCost.fit`.
 """
 from __future__ import annotations
 
@@ -157,6 +157,28 @@ class LoadCost:
     def seconds(self, n_bytes: Count, files: Count = 1) -> Count:
         """Seconds to load ``n_bytes`` kept in ``files`` snapshot files."""
         return n_bytes / self.bytes_per_s + files * self.s_per_file
+
+    @classmethod
+    def fit(cls, points: Sequence[tuple[float, float]]) -> LoadCost:
+        """Fit ``seconds = s_per_file + bytes / bytes_per_s`` to measured ``(bytes, seconds)`` reads of one file each.
+
+        Least squares on the relative error, so that small and large reads weigh alike.
+        With one size (or a fit that makes the latency negative) the time is all throughput.
+
+        Raises:
+            ValueError: no points, or a size or time that is not positive.
+        """
+        pts = [(float(b), float(t)) for b, t in points]
+        if not pts or any(not (b > 0 and t > 0 and math.isfinite(b) and math.isfinite(t)) for b, t in pts):
+            raise ValueError(f"a load cost fit needs (bytes, seconds) pairs, all positive; got {points!r}")
+        b = np.array([p[0] for p in pts])
+        t = np.array([p[1] for p in pts])
+        if len(set(b.tolist())) > 1:
+            (latency, inverse), *_ = np.linalg.lstsq(np.column_stack([np.ones_like(b), b]) / t[:, None],
+                                                     np.ones_like(t), rcond=None)
+            if latency >= 0 and inverse > 0:
+                return cls(float(1.0 / inverse), float(latency))
+        return cls(float(b.sum() / t.sum()), 0.0)
 
 
 def load_beats_prefill(prefill: PrefillCost, load: LoadCost, *, cached_tokens: int, hit_tokens: int,

@@ -8,15 +8,21 @@ else and all three may import it. The format is documented in ``docs/reference/p
 A plan is a JSON object (``*.json``) or a Parquet table of entries with the plan's
 own fields in the schema metadata (``*.parquet``)::
 
-    {"kvwarm_plan": 1, "created_at": 1764400000.0, "block_size": 256,
+    {"kvwarm_plan": 2, "created_at": 1764400000.0, "as_of": 1764399900.0, "block_size": 256,
      "model": "kvwarm-tiny", "window": {"start": ..., "end": ...},
      "entries": [{"tenant": "acme", "text": "You are...", "ttl_s": 14400, "score": 3.2,
-                  "expected_hits": 41.0, "family": "f-12", "prefix_id": "ab12..."}]}
+                  "expected_hits": 41.0, "family": "f-12", "prefix_id": "ab12..."},
+                 {"tenant": "acme", "action": "retain", "token_ids": [...], "score": 0.8}]}
 
-Each entry names a prefix either as ``token_ids`` or as ``text`` (tokenised by the
-prefill job with the model's tokenizer, through the chat template when ``chat`` is
-true). Entries are in priority order: the prefill job computes them in order and stops
-at its deadline, so the most valuable prefixes are done first.
+Each entry names a prefix as ``token_ids``, as ``text`` (tokenised by the prefill job
+with the model's tokenizer, through the chat template when ``chat`` is true) or as
+``hash_ids`` (one chained id per block, as logs in the Mooncake format name prompts).
+Its ``action`` says what the plan decided (version 2): ``prefill`` it in the off-peak
+window (the default, and every entry of a version-1 plan), or ``retain`` it, a prefix
+already stored that serving nodes prefetch and keep. Entries are in priority order
+(one value model ranks both kinds): the prefill job computes the ``prefill`` entries in
+order and stops at its deadline, so the most valuable prefixes are done first; loaders
+prefetch every entry in order. Readers accept versions 1 and 2.
 """
 from __future__ import annotations
 
@@ -33,7 +39,11 @@ from store.errors import ConfigError, StoreUnavailable
 if TYPE_CHECKING:
     from store.tiers.base import Tier
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+#: plan versions this kvwarm reads (version 1: no ``action``, ``hash_ids`` or ``as_of``)
+READABLE_VERSIONS = (1, 2)
+#: what a plan entry asks for: compute the prefix in the off-peak window, or keep a stored one close
+ACTIONS = ("prefill", "retain")
 #: Where :func:`publish_plan` puts the latest plan in each tier's metadata area.
 LATEST_PLAN = "plans/latest.json"
 
@@ -44,7 +54,7 @@ class PlanError(ConfigError):
 
 @dataclass(frozen=True)
 class PlanEntry:
-    """One prefix to prewarm for one tenant."""
+    """One prefix to prewarm for one tenant: to prefill (``action="prefill"``) or to retain."""
 
     tenant: str
     token_ids: tuple[int, ...] | None = None
@@ -55,18 +65,25 @@ class PlanEntry:
     expected_hits: float = 0.0
     family: str | None = None
     prefix_id: str | None = None
+    action: str = "prefill"
+    hash_ids: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         where = f"plan entry for tenant {self.tenant!r}"
         if not isinstance(self.tenant, str) or not self.tenant:
             raise PlanError(f"plan entry: 'tenant' must be a non-empty string, got {self.tenant!r}")
-        if (self.token_ids is None) == (self.text is None):
-            raise PlanError(f"{where}: give exactly one of 'token_ids' or 'text'")
-        if self.token_ids is not None:
-            ids = tuple(self.token_ids)
+        if sum(v is not None for v in (self.token_ids, self.text, self.hash_ids)) != 1:
+            raise PlanError(f"{where}: give exactly one of 'token_ids', 'text' or 'hash_ids'")
+        if self.action not in ACTIONS:
+            raise PlanError(f"{where}: 'action' must be one of {', '.join(ACTIONS)}, got {self.action!r}")
+        for name in ("token_ids", "hash_ids"):
+            given = getattr(self, name)
+            if given is None:
+                continue
+            ids = tuple(given)
             if not ids or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
-                raise PlanError(f"{where}: 'token_ids' must be a non-empty list of non-negative integers")
-            object.__setattr__(self, "token_ids", ids)
+                raise PlanError(f"{where}: {name!r} must be a non-empty list of non-negative integers")
+            object.__setattr__(self, name, ids)
         if self.text is not None and (not isinstance(self.text, str) or not self.text):
             raise PlanError(f"{where}: 'text' must be a non-empty string")
         if self.ttl_s is not None and not (isinstance(self.ttl_s, (int, float)) and self.ttl_s > 0 and math.isfinite(self.ttl_s)):
@@ -76,11 +93,18 @@ class PlanEntry:
             if not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise PlanError(f"{where}: {name!r} must be a finite number, got {v!r}")
 
+    @property
+    def prefillable(self) -> bool:
+        """Whether the prefill job should compute it: a ``prefill`` entry with tokens or text."""
+        return self.action == "prefill" and self.hash_ids is None
+
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
-        if self.token_ids is not None:
-            d["token_ids"] = list(self.token_ids)
-        return {k: v for k, v in d.items() if v is not None and not (k == "chat" and v is False)}
+        for name in ("token_ids", "hash_ids"):
+            if d[name] is not None:
+                d[name] = list(d[name])
+        return {k: v for k, v in d.items()
+                if v is not None and not (k == "chat" and v is False) and not (k == "action" and v == "prefill")}
 
 
 @dataclass(frozen=True)
@@ -94,6 +118,7 @@ class Plan:
     window_start: float | None = None
     window_end: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    as_of: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "entries", tuple(self.entries))
@@ -102,8 +127,14 @@ class Plan:
         if self.window_start is not None and self.window_end is not None and self.window_end <= self.window_start:
             raise PlanError(f"plan: window end {self.window_end} is not after its start {self.window_start}")
 
+    def prefill_entries(self) -> list[PlanEntry]:
+        """The entries the prefill job computes, in order (:attr:`PlanEntry.prefillable`)."""
+        return [e for e in self.entries if e.prefillable]
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"kvwarm_plan": PLAN_VERSION, "created_at": self.created_at}
+        if self.as_of is not None:
+            out["as_of"] = self.as_of
         if self.block_size is not None:
             out["block_size"] = self.block_size
         if self.model is not None:
@@ -126,9 +157,10 @@ def parse_plan(doc: Any, source: str = "plan") -> Plan:
     if not isinstance(doc, dict):
         raise PlanError(f"{source}: a plan is a JSON object with 'entries', got {type(doc).__name__}")
     version = doc.get("kvwarm_plan", PLAN_VERSION)
-    if version != PLAN_VERSION:
-        raise PlanError(f"{source}: plan version {version!r} is not supported (this kvwarm reads version {PLAN_VERSION})")
-    unknown = set(doc) - {"kvwarm_plan", "created_at", "block_size", "model", "window", "extra", "entries"}
+    if version not in READABLE_VERSIONS:
+        raise PlanError(f"{source}: plan version {version!r} is not supported (this kvwarm reads versions "
+                        f"{', '.join(map(str, READABLE_VERSIONS))})")
+    unknown = set(doc) - {"kvwarm_plan", "created_at", "as_of", "block_size", "model", "window", "extra", "entries"}
     if unknown:
         raise PlanError(f"{source}: unknown plan field(s) {sorted(unknown)}")
     raw = doc.get("entries")
@@ -148,9 +180,13 @@ def parse_plan(doc: Any, source: str = "plan") -> Plan:
     window = doc.get("window") or {}
     if not isinstance(window, dict):
         raise PlanError(f"{source}: 'window' must be an object with 'start' and 'end'")
+    as_of = doc.get("as_of")
+    if as_of is not None and not (isinstance(as_of, (int, float)) and not isinstance(as_of, bool) and math.isfinite(as_of)):
+        raise PlanError(f"{source}: 'as_of' must be Unix seconds, got {as_of!r}")
     return Plan(entries=tuple(entries), created_at=float(doc.get("created_at", 0.0)),
                 block_size=doc.get("block_size"), model=doc.get("model"),
-                window_start=window.get("start"), window_end=window.get("end"), extra=doc.get("extra") or {})
+                window_start=window.get("start"), window_end=window.get("end"), extra=doc.get("extra") or {},
+                as_of=None if as_of is None else float(as_of))
 
 
 def read_plan(path: str | os.PathLike[str]) -> Plan:

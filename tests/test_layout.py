@@ -32,6 +32,25 @@ def test_dependencies_point_one_way(package: str) -> None:
         assert used <= ALLOWED[package], f"{path.relative_to(REPO)} imports {sorted(used - ALLOWED[package])}"
 
 
+def _full_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}  # from forecasting import simulate
+    return out
+
+
+def test_policy_code_never_imports_the_simulator() -> None:
+    # The oracle prewarm and Belady read the future: they are ceilings in forecasting.simulate,
+    # and the planner (what ships) must not be able to reach them.
+    for path in (REPO / "forecasting" / "planning").rglob("*.py"):
+        used = {m for m in _full_imports(path) if m == "forecasting.simulate" or m.startswith("forecasting.simulate.")}
+        assert not used, f"{path.relative_to(REPO)} imports {sorted(used)}: policy code never imports the simulator"
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_product_code_never_imports_bench_or_tests(package: str) -> None:
     for path in (REPO / package).rglob("*.py"):

@@ -1,4 +1,4 @@
-"""Request logs as a replay trace: the logs the pipeline mines, keyed for ``prefill simulate``.
+"""Request logs as a replay trace, and a trace as request logs: what the pipeline mines and the replay replays.
 
 An operator's question, what kvwarm would save on their traffic, is asked of the logs
 they already feed the pipeline (docs/reference/logs.md: JSONL or Parquet, a file, a directory
@@ -7,7 +7,8 @@ them with :func:`forecasting.ingest.logs.read_logs` (malformed rows are quaranti
 counted, never fatal), keeps one model's rows, tokenises text prompts with the
 caller's tokenizer and keys every full block the way :func:`~forecasting.ingest.traces.read_kvwarm`
 keys ``token_ids`` rows, so a plan the pipeline made from the same logs meets these
-blocks (:func:`forecasting.simulate.prewarm.plan_blocks`).
+blocks (:func:`forecasting.simulate.prewarm.plan_blocks`). :func:`requests_from_trace` goes
+the other way: a Mooncake trace as ``hash_ids`` log rows, for the pipeline to mine.
 """
 from __future__ import annotations
 
@@ -81,6 +82,47 @@ def trace_from_requests(requests: pd.DataFrame, *, block_size: int, model: str =
                     tenants.tolist(), block_size, tuple(names) + tuple(intern), source)
 
 
+def requests_from_trace(trace: Trace, *, model: str = "mooncake", origin: pd.Timestamp | None = None) -> pd.DataFrame:
+    """A trace's requests as log rows (docs/reference/logs.md): what the pipeline mines.
+
+    A Mooncake trace becomes ``hash_ids`` rows (one chained id per block), so mining,
+    the planner and the cadence flow run on it as on any log. ``timestamp`` is
+    ``origin`` (default: the trace's own start, ``trace.start_s`` Unix seconds) plus the
+    trace's time; ``prompt_tokens`` and ``output_tokens`` are the trace's counts.
+    """
+    start = pd.Timestamp(trace.start_s, unit="s") if origin is None else pd.Timestamp(origin)
+    n = len(trace)
+    tenants = np.full(n, trace.tenants, dtype=object) if isinstance(trace.tenants, str) else trace.tenants
+    ids = [trace.block_ids[trace.offsets[i]:trace.offsets[i + 1]] for i in range(n)]
+    return pd.DataFrame({
+        "timestamp": (start + pd.to_timedelta(trace.timestamps_s, unit="s")).astype("datetime64[us]"),
+        "tenant": pd.Series(tenants, dtype=object), "model": model,
+        "hash_ids": pd.Series([a if len(a) else None for a in ids], dtype=object),
+        "prompt_tokens": pd.array(trace.input_tokens, dtype="Int64"),
+        "output_tokens": pd.array(trace.output_tokens, dtype="Int64")})
+
+
+def read_log_requests(source: str | Path, *, load_tokenizer: Callable[[str], Tokenizer] | None = None,
+                      model: str | None = None, quarantine: str | Path | None = None,
+                      storage_options: dict[str, Any] | None = None) -> tuple[pd.DataFrame, ReadReport]:
+    """Read kvwarm request logs (docs/reference/logs.md): one model's rows, text tokenised (see :func:`read_log_trace`).
+
+    Raises:
+        TraceError: none of ``model``'s rows.
+        forecasting.ingest.logs.LogError: the source is missing or holds no log files.
+        forecasting.mining.prefix_tree.MiningError: several models and no ``model``.
+    """
+    log = read_logs(source, quarantine=quarantine, storage_options=storage_options)
+    requests = one_model(log.requests, model)
+    if model is not None and not len(requests):
+        have = ", ".join(sorted(set(log.requests["model"]))[:10]) or "none"
+        raise TraceError(f"no request of model {model!r} in {source} (its models: {have})")
+    if load_tokenizer is not None and (requests["token_ids"].isna() & requests["hash_ids"].isna()).any():
+        name = model if model is not None else str(requests["model"].iloc[0])
+        requests = tokenize_requests(requests, load_tokenizer(name))
+    return requests, log.report
+
+
 def read_log_trace(source: str | Path, *, block_size: int, load_tokenizer: Callable[[str], Tokenizer] | None = None,
                    model: str | None = None, quarantine: str | Path | None = None,
                    storage_options: dict[str, Any] | None = None) -> tuple[Trace, ReadReport]:
@@ -103,12 +145,6 @@ def read_log_trace(source: str | Path, *, block_size: int, load_tokenizer: Calla
         forecasting.ingest.logs.LogError: the source is missing or holds no log files.
         forecasting.mining.prefix_tree.MiningError: several models and no ``model``.
     """
-    log = read_logs(source, quarantine=quarantine, storage_options=storage_options)
-    requests = one_model(log.requests, model)
-    if model is not None and not len(requests):
-        have = ", ".join(sorted(set(log.requests["model"]))[:10]) or "none"
-        raise TraceError(f"no request of model {model!r} in {source} (its models: {have})")
-    if load_tokenizer is not None and (requests["token_ids"].isna() & requests["hash_ids"].isna()).any():
-        name = model if model is not None else str(requests["model"].iloc[0])
-        requests = tokenize_requests(requests, load_tokenizer(name))
-    return trace_from_requests(requests, block_size=block_size, source=str(source)), log.report
+    requests, report = read_log_requests(source, load_tokenizer=load_tokenizer, model=model, quarantine=quarantine,
+                                         storage_options=storage_options)
+    return trace_from_requests(requests, block_size=block_size, source=str(source)), report

@@ -1,15 +1,18 @@
 """The prewarm plan: which prefixes to prefill tonight, in what order, with what TTL.
 
-For each candidate prefix, over the *target period* (from the end of the off-peak
-window for the prefix's TTL):
+One value model ranks everything a plan decides (:func:`prefix_value`), prefixes to
+prefill here and stored prefixes to retain (:mod:`forecasting.planning.retain`):
 
     value = expected hits x prefill seconds one hit saves
-            - prefill seconds to compute it now
+            - the cost of having it: prefill seconds to compute it when it is absent,
+              or the GPU-seconds its fetch is priced at when it is stored
             - storage cost (bytes x TTL, priced in GPU-seconds)
 
-Prefill seconds are :class:`store.cost.PrefillCost`'s (linear tokens plus attention's
-quadratic term, the one model the simulator and the serving side use too); storage is
-priced in GPU-seconds per GiB-hour, a policy of the planner's own.
+For a prefix to prefill, the hits are over the *target period* (from the end of the
+off-peak window for the prefix's TTL). Prefill seconds are :class:`store.cost.PrefillCost`'s
+(linear tokens plus attention's quadratic term, the one model the simulator and the
+serving side use too); storage is priced in GPU-seconds per GiB-hour and a fetch from
+the store in GPU-seconds per GiB, policies of the planner's own.
 
 A request gets the *longest* prewarmed prefix it begins with. So a prefix whose
 ancestor (``prefixes.parent``) is already planned saves only its extra tokens, and an
@@ -54,18 +57,23 @@ class PlanCosts:
         prefill: prefill time on the prefill GPU (e.g. ``PrefillCost().scaled(measured tokens/s)``).
         bytes_per_token: KV bytes stored per token (:func:`store.format.payload.kv_bytes_per_token`).
         gpu_s_per_gib_hour: price of keeping 1 GiB for an hour, in GPU-seconds.
+        gpu_s_per_gib_fetched: price of copying 1 GiB from the store to a serving node, in
+            GPU-seconds (what the bandwidth a prefetch takes is worth).
     """
 
     prefill: PrefillCost
     bytes_per_token: float
     gpu_s_per_gib_hour: float = 0.5
+    gpu_s_per_gib_fetched: float = 0.05
 
     def __post_init__(self) -> None:
         if not (isinstance(self.bytes_per_token, (int, float)) and self.bytes_per_token > 0
                 and math.isfinite(self.bytes_per_token)):
             raise ValueError(f"PlanCosts.bytes_per_token must be a positive number, got {self.bytes_per_token!r}")
-        if not (self.gpu_s_per_gib_hour >= 0 and math.isfinite(self.gpu_s_per_gib_hour)):
-            raise ValueError(f"PlanCosts.gpu_s_per_gib_hour must be >= 0, got {self.gpu_s_per_gib_hour!r}")
+        for name in ("gpu_s_per_gib_hour", "gpu_s_per_gib_fetched"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"PlanCosts.{name} must be >= 0, got {value!r}")
 
     def bytes(self, n_tokens: float) -> float:
         return n_tokens * self.bytes_per_token
@@ -73,6 +81,22 @@ class PlanCosts:
     def storage_s(self, n_tokens: float, ttl_s: float) -> float:
         """Storage cost in GPU-seconds of ``n_tokens`` of KV kept ``ttl_s``."""
         return self.bytes(n_tokens) / 2**30 * ttl_s / 3600.0 * self.gpu_s_per_gib_hour
+
+    def fetch_s(self, n_tokens: float) -> float:
+        """The price in GPU-seconds of copying ``n_tokens`` of stored KV to a serving node."""
+        return self.bytes(n_tokens) / 2**30 * self.gpu_s_per_gib_fetched
+
+
+def prefix_value(hits: Any, saved_s: Any, n_tokens: Any, ttl_s: Any, cost: PlanCosts, *, present: bool) -> Any:
+    """The one value model: ``hits * saved_s`` minus having the prefix and keeping it ``ttl_s``.
+
+    Having it costs its prefill when it is absent (``present=False``: a prefix to prefill)
+    and its fetch when it is stored (``present=True``: a prefix to retain). Numbers or
+    numpy arrays, elementwise; ``n_tokens`` are the tokens to compute or fetch, ``saved_s``
+    the prefill seconds one hit saves.
+    """
+    have = cost.fetch_s(n_tokens) if present else cost.prefill.seconds(n_tokens)
+    return hits * saved_s - have - cost.storage_s(n_tokens, ttl_s)
 
 
 @dataclass(frozen=True)
@@ -185,7 +209,7 @@ def _marginal(c: Candidate, chosen: dict[str, Candidate], ancestors: dict[str, l
     taken = sum(chosen[d].expected_hits for d in descendants.get(c.prefix_id, ())
                 if d in chosen and not any(a in chosen for a in _between(d, c.prefix_id, ancestors)))
     hits = max(c.expected_hits - taken, 0.0)
-    return hits * saved_per_hit - cost.prefill.seconds(c.n_tokens) - cost.storage_s(c.n_tokens, c.ttl_s)
+    return float(prefix_value(hits, saved_per_hit, c.n_tokens, c.ttl_s, cost, present=False))
 
 
 def _between(desc: str, anc: str, ancestors: dict[str, list[str]]) -> list[str]:

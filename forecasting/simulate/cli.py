@@ -1,4 +1,4 @@
-"""``prefill simulate``: replay a request trace against prefix caches and report what kvwarm saves.
+"""``prefill simulate``: replay a request trace through vLLM's cache, kvwarm's tiers and its plans.
 
 What it prints, with examples, is :data:`DESCRIPTION` (``prefill simulate -h``); see docs/guides/simulate.md.
 """
@@ -9,51 +9,37 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
-from forecasting.ingest.log_trace import read_log_trace
-from forecasting.ingest.traces import FORMATS, Trace, read_trace
+import pandas as pd
+
+from forecasting.ingest.log_trace import read_log_requests, requests_from_trace, trace_from_requests
+from forecasting.ingest.traces import FORMATS, Trace, read_trace, simulation_root
 from forecasting.mining.prefix_tree import Tokenizer
-from forecasting.simulate.prewarm import plan_blocks
-from forecasting.simulate.replay import BlockIndex, PredictorConfig
-from forecasting.simulate.simulation import (
-    SCENARIOS,
-    STEADY_POLICIES,
-    WARMUP_POLICIES,
-    Policy,
-    Scenario,
-    plot,
-    simulate,
-)
-from store.config import KvCacheConfig
+from forecasting.planning.cadence import CADENCE_MINUTES
+from forecasting.simulate.kvwarm_policy import planner_for, retain_spec
+from forecasting.simulate.policies import POLICIES
+from forecasting.simulate.replay import BlockIndex
+from forecasting.simulate.simulation import GPU_KV_BYTES, NODE_BYTES, SCENARIOS, Deployment, Scenario, plot, simulate
+from store.config import KvCacheConfig, LoaderConfig
 from store.cost import PrefillCost
 from store.errors import BadInputError
-from store.format.header import Layout
-from store.format.payload import kv_bytes_per_token
 from store.plan import read_plan
 
 DESCRIPTION = """\
-Replay a request trace against prefix caches and report what kvwarm saves:
+Replay a request trace through vLLM's prefix cache over kvwarm's node tier over S3, under
+each policy side by side: vllm (the engine alone), reactive-store (write-back and lazy
+loads, LRU), kvwarm (the pipeline's plans at its cadence, each from the trace before it),
+and the ceilings oracle (the best prefetch) and belady:
 
-    prefill simulate --trace conversation_trace.jsonl --capacity-blocks 16384 \\
-        --scenario restart --at 50% [--policy lru,lru+kvwarm,...] [--plots DIR] [--json]
-    prefill simulate --trace logs/ --format logs --model kvwarm-tiny --block-size 16 --capacity-blocks 2048 \\
-        --scenario restart --at 86400 --plan plan.json      # the pipeline's logs, and its plan (lru+plan)
+    prefill simulate --trace conversation_trace.jsonl --scenario replacement --at 50% [--json]
+    prefill simulate --trace logs/ --format logs --model kvwarm-tiny --block-size 16 \\
+        --scenario restart --at 86400 --plan plan.json     # the pipeline's logs, and its off-peak plan
 
-Prints a table (or, with --json, one JSON object) with each policy's token hit rate, hit rate
-excluding the shared root block, first-minute hit rate, minutes to recover, prefill tokens and
-TTFT saved, and warm-up precision/recall. See docs/guides/simulate.md."""
+Prints per policy the token hit rate (all levels, and vLLM / node tier / S3 without each
+request's first block), the first minute after the event against the same policy
+without it, the time to first token (mean, P99, first minute), the prefill GPU-seconds
+kvwarm's plans spent, and warm-up precision/recall. See docs/guides/simulate.md."""
 
-#: the geometry ``--capacity-bytes`` assumes when no --kv-bytes-per-token is given: an 8B
-#: GQA model (Llama 3 8B: 32 layers, 8 KV heads of 128)
-EIGHT_B = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128}
-#: kvwarm's configured defaults: the block size of kvwarm traces and logs when --block-size
-#: is not given, and the storage precision (FP8, layer 0 in bf16, fp32 scales)
 DEFAULTS = KvCacheConfig()
-
-
-def default_kv_bytes_per_token(block_tokens: int) -> float:
-    """What a token of the 8B geometry takes in the store, in kvwarm's default precision, in blocks
-    of ``block_tokens`` (the per-block scales make it depend on the block size)."""
-    return kv_bytes_per_token(Layout(**EIGHT_B, block_size=block_tokens), DEFAULTS.precision())
 
 
 def add_simulate_command(sub: Any, load_tokenizer: Callable[[str], Tokenizer] | None = None) -> None:
@@ -63,7 +49,8 @@ def add_simulate_command(sub: Any, load_tokenizer: Callable[[str], Tokenizer] | 
     text (the ``prefill`` command passes the one of :mod:`prefill.models`; forecasting
     does not load models itself).
     """
-    p = sub.add_parser("simulate", help="what-if replay of a trace: prewarming and retention vs reactive caches",
+    loader = LoaderConfig()
+    p = sub.add_parser("simulate", help="what-if replay of a trace through vLLM's cache, kvwarm's tiers and plans",
                        description=DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", required=True, metavar="PATH",
                    help="the trace: a Mooncake JSONL file, a kvwarm JSONL/Parquet file, or for --format logs a log "
@@ -78,40 +65,38 @@ def add_simulate_command(sub: Any, load_tokenizer: Callable[[str], Tokenizer] | 
                                                    "reads prompt text (default: the logs' only model)")
     p.add_argument("--tenant", default="mooncake", metavar="NAME",
                    help="tenant name given to Mooncake requests (default: %(default)s)")
-    cap = p.add_mutually_exclusive_group(required=True)
-    cap.add_argument("--capacity-blocks", type=int, metavar="N", help="cache capacity in blocks (this or --capacity-bytes)")
-    cap.add_argument("--capacity-bytes", type=float, metavar="BYTES",
-                     help="cache capacity in bytes: blocks = bytes / (block tokens * --kv-bytes-per-token)")
-    p.add_argument("--kv-bytes-per-token", type=float, metavar="BYTES",
-                   help=f"KV bytes per token for --capacity-bytes (default: an 8B model, 32 layers of 8 KV heads of "
-                        f"128, in kvwarm's default precision, FP8 with layer 0 in bf16 and fp32 scales, at the "
-                        f"trace's block size: {default_kv_bytes_per_token(256):,.2f} at 256 tokens, "
-                        f"{default_kv_bytes_per_token(512):,.2f} at Mooncake's 512)")
-    p.add_argument("--scenario", choices=SCENARIOS, default="steady",
-                   help="steady (one cache throughout), restart (emptied at --at) or scale-out (a new replica "
-                        "from --at) (default: %(default)s)")
+    p.add_argument("--scenario", choices=SCENARIOS, default="replacement",
+                   help="steady (one node throughout), restart (the engine's cache emptied at --at, the node tier "
+                        "kept), replacement (a new node with an empty node tier takes the traffic) or scale-out "
+                        "(a new node takes --share of it) (default: %(default)s)")
     p.add_argument("--at", default="50%", metavar="TIME",
                    help="event time: seconds from the trace start (900), or a percentage of it (default: 50%%)")
     p.add_argument("--window", type=float, default=600.0, metavar="S",
                    help="evaluation window after the event, seconds (default: %(default)s)")
-    p.add_argument("--share", type=float, default=0.25,
-                   help="traffic share of the new replica, scale-out (default: %(default)s)")
+    p.add_argument("--share", type=float, default=0.25, help="traffic share of the new node, scale-out "
+                                                              "(default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="routing seed, scale-out (default: %(default)s)")
-    p.add_argument("--lookback", type=float, default=1800.0, metavar="S",
-                   help="history the naive prewarm counts, seconds (default: %(default)s)")
-    p.add_argument("--recovery", type=float, default=0.9, metavar="FRACTION",
-                   help="recovered once a minute reaches this fraction of the no-event hit rate (default: %(default)s)")
     p.add_argument("--policy", action="append",
-                   help="eviction[+prewarm], repeatable or comma-separated: evictions lru, retention, belady; "
-                        "prewarms naive, kvwarm, oracle, plan (default: all that apply to the scenario, and "
-                        "lru+plan with --plan)")
+                   help=f"repeatable or comma-separated, of {', '.join(POLICIES)} (default: all)")
+    p.add_argument("--gpu-kv-bytes", type=float, default=GPU_KV_BYTES, metavar="BYTES",
+                   help="vLLM's KV cache, bytes of bf16 KV of an 8B model (32 layers, 8 KV heads of 128) "
+                        "(default: %(default)g, an H200's)")
+    p.add_argument("--node-bytes", type=float, default=NODE_BYTES, metavar="BYTES",
+                   help="kvwarm's node tier, bytes of stored KV (FP8, layer 0 bf16) (default: %(default)g)")
+    p.add_argument("--fetch-workers", type=int, default=loader.fetch_workers, metavar="N",
+                   help="the loader's S3 fetch workers: a plan's prefetch takes one, background fetches the others "
+                        "(default: %(default)s, the config's)")
+    p.add_argument("--fetch-mode", choices=("background", "sync"), default=loader.fetch_mode,
+                   help="an S3-only hit: miss now and copy for next time, or wait when that beats recomputing "
+                        "(default: %(default)s, the config's)")
+    p.add_argument("--no-write-back", action="store_true", help="engines do not write their KV to the tiers")
+    p.add_argument("--cadence", type=float, default=60.0 * CADENCE_MINUTES, metavar="S",
+                   help="seconds between kvwarm's plans (default: %(default)s)")
+    p.add_argument("--retain-fraction", type=float, default=None, metavar="F",
+                   help="share of the node tier a plan may retain (default: the tuned setting, docs/guides/simulate.md)")
     p.add_argument("--plan", metavar="FILE",
-                   help="a kvwarm plan file (docs/reference/plan.md) for the 'plan' prewarm: its prefixes' token ids are keyed "
-                        "like the trace's (kvwarm format, token_ids rows) (default: none)")
-    p.add_argument("--horizon", type=float, default=PredictorConfig.horizon_s, metavar="S",
-                   help="reuse horizon of the predictor, seconds (default: %(default)s)")
-    p.add_argument("--tau", type=float, default=PredictorConfig.tau_s, metavar="S",
-                   help="recency scale of retention priorities, seconds (default: %(default)s)")
+                   help="the latest off-peak plan (docs/reference/plan.md): its prefill entries join every kvwarm plan and are "
+                        "stored at its window's end (default: none)")
     p.add_argument("--s-per-token", type=float, metavar="S",
                    help=f"prefill seconds per token, the cost model's linear term (default: {PrefillCost.s_per_token}, "
                         "an 8B model on an H200)")
@@ -137,22 +122,26 @@ def _event_time(text: str, duration_s: float) -> float:
         raise BadInputError(f"--at must be seconds (900) or a percentage of the trace (50%), got {text!r}") from None
 
 
-def _policies(args: argparse.Namespace) -> list[Policy]:
+def _policies(args: argparse.Namespace) -> list[str]:
     if not args.policy:
-        names = STEADY_POLICIES if args.scenario == "steady" else WARMUP_POLICIES
-        if args.plan and args.scenario != "steady":
-            names = (*names[:3], "lru+plan", *names[3:])
-        return [Policy.parse(p) for p in names]
-    return [Policy.parse(p) for group in args.policy for p in group.split(",") if p.strip()]
+        return [p for p in POLICIES if not (p == "oracle" and args.scenario == "steady")]
+    names = [p.strip() for group in args.policy for p in group.split(",") if p.strip()]
+    for name in names:
+        if name not in POLICIES:
+            raise BadInputError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    return names
 
 
-def _read(args: argparse.Namespace) -> tuple[Trace, str]:
-    """The trace, and for ``--format logs`` the read's summary (rows used, quarantined)."""
+def _read(args: argparse.Namespace) -> tuple[Trace, pd.DataFrame, dict[str, Any] | None, str]:
+    """The trace, the log rows the planner mines (with their key roots), and for logs the read's summary."""
     if args.format != "logs":
-        return read_trace(args.trace, args.format, block_size=args.block_size, tenant=args.tenant), ""
-    trace, report = read_log_trace(args.trace, block_size=args.block_size or DEFAULTS.block_size,
-                                   load_tokenizer=args.load_tokenizer, model=args.model)
-    return trace, f"; logs: {report.summary()}"
+        trace = read_trace(args.trace, args.format, block_size=args.block_size, tenant=args.tenant)
+        return trace, requests_from_trace(trace), None, ""
+    requests, report = read_log_requests(args.trace, load_tokenizer=args.load_tokenizer, model=args.model)
+    size = args.block_size or DEFAULTS.block_size
+    trace = trace_from_requests(requests, block_size=size, source=str(args.trace))
+    roots = {str(t): simulation_root(str(t), size) for t in set(requests["tenant"])}
+    return trace, requests, roots, f"; logs: {report.summary()}"
 
 
 def _bench_result(text: str) -> dict[str, Any]:
@@ -168,7 +157,7 @@ def _bench_result(text: str) -> dict[str, Any]:
 
 
 def _cost(args: argparse.Namespace) -> PrefillCost:
-    """The TTFT cost model: fitted to a prefill benchmark (--cost-from), or the given or default terms."""
+    """The prefill cost model: fitted to a prefill benchmark (--cost-from), or the given or default terms."""
     if args.cost_from:
         if args.s_per_token is not None or args.s_per_token_pair is not None:
             raise BadInputError("give --cost-from or --s-per-token/--s-per-token-pair, not both")
@@ -188,20 +177,6 @@ def _cost(args: argparse.Namespace) -> PrefillCost:
                        default.s_per_token_pair if args.s_per_token_pair is None else args.s_per_token_pair)
 
 
-def _capacity_blocks(args: argparse.Namespace, trace: Trace) -> int:
-    """--capacity-bytes in blocks of the trace's size, at --kv-bytes-per-token (default: the 8B geometry's)."""
-    bpt = args.kv_bytes_per_token
-    if bpt is None:
-        bpt = default_kv_bytes_per_token(trace.block_tokens)
-    if not bpt >= 1:
-        raise BadInputError("--kv-bytes-per-token must be at least 1")
-    capacity = int(args.capacity_bytes // (trace.block_tokens * bpt))
-    if capacity < 1:
-        raise BadInputError(f"the capacity holds no block ({trace.block_tokens} tokens x {bpt:g} bytes each); "
-                         f"give a larger capacity")
-    return capacity
-
-
 def _check_plotting() -> None:
     """Fail before the replay, not after it, when --plots cannot be honoured."""
     try:
@@ -219,28 +194,30 @@ def run_simulate(args: argparse.Namespace) -> int:
     """
     if args.plots:
         _check_plotting()
-    if args.kv_bytes_per_token is not None and not args.kv_bytes_per_token >= 1:
-        raise BadInputError(f"--kv-bytes-per-token must be at least 1, got {args.kv_bytes_per_token}")
     cost = _cost(args)
     policies = _policies(args)
-    predictor = PredictorConfig(horizon_s=args.horizon, tau_s=args.tau)
-    plan = read_plan(args.plan) if args.plan else None
-    trace, read_note = _read(args)
-    capacity = args.capacity_blocks if args.capacity_blocks is not None else _capacity_blocks(args, trace)
-    scenario = Scenario(args.scenario, _event_time(args.at, trace.duration_s), args.window, args.share,
-                        args.seed, args.lookback, recovery_fraction=args.recovery)
+    if args.fetch_workers < 1:
+        raise BadInputError(f"--fetch-workers must be at least 1, got {args.fetch_workers}")
+    loader = LoaderConfig().with_overrides(fetch_workers=args.fetch_workers, fetch_mode=args.fetch_mode)
+    base = read_plan(args.plan) if args.plan else None
+    trace, requests, roots, read_note = _read(args)
+    deployment = Deployment.default(trace.block_tokens, gpu_kv_bytes=args.gpu_kv_bytes, node_bytes=args.node_bytes,
+                                    write_back=not args.no_write_back, loader=loader, prefill=cost)
+    spec = retain_spec(deployment, fraction=args.retain_fraction)
+    planner = planner_for(trace, requests, spec, deployment, cadence_s=args.cadence, roots=roots, base=base)
+    scenario = Scenario(args.scenario, _event_time(args.at, trace.duration_s), args.window, args.share, args.seed)
     index = BlockIndex.build(trace)
-    planned = plan_blocks(index, plan) if plan is not None else None
-    result = simulate(index, capacity, scenario, policies, predictor=predictor, cost=cost, plan_blocks=planned)
+    result = simulate(index, deployment, [scenario], policies, planner=planner if "kvwarm" in policies else None)[0]
     plot_path = None
     if args.plots:
-        plot_path = plot(result, Path(args.plots) / f"simulate-{args.scenario}-{capacity}.png")
+        plot_path = plot(result, Path(args.plots) / f"simulate-{args.scenario}.png")
+    shape = deployment.shape
     out = result.to_json()
     out["trace"] = {"path": str(args.trace), "format": args.format, "requests": len(trace),
                     "blocks": trace.n_blocks, "duration_s": trace.duration_s}
-    if planned is not None:
-        out["plan"] = {"path": str(args.plan), "blocks": len(planned),
-                       "blocks_in_trace": int((planned < index.n_unique).sum())}
+    out["deployment"] = {"gpu_blocks": shape.gpu_blocks, "node_blocks": shape.node_blocks,
+                         "block_bytes": deployment.costs.block_bytes, "fetch_mode": shape.fetch_mode,
+                         "write_back": shape.write_back, "cadence_s": args.cadence}
     if plot_path is not None:
         out["plot"] = str(plot_path)
     if args.json:
@@ -248,10 +225,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         return 0
     sc = result.scenario
     event = "" if sc.kind == "steady" else f" at {sc.at_s:g} s, window {sc.window_s:g} s"
-    print(f"{args.trace}: {len(trace)} requests, {trace.n_blocks} blocks over {trace.duration_s:.0f} s; "
-          f"{capacity} blocks of {trace.block_tokens} tokens; {sc.kind}{event}{read_note}")
-    if planned is not None:
-        print(f"plan {args.plan}: {len(planned)} blocks, {int((planned < index.n_unique).sum())} of them in the trace")
+    print(f"{args.trace}: {len(trace)} requests, {trace.n_blocks} blocks over {trace.duration_s:.0f} s; vLLM cache "
+          f"{shape.gpu_blocks} blocks, node tier {shape.node_blocks} blocks of {trace.block_tokens} tokens; "
+          f"{sc.kind}{event}{read_note}")
     print(result.table())
     if plot_path is not None:
         print(f"plot: {plot_path}")

@@ -1,149 +1,130 @@
-"""Prewarm choices at an event time ``T``: which blocks to load into an empty cache.
+"""What a node is prewarmed with: a kvwarm plan's blocks, or the oracle's (the ceiling).
 
-- :func:`naive_prewarm`: the blocks with the most requests in a lookback before ``T``;
-- :func:`kvwarm_prewarm`: the blocks with the highest predicted reuse at ``T``
-  (:class:`~forecasting.simulate.replay.ReusePredictor`), closed under prefixes;
-- :func:`oracle_prewarm`: the best possible prewarm from blocks seen before ``T`` (the ceiling);
-- :func:`plan_blocks` / :func:`planned_prewarm`: the blocks of a kvwarm plan file, the prewarm
-  the real pipeline would have made (its forecasts saw whatever logs it was given);
-- :func:`first_use_order`: any block set in the oracle's order (a diagnostic that reads the future).
-
-Each returns block ids least valuable first, from the trace before ``T`` only (the
-oracle excepted, by definition). :mod:`forecasting.simulate.simulation` replays them.
+- :func:`plan_blocks` / :func:`plan_priorities`: the blocks a plan names, in the order a
+  loader prefetches them (entries by priority, each chain from its root) and the
+  retention priority each gets (the highest score of the entries through it);
+- :func:`tree_blocks`: which trace block each node of a mined tree is (so the planner's
+  ``present`` can ask the replay's store);
+- :func:`oracle_prewarm`: the best prefetch from blocks stored before the event: those
+  the window's requests use, earliest first use first, each only if its copy can land
+  before that use at the channel's rate. It reads the future: a ceiling, never a policy.
 """
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
 from forecasting.ingest.traces import simulation_root
-from forecasting.simulate.replay import NEVER, BlockIndex, PredictorConfig, ReusePredictor
+from forecasting.mining.prefix_tree import PrefixTree
+from forecasting.simulate.replay import NEVER, BlockIndex
 from store.errors import BadInputError
 from store.identity.keys import block_keys
-from store.plan import Plan
+from store.plan import Plan, PlanEntry
 
 
-def naive_prewarm(index: BlockIndex, start: int, capacity: int, lookback_s: float) -> np.ndarray:
-    """Blocks with the most requests in ``lookback_s`` before request ``start`` (most valuable last).
+def _dense_lookup(index: BlockIndex) -> dict[str, int] | None:
+    names = index.trace.key_names
+    return None if names is None else {names[int(orig)]: i for i, orig in enumerate(index.original)}
 
-    Ties go to the block used most recently.
+
+def _by_hash(index: BlockIndex, tenants: list[str], ids: np.ndarray, dense: dict[str, int] | None) -> np.ndarray:
+    """Dense ids of hash ids (-1: not in the trace). A log trace keys its hash-id rows
+    ``"tenant/id"``; otherwise (a Mooncake trace, or the planner fed the trace's own
+    block ids) the ids are the trace's block ids."""
+    ids = np.asarray(ids, dtype=np.int64)
+    if dense is not None and tenants and f"{tenants[0]}/{int(ids[0])}" in dense:
+        return np.array([dense.get(f"{t}/{int(h)}", -1) for t, h in zip(tenants, ids)], dtype=np.int64)
+    at = np.searchsorted(index.original, ids)
+    ok = (at < index.n_unique) & (index.original[np.minimum(at, max(index.n_unique - 1, 0))] == ids)
+    return np.where(ok, at, -1).astype(np.int64)
+
+
+def _hash_blocks(index: BlockIndex, entry: PlanEntry, dense: dict[str, int] | None) -> list[int | None]:
+    ids = list(entry.hash_ids or ())
+    found = _by_hash(index, [entry.tenant] * len(ids), np.asarray(ids), dense) if ids else np.zeros(0, np.int64)
+    return [int(b) if b >= 0 else None for b in found.tolist()]
+
+
+def entry_blocks(index: BlockIndex, entry: PlanEntry, dense: dict[str, int] | None, extra: dict[str, int], *,
+                 model: str = "simulate") -> list[int]:
+    """Dense block ids of one entry's prefix, root first; blocks the trace lacks get ids from
+    ``index.n_unique`` up (``extra`` remembers them): they take room and never hit."""
+    if entry.hash_ids is not None:
+        found = _hash_blocks(index, entry, dense)
+        keys = [f"{entry.tenant}/{h}" for h in entry.hash_ids]
+    else:
+        if entry.token_ids is None:
+            raise BadInputError(f"plan entry of tenant {entry.tenant!r} has text but no token_ids: the simulation keys "
+                                "token ids; write the plan from tokenised logs (the pipeline's plans carry token_ids)")
+        if dense is None:
+            raise BadInputError("a plan entry of token ids needs a trace with block keys (--format kvwarm or logs): "
+                                "this trace has none to match the plan's prefixes against")
+        keys = block_keys(simulation_root(entry.tenant, index.trace.block_tokens, model=model), entry.token_ids)
+        found = [dense.get(k) for k in keys]
+        if keys and found[-1] is None and entry.prefix_id in dense:  # a trace of serving keys
+            chain, b = [], dense[entry.prefix_id]
+            while b >= 0:
+                chain.append(b)
+                b = int(index.parent[b])
+            return chain[::-1]
+    return [b if b is not None else extra.setdefault(k, index.n_unique + len(extra)) for b, k in zip(found, keys)]
+
+
+def plan_blocks(index: BlockIndex, plan: Plan, *, model: str = "simulate") -> np.ndarray:
+    """The blocks of a plan's prefixes in prefetch order: entries by priority, each from its root, once each.
+
+    ``token_ids`` entries are keyed as :func:`forecasting.ingest.traces.read_kvwarm` keys
+    ``token_ids`` rows (:func:`~forecasting.ingest.traces.simulation_root` of the entry's
+    tenant and ``model``; full blocks only); ``hash_ids`` entries name the trace's own
+    block ids. Blocks the trace never uses get ids from ``index.n_unique`` up.
+
+    Raises:
+        BadInputError: a token entry on a trace without block keys (a Mooncake trace), or
+            an entry with text only.
     """
-    tr = index.trace
-    t = tr.timestamps_s[start] if start < len(tr) else math.inf
-    first = int(np.searchsorted(tr.timestamps_s, t - lookback_s, side="left"))
-    a, z = tr.offsets[first], tr.offsets[start]
-    counts = np.bincount(index.ids[a:z], minlength=index.n_unique)
-    last = np.full(index.n_unique, -1, dtype=np.int64)
-    np.maximum.at(last, index.ids[a:z], np.arange(a, z))
-    cand = np.flatnonzero(counts)
-    order = np.lexsort((last[cand], counts[cand]))
-    return cand[order][-capacity:] if capacity else cand[:0]
+    return plan_priorities(index, plan, model=model)[0]
 
 
-def _close_under_prefix(index: BlockIndex, score: np.ndarray, depth_of: np.ndarray) -> np.ndarray:
-    """Raise each parent's score to at least its children's (a child hits only with its parent)."""
-    score = score.copy()
-    known = np.flatnonzero(np.isfinite(score))
-    known = known[np.argsort(-depth_of[known], kind="stable")]
-    levels = depth_of[known]
-    cuts = np.flatnonzero(np.diff(levels)) + 1
-    for kids in np.split(known, cuts):  # deepest level first, so raises propagate to the root
-        if len(kids) and depth_of[kids[0]] > 0:
-            np.maximum.at(score, index.parent[kids], score[kids])
-    return score
+def plan_priorities(index: BlockIndex, plan: Plan, *, model: str = "simulate") -> tuple[np.ndarray, dict[int, float]]:
+    """:func:`plan_blocks`, and each block's retention priority: the highest score of the
+    entries through it, as a loader gives it (positive: above every block the plan does not name)."""
+    dense = _dense_lookup(index)
+    extra: dict[str, int] = {}
+    order: dict[int, None] = {}
+    priority: dict[int, float] = {}
+    for entry in plan.entries:
+        score = max(float(entry.score), 1e-12)
+        for b in entry_blocks(index, entry, dense, extra, model=model):
+            order.setdefault(b, None)
+            if score > priority.get(b, 0.0):
+                priority[b] = score
+    return np.fromiter(order, dtype=np.int64, count=len(order)), priority
 
 
-def kvwarm_prewarm(index: BlockIndex, start: int, capacity: int,
-                   config: PredictorConfig = PredictorConfig()) -> tuple[np.ndarray, np.ndarray]:
-    """Blocks of highest predicted reuse at request ``start``'s time, from the trace before it.
+def tree_blocks(index: BlockIndex, tree: PrefixTree) -> np.ndarray:
+    """Per node of ``tree`` (mined from this trace's requests), its dense block id (-1: not in the trace).
 
-    Each block seen before is scored at its last use, ``log p(reuse | class) + t_last / tau``,
-    with the class table estimated from outcomes closed before the prewarm time; scores
-    are closed under prefixes and the top ``capacity`` kept.
-
-    Returns:
-        (blocks, scores), least valuable first.
+    A tree of hash ids names a node by its last id (the ids are chained); a tree of
+    tokens by its store key (the trace's ``key_names``, keyed with the same roots).
     """
-    tr = index.trace
-    t = tr.timestamps_s[start] if start < len(tr) else math.inf
-    predictor = ReusePredictor(index, config)
-    predictor.update(t)
-    last = last_uses(index, start)
-    seen = np.flatnonzero(last >= 0)
-    score = np.full(index.n_unique, -np.inf)
-    occ = last[seen]
-    score[seen] = (predictor.log_p[predictor.classes[occ]]
-                   + tr.timestamps_s[index.request[occ]] / config.tau_s)
-    return ranked_prewarm(index, start, score, capacity)
+    if tree.unit == "hash_ids":
+        if not tree.n_nodes:
+            return np.zeros(0, dtype=np.int64)
+        starts = tree.seq_offsets[tree.rep_request] + np.asarray(tree.depth, dtype=np.int64) - 1
+        tenants = [tree.tenants[int(c)] for c in tree.node_tenant]
+        return _by_hash(index, tenants, tree.seq_values[starts], _dense_lookup(index))
+    dense = _dense_lookup(index) or {}
+    return np.array([dense.get(k, -1) for k in tree.all_node_keys()], dtype=np.int64)
 
 
-def last_uses(index: BlockIndex, start: int) -> np.ndarray:
-    """Per dense block id, its last occurrence before request ``start`` (-1: not seen before)."""
-    z = int(index.trace.offsets[start])
-    last = np.full(index.n_unique, -1, dtype=np.int64)
-    np.maximum.at(last, index.ids[:z], np.arange(z))
-    return last
-
-
-def ranked_prewarm(index: BlockIndex, start: int, score: np.ndarray,
-                   capacity: int) -> tuple[np.ndarray, np.ndarray]:
-    """The ``capacity`` blocks of highest ``score`` seen before request ``start``, closed under prefixes.
-
-    ``score`` is per dense block id (``-inf``: not a candidate). Each parent's score is
-    raised to its children's (a child hits only with its parent); ties go to the
-    shallower block.
-
-    Returns:
-        (blocks, closed scores), least valuable first.
-    """
-    z = int(index.trace.offsets[start])
-    known = np.zeros(index.n_unique, dtype=bool)
-    known[index.ids[:z]] = True
-    depth_of = np.zeros(index.n_unique, dtype=np.int64)
-    depth_of[index.ids[:z]] = index.depth[:z]
-    score = _close_under_prefix(index, np.where(known, score, -np.inf), depth_of)
-    seen = np.flatnonzero(known & np.isfinite(score))
-    order = np.lexsort((-depth_of[seen], score[seen]))
-    chosen = seen[order][-capacity:] if capacity else seen[:0]
-    return chosen, score[chosen]
-
-
-def oracle_prewarm(index: BlockIndex, start: int, served: np.ndarray, capacity: int) -> np.ndarray:
-    """The best prewarm from blocks seen before request ``start``: those the ``served`` requests use.
-
-    Ordered by first use (soonest used last, i.e. kept longest); the ceiling for prewarming.
-    """
-    z = int(index.trace.offsets[start])
-    seen = np.zeros(index.n_unique, dtype=bool)
-    seen[index.ids[:z]] = True
-    first = _first_use(index, served)
-    cand = np.flatnonzero(seen & (first < NEVER))
-    return first_use_order(index, cand, served, first=first)[-capacity:] if capacity else cand[:0]
-
-
-def first_use_order(index: BlockIndex, blocks: np.ndarray, served: np.ndarray, *,
-                    first: np.ndarray | None = None) -> np.ndarray:
-    """``blocks`` reordered as the oracle would load them: by first use among ``served`` requests.
-
-    Blocks no served request uses come first (evicted first), then the latest first use,
-    and the soonest used last (kept longest). Reads the future: a diagnostic (how much
-    of a prewarm's shortfall is its order rather than its set), never a policy.
-    """
-    first = _first_use(index, served) if first is None else first
-    blocks = np.asarray(blocks, dtype=np.int64)
-    return blocks[np.argsort(-first[blocks], kind="stable")]
-
-
-def _first_use(index: BlockIndex, served: np.ndarray) -> np.ndarray:
+def first_use(index: BlockIndex, served: np.ndarray) -> np.ndarray:
     """Per dense block id, the first of ``served`` requests that uses it (``NEVER``: none)."""
     first = np.full(index.n_unique, NEVER, dtype=np.int64)
-    occ = _occurrences(index, np.asarray(served, dtype=np.int64))
+    occ = occurrences(index, np.asarray(served, dtype=np.int64))
     np.minimum.at(first, index.ids[occ], index.request[occ])
     return first
 
 
-def _occurrences(index: BlockIndex, rows: np.ndarray) -> np.ndarray:
+def occurrences(index: BlockIndex, rows: np.ndarray) -> np.ndarray:
     """Indices into the block arrays of every block of requests ``rows`` (in order)."""
     offsets = index.trace.offsets
     lengths = offsets[rows + 1] - offsets[rows]
@@ -152,53 +133,29 @@ def _occurrences(index: BlockIndex, rows: np.ndarray) -> np.ndarray:
     return np.repeat(offsets[rows] - starts, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
 
 
-def plan_blocks(index: BlockIndex, plan: Plan, *, model: str = "simulate") -> np.ndarray:
-    """Block ids of a kvwarm plan's prefixes, most valuable first: the order the prefill job computes them.
+def oracle_prewarm(index: BlockIndex, start: int, served: np.ndarray, stored: np.ndarray, *, capacity: int,
+                   fetch_s: float, skip: set[int] | frozenset[int] = frozenset()) -> np.ndarray:
+    """The best prefetch at request ``start`` for the ``served`` requests: the ceiling of prewarming.
 
-    Each entry's ``token_ids`` are keyed the way :func:`forecasting.ingest.traces.read_kvwarm`
-    keys ``token_ids`` rows (:func:`~forecasting.ingest.traces.simulation_root` of the entry's
-    tenant, ``model`` and the trace's block size; full blocks only, as the prefill job
-    stores), so a plan mined from a log's token ids meets that log's blocks. When the
-    trace holds serving keys (``block_keys`` rows), an entry whose ``prefix_id`` the
-    trace has stands for that block and its ancestors instead. A block shared by several
-    entries is listed once, at its first (most valuable) entry, parents before children.
-
-    Blocks the trace never uses get ids from ``index.n_unique`` up: they take cache
-    space and never hit, as a prewarmed snapshot that no request asks for does.
-
-    Raises:
-        BadInputError: the trace has no block keys (a Mooncake trace), or an entry has
-            text but no token ids (named by its position).
+    Candidates are the blocks stored by then (``stored[b] <= start``) that a served request
+    uses, not in ``skip`` (the node holds them already). In order of first use, a block is
+    taken when its copy, one each ``fetch_s`` seconds after those taken before it, lands
+    by that use: earliest deadline first, which lands the most blocks in time. At most
+    ``capacity``. Returns the blocks in fetch order.
     """
-    names = index.trace.key_names
-    if names is None:
-        raise BadInputError("a plan prewarm needs a trace with block keys (--format kvwarm or logs): "
-                         "this trace has no block keys to match the plan's prefixes against")
-    dense = {names[int(orig)]: i for i, orig in enumerate(index.original)}
-    order: dict[int, None] = {}
-    extra: dict[str, int] = {}
-    for pos, entry in enumerate(plan.entries):
-        if entry.token_ids is None:
-            raise BadInputError(f"plan entry {pos} (tenant {entry.tenant!r}) has text but no token_ids: the "
-                             "simulation keys token ids; write the plan from tokenised logs (the pipeline's "
-                             "plans carry token_ids)")
-        keys = block_keys(simulation_root(entry.tenant, index.trace.block_tokens, model=model), entry.token_ids)
-        if keys and keys[-1] not in dense and entry.prefix_id in dense:
-            chain, b = [], dense[entry.prefix_id]
-            while b >= 0:
-                chain.append(b)
-                b = int(index.parent[b])
-            ids = chain[::-1]
-        else:
-            ids = [dense[k] if k in dense else extra.setdefault(k, index.n_unique + len(extra)) for k in keys]
-        for b in ids:
-            order.setdefault(b, None)
-    return np.fromiter(order, dtype=np.int64, count=len(order))
-
-
-def planned_prewarm(blocks: np.ndarray, capacity: int) -> np.ndarray:
-    """The ``capacity`` most valuable of a plan's ``blocks`` (from :func:`plan_blocks`), least valuable first.
-
-    Cut in the plan's order, so every kept block keeps its parent.
-    """
-    return np.asarray(blocks, dtype=np.int64)[:max(int(capacity), 0)][::-1].copy()
+    first = first_use(index, served)
+    cand = np.flatnonzero((stored <= start) & (first < NEVER))
+    if skip:
+        cand = cand[~np.isin(cand, np.fromiter(skip, dtype=np.int64, count=len(skip)))]
+    cand = cand[np.argsort(first[cand], kind="stable")]
+    ts = index.trace.timestamps_s
+    due = ts[first[cand]]
+    clock = float(ts[start]) if start < len(ts) else float(ts[-1])
+    taken: list[int] = []
+    for b, t in zip(cand.tolist(), due.tolist()):
+        if len(taken) >= capacity:
+            break
+        if clock + fetch_s <= t:
+            clock += fetch_s
+            taken.append(b)
+    return np.asarray(taken, dtype=np.int64)

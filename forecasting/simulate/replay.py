@@ -1,4 +1,4 @@
-"""Replaying block chains against a prefix cache of fixed capacity, under three evictions.
+"""Replaying block chains against a prefix cache of fixed capacity: LRU and Belady.
 
 Semantics (those of vLLM's prefix cache): a request's block ``j`` is a hit only when
 blocks ``0..j`` are all cached; after the request every block of its chain is cached
@@ -10,30 +10,23 @@ Evictions:
 - :class:`LRUCache`: least recently used (vLLM, LMCache, SGLang's radix cache).
 - :class:`BeladyCache`: evict the block whose next use is furthest away (offline, uses
   the future: the eviction ceiling, not a policy anyone can run).
-- :class:`RetentionCache`: kvwarm's forecast-informed retention: evict the block whose
-  predicted reuse is lowest, ``log p(reuse | class) + t_last / tau`` where the class
-  probabilities come from :class:`ReusePredictor`, learned only from outcomes already
-  observed at decision time.
 
 Everything here is pure: a :class:`BlockIndex` of numpy arrays is built once per trace,
-and :func:`replay` returns the number of prefix blocks hit by each request.
+and :func:`replay` returns the number of prefix blocks hit by each request. The node
+the deployment-shaped replay models (vLLM's cache over kvwarm's tiers) is in
+:mod:`forecasting.simulate.tiers`.
 """
 from __future__ import annotations
 
 import heapq
-import math
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
 
 from forecasting.ingest.traces import Trace
-from store.errors import BadInputError
-
-NEVER = np.iinfo(np.int64).max
-_LEN_EDGES = np.array([4, 8, 16, 32, 64])
-_GAP_EDGES = np.array([30.0, 120.0, 600.0])
+from forecasting.planning.reuse import NEVER, chain_links
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,23 +64,7 @@ class BlockIndex:
         """Index ``trace`` (vectorised; about 0.1 s for 288k blocks)."""
         uniq, ids = np.unique(trace.block_ids, return_inverse=True)
         ids = ids.astype(np.int64)
-        request = trace.block_request()
-        n = len(ids)
-        order = np.lexsort((np.arange(n), ids))
-        same = ids[order[1:]] == ids[order[:-1]]
-        nxt = np.full(n, NEVER, dtype=np.int64)
-        nxt[order[:-1][same]] = request[order[1:][same]]
-        prv = np.full(n, -1, dtype=np.int64)
-        prv[order[1:][same]] = request[order[:-1][same]]
-        depth = trace.block_depths()
-        # Leading seen-before blocks: the first depth whose block is new, per request.
-        lengths = trace.chain_lengths()
-        first_new = np.where(prv < 0, depth, NEVER)
-        lead = np.zeros(len(trace), dtype=np.int64)
-        has = lengths > 0
-        if n:
-            lead[has] = np.minimum.reduceat(first_new, trace.offsets[:-1][has])
-        lead = np.minimum(lead, lengths)
+        request, depth, prv, nxt, lead = chain_links(trace.offsets, ids, len(uniq))
         parent = np.full(len(uniq), -1, dtype=np.int64)
         inner = np.flatnonzero(depth > 0)
         parent[ids[inner]] = ids[inner - 1]
@@ -232,151 +209,10 @@ class BeladyCache(_HeapCache):
         self._set(index.ids[a:z].tolist(), (-nxt.astype(np.float64)).tolist(), index.depth[a:z].tolist())
 
 
-# ------------------------------------------------------------------ reuse prediction
-
-
-@dataclass(frozen=True)
-class PredictorConfig:
-    """Knobs of :class:`ReusePredictor` and of the retention priority.
-
-    Attributes:
-        horizon_s: a block occurrence counts as reused when its block is used again
-            within this many seconds.
-        tau_s: recency scale of the priority ``log p + t_last / tau_s`` (larger: the
-            class probability matters longer against recency).
-        refresh_s: how often the class table is re-estimated from closed outcomes.
-            The defaults of these three were chosen by ``bench/replay_bench.py --tune``.
-        prior_weight: pseudo-count pulling a class towards the overall reuse rate.
-        prior_rate: reuse probability assumed before any outcome has been observed.
-    """
-
-    horizon_s: float = 300.0
-    tau_s: float = 300.0
-    refresh_s: float = 15.0
-    prior_weight: float = 20.0
-    prior_rate: float = 0.3
-
-    def __post_init__(self) -> None:
-        for name in ("horizon_s", "tau_s", "refresh_s", "prior_weight"):
-            if not getattr(self, name) > 0:
-                raise BadInputError(f"PredictorConfig.{name} must be positive, got {getattr(self, name)!r}")
-        if not 0 < self.prior_rate < 1:
-            raise BadInputError(f"PredictorConfig.prior_rate must be in (0, 1), got {self.prior_rate!r}")
-
-
-N_CLASSES = 3 * 2 * (len(_LEN_EDGES) + 1) * (len(_GAP_EDGES) + 2)
-
-
-def occurrence_classes(index: BlockIndex) -> np.ndarray:
-    """The reuse class of each block occurrence, from what is known when its request arrives.
-
-    Features: how many times the block was used before (1, 2, 3+), whether it is the
-    last block of its chain (a partial tail is almost never reused), the request's
-    chain length (short conversations come back more often) and the gap since the
-    conversation's previous turn (none, <30 s, <2 min, <10 min, longer).
-    """
-    tr = index.trace
-    lengths = tr.chain_lengths()
-    seen = np.zeros(len(index.ids), dtype=np.int64)
-    # Use count so far = rank of the occurrence among its block's occurrences.
-    order = np.lexsort((np.arange(len(index.ids)), index.ids))
-    starts = np.r_[True, index.ids[order[1:]] != index.ids[order[:-1]]] if len(order) else np.zeros(0, bool)
-    pos = np.arange(len(order))
-    seen[order] = pos - np.maximum.accumulate(np.where(starts, pos, 0))
-    count_b = np.minimum(seen, 2)
-    tail = np.zeros(len(index.ids), dtype=np.int64)
-    tail[tr.offsets[1:][lengths > 0] - 1] = 1
-    len_b = np.digitize(lengths, _LEN_EDGES)
-    gap = np.full(len(tr), -1.0)
-    k = index.lead_seen
-    cont = k >= 2
-    last_shared = tr.offsets[:-1][cont] + k[cont] - 1
-    gap[cont] = tr.timestamps_s[cont] - tr.timestamps_s[index.prev_request[last_shared]]
-    gap_b = np.where(gap < 0, 0, 1 + np.digitize(gap, _GAP_EDGES))
-    per_request = len_b * (len(_GAP_EDGES) + 2) + gap_b
-    return ((count_b * 2 + tail) * ((len(_LEN_EDGES) + 1) * (len(_GAP_EDGES) + 2))
-            + np.repeat(per_request, lengths)).astype(np.int64)
-
-
-@dataclass
-class ReusePredictor:
-    """P(block used again within ``horizon_s`` | class), estimated from closed outcomes only.
-
-    An occurrence's outcome is *closed* at decision time ``t`` when its horizon ended
-    strictly before ``t``: then whether it was reused is already a fact of the past.
-    Outcomes still open are ignored, so the estimate never looks past ``t``.
-    """
-
-    index: BlockIndex
-    config: PredictorConfig = field(default_factory=PredictorConfig)
-
-    def __post_init__(self) -> None:
-        self.classes = occurrence_classes(self.index)
-        ts = self.index.trace.timestamps_s
-        occ_t = ts[self.index.request]
-        nxt = self.index.next_request
-        reuse_t = np.where(nxt == NEVER, np.inf, ts[np.minimum(nxt, len(ts) - 1)])
-        self._reused = (reuse_t - occ_t) <= self.config.horizon_s
-        self._close_t = occ_t + self.config.horizon_s
-        self._closed = 0
-        self._n = np.zeros(N_CLASSES)
-        self._r = np.zeros(N_CLASSES)
-        self._as_of = -math.inf
-        self.log_p = np.full(N_CLASSES, math.log(self.config.prior_rate))
-
-    def update(self, t: float) -> None:
-        """Fold in every outcome closed before ``t`` (``t`` must not decrease)."""
-        if t < self._as_of:
-            raise ValueError(f"ReusePredictor.update went back in time: {t} < {self._as_of}")
-        self._as_of = t
-        m = int(np.searchsorted(self._close_t, t, side="left"))
-        if m > self._closed:
-            c = self.classes[self._closed : m]
-            self._n += np.bincount(c, minlength=N_CLASSES)
-            self._r += np.bincount(c, weights=self._reused[self._closed : m], minlength=N_CLASSES)
-            self._closed = m
-        total_n, total_r = self._n.sum(), self._r.sum()
-        base = (total_r + self.config.prior_rate) / (total_n + 1.0)
-        w = self.config.prior_weight
-        p = (self._r + w * base) / (self._n + w)
-        self.log_p = np.log(np.clip(p, 1e-4, 1.0))
-
-    def priorities(self, a: int, z: int, t: float) -> np.ndarray:
-        """Retention priorities of occurrences ``a..z`` (one chain) touched at time ``t``.
-
-        Made non-increasing along the chain: a block is worth no more than its parent,
-        which every hit on it needs.
-        """
-        return np.minimum.accumulate(self.log_p[self.classes[a:z]]) + t / self.config.tau_s
-
-
-class RetentionCache(_HeapCache):
-    """Forecast-informed retention: evict the lowest predicted reuse (ties: deepest first)."""
-
-    def __init__(self, capacity: int, predictor: ReusePredictor) -> None:
-        super().__init__(capacity)
-        self.predictor = predictor
-        self._next_refresh = -math.inf
-
-    def load(self, blocks: Sequence[int], scores: Sequence[float] | None = None) -> None:
-        """Fill with ``blocks`` at retention priorities ``scores`` (same scale as :meth:`admit`)."""
-        if scores is None:
-            scores = np.arange(len(blocks), dtype=np.float64) - len(blocks)
-        self._set(blocks, (float(s) for s in scores), (0 for _ in blocks))
-
-    def admit(self, index: BlockIndex, i: int) -> None:
-        t = float(index.trace.timestamps_s[i])
-        if t >= self._next_refresh:
-            self.predictor.update(t)
-            self._next_refresh = t + self.predictor.config.refresh_s
-        a, z = index.trace.offsets[i], index.trace.offsets[i + 1]
-        self._set(index.ids[a:z].tolist(), self.predictor.priorities(a, z, t).tolist(), index.depth[a:z].tolist())
-
-
 # ----------------------------------------------------------------------------- replay
 
 
-def prefix_hits(cache: LRUCache | _HeapCache, index: BlockIndex, i: int) -> int:
+def prefix_hits(cache: LRUCache | BeladyCache, index: BlockIndex, i: int) -> int:
     """How many leading blocks of request ``i`` are in ``cache``."""
     a, z = index.trace.offsets[i], index.trace.offsets[i + 1]
     h = 0
@@ -387,7 +223,7 @@ def prefix_hits(cache: LRUCache | _HeapCache, index: BlockIndex, i: int) -> int:
     return h
 
 
-def replay(index: BlockIndex, cache: LRUCache | _HeapCache, rows: Iterable[int]) -> np.ndarray:
+def replay(index: BlockIndex, cache: LRUCache | BeladyCache, rows: Iterable[int]) -> np.ndarray:
     """Serve requests ``rows`` (increasing indices) from ``cache``; the cache is updated in place.
 
     Returns:

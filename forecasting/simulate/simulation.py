@@ -1,26 +1,21 @@
-"""What-if replay: how many prefill tokens would prewarming and retention save on a trace?
+"""The replay shaped like the deployment: policies side by side through restarts, replacements and scale-outs.
 
-A :class:`Scenario` says what happens to the cache (nothing, a restart at ``T``, a new
-replica taking a share of the traffic from ``T``); a :class:`Policy` says how the cache
-evicts (``lru``, ``retention``, ``belady``) and how it is prewarmed at ``T``:
+A :class:`Scenario` says what happens to the node under test:
 
-- ``naive``: the blocks with the most requests in the ``lookback_s`` before ``T``;
-- ``kvwarm``: the blocks with the highest predicted reuse at ``T``
-  (:class:`~forecasting.simulate.replay.ReusePredictor`: class reuse rates from closed outcomes,
-  recency, conversation structure), closed under prefixes;
-- ``oracle``: the best possible prewarm from blocks seen before ``T``: those used in
-  the evaluation window, the soonest used kept longest (the ceiling for prewarming);
-- ``plan``: the prefixes of a kvwarm plan file (what ``prefill warm --plan`` stores), in
-  the plan's priority order: the prewarm the real pipeline made.
+- ``steady``: one node serves the whole trace;
+- ``restart`` at ``T``: the engine restarts: vLLM's cache is emptied, the node tier survives;
+- ``replacement`` at ``T``: a new node, with an empty node tier, takes all the traffic;
+- ``scale-out`` at ``T``: a new node takes a random ``share`` of the requests.
 
-Every prewarm is a function of the trace before ``T`` only (the oracle excepted, by
-definition; a plan is causal when it was made from logs before ``T``, which the
-simulation cannot check). :func:`simulate` runs each policy and returns a :class:`SimResult` of
-metrics over the evaluation window; :func:`plot` draws the per-minute hit rates.
+S3 is shared by the fleet: with write-back, a block is there from the request after its
+first use anywhere (:func:`forecasting.simulate.policies.written_back`). Every policy
+(:mod:`forecasting.simulate.policies`) runs on the same :class:`Deployment`, and each
+event's window is measured against the same policy without the event (the reference:
+the node that kept running, or for a scale-out a node that had its share from the start).
+:func:`simulate` returns one :class:`SimResult` per scenario; :func:`plot` draws it.
 """
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,69 +23,42 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from forecasting.simulate.prewarm import _occurrences, kvwarm_prewarm, naive_prewarm, oracle_prewarm, planned_prewarm
-from forecasting.simulate.replay import (
-    BeladyCache,
-    BlockIndex,
-    LRUCache,
-    PredictorConfig,
-    RetentionCache,
-    ReusePredictor,
-    next_use,
-    replay,
+from forecasting.simulate.metrics import PolicyResult, measure
+from forecasting.simulate.policies import (
+    POLICIES,
+    NodeRun,
+    Planner,
+    PlanTick,
+    kvwarm_plans,
+    make_node,
+    prefill_blocks,
+    prefill_gpu_s,
+    start,
+    stored_with_prefill,
+    written_back,
 )
+from forecasting.simulate.replay import BlockIndex
+from forecasting.simulate.tiers import NODE_TIER, S3_STREAM, NodeShape, TierCosts
+from store.config import KvCacheConfig, LoaderConfig
 from store.cost import PrefillCost
 from store.errors import BadInputError
+from store.format.header import Layout
+from store.format.payload import kv_bytes_per_token
+from store.format.precision import Precision
 
-SCENARIOS = ("steady", "restart", "scale-out")
-EVICTIONS = ("lru", "retention", "belady")
-PREWARMS = ("none", "naive", "kvwarm", "oracle", "plan")
-STEADY_POLICIES = ("lru", "retention", "belady")
-WARMUP_POLICIES = ("lru", "lru+naive", "lru+kvwarm", "lru+oracle", "retention", "retention+kvwarm", "belady")
-
-
-@dataclass(frozen=True)
-class Policy:
-    """An eviction and a prewarm, written ``eviction[+prewarm]`` (e.g. ``lru+kvwarm``)."""
-
-    eviction: str = "lru"
-    prewarm: str = "none"
-
-    def __post_init__(self) -> None:
-        if self.eviction not in EVICTIONS:
-            raise BadInputError(f"unknown eviction {self.eviction!r}; choose one of {', '.join(EVICTIONS)}")
-        if self.prewarm not in PREWARMS:
-            raise BadInputError(f"unknown prewarm {self.prewarm!r}; choose one of {', '.join(PREWARMS)}")
-        if self.eviction == "belady" and self.prewarm != "none":
-            raise BadInputError("belady is the eviction ceiling and takes no prewarm; use 'belady' alone")
-
-    @classmethod
-    def parse(cls, text: str) -> Policy:
-        """``lru``, ``lru+naive``, ``retention+kvwarm``, ``belady``... (see :data:`EVICTIONS`, :data:`PREWARMS`)."""
-        eviction, _, prewarm = text.strip().partition("+")
-        return cls(eviction, prewarm or "none")
-
-    @property
-    def name(self) -> str:
-        return self.eviction if self.prewarm == "none" else f"{self.eviction}+{self.prewarm}"
+SCENARIOS = ("steady", "restart", "replacement", "scale-out")
 
 
 @dataclass(frozen=True)
 class Scenario:
-    """What happens to the cache under test.
+    """An event and its evaluation window (see the module docstring).
 
     Attributes:
-        kind: ``steady`` (one cache over the whole trace), ``restart`` (emptied at
-            ``at_s``) or ``scale-out`` (a new, empty replica gets ``share`` of the
-            requests from ``at_s``, routed at random with ``seed``).
+        kind: one of :data:`SCENARIOS`.
         at_s: the event time, seconds from the trace start (ignored for steady).
-        window_s: evaluation window after ``at_s``; steady evaluates the whole trace.
-        share: traffic share of the new replica (scale-out).
-        seed: routing seed (scale-out).
-        lookback_s: history the naive prewarm counts requests over.
-        bucket_s: width of the per-minute series.
-        recovery_fraction: recovered once a bucket reaches this fraction of the
-            reference's hit rate in the same bucket.
+        window_s: evaluation window after the event; steady evaluates the whole trace.
+        share: the new node's traffic share (scale-out), routed at random with ``seed``.
+        bucket_s: width of the per-minute series (and of the "first minute").
     """
 
     kind: str = "steady"
@@ -98,236 +66,242 @@ class Scenario:
     window_s: float = 600.0
     share: float = 0.25
     seed: int = 0
-    lookback_s: float = 1800.0
     bucket_s: float = 60.0
-    recovery_fraction: float = 0.9
 
     def __post_init__(self) -> None:
         if self.kind not in SCENARIOS:
             raise BadInputError(f"unknown scenario {self.kind!r}; choose one of {', '.join(SCENARIOS)}")
         if not 0 < self.share <= 1:
             raise BadInputError(f"share must be in (0, 1], got {self.share}")
-        if self.window_s <= 0 or self.bucket_s <= 0 or self.lookback_s <= 0:
-            raise BadInputError("window_s, bucket_s and lookback_s must be positive")
-        if not 0 < self.recovery_fraction <= 1:
-            raise BadInputError(f"recovery_fraction must be in (0, 1], got {self.recovery_fraction}")
+        if self.window_s <= 0 or self.bucket_s <= 0:
+            raise BadInputError("window_s and bucket_s must be positive")
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.kind == "steady" else f"{self.kind}@{self.at_s:g}s"
+
+
+#: the engine the defaults describe: an 8B GQA model (Llama 3 8B: 32 layers, 8 KV heads of 128) on one H200
+EIGHT_B = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128}
+#: what a token takes in vLLM's cache for that model (bf16 keys and values)
+ENGINE_KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
+#: vLLM's KV cache on an H200: its 141 GB less the 16 GB of weights, activations and headroom
+GPU_KV_BYTES = 100e9
+#: kvwarm's node tier: 1 TB of the node's NVMe
+NODE_BYTES = 1e12
+
+
+def stored_bytes_per_token(block_tokens: int, precision: Precision | None = None) -> float:
+    """What a token of the 8B geometry takes in kvwarm's store (default precision: FP8, layer 0 in bf16,
+    fp32 scales), in blocks of ``block_tokens`` (the per-block scales make it depend on the block size)."""
+    return kv_bytes_per_token(Layout(**EIGHT_B, block_size=block_tokens), precision or KvCacheConfig().precision())
 
 
 @dataclass(frozen=True)
-class PolicyResult:
-    """Metrics of one policy over the evaluation window (rates in [0, 1], times in seconds)."""
+class Deployment:
+    """What every policy runs on: the node's shape and the costs of its levels."""
 
-    policy: str
-    requests: int
-    tokens: int
-    hit_tokens: int
-    hit_rate: float
-    hit_rate_excl_root: float
-    first_bucket_hit_rate_excl_root: float
-    minutes_to_recover: float | None
-    prefill_tokens_saved: int
-    ttft_saved_s: float
-    ttft_saved_mean_s: float
-    ttft_p50_s: float
-    ttft_p99_s: float
-    prewarm_blocks: int
-    warmup_precision: float | None
-    warmup_recall: float | None
-    per_bucket: tuple[tuple[float, float], ...]
-    seconds: float
+    shape: NodeShape
+    costs: TierCosts
+
+    @classmethod
+    def default(cls, block_tokens: int, *, gpu_kv_bytes: float = GPU_KV_BYTES, node_bytes: float = NODE_BYTES,
+                write_back: bool = True, loader: LoaderConfig | None = None, prefill: PrefillCost | None = None,
+                stored_per_token: float | None = None) -> Deployment:
+        """The 8B model on an H200 with kvwarm's node tier and S3, at the calibrated costs.
+
+        vLLM's cache holds ``gpu_kv_bytes`` of bf16 KV, the node tier ``node_bytes`` of
+        stored blocks (``stored_per_token`` bytes a token, default the 8B geometry's in
+        kvwarm's precision). The loader's settings (default: the config's ``loader``
+        section) give the fetch mode and workers: its plan prefetch walks one block at a
+        time, the other workers take background fetches.
+
+        Raises:
+            BadInputError: a capacity that holds no block.
+        """
+        loader = loader or LoaderConfig()
+        per_token = stored_bytes_per_token(block_tokens) if stored_per_token is None else stored_per_token
+        block_bytes = per_token * block_tokens
+        gpu = int(gpu_kv_bytes // (block_tokens * ENGINE_KV_BYTES_PER_TOKEN))
+        node = int(node_bytes // block_bytes)
+        if gpu < 1 or node < 1:
+            raise BadInputError(f"the engine's cache ({gpu_kv_bytes:g} bytes) and the node tier ({node_bytes:g} bytes) "
+                                f"must each hold at least one block of {block_tokens} tokens")
+        shape = NodeShape(gpu, node, write_back=write_back, fetch_mode=loader.fetch_mode,
+                          sync_timeout_s=loader.sync_fetch_timeout_s)
+        costs = TierCosts(prefill or PrefillCost(), NODE_TIER, S3_STREAM, block_bytes, prefetch_streams=1,
+                          fetch_streams=max(1, loader.fetch_workers - 1))
+        return cls(shape, costs)
 
 
 @dataclass(frozen=True)
 class SimResult:
-    """Everything :func:`simulate` measured: one row per policy plus the reference."""
+    """One scenario: a row per policy, and each policy's no-event reference (none for steady)."""
 
     scenario: Scenario
-    capacity_blocks: int
     window: tuple[float, float]
-    reference: PolicyResult | None
     rows: tuple[PolicyResult, ...]
+    reference: dict[str, PolicyResult]
 
     def row(self, policy: str) -> PolicyResult:
-        """The row of ``policy`` (e.g. ``"lru+kvwarm"``)."""
         for r in self.rows:
             if r.policy == policy:
                 return r
         raise KeyError(f"no row for policy {policy!r}; have {[r.policy for r in self.rows]}")
 
     def to_json(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
-        return {"scenario": asdict(self.scenario), "capacity_blocks": self.capacity_blocks,
-                "window_s": list(self.window),
-                "reference": None if self.reference is None else asdict(self.reference),
-                "rows": [asdict(r) for r in self.rows]}
+        return {"scenario": asdict(self.scenario), "window_s": list(self.window), "rows": [asdict(r) for r in self.rows],
+                "reference": {k: asdict(v) for k, v in self.reference.items()}}
 
     def table(self) -> str:
-        """A plain-text table, one line per policy."""
-        head = (f"{'policy':<20}{'hit%':>7}{'excl0%':>8}{'1st-min%':>9}{'recover':>8}"
-                f"{'saved tok':>12}{'TTFT s':>10}{'p99 ms':>9}{'prec%':>7}{'rec%':>7}")
+        """A plain-text table, one line per policy (rates exclude each request's first block)."""
+        head = (f"{'policy':<15}{'hit%':>6}{'excl0%':>7}{'vllm%':>6}{'node%':>6}{'s3%':>5}{'1st-min%':>9}"
+                f"{'no-event':>9}{'TTFT ms':>8}{'p99 ms':>8}{'1st-min':>8}{'prefill s':>10}{'prec%':>6}{'rec%':>6}")
         lines = [head]
-        for r in ([self.reference] if self.reference else []) + list(self.rows):
-            rec = "-" if r.minutes_to_recover is None else f"{r.minutes_to_recover:g}"
-            prec = "-" if r.warmup_precision is None else f"{100 * r.warmup_precision:.1f}"
-            recall = "-" if r.warmup_recall is None else f"{100 * r.warmup_recall:.1f}"
-            lines.append(f"{r.policy:<20}{100 * r.hit_rate:>7.1f}{100 * r.hit_rate_excl_root:>8.1f}"
-                         f"{100 * r.first_bucket_hit_rate_excl_root:>9.1f}{rec:>8}{r.prefill_tokens_saved:>12,}"
-                         f"{r.ttft_saved_s:>10.1f}{1e3 * r.ttft_p99_s:>9.1f}{prec:>7}{recall:>7}")
+        for r in self.rows:
+            ref = self.reference.get(r.policy)
+            pct = lambda v: "-" if v is None else f"{100 * v:.1f}"  # noqa: E731
+            lines.append(
+                f"{r.policy:<15}{100 * r.hit_rate:>6.1f}{100 * r.hit_rate_excl_root:>7.1f}"
+                f"{100 * r.level_excl_root['gpu']:>6.1f}{100 * r.level_excl_root['node']:>6.1f}"
+                f"{100 * r.level_excl_root['s3']:>5.1f}{100 * r.first_minute_hit_rate_excl_root:>9.1f}"
+                f"{pct(ref.first_minute_hit_rate_excl_root if ref else None):>9}{1e3 * r.ttft_mean_s:>8.1f}"
+                f"{1e3 * r.ttft_p99_s:>8.0f}{1e3 * r.first_minute_ttft_mean_s:>8.1f}{r.prefill_gpu_s:>10.1f}"
+                f"{pct(r.warmup_precision):>6}{pct(r.warmup_recall):>6}")
         return "\n".join(lines)
 
 
-# -------------------------------------------------------------------------- simulate
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """Which requests a scenario serves, from where, and against what reference."""
-
-    start: int
-    served: np.ndarray
-    reference: np.ndarray | None
-    window: tuple[float, float]
-
-
-def _plan(index: BlockIndex, scenario: Scenario) -> _Plan:
+def _window(index: BlockIndex, sc: Scenario) -> tuple[np.ndarray, np.ndarray | None]:
+    """The rows the node under test serves in the window, and (scale-out) the rows it would
+    have served with its share from the start."""
     ts = index.trace.timestamps_s
     n = len(ts)
-    if scenario.kind == "steady":
-        rows = np.arange(n, dtype=np.int64)
-        return _Plan(0, rows, None, (0.0, float(ts[-1]) if n else 0.0))
-    if not 0 <= scenario.at_s <= (ts[-1] if n else 0):
-        raise BadInputError(f"event time {scenario.at_s:g} s is outside the trace (0 to {ts[-1] if n else 0:g} s)")
-    start = int(np.searchsorted(ts, scenario.at_s, side="left"))
-    end = int(np.searchsorted(ts, scenario.at_s + scenario.window_s, side="left"))
-    rows = np.arange(end, dtype=np.int64)
-    if scenario.kind == "scale-out":
-        routed = np.random.default_rng(scenario.seed).random(n) < scenario.share
-        rows = rows[routed[:end]]
-    return _Plan(start, rows[rows >= start], rows, (scenario.at_s, scenario.at_s + scenario.window_s))
+    if sc.kind == "steady":
+        return np.arange(n, dtype=np.int64), None
+    if not 0 <= sc.at_s <= (ts[-1] if n else 0):
+        raise BadInputError(f"event time {sc.at_s:g} s is outside the trace (0 to {ts[-1] if n else 0:g} s)")
+    a = int(np.searchsorted(ts, sc.at_s, side="left"))
+    z = int(np.searchsorted(ts, sc.at_s + sc.window_s, side="left"))
+    if sc.kind != "scale-out":
+        return np.arange(a, z, dtype=np.int64), None
+    routed = np.flatnonzero(np.random.default_rng(sc.seed).random(n) < sc.share)
+    routed = routed[routed < z]
+    return routed[routed >= a], routed
 
 
-def _make_cache(policy: Policy, capacity: int, index: BlockIndex, predictor: PredictorConfig,
-                served: np.ndarray) -> LRUCache | BeladyCache | RetentionCache:
-    if policy.eviction == "lru":
-        return LRUCache(capacity)
-    if policy.eviction == "belady":
-        return BeladyCache(capacity, next_use(index, served))
-    return RetentionCache(capacity, ReusePredictor(index, predictor))
+def simulate(index: BlockIndex, deployment: Deployment, scenarios: Sequence[Scenario],
+             policies: Sequence[str] = POLICIES, *, planner: Planner | None = None, references: bool = True,
+             ticks: Sequence[PlanTick] | None = None) -> list[SimResult]:
+    """Run every policy through every scenario (see the module docstring).
 
-
-def _prewarm(policy: Policy, index: BlockIndex, plan: _Plan, capacity: int, scenario: Scenario,
-             predictor: PredictorConfig, planned: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
-    if policy.prewarm == "plan":
-        assert planned is not None  # simulate() checks before any replay
-        return planned_prewarm(planned, capacity), None
-    if policy.prewarm == "naive":
-        return naive_prewarm(index, plan.start, capacity, scenario.lookback_s), None
-    if policy.prewarm == "kvwarm":
-        return kvwarm_prewarm(index, plan.start, capacity, predictor)
-    return oracle_prewarm(index, plan.start, plan.served, capacity), None
-
-
-def _measure(name: str, index: BlockIndex, rows: np.ndarray, hits: np.ndarray, scenario: Scenario,
-             window: tuple[float, float], cost: PrefillCost, reference: PolicyResult | None,
-             prewarmed: np.ndarray | None, start: int, seconds: float) -> PolicyResult:
-    tr = index.trace
-    keep = tr.timestamps_s[rows] >= window[0]  # rows already end at the window's end
-    rows, hits = rows[keep], hits[keep]
-    cum = np.concatenate([[0], np.cumsum(index.tokens)])
-    a = tr.offsets[rows]
-    hit_tok = cum[a + hits] - cum[a]
-    root_tok = np.where(tr.offsets[rows + 1] > a, index.tokens[np.minimum(a, len(index.tokens) - 1)], 0)
-    total = tr.input_tokens[rows]
-    hit_x = hit_tok - np.where(hits > 0, root_tok, 0)
-    total_x = total - root_tok
-    bucket = np.floor((tr.timestamps_s[rows] - window[0]) / scenario.bucket_s).astype(np.int64)
-    n_buckets = int(bucket.max(initial=-1)) + 1
-    num = np.bincount(bucket, weights=hit_x, minlength=n_buckets)
-    den = np.bincount(bucket, weights=total_x, minlength=n_buckets)
-    rates = np.divide(num, den, out=np.zeros(n_buckets), where=den > 0)
-    per_bucket = tuple((float(k * scenario.bucket_s / 60.0), float(r)) for k, r in enumerate(rates))
-    recover = None
-    if reference is not None:
-        ref = dict(reference.per_bucket)
-        for minute, r in per_bucket:
-            if r >= scenario.recovery_fraction * ref.get(minute, 0.0):
-                recover = minute
-                break
-    precision = recall = None
-    if prewarmed is not None:
-        used = np.zeros(index.n_unique, dtype=bool)
-        used[index.ids[_occurrences(index, rows)]] = True
-        seen = np.zeros(index.n_unique, dtype=bool)
-        seen[index.ids[: tr.offsets[start]]] = True
-        good = int(used[prewarmed[prewarmed < index.n_unique]].sum())  # plan blocks the trace lacks never hit
-        precision = good / len(prewarmed) if len(prewarmed) else 0.0
-        possible = int((used & seen).sum())
-        recall = good / possible if possible else 0.0
-    saved = cost.seconds(hit_tok)
-    ttft = cost.seconds(total, hit_tok)  # the uncached suffix's prefill; no queueing
-    p50, p99 = np.percentile(ttft, [50, 99]) if len(ttft) else (0.0, 0.0)
-    return PolicyResult(
-        policy=name, requests=len(rows), tokens=int(total.sum()), hit_tokens=int(hit_tok.sum()),
-        hit_rate=float(hit_tok.sum() / max(total.sum(), 1)),
-        hit_rate_excl_root=float(hit_x.sum() / max(total_x.sum(), 1)),
-        first_bucket_hit_rate_excl_root=float(rates[0]) if n_buckets else 0.0,
-        minutes_to_recover=recover, prefill_tokens_saved=int(hit_tok.sum()),
-        ttft_saved_s=float(saved.sum()), ttft_saved_mean_s=float(saved.mean()) if len(saved) else 0.0,
-        ttft_p50_s=float(p50), ttft_p99_s=float(p99),
-        prewarm_blocks=0 if prewarmed is None else len(prewarmed), warmup_precision=precision,
-        warmup_recall=recall, per_bucket=per_bucket, seconds=seconds,
-    )
-
-
-def simulate(index: BlockIndex, capacity_blocks: int, scenario: Scenario, policies: Sequence[Policy | str],
-             *, predictor: PredictorConfig = PredictorConfig(), cost: PrefillCost = PrefillCost(),
-             plan_blocks: np.ndarray | None = None) -> SimResult:
-    """Replay ``index``'s trace under each policy in ``scenario``; metrics over its window.
-
-    The reference row (``no-event``) is LRU without the restart, or, for a scale-out, an
-    LRU replica that received the same share of traffic from the start. ``plan_blocks``
-    (:func:`forecasting.simulate.prewarm.plan_blocks`, most valuable first) is what the ``plan``
-    prewarm loads.
+    The node that serves the whole trace is run once per policy: it is the steady run
+    and the no-event reference of restarts and replacements, and each restart forks it.
+    ``references=False`` skips the no-event runs a replacement or scale-out does not need
+    otherwise (tuning); ``ticks`` are kvwarm's plans when already made (:func:`kvwarm_plans`
+    with the same planner), so several deployments can share them.
 
     Raises:
-        BadInputError: a bad capacity, event time or policy (prewarms need a restart or
-            scale-out; the ``plan`` prewarm needs ``plan_blocks``).
+        BadInputError: an unknown policy or scenario, an event outside the trace, or
+            ``kvwarm`` without a ``planner``.
     """
-    if not isinstance(capacity_blocks, (int, np.integer)) or capacity_blocks < 1:
-        raise BadInputError(f"capacity must be at least one block, got {capacity_blocks!r}")
-    pols = [p if isinstance(p, Policy) else Policy.parse(p) for p in policies]
-    if scenario.kind == "steady" and any(p.prewarm != "none" for p in pols):
-        raise BadInputError("prewarm policies need an event to prewarm for: use --scenario restart or scale-out")
-    if plan_blocks is None and any(p.prewarm == "plan" for p in pols):
-        raise BadInputError("the plan prewarm needs a plan: pass --plan FILE (a kvwarm plan, docs/reference/plan.md)")
-    plan = _plan(index, scenario)
-    reference = None
-    if plan.reference is not None:
+    for p in policies:
+        if p not in POLICIES:
+            raise BadInputError(f"unknown policy {p!r}; choose one of {', '.join(POLICIES)}")
+    if "kvwarm" in policies and planner is None:
+        raise BadInputError("the kvwarm policy needs the pipeline's planner (its plans at its cadence)")
+    shape, costs = deployment.shape, deployment.costs
+    ts = index.trace.timestamps_s
+    windows = [_window(index, sc) for sc in scenarios]
+    last = max((float(ts[int(w[-1])]) for w, _ in windows if len(w)), default=0.0)
+    base = written_back(index) if shape.write_back else np.full(index.n_unique, len(ts) + 1, dtype=np.int64)
+    stored, prefilled, done_s = base, np.zeros(0, dtype=np.int64), float("inf")
+    plans: list[PlanTick] = []
+    if "kvwarm" in policies:
+        assert planner is not None
+        prefilled, done_s = prefill_blocks(index, planner.base, planner.origin)
+        stored_kv = stored_with_prefill(index, base, prefilled, done_s)
+        plans = list(ticks) if ticks is not None else kvwarm_plans(index, planner, stored_kv, last)
+    gpu_s = prefill_gpu_s(index, prefilled, base, done_s, planner.cost.prefill) if len(prefilled) else 0.0
+    results: dict[tuple[int, str], PolicyResult] = {}
+    refs: dict[tuple[int, str], PolicyResult] = {}
+    for policy in policies:
+        st = stored_with_prefill(index, base, prefilled, done_s) if policy == "kvwarm" else stored
+        _run_policy(policy, index, shape, costs, st, plans, scenarios, windows, gpu_s if policy == "kvwarm" else 0.0,
+                    results, refs, references)
+    out = []
+    for k, sc in enumerate(scenarios):
+        window = (0.0, float(ts[-1])) if sc.kind == "steady" else (sc.at_s, sc.at_s + sc.window_s)
+        out.append(SimResult(sc, window, tuple(results[(k, p)] for p in policies),
+                             {p: refs[(k, p)] for p in policies if (k, p) in refs}))
+    return out
+
+
+def _run_policy(policy: str, index: BlockIndex, shape: NodeShape, costs: TierCosts, stored: np.ndarray,
+                ticks: list[PlanTick], scenarios: Sequence[Scenario], windows: list, gpu_s: float,
+                results: dict, refs: dict, references: bool) -> None:
+    ts = index.trace.timestamps_s
+    n = len(ts)
+    need_main = [k for k, sc in enumerate(scenarios)
+                 if sc.kind in ("steady", "restart") or (references and sc.kind == "replacement")]
+    forks: dict[int, NodeRun] = {}
+    main_rows = np.arange(n, dtype=np.int64)
+    main_served: list = []
+    main_prefetched = 0
+    if need_main:
         t0 = time.perf_counter()
-        hits = replay(index, LRUCache(int(capacity_blocks)), plan.reference)
-        reference = _measure("no-event (lru)", index, plan.reference, hits, scenario, plan.window, cost, None,
-                             None, plan.start, time.perf_counter() - t0)
-    rows = []
-    for policy in pols:
+        ends = [int(windows[k][0][-1]) + 1 if len(windows[k][0]) else 0 for k in need_main]
+        upto = max(ends)
+        main_rows = np.arange(upto, dtype=np.int64)
+        run = make_node("reactive-store" if policy == "oracle" else policy, index, shape, costs, stored, main_rows,
+                        ticks)
+        cuts = sorted({int(windows[k][0][0]) for k, sc in enumerate(scenarios) if sc.kind == "restart"
+                       and len(windows[k][0])})
+        at = 0
+        for cut in cuts + [upto]:
+            main_served += run.serve(main_rows[at:cut])
+            at = cut
+            if cut in cuts:
+                forks[cut] = run.fork()
+        main_s = time.perf_counter() - t0
+        main_prefetched = run.node.prefetcher.copied
+    for k, sc in enumerate(scenarios):
+        rows, routed = windows[k]
         t0 = time.perf_counter()
-        cache = _make_cache(policy, int(capacity_blocks), index, predictor, plan.served)
-        prewarmed = None
-        if policy.prewarm != "none":
-            prewarmed, scores = _prewarm(policy, index, plan, int(capacity_blocks), scenario, predictor,
-                                         plan_blocks)
-            if scores is None and isinstance(cache, RetentionCache):
-                # Other prewarms have no reuse score: rank them just under a fresh, typical block.
-                base = scenario.at_s / predictor.tau_s + math.log(predictor.prior_rate)
-                scores = base - 1e-6 * np.arange(len(prewarmed), 0, -1)
-            cache.load(prewarmed.tolist(), None if scores is None else scores.tolist())
-        hits = replay(index, cache, plan.served)
-        rows.append(_measure(policy.name, index, plan.served, hits, scenario, plan.window, cost, reference,
-                             prewarmed, plan.start, time.perf_counter() - t0))
-    return SimResult(scenario, int(capacity_blocks), plan.window, reference, tuple(rows))
+        spent = gpu_s  # the base plan's prefill job, run once before its window ends
+        if sc.kind == "steady":
+            results[(k, policy)] = measure(policy, index, rows, main_served[: len(rows)], start_s=0.0,
+                                           bucket_s=sc.bucket_s, prefill_gpu_s=spent, seconds=main_s,
+                                           prefetched_blocks=main_prefetched)
+            continue
+        if sc.kind == "restart":
+            run = forks[int(rows[0])]
+            run.node.restart()
+        else:  # a new node: a replacement, or one that takes a share of the traffic
+            run = make_node(policy, index, shape, costs, stored, rows, ticks)
+        before = run.node.prefetcher.copied
+        warm, _ = start(policy, run, rows, sc.at_s)
+        served = run.serve(rows)
+        results[(k, policy)] = measure(policy, index, rows, served, start_s=sc.at_s, bucket_s=sc.bucket_s,
+                                       warm=warm, stored_by=int(rows[0]) if len(rows) else None,
+                                       prefill_gpu_s=spent, seconds=time.perf_counter() - t0,
+                                       prefetched_blocks=run.node.prefetcher.copied - before)
+        if not references:
+            continue
+        if sc.kind == "scale-out":
+            ref_run = make_node("reactive-store" if policy == "oracle" else policy, index, shape, costs, stored,
+                                routed, ticks)
+            ref_served = ref_run.serve(routed)
+            keep = routed >= (rows[0] if len(rows) else n)
+            refs[(k, policy)] = measure(policy, index, routed[keep], [s for s, q in zip(ref_served, keep) if q],
+                                        start_s=sc.at_s, bucket_s=sc.bucket_s)
+        else:
+            lo = int(rows[0]) if len(rows) else 0
+            refs[(k, policy)] = measure(policy, index, rows, main_served[lo: lo + len(rows)], start_s=sc.at_s,
+                                        bucket_s=sc.bucket_s)
 
 
 def plot(result: SimResult, path: str | Path, *, title: str | None = None) -> Path:
-    """Draw per-bucket hit rates (excluding the root block) of every row to a PNG at ``path``."""
+    """Per-minute hit rates (excluding the root block) of every policy, and kvwarm's no-event reference."""
     try:
         import matplotlib
     except ImportError as exc:
@@ -339,18 +313,19 @@ def plot(result: SimResult, path: str | Path, *, title: str | None = None) -> Pa
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    if result.reference is not None:
-        xs, ys = zip(*result.reference.per_bucket) if result.reference.per_bucket else ((), ())
-        ax.plot(xs, [100 * y for y in ys], "k--", label=result.reference.policy)
+    ref = result.reference.get("kvwarm") or next(iter(result.reference.values()), None)
+    if ref is not None and ref.per_bucket:
+        xs, ys = zip(*ref.per_bucket)
+        ax.plot(xs, [100 * y for y in ys], "k--", label=f"no event ({ref.policy})")
     for r in result.rows:
         if r.per_bucket:
             xs, ys = zip(*r.per_bucket)
             ax.plot(xs, [100 * y for y in ys], marker=".", label=r.policy)
     sc = result.scenario
-    event = "start of trace" if sc.kind == "steady" else f"{sc.kind} at {sc.at_s:g} s"
-    ax.set_xlabel(f"minutes since {event}")
+    ax.set_xlabel("minutes since the start of the trace" if sc.kind == "steady" else f"minutes since the {sc.kind} "
+                  f"at {sc.at_s:g} s")
     ax.set_ylabel("token hit rate excluding block 0 (%)")
-    ax.set_title(title or f"{sc.kind}, {result.capacity_blocks} blocks")
+    ax.set_title(title or sc.name)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

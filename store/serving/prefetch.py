@@ -48,8 +48,9 @@ def plan_chains(items: Plan | str | os.PathLike[str] | Iterable[Sequence[int]], 
                 ) -> tuple[list[PrefixChain], int]:
     """The chains to prefetch, and how many plan entries were skipped.
 
-    A plan (or plan file) gives its entries for the tenants in ``scopes``, each with its
-    score; an entry with only ``text`` needs ``tokenizer``. Anything else is prefixes as
+    A plan (or plan file) gives its entries for the tenants in ``scopes`` (``prefill`` and
+    ``retain`` alike), each with its score; an entry with only ``text`` needs ``tokenizer``,
+    and one named by ``hash_ids`` is skipped. Anything else is prefixes as
     token ids, in ``own`` scope, without a score.
     """
     if isinstance(items, (str, os.PathLike)):
@@ -58,7 +59,8 @@ def plan_chains(items: Plan | str | os.PathLike[str] | Iterable[Sequence[int]], 
     skipped = 0
     if isinstance(items, Plan):
         for e in items.entries:
-            if e.tenant not in scopes or (e.token_ids is None and tokenizer is None):
+            # A loader keys token ids: an entry named by hash ids only (logs in the Mooncake format) is skipped.
+            if e.tenant not in scopes or (e.token_ids is None and (e.text is None or tokenizer is None)):
                 skipped += 1
                 continue
             ids = e.token_ids if e.token_ids is not None else tokenizer(e.text or "")  # type: ignore[misc]

@@ -4,85 +4,93 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from bench import replay_bench
 from bench.lib import replay_analysis
-from bench.lib.ceiling import first_use_auc
-from forecasting.ingest.traces import read_mooncake
-from forecasting.simulate.prewarm import kvwarm_prewarm, oracle_prewarm
-from forecasting.simulate.replay import BlockIndex, LRUCache, PredictorConfig, replay
-from forecasting.simulate.simulation import Scenario, simulate
+from forecasting.simulate.metrics import PolicyResult
+from forecasting.simulate.simulation import Scenario, SimResult
 
 MOONCAKE = Path(__file__).resolve().parents[1] / "data" / "mooncake" / "conversation_head.jsonl"
-SMALL = ["--trace", str(MOONCAKE), "--quick", "--capacity", "4096", "--steady-capacity", "2048", "--window", "120"]
+# The head is 477 s long: a 60 s cadence gives plans before the events at 50 %.
+SMALL = ["--trace", str(MOONCAKE), "--quick", "--window", "120", "--cadence", "60"]
 
 
 def _last_json(capsys: pytest.CaptureFixture[str]) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
-def test_evaluation_reports_targets_settings_and_diagnostics(tmp_path: Path,
-                                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_evaluation_prints_every_policy_per_event_and_a_json_last_line(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     assert replay_bench.main(SMALL + ["--out", str(tmp_path), "--results", str(tmp_path)]) == 0
-    summary = _last_json(capsys)
-    assert summary["predictor"]["horizon_s"] == 300.0 and "20/40/60/80" in summary["tuned_on"]
-    assert set(summary["targets"]) >= {"prewarm_gap_closed.lru+kvwarm", "retention_gap_closed_4k"}
-    diag = summary["diagnostics_gap_closed"]["restart50"]
-    assert set(diag) == {"kvwarm_set_oracle_order", "oracle_set_kvwarm_order"}
-    # the figures are the library's, recomputed here on the same restart (at 50 % of the trace)
-    index = BlockIndex.build(read_mooncake(MOONCAKE))
-    scenario = Scenario("restart", at_s=0.5 * index.trace.duration_s, window_s=120.0)
-    result = simulate(index, 4096, scenario, ["lru", "lru+oracle"], predictor=PredictorConfig())
-    cold, best = (result.row(p).hit_rate_excl_root for p in ("lru", "lru+oracle"))
-    rates = replay_analysis.diagnose(index, result, 4096, PredictorConfig())
-    assert diag == pytest.approx({k: replay_analysis.gap(v, cold, best) for k, v in rates.items()}, abs=1e-3)
-    # kvwarm's shortfall there is its set, not its order
-    assert diag["oracle_set_kvwarm_order"] > diag["kvwarm_set_oracle_order"]
-    assert (tmp_path / "replay_bench.json").exists()
-    record = json.loads((tmp_path / "replay-quick.json").read_text())  # a quick run never overwrites replay.json
-    assert record["result"]["targets"] == summary["targets"] and record["variant"] == "quick"
-    assert record["command"].startswith("bench/replay_bench.py --trace tests/data/")  # no path of this machine
+    doc = _last_json(capsys)
+    assert set(doc["events"]) == {"restart50", "replacement50", "scale-out50", "steady"}
+    for name, ev in doc["events"].items():
+        assert list(ev["ttft_mean_ms"]) == ["vllm", "reactive-store", "kvwarm", "oracle", "belady"], name
+    rep = doc["events"]["replacement50"]
+    # the ceilings order as they must: the best prefetch beats reactive loads, which beat the engine alone
+    assert rep["ttft_mean_ms"]["oracle"] < rep["ttft_mean_ms"]["reactive-store"] < rep["ttft_mean_ms"]["vllm"]
+    kv = rep["kvwarm"]
+    assert kv["prefetched_blocks"] > 0 and kv["prefill_gpu_s"] == 0.0  # no off-peak plan on a Mooncake trace
+    saved = rep["ttft_mean_ms"]["reactive-store"] - rep["ttft_mean_ms"]["kvwarm"]
+    assert kv["ttft_saved_vs_reactive_ms"] == pytest.approx(saved, abs=0.02)
+    assert set(doc["targets"]) == {"replacement_gap_closed", "first_minute_vs_no_event",
+                                   "ttft_saved_positive_everywhere"}
+    assert doc["targets"]["replacement_gap_closed"]["value"] == kv["gap_closed"]
+    assert doc["kvwarm"]["plans"] == 7 and doc["kvwarm"]["fallback_plans"] >= 1  # the first minutes: too little history
+    assert len(json.loads((tmp_path / "replay_bench.json").read_text())) == 4
 
 
-def test_tuning_never_uses_the_evaluation_points(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_tuning_never_uses_the_evaluation_points(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch) -> None:
+    monkeypatch.setattr(replay_analysis, "TUNE_GRID", ((0.5, 300.0), (1.0, 120.0)))
     assert replay_bench.main(SMALL + ["--tune", "--results", str(tmp_path)]) == 0
-    summary = _last_json(capsys)
-    assert summary["mode"] == "tune"
-    assert not set(summary["fractions"]) & set(replay_bench.EVAL_FRACTIONS)
-    assert 4096 not in summary["steady_capacities"]
-    assert len(summary["grid"]) == 2 and summary["chosen"] in summary["grid"]
-    assert not set(replay_analysis.TUNE_FRACTIONS) & set(replay_bench.EVAL_FRACTIONS)
+    doc = _last_json(capsys)
+    assert doc["mode"] == "tune"
+    assert not set(doc["fractions"]) & set(replay_analysis.EVAL_FRACTIONS)
+    assert len(doc["grid"]) == 2 and all(len(s["each_ms"]) == 3 * len(doc["fractions"]) for s in doc["grid"])
+    best = max(s["ttft_saved_ms"] for s in doc["grid"])
+    assert {"retain_fraction": doc["chosen"]["retain_fraction"], "tau_s": doc["chosen"]["tau_s"]} in [
+        {"retain_fraction": s["retain_fraction"], "tau_s": s["tau_s"]} for s in doc["grid"]
+        if s["ttft_saved_ms"] == best]
 
 
-def test_the_diagnostic_measures_as_the_simulator_does() -> None:
-    index = BlockIndex.build(read_mooncake(MOONCAKE))
-    result = simulate(index, 4096, Scenario("restart", at_s=240.0, window_s=120.0), ["lru+kvwarm", "lru+oracle"])
-    ts = index.trace.timestamps_s
-    start = int(np.searchsorted(ts, 240.0))
-    served = np.arange(start, int(np.searchsorted(ts, 360.0)))
-    for policy, blocks in (("lru+kvwarm", kvwarm_prewarm(index, start, 4096)[0]),
-                           ("lru+oracle", oracle_prewarm(index, start, served, 4096))):
-        cache = LRUCache(4096)
-        cache.load(blocks.tolist())
-        rate = replay_analysis.excl_root_rate(index, served, replay(index, cache, served))
-        assert rate == pytest.approx(result.row(policy).hit_rate_excl_root)
-    diag = replay_analysis.diagnose(index, result, 4096, PredictorConfig())
-    # Here, as on the full trace, the oracle's set beats kvwarm's even in kvwarm's order: the shortfall is the set.
-    assert diag["oracle_set_kvwarm_order"] >= result.row("lru+kvwarm").hit_rate_excl_root
+def _row(policy: str, ttft: float, first: float) -> PolicyResult:
+    return PolicyResult(policy, 10, 100, 10, 0.1, 0.1, {"gpu": 0.0, "node": 0.1, "s3": 0.0}, first, ttft, ttft, ttft,
+                        0.0, None, None, None, (), 0.0)
 
 
-def test_ceiling_calibrates_on_the_tuning_points_only(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert replay_bench.main(SMALL + ["--ceiling", "--results", str(tmp_path)]) == 0
-    summary = _last_json(capsys)
-    assert summary["mode"] == "ceiling" and not set(summary["fractions"]) & set(replay_bench.EVAL_FRACTIONS)
-    curve = summary["prewarm"]
-    assert set(curve) == {"kvwarm"} | {f"oracle_error_sd{sd:g}" for sd in replay_analysis.NOISE_SDS}
-    aucs = [curve[f"oracle_error_sd{sd:g}"]["auc"] for sd in replay_analysis.NOISE_SDS]
-    assert aucs == sorted(aucs, reverse=True) and all(0.5 < a <= 1.0 for a in aucs)  # more error, worse ranking
-    assert 0.5 < summary["auc_needed_for_target"] < 1.0
-    split = summary["retention_hits"]["2048"]
-    assert split["belady"]["first_reuse"] >= split["retention"]["first_reuse"]
-    index = BlockIndex.build(read_mooncake(MOONCAKE))
-    assert summary["first_use_auc_180s"] == pytest.approx(first_use_auc(index, 180.0), abs=1e-3)
+def test_the_targets_are_kvwarms_gap_to_the_oracle_and_its_first_minute_against_no_event() -> None:
+    sc = Scenario("replacement", at_s=1.0)
+    res = SimResult(sc, (1.0, 601.0), (_row("reactive-store", 0.5, 0.1), _row("kvwarm", 0.4, 0.3),
+                                       _row("oracle", 0.3, 0.4)), {"kvwarm": _row("kvwarm", 0.2, 0.6)})
+    ev = replay_analysis.event_figures(res)
+    assert ev["kvwarm"]["gap_closed"] == pytest.approx(0.5) and ev["kvwarm"]["first_minute_vs_no_event"] == 0.5
+    assert ev["kvwarm"]["ttft_saved_vs_reactive_ms"] == pytest.approx(100.0)
+    worse = SimResult(sc, (1.0, 601.0), (_row("reactive-store", 0.5, 0.1), _row("kvwarm", 0.55, 0.1),
+                                         _row("oracle", 0.3, 0.4)), {"kvwarm": _row("kvwarm", 0.2, 0.6)})
+    events = {f"{k}50": replay_analysis.event_figures(worse if k == "scale-out" else res)
+              for k in replay_analysis.EVENTS}
+    summary = replay_analysis.summarise(events, (0.5,))
+    assert summary["targets"]["replacement_gap_closed"]["met"] is True
+    assert summary["targets"]["first_minute_vs_no_event"]["met"] is False
+    lowest = summary["targets"]["ttft_saved_positive_everywhere"]
+    assert lowest["value"] == pytest.approx(-50.0) and lowest["met"] is False  # reported with its sign
+
+
+def test_any_mooncake_format_trace_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A differently shaped trace: short conversations of three turns a minute apart, written as Mooncake JSONL.
+    chains, times = [], []
+    for c in range(40):
+        for turn in range(3):
+            chains.append([1] + [1000 * c + k for k in range(2 + turn)])
+            times.append(10.0 * c + 60.0 * turn)
+    trace = tmp_path / "other.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": int(1000 * t), "input_length": 512 * len(ch),
+                                         "output_length": 10, "hash_ids": ch}) + "\n"
+                             for t, ch in sorted(zip(times, chains))))
+    assert replay_bench.main(["--trace", str(trace), "--quick", "--window", "60", "--cadence", "30",
+                              "--out", str(tmp_path), "--results", str(tmp_path)]) == 0
+    doc = _last_json(capsys)
+    assert doc["requests"] == 120 and doc["kvwarm"]["fallback_plans"] == doc["kvwarm"]["plans"]  # too little history
+    assert doc["events"]["replacement50"]["kvwarm"]["warmup_recall"] is not None

@@ -121,20 +121,26 @@ def test_the_demo_replays_the_planned_period_through_the_loader(prefect_harness,
     assert "hit rate:" in text and "warm-up accuracy:" in text and "TTFT saved:" in text
     for png in out["plots"].values():
         assert Path(png).exists()
-    # The what-if replays the same period in the simulator's cache model. A reactive LRU cache
-    # is what the cold store with write-back is, so, with no evictions in a period this small,
-    # the simulator reproduces the store's baseline to the token.
+    # The what-if replays the logs through prefill simulate's deployment-shaped replay, with a
+    # restart and a replacement at the window's end. A new node's engine alone is what the cold
+    # store with write-back is: with no evictions in a period this small, the replay reproduces
+    # the store's baseline to the token.
     what = out["whatif"]
-    assert what["cold_lru"] == pytest.approx(rep["cold_cached_tokens"] / rep["prompt_tokens"])
-    assert what["cold_lru"] <= what["plan"] <= what["best"] and what["plan_blocks"] > 0
-    assert "what-if, a 256-block prefix cache" in text and f"rerun: {what['command']}" in text
+    assert what["replacement"]["vllm"]["hit_rate"] == pytest.approx(rep["cold_cached_tokens"] / rep["prompt_tokens"])
+    for kind in ("restart", "replacement"):
+        got = what[kind]
+        assert got["vllm"]["hit_rate"] <= got["reactive-store"]["hit_rate"] <= got["no-event"]["hit_rate"]
+        assert Path(what["plots"][kind]).exists()
+    assert what["replacement"]["kvwarm"]["prefetched_blocks"] > 0  # a new node prefetches the latest plan
+    assert "what-if at" in text and f"rerun: {what['command']}" in text
     # The printed command reruns it from the logs themselves, to the same figures.
     from prefill.cli import main
 
-    assert main(shlex.split(what["command"])[1:] + ["--policy", "lru,lru+plan", "--json"]) == 0
+    assert main(shlex.split(what["command"])[1:] + ["--policy", "vllm,reactive-store,kvwarm", "--json"]) == 0
     rows = {r["policy"]: r for r in json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"]}
-    assert rows["lru"]["hit_rate"] == pytest.approx(what["cold_lru"])
-    assert rows["lru+plan"]["hit_rate"] == pytest.approx(what["plan"])
+    for policy in ("vllm", "reactive-store", "kvwarm"):
+        assert rows[policy]["hit_rate"] == pytest.approx(what["replacement"][policy]["hit_rate"])
+        assert 1e3 * rows[policy]["ttft_mean_s"] == pytest.approx(what["replacement"][policy]["ttft_mean_ms"])
     # The next run of this store adapts the LSH threshold by the hit rate the demo's loaders measured.
     from flows.pipeline import forecast_demand, mine_logs
     from forecasting.mining.families import adapt_threshold

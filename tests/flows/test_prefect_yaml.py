@@ -14,7 +14,7 @@ DEPLOYMENTS = DOC["deployments"]
 
 def test_the_stages_the_issue_names_are_scheduled():
     names = {d["name"] for d in DEPLOYMENTS}
-    assert {"mine-hourly", "forecast-hourly", "plan-hourly", "prefill-offpeak", "gc-15min"} <= names
+    assert {"mine-hourly", "forecast-hourly", "plan-hourly", "plan-5min", "prefill-offpeak", "gc-15min"} <= names
     pools = {d["work_pool"]["name"] for d in DEPLOYMENTS}
     assert pools == {"kvwarm-cpu", "kvwarm-gpu"}
 
@@ -44,6 +44,15 @@ def test_every_schedule_parses(dep):
         assert sched.cron == s["cron"]
 
 
+def test_the_short_plans_schedule_runs_every_cadence_minutes():
+    from flows.spec import CadenceSpec
+
+    dep = next(d for d in DEPLOYMENTS if d["name"] == "plan-5min")
+    minutes = dep["parameters"]["cadence"]["minutes"]
+    assert dep["schedules"][0]["cron"] == f"*/{minutes} * * * *"  # the schedule and the parameter agree
+    assert minutes == CadenceSpec().minutes == 5  # the flow parameter's default: every 5 minutes
+
+
 def test_gc_runs_every_15_minutes_and_the_prefill_uses_the_gpu_pool():
     by = {d["name"]: d for d in DEPLOYMENTS}
     assert by["gc-15min"]["schedules"][0]["cron"] == "*/15 * * * *"
@@ -54,7 +63,7 @@ def test_gc_runs_every_15_minutes_and_the_prefill_uses_the_gpu_pool():
 def test_every_stage_of_the_set_works_on_one_run_target():
     """The plan and the prefill must agree on store, config, model and block size: one target for all."""
     targets = [d["parameters"]["target"] for d in DEPLOYMENTS if "run" in d["parameters"]["target"]]
-    assert len(targets) == 4 and all(t == targets[0] for t in targets) and targets[0]["run"] == "prod"
+    assert len(targets) == 5 and all(t == targets[0] for t in targets) and targets[0]["run"] == "prod"
     gc = next(d for d in DEPLOYMENTS if d["name"] == "gc-15min")["parameters"]["target"]
     assert gc == {k: v for k, v in targets[0].items() if k != "run"}  # the whole store, no run
 
@@ -74,11 +83,11 @@ def test_every_section_of_the_run_spec_is_a_parameter_of_some_stage_flow():
     """What the pipeline can set, a deployment of a stage can set too (the stage switches aside)."""
     import typing
 
-    from flows import pipeline
+    from flows import cadence, pipeline
     from flows.spec import RunSpec
 
     stages = [pipeline.mine_logs, pipeline.forecast_demand, pipeline.plan_prewarm, pipeline.prefill_plan,
-              pipeline.gc_store, pipeline.report]
+              pipeline.gc_store, pipeline.report, cadence.plan_cadence]
     taken = {hint for f in stages for name, hint in typing.get_type_hints(f.fn).items() if name != "return"}
     sections = {name: field.annotation for name, field in RunSpec.model_fields.items()}
     assert {name for name, kind in sections.items() if kind not in taken} == {"stages"}

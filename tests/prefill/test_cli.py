@@ -98,7 +98,7 @@ def test_a_bug_is_a_traceback_not_bad_input(tmp_path, capsys, monkeypatch, bug):
     assert "error:" not in capsys.readouterr().err
     monkeypatch.setattr("forecasting.simulate.cli.simulate", broken)
     with pytest.raises(type(bug)):
-        main(["simulate", "--trace", "tests/data/mooncake/conversation_head.jsonl", "--capacity-blocks", "64"])
+        main(["simulate", "--trace", "tests/data/mooncake/conversation_head.jsonl", "--policy", "vllm"])
     monkeypatch.setattr("store.cli._dispatch", broken)
     with pytest.raises(type(bug)):
         main(["store", "--store", f"file://{tmp_path / 'store'}", "ls", "--tenant", "acme"])

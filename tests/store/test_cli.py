@@ -104,5 +104,5 @@ def test_every_command_that_reads_a_store_shows_both_options_in_its_help(capsys)
         text = capsys.readouterr().out
         assert done.value.code == 0 and "--store URL" in text and "--config FILE" in text, command
     with pytest.raises(SystemExit) as done:  # simulate reads neither: refused, not ignored
-        main(["--store", "file:///tmp/x", "simulate", "--trace", "t.jsonl", "--capacity-blocks", "8"])
+        main(["--store", "file:///tmp/x", "simulate", "--trace", "t.jsonl", "--policy", "vllm"])
     assert done.value.code == 2 and "prefill simulate takes no --config or --store" in capsys.readouterr().err

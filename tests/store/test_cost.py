@@ -89,3 +89,14 @@ def test_a_hit_is_worth_loading_only_when_it_beats_recomputing_it() -> None:
     slow = LoadCost(5e8, 1e-3)
     assert not load_beats_prefill(attention, slow, cached_tokens=0, **hit)
     assert load_beats_prefill(attention, slow, cached_tokens=20_000, **hit)
+
+
+def test_a_load_cost_is_fitted_to_measured_reads() -> None:
+    truth = LoadCost(bytes_per_s=250e6, s_per_file=0.01)
+    points = [(b, float(truth.seconds(b))) for b in (1e6, 16e6, 256e6)]
+    fitted = LoadCost.fit(points)
+    assert fitted.bytes_per_s == pytest.approx(250e6) and fitted.s_per_file == pytest.approx(0.01)
+    one = LoadCost.fit([(538509120, 0.0721)])  # one size: all of it is throughput
+    assert one.s_per_file == 0.0 and one.seconds(538509120) == pytest.approx(0.0721)
+    with pytest.raises(ValueError, match="all positive"):
+        LoadCost.fit([(1e6, 0.0)])

@@ -80,7 +80,7 @@ def test_simulate_reads_the_pipelines_logs(tmp_path: Path, capsys: pytest.Captur
     parser = argparse.ArgumentParser(prog="prefill")
     add_simulate_command(parser.add_subparsers(dest="cmd", required=True), load_tokenizer=lambda name: chars)
     argv = ["simulate", "--trace", str(log), "--format", "logs", "--model", "m", "--block-size", "2",
-            "--capacity-blocks", "8"]
+            "--scenario", "steady", "--policy", "vllm"]
     args = parser.parse_args(argv)
     assert args.func(args) == 0
     out = capsys.readouterr().out
@@ -88,8 +88,8 @@ def test_simulate_reads_the_pipelines_logs(tmp_path: Path, capsys: pytest.Captur
     # Request 1 hits the two blocks request 0 left: 4 of the 15 prompt tokens.
     args = parser.parse_args(argv + ["--json"])
     assert args.func(args) == 0
-    lru = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"][0]
-    assert lru["policy"] == "lru" and (lru["hit_tokens"], lru["tokens"]) == (4, 15)
+    vllm = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["rows"][0]
+    assert vllm["policy"] == "vllm" and (vllm["hit_tokens"], vllm["tokens"]) == (4, 15)
     args = parser.parse_args(argv[:5] + argv[7:])
     with pytest.raises(BadInputError, match="the log holds 2 models"):
         args.func(args)

@@ -1,0 +1,116 @@
+"""Plans at a short cadence: the plan the pipeline ships every few minutes, and the one the replay measures.
+
+:func:`plan_now` makes the whole decision from the logs before a time ``as_of``:
+
+1. the logs of the ``lookback_s`` before ``as_of`` are mined
+   (:func:`forecasting.mining.request_tree.mine_requests`; nothing at or after ``as_of``);
+2. the reuse model is fitted on them (:class:`forecasting.planning.reuse.ReuseModel`):
+   each stored prefix's expected uses in the coming horizon;
+3. the stored prefixes worth a place on a serving node are chosen under the node and
+   store bytes budgets (:mod:`forecasting.planning.retain`);
+4. they join the prefill entries of the latest off-peak plan (``base``: what
+   :func:`forecasting.planning.planner.make_plan` chose from the demand forecasts) in one
+   plan, most valuable first: one value model ranks both
+   (:func:`forecasting.planning.planner.prefix_value`).
+
+The cadence flow (``flows/cadence.py``) calls it every ``cadence_minutes`` and on demand;
+``prefill simulate`` and ``bench/replay_bench.py`` call it at the same cadence, each time
+from the trace before the plan's time. What the replay measures is what ships.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import numpy as np
+import pandas as pd
+
+from forecasting.mining.prefix_tree import Tokenizer
+from forecasting.mining.request_tree import mine_requests
+from forecasting.planning.planner import PlanCosts
+from forecasting.planning.retain import Present, RetainBudget, retain_entries, retain_nodes
+from forecasting.planning.reuse import Occurrences, ReuseConfig, ReuseModel
+from store.errors import BadInputError
+from store.identity.keys import KeyRoot
+from store.plan import Plan
+
+#: the default cadence of short plans (the cadence flow's parameter)
+CADENCE_MINUTES = 5.0
+
+
+@dataclass(frozen=True)
+class CadenceSpec:
+    """What a short-cadence plan learns from and may spend.
+
+    Attributes:
+        budget: bytes a plan may retain (on a serving node's tier, in the store).
+        reuse: the reuse model's knobs.
+        lookback_s: the logs before ``as_of`` it learns from.
+        min_value: a retained block must be worth more than this (GPU-seconds).
+    """
+
+    budget: RetainBudget
+    reuse: ReuseConfig = field(default_factory=ReuseConfig)
+    lookback_s: float = 3600.0
+    min_value: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.lookback_s > 0 and math.isfinite(self.lookback_s)):
+            raise BadInputError(f"CadenceSpec.lookback_s must be a positive number of seconds, got {self.lookback_s!r}")
+
+
+def unix_s(when: Any) -> float:
+    """A tz-naive UTC timestamp (or anything ``pd.Timestamp`` takes) in Unix seconds."""
+    ts = pd.Timestamp(when)
+    if ts.tzinfo is not None:
+        ts = ts.tz_convert("UTC").tz_localize(None)
+    return ts.value / 1e9
+
+
+def plan_now(requests: pd.DataFrame, as_of: Any, *, cost: PlanCosts, spec: CadenceSpec, block_size: int,
+             roots: KeyRoot | Mapping[str, KeyRoot] | None = None, tokenizer: Tokenizer | None = None,
+             model: str | None = None, present: Present | None = None, base: Plan | None = None,
+             created_at: float | None = None) -> Plan:
+    """The plan at ``as_of`` from the logs before it (see the module docstring).
+
+    Args:
+        requests: log rows (:func:`forecasting.ingest.logs.read_logs`'s columns); rows at
+            or after ``as_of`` are never read.
+        as_of: the plan's time (tz-naive UTC).
+        cost, spec: prices and budgets.
+        block_size, roots, tokenizer, model: how the logs are mined
+            (:func:`forecasting.mining.request_tree.mine_requests`).
+        present: which mined prefixes the store holds (default: all of them, as when the
+            engines write their KV back).
+        base: the latest off-peak plan, whose prefill entries this plan keeps.
+
+    Returns:
+        A version-2 plan: ``retain`` entries and ``base``'s prefill entries by score,
+        ``as_of`` set; ``extra`` says what the reuse model learned from.
+    """
+    t = unix_s(as_of)
+    secs = pd.to_datetime(requests["timestamp"]).to_numpy(dtype="datetime64[us]").astype(np.int64) / 1e6
+    keep = (secs < t) & (secs >= t - spec.lookback_s)
+    rows = requests[keep].iloc[np.argsort(secs[keep], kind="stable")]
+    entries: list[Any] = []
+    extra: dict[str, Any] = {"requests": int(len(rows)), "lookback_s": spec.lookback_s}
+    if len(rows):
+        tree = mine_requests(rows, block_size=block_size, tokenizer=tokenizer, roots=roots, model=model)
+        occ = Occurrences.of(tree)
+        reuse = ReuseModel.fit(occ, t, spec.reuse)
+        uses = reuse.expected_uses(occ)
+        held = None if present is None else present(tree, np.arange(tree.n_nodes))
+        chosen, rank = retain_nodes(tree, uses, cost, spec.budget, horizon_s=spec.reuse.horizon_s, present=held,
+                                    min_value=spec.min_value)
+        entries = retain_entries(tree, uses, chosen, rank)
+        extra.update(reuse={"fallback": reuse.fallback, "closed_outcomes": reuse.closed},
+                     retain_blocks=int(len(chosen)), retain_bytes=float(len(chosen) * cost.bytes(block_size)))
+    kept = {e.prefix_id for e in entries}
+    prefill = [e for e in (base.prefill_entries() if base is not None else []) if e.prefix_id not in kept]
+    merged = sorted(prefill + entries, key=lambda e: -e.score)
+    return Plan(entries=tuple(merged), created_at=time.time() if created_at is None else created_at,
+                block_size=block_size, model=model,
+                window_start=None if base is None else base.window_start,
+                window_end=None if base is None else base.window_end, extra=extra, as_of=t)

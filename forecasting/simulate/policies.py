@@ -1,0 +1,222 @@
+"""The policies the replay runs side by side, each as a deployment runs it (docs/guides/simulate.md).
+
+- ``vllm``: the engine alone: its prefix cache (LRU), no kvwarm.
+- ``reactive-store``: kvwarm's tiers with write-back and lazy loads, LRU, no prediction:
+  what LMCache and Dynamo's KVBM offer, the baseline kvwarm must beat.
+- ``kvwarm``: the same tiers, run by the pipeline's plans. At each cadence tick the plan
+  :func:`forecasting.planning.cadence.plan_now` makes from the trace before the tick becomes
+  the node's retention priorities and is prefetched (it replaces the last one); a node
+  that starts (a restart, a replacement, a scale-out) prefetches the latest plan, at most
+  one cadence old, as the connector's ``plan: latest`` does.
+- ``oracle``: reactive-store, plus at the event the best possible prefetch
+  (:func:`forecasting.simulate.prewarm.oracle_prewarm`): the ceiling of prewarming.
+- ``belady``: reactive-store's levels, both evicting by Belady's rule: the ceiling of eviction.
+
+The oracle and Belady read the future; they live here, in the simulator, and policy code
+(``forecasting.planning``) never imports this package.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+
+from forecasting.mining.prefix_tree import PrefixTree
+from forecasting.planning.cadence import CadenceSpec, plan_now
+from forecasting.planning.planner import PlanCosts
+from forecasting.simulate.prewarm import oracle_prewarm, plan_priorities, tree_blocks
+from forecasting.simulate.replay import BlockIndex, next_use
+from forecasting.simulate.tiers import Node, NodeShape, Served, TierCosts
+from store.cost import PrefillCost
+from store.errors import BadInputError
+from store.identity.keys import KeyRoot
+from store.plan import Plan
+
+POLICIES = ("vllm", "reactive-store", "kvwarm", "oracle", "belady")
+
+
+@dataclass(frozen=True)
+class PlanTick:
+    """One plan of kvwarm's cadence, as a node applies it.
+
+    Attributes:
+        at_s: the plan's time (trace seconds): it learned from the requests before it.
+        order: its blocks in prefetch order; ``priority``: each block's retention priority.
+        plan: the plan itself.
+    """
+
+    at_s: float
+    order: np.ndarray
+    priority: dict[int, float]
+    plan: Plan
+
+
+@dataclass(frozen=True)
+class Planner:
+    """How the replay asks the pipeline for kvwarm's plans: the same call the cadence flow makes.
+
+    Attributes:
+        requests: the trace's requests as log rows (what the pipeline mines).
+        origin: the log time of the trace's time 0.
+        cost, spec: the planner's prices and budgets.
+        cadence_s: seconds between plans.
+        roots: the tenants' key roots when the rows carry tokens (the trace's simulation roots).
+        base: the latest off-peak plan, whose prefill entries every plan keeps.
+    """
+
+    requests: pd.DataFrame
+    origin: pd.Timestamp
+    cost: PlanCosts
+    spec: CadenceSpec
+    cadence_s: float = 300.0
+    roots: Mapping[str, KeyRoot] | None = None
+    base: Plan | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.cadence_s > 0 and math.isfinite(self.cadence_s)):
+            raise BadInputError(f"the plan cadence must be a positive number of seconds, got {self.cadence_s!r}")
+
+
+def written_back(index: BlockIndex) -> np.ndarray:
+    """Per block, the first request that finds it in S3 with write-back: the one after its first
+    full use anywhere in the fleet (partial tail blocks are never written)."""
+    stored = np.full(index.n_unique, len(index.trace) + 1, dtype=np.int64)
+    full = index.tokens >= index.trace.block_tokens
+    np.minimum.at(stored, index.ids[full], index.request[full] + 1)
+    return stored
+
+
+def kvwarm_plans(index: BlockIndex, planner: Planner, stored: np.ndarray, until_s: float) -> list[PlanTick]:
+    """The plans kvwarm's cadence makes over ``[cadence, until_s]``, each from the requests before it.
+
+    ``stored`` (per block, the first request that finds it in S3) answers the planner's
+    question of which mined prefixes the store holds at the plan's time.
+    """
+    ts = index.trace.timestamps_s
+    ticks = []
+    for at in np.arange(planner.cadence_s, until_s + 1e-9, planner.cadence_s):
+        row = int(np.searchsorted(ts, at, side="left"))
+
+        def present(tree: PrefixTree, nodes: np.ndarray, row: int = row) -> np.ndarray:
+            dense = tree_blocks(index, tree)[nodes]
+            return (dense >= 0) & (stored[np.maximum(dense, 0)] <= row)
+
+        plan = plan_now(planner.requests, planner.origin + pd.Timedelta(seconds=float(at)), cost=planner.cost,
+                        spec=planner.spec, block_size=index.trace.block_tokens, roots=planner.roots,
+                        present=present, base=planner.base, created_at=0.0)
+        order, priority = plan_priorities(index, plan)
+        ticks.append(PlanTick(float(at), order, priority, plan))
+    return ticks
+
+
+@dataclass
+class Run:
+    """One node's run: what each served request got, and the warm-up set at its event."""
+
+    rows: np.ndarray
+    served: list[Served]
+    warm: set[int] | None = None
+    plan: PlanTick | None = None
+
+
+class NodeRun:
+    """Serves rows through a :class:`~forecasting.simulate.tiers.Node`, applying plan ticks as they come."""
+
+    def __init__(self, node: Node, ticks: Sequence[PlanTick] = ()) -> None:
+        self.node = node
+        self.ticks = list(ticks)
+        self.current: PlanTick | None = None
+        self._next = 0
+
+    def fork(self) -> NodeRun:
+        out = NodeRun(self.node.fork(), self.ticks)
+        out.current, out._next = self.current, self._next
+        return out
+
+    def latest(self, t: float) -> PlanTick | None:
+        """The newest plan made at or before ``t`` that this node has not seen yet (``None``: none);
+        it becomes :attr:`current`."""
+        tick = None
+        while self._next < len(self.ticks) and self.ticks[self._next].at_s <= t:
+            tick = self.ticks[self._next]
+            self._next += 1
+        if tick is not None:
+            self.current = tick
+        return tick
+
+    def serve(self, rows: np.ndarray) -> list[Served]:
+        ts = self.node.index.trace.timestamps_s
+        out = []
+        for i in rows.tolist():
+            t = float(ts[i])
+            tick = self.latest(t)
+            if tick is not None:
+                self.node.apply_plan(tick.priority, tick.order, t, i)
+            self.node.land(t)
+            out.append(self.node.serve(i))
+        return out
+
+
+def make_node(policy: str, index: BlockIndex, shape: NodeShape, costs: TierCosts, stored: np.ndarray,
+              rows: np.ndarray, ticks: Sequence[PlanTick]) -> NodeRun:
+    """A fresh node running ``policy`` for ``rows`` (Belady needs to know which rows it serves)."""
+    if policy not in POLICIES:
+        raise BadInputError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if policy == "vllm":
+        return NodeRun(Node(index, NodeShape(shape.gpu_blocks, 0, store=False), costs, stored))
+    nxt = next_use(index, rows) if policy == "belady" else None
+    return NodeRun(Node(index, shape, costs, stored, nxt), ticks if policy == "kvwarm" else ())
+
+
+def start(policy: str, run: NodeRun, served: np.ndarray, at_s: float) -> tuple[set[int] | None, PlanTick | None]:
+    """What a node does when it starts (or restarts) at ``at_s`` before serving ``served``:
+    kvwarm prefetches the latest plan, the oracle its ceiling. Returns the warm-up set (the
+    blocks held or queued) and the plan used."""
+    node = run.node
+    if not len(served) or policy == "vllm":
+        return None, None
+    row = int(served[0])
+    tick = None
+    if policy == "kvwarm":
+        tick = run.latest(at_s) or run.current
+        if tick is not None:
+            node.apply_plan(tick.priority, tick.order, at_s, row)
+    elif policy == "oracle":
+        held = set(node.tier.blocks())
+        node.prefetch(oracle_prewarm(node.index, row, served, node.stored, capacity=node.shape.node_blocks,
+                                     fetch_s=node.costs.prefetch_s, skip=held).tolist(), at_s, row)
+    return set(node.tier.blocks()) | node.prefetcher.pending, tick
+
+
+def prefill_blocks(index: BlockIndex, base: Plan | None, origin: pd.Timestamp) -> tuple[np.ndarray, float]:
+    """The blocks the base plan prefills, and when they are stored (trace seconds: its window's end)."""
+    if base is None or not base.prefill_entries():
+        return np.zeros(0, dtype=np.int64), math.inf
+    order, _ = plan_priorities(index, Plan(entries=tuple(base.prefill_entries())))
+    done = (base.window_end if base.window_end is not None else base.created_at) - origin.value / 1e9
+    return order[order < index.n_unique], float(done)
+
+
+def stored_with_prefill(index: BlockIndex, stored: np.ndarray, blocks: np.ndarray, done_s: float) -> np.ndarray:
+    """``stored`` with the prefilled ``blocks`` in S3 from ``done_s`` on."""
+    out = stored.copy()
+    row = int(np.searchsorted(index.trace.timestamps_s, done_s, side="left"))
+    if len(blocks):
+        out[blocks] = np.minimum(out[blocks], row)
+    return out
+
+
+def prefill_gpu_s(index: BlockIndex, blocks: np.ndarray, stored: np.ndarray, done_s: float, cost: PrefillCost) -> float:
+    """GPU-seconds the prefill job spends on ``blocks`` not already stored by ``done_s`` (it skips those)."""
+    if not len(blocks):
+        return 0.0
+    row = int(np.searchsorted(index.trace.timestamps_s, done_s, side="left"))
+    new = blocks[stored[blocks] > row]
+    depth = np.zeros(index.n_unique, dtype=np.int64)
+    depth[index.ids] = index.depth
+    b = index.trace.block_tokens
+    d = depth[new].astype(np.float64)
+    return float(np.sum(cost.seconds((d + 1) * b, d * b)))
