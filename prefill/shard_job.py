@@ -48,7 +48,8 @@ class ShardOptions:
         poll_s: how often the store is probed while waiting.
         step_tokens: new tokens per step (the granularity at which plan order is kept).
         stop_margin_s: the job stops this long before the deadline.
-        max_batch_tokens: padded tokens per forward batch.
+        max_batch_tokens: padded tokens per forward batch (bounds activation memory, and how
+            finely the deadline cuts).
     """
 
     wait_timeout_s: float = 600.0
@@ -81,6 +82,7 @@ class ShardReport:
     entries: int
     est_gpu_s: float
     blocks_total: int = 0
+    blocks_stored_before: int = 0
     blocks_written: int = 0
     blocks_skipped: int = 0
     tokens_computed: int = 0
@@ -137,6 +139,8 @@ def run_shard(shard: Shard, entries: Sequence[PlanEntry], *, loaded: LoadedModel
     work += [_Work(req[i], None) for i in shard.entries]
     work = [replace(w, wait=_deepest_wait(w.request, shard.waits, req, bs)) for w in work]
     report = ShardReport(shard=shard.index, shards=shard.count, entries=len(shard.entries), est_gpu_s=shard.est_gpu_s)
+    total, missing, _ = _missing(shard, req, loaded, store, precision, bs)
+    report.blocks_stored_before = total - missing
     stop_at = None if deadline is None else deadline - options.stop_margin_s
     prefiller = Prefiller(loaded, store, PrefillOptions(precision=precision, block_size=bs, deadline=stop_at,
                                                         max_batch_tokens=options.max_batch_tokens), clock=clock)
@@ -153,7 +157,9 @@ def run_shard(shard: Shard, entries: Sequence[PlanEntry], *, loaded: LoadedModel
                 report.stopped, nothing_fits = "deadline", exc
         step.clear()
 
-    for w in work:
+    for n, w in enumerate(work):
+        if n == len(shard.computes):
+            flush()  # the shared prefixes others wait for go first, alone
         if w.wait is not None and (w.wait.entry, w.wait.blocks) not in done_waits:
             flush()
             if report.stopped is not None:
@@ -219,17 +225,24 @@ def _wait_for(p: SharedPrefix, r: PrefixRequest, shard: Shard, loaded: LoadedMod
     return wait
 
 
-def _count_cut(report: ShardReport, shard: Shard, req: dict[int, PrefixRequest], loaded: LoadedModel, store: Store,
-               precision: Precision, bs: int) -> None:
-    """The shard's entries not fully stored now (what the deadline cut), and their missing blocks."""
+def _missing(shard: Shard, req: dict[int, PrefixRequest], loaded: LoadedModel, store: Store, precision: Precision,
+             bs: int) -> tuple[int, int, list[int]]:
+    """The distinct blocks of the shard's entries, how many are not stored, and the entries not fully stored."""
     total: set[str] = set()
     missing: set[str] = set()
+    partial = []
     for i in shard.entries:
         r = req[i]
         root, blocks = _chain(r, loaded, precision, bs)
         total.update(b.key for b in blocks)
         stored = store.probe(r.tenant, blocks, root).count if blocks else 0
         if stored < len(blocks):
-            report.cut.append(i)
+            partial.append(i)
             missing.update(b.key for b in blocks[stored:])
-    report.blocks_total, report.blocks_left = len(total), len(missing)
+    return len(total), len(missing), partial
+
+
+def _count_cut(report: ShardReport, shard: Shard, req: dict[int, PrefixRequest], loaded: LoadedModel, store: Store,
+               precision: Precision, bs: int) -> None:
+    """The shard's entries not fully stored now (what the deadline cut), and their missing blocks."""
+    report.blocks_total, report.blocks_left, report.cut = _missing(shard, req, loaded, store, precision, bs)
