@@ -186,7 +186,7 @@ def failure(summary: dict[str, Any]) -> ShardsFailed:
     """The parent's error: each failed shard, its flow run and reason, and what to do."""
     bad = [r for r in summary["shards"] if r["state"] != "COMPLETED"]
     n = len(summary["shards"])
-    what = "; ".join(f"shard {r['shard']}/{n} (flow run {r['flow_run']}) ended {r['state']}: {r['message'] or '?'}"
+    what = "; ".join(f"shard {r['shard']}/{n} (flow run {r['flow_run']}) ended {r['state']}: {r['message'].rstrip('.') or '?'}"
                      for r in bad)
     return ShardsFailed(f"{what}. The other shard(s) ran to their end. Rerun this prefill (or the failed shard's "
                         f"flow run): blocks already stored are skipped, only the missing ones are computed")
