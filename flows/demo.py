@@ -32,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# the temporary server's start waits 20 s by default, too short on a small or busy machine
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 
 import pandas as pd  # noqa: E402
 

@@ -15,6 +15,7 @@ import pytest
 
 from prefill.cli import main as prefill_main
 from prefill.models import HELD_OUT_PROMPTS, _corpus, load_model, resolve
+from tests.prefill.factories import FP8_TARGET
 
 ROOT = Path(__file__).resolve().parents[1]
 BLOCK = 16
@@ -67,8 +68,6 @@ def test_bf16_snapshots_of_a_bf16_model(tmp_path, texts):
 
 
 def test_fp8_snapshots_agree_within_the_prefill_tolerance(tmp_path, texts):
-    from tests.prefill.test_roundtrip import FP8_TARGET
-
     out = serve(tmp_path, "fp8", "fp32", texts)
     assert out["hits"] == len(texts)
     same = sum(a == b for r in out["results"] for a, b in zip(r["warm"], r["cold"]))

@@ -49,6 +49,49 @@ def test_serving_path_imports_only_store_and_its_light_deps() -> None:
     assert out.stdout.strip() == "", f"serving path pulled in: {out.stdout.strip()}"
 
 
+def _test_modules_imported(path: Path, text: str | None = None) -> set[str]:
+    """The modules ``path`` (or ``text`` as if it were ``path``) imports that are test modules or a conftest."""
+    package = path.relative_to(REPO).parent.parts
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8") if text is None else text)):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            parts = list(package[: len(package) - node.level + 1]) if node.level else []
+            base = ".".join(parts + ([node.module] if node.module else []))
+            names |= {base} | {f"{base}.{a.name}" for a in node.names if _is_test_module(a.name)}  # maybe a module
+    return {n for n in names if any(_is_test_module(p) for p in n.split("."))}
+
+
+def _is_test_module(name: str) -> bool:
+    return name.startswith("test_") or name == "conftest"
+
+
+def test_no_test_module_imports_another() -> None:
+    """Shared helpers live in helper modules (tests/store/factories.py...) and fixtures in conftest.py, which
+    pytest finds itself: a test module imported by another couples the two and runs its code twice."""
+    found = {str(p.relative_to(REPO)): sorted(used) for p in sorted((REPO / "tests").rglob("*.py"))
+             if (used := _test_modules_imported(p))}
+    assert found == {}, f"these import test modules or conftests: {found}"
+
+
+@pytest.mark.parametrize("code, imports_a_test_module", [
+    ("from tests.store.tiers.test_store import ACME", True),
+    ("from tests.flows.conftest import x", True),
+    ("import test_thing", True),
+    ("from .test_pool import y", True),
+    ("from . import conftest", True),
+    ("from ..tiers import test_store", True),
+    ("from tests.store import factories", False),
+    ("from tests.store.factories import ACME", False),
+    ("from .factories import ACME", False),
+    ("import testing", False),
+])
+def test_the_import_check_sees_test_modules_and_conftests(code: str, imports_a_test_module: bool) -> None:
+    as_if = REPO / "tests" / "store" / "serving" / "helper.py"  # only its place in the tree is used
+    assert bool(_test_modules_imported(as_if, code)) is imports_a_test_module
+
+
 def test_console_script_is_declared() -> None:
     text = (REPO / "pyproject.toml").read_text()
     assert 'name = "kvwarm"' in text and 'prefill = "prefill.cli:main"' in text
@@ -72,3 +115,13 @@ def test_the_vllm_connector_imports_light() -> None:
         assert not used & {"prefect", "statsmodels", "datasketch"}, f"{path.name} imports {used}"
         if path.stem not in ("connector", "prom"):
             assert "vllm" not in used, f"{path.name} imports vllm: only connector.py and prom.py may"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_module_is_small_and_says_what_it_is(package: str) -> None:
+    for path in (REPO / package).rglob("*.py"):
+        where = path.relative_to(REPO)
+        source = path.read_text(encoding="utf-8")
+        lines = source.count("\n")
+        assert lines <= 400, f"{where} has {lines} lines: split it along a seam (one concept per module, under 400)"
+        assert ast.get_docstring(ast.parse(source)), f"{where} does not open with a docstring saying what it is"

@@ -17,12 +17,12 @@ from bench.lib.ceiling import (
 )
 from forecasting.ingest.traces import from_chains
 from forecasting.simulate.replay import BlockIndex, LRUCache, replay
-from tests.forecasting.simulate.test_prewarm import CHAINS, TIMES, _dense
+from tests.forecasting.simulate.hand_traces import PREWARM_CHAINS, PREWARM_TIMES, dense_ids
 
 
 @pytest.fixture(scope="module")
 def hand() -> BlockIndex:
-    return BlockIndex.build(from_chains(TIMES, CHAINS))
+    return BlockIndex.build(from_chains(PREWARM_TIMES, PREWARM_CHAINS))
 
 
 def test_ranking_auc_counts_ordered_pairs_and_half_ties() -> None:
@@ -33,7 +33,7 @@ def test_ranking_auc_counts_ordered_pairs_and_half_ties() -> None:
 
 
 def test_noisy_oracle_errs_per_request_around_the_first_use_order(hand: BlockIndex) -> None:
-    d = _dense(hand)
+    d = dense_ids(hand)
     served = np.array([5, 6])
     exact = noisy_oracle_scores(hand, 5, served, 0.0)
     # First uses after t=5: 1 and 3 at once, 2 and 4 one second later; 9 and 5 never; 6, 7 unseen.

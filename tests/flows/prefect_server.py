@@ -13,8 +13,7 @@ point at a closed loopback port, with only loopback exempt, so any attempt to re
 the internet (the server's fetch of Prefect's collection registry, for one) fails at
 once on this machine instead of leaving it.
 
-The fixtures at the bottom (module-scoped) are imported by the test modules that
-need them.
+The fixtures that start them (module-scoped) are in tests/flows/conftest.py.
 """
 from __future__ import annotations
 
@@ -28,8 +27,6 @@ import time
 import urllib.request
 from pathlib import Path
 from typing import Iterator, Sequence
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the venv's prefect executable (next to the interpreter running the tests)
@@ -232,37 +229,3 @@ class PrefectServer:
                 if (run.state is not None and run.state.is_final()) or time.monotonic() > deadline:
                     return run
                 time.sleep(poll_s)
-
-
-# -- fixtures ------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
-    """A live Prefect server for the module; stopped (with its workers) by pid even when a test fails."""
-    server = PrefectServer(tmp_path_factory.mktemp("prefect-live"))
-    try:
-        yield server.start()
-    finally:
-        server.stop()
-
-
-@pytest.fixture(scope="module")
-def kvwarm_deployments(prefect_server: PrefectServer) -> PrefectServer:
-    """The work pools prefect.yaml names, created with the CLI, and ``prefect deploy --all`` from the repo.
-
-    A process worker on kvwarm-cpu starts while the deployments register (it needs only
-    its pool), so it is polling by the time a test runs one; see :func:`cpu_worker`.
-    """
-    prefect_server.cli_all([["work-pool", "create", name, "--type", kind] for name, kind in POOLS.items()])
-    prefect_server.start_worker("kvwarm-cpu")
-    prefect_server.cli("--no-prompt", "deploy", "--all", KVWARM_REPO=str(ROOT))
-    return prefect_server
-
-
-@pytest.fixture(scope="module")
-def cpu_worker(kvwarm_deployments: PrefectServer) -> Managed:
-    """The process worker on the kvwarm-cpu pool, started from a scratch directory without ``KVWARM_REPO``:
-    ``prefect deploy`` fixed the pull step's directory at deploy time."""
-    worker = next(w for w in kvwarm_deployments.workers if w.name == "worker kvwarm-cpu")
-    if not worker.alive():
-        raise RuntimeError(f"the kvwarm-cpu worker exited:\n{worker.tail()}")
-    return worker

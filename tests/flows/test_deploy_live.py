@@ -20,7 +20,7 @@ from flows.spec import RunTarget
 from store.config import KvwarmConfig
 from store.tiers.base import object_name
 from store.tiers.store import Store
-from tests.flows.prefect_server import ROOT, cpu_worker, kvwarm_deployments, prefect_server  # noqa: F401 - fixtures
+from tests.flows.prefect_server import ROOT
 from tests.store.factories import ACME, make_chain, make_root, make_snapshot
 
 DEPLOYMENTS = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
@@ -71,7 +71,7 @@ def test_gc_deployment_runs_through_a_process_worker_and_collects_the_store(kvwa
     with kvwarm_deployments.api():
         submitted = run_deployment("gc-store/gc-15min", timeout=0, as_subflow=False,
                                    parameters={"target": {"store": url, "block_size": 16, "run": "live"}})
-    run = kvwarm_deployments.wait_for_run(submitted.id, timeout_s=75)
+    run = kvwarm_deployments.wait_for_run(submitted.id, timeout_s=300)  # a hang guard: it returns once the run ends
     assert run.state is not None and run.state.is_completed(), (
         f"flow run {run.id} ended {run.state!r}, not COMPLETED; worker log:\n{cpu_worker.tail()}\n"
         f"server log:\n{kvwarm_deployments.server.tail(2000) if kvwarm_deployments.server else ''}")

@@ -8,7 +8,7 @@ import pytest
 
 from flows import report as reports
 from prefill.rundir import RunDir
-from tests.prefill.test_monitoring import DUMP_A, DUMP_B, build_run
+from tests.prefill.hand_run import DUMP_A, DUMP_B, build_run
 
 T0 = pd.Timestamp("2026-03-04 03:00")
 

@@ -4,19 +4,13 @@ from __future__ import annotations
 import pytest
 
 from prefill.models import load_model
-from store.config import parse_config
 from store.tiers.store import Store
-
-BLOCK = 16
+from tests.prefill.factories import config_for
 
 
 @pytest.fixture(scope="session")
 def tiny_bf16():
     return load_model("kvwarm-tiny", dtype="bf16", device="cpu")
-
-
-def config_for(compression: str = "fp8", block_size: int = BLOCK, **kv):
-    return parse_config({"kv_cache": {"compression": compression, "block_size": block_size, **kv}})
 
 
 @pytest.fixture()

@@ -64,7 +64,7 @@ TEXT = ["--text", "x" * 200]
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--store", "typo://x", *TEXT], "'typo://x' has an unknown scheme; use file:// or s3://"),
+    (["--store", "typo://x", *TEXT], "'typo://x' has an unknown scheme; use file://, s3://"),
     (["--config", "/nonexistent/kvwarm.yaml", *TEXT], "config file '/nonexistent/kvwarm.yaml' does not exist"),
     (["--tenant", "Not A Name", *TEXT], "tenant name 'Not A Name' is not allowed"),
     (["--block-size", "0", *TEXT], "kv_cache.block_size = 0"),

@@ -13,7 +13,7 @@ from prefill.rundir import RunDir
 from store.identity.tenant import Tenant
 from store.serving.loader import KVLoader
 from store.tiers.store import Store
-from tests.prefill.test_monitoring import PLAN, build_run
+from tests.prefill.hand_run import PLAN, build_run
 from tests.store.pool_workers import ACME, TINY, config, prompt, synthetic_prefix
 
 BS = 16

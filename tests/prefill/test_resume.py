@@ -25,16 +25,26 @@ def test_sigkill_mid_run_then_rerun_completes_without_recomputing_finished_block
     store_dir = tmp_path / "store"
     args = ["warm", "--store", f"file://{store_dir}", "--block-size", "16", "--file", str(texts),
             "--max-batch-tokens", "256", "--json"]
-    proc = subprocess.Popen([sys.executable, "-m", "prefill.cli", *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while len(snapshot_files(store_dir)) < 20 and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert proc.poll() is None, "the job finished before it could be killed; give it more work"
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    # The job stops dead after its 20th snapshot (tests/prefill/paused_warm.py): killed
+    # then, it is certainly mid-run, however fast or slow this machine is.
+    paused, log = tmp_path / "paused", tmp_path / "job.log"
+    with open(log, "wb") as out:  # a file, not a pipe: a full pipe would stall the job
+        proc = subprocess.Popen([sys.executable, "-m", "tests.prefill.paused_warm", str(paused), "20", *args],
+                                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300  # a hang guard
+        while not paused.exists():
+            assert proc.poll() is None, f"the job ended before its 20th snapshot: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "the job wrote fewer than 20 snapshots in 300 s"
+            time.sleep(0.05)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the job and nothing else
+        except ProcessLookupError:
+            pass  # it had ended (and the test failed above)
+        proc.wait()
     killed_with = len(snapshot_files(store_dir))
-    assert killed_with >= 20
+    assert killed_with == 20
 
     # every file the killed run left is a whole, verified snapshot
     assert main(["store", "--store", f"file://{store_dir}", "verify"]) == 0

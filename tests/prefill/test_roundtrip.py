@@ -17,12 +17,10 @@ from prefill.runner import Prefiller, PrefillOptions, PrefixRequest
 from store.identity.keys import block_chain
 from store.identity.tenant import Tenant
 from store.tiers.store import Store
-from tests.prefill.conftest import BLOCK, config_for
+from tests.prefill.factories import BLOCK, FP8_TARGET, config_for
 
 ACME = Tenant.derive("acme", "s3cret")
 NEW_TOKENS = 20
-#: The prefill issue's target for FP8 storage (the default: layer 0 kept in bf16).
-FP8_TARGET = 0.95
 #: FP8 on every layer: measured 0.81 on the trained kvwarm-tiny (0.37 with random weights).
 #: The floor catches a broken quantiser or loader without claiming more than FP8 allows.
 PLAIN_FP8_FLOOR = 0.65

@@ -11,7 +11,7 @@ from prefill.runner import DeadlinePassed, Prefiller, PrefillError, PrefillOptio
 from store.format.precision import relative_error
 from store.identity.keys import block_chain
 from store.identity.tenant import Tenant
-from tests.prefill.conftest import BLOCK
+from tests.prefill.factories import BLOCK, config_for
 
 ACME = Tenant.derive("acme", "s3cret")
 
@@ -66,7 +66,6 @@ def test_rerun_skips_what_exists_and_extends_from_stored_kv(tiny, store, config)
 
 def test_continuing_from_stored_kv_matches_a_full_prefill(tiny, tmp_path):
     from store.tiers.store import Store
-    from tests.prefill.conftest import config_for
 
     cfg = config_for("bf16")
     ids = prompts(1, suffix_blocks=2)[0]

@@ -104,11 +104,19 @@ def _loader(args: argparse.Namespace):  # type: ignore[no-untyped-def]
                     config=config(args.block_size, args.compression, args.max_instances), pool_dir=args.pool)
 
 
-def _wait_for(path: Path, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
+def _wait_for(path: Path, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s  # a hang guard
     while not path.exists():
         if time.monotonic() > deadline:
             raise TimeoutError(f"{path} did not appear")
+        time.sleep(0.02)
+
+
+def _wait_for_count(directory: Path, pattern: str, n: int, timeout_s: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout_s  # a hang guard
+    while len(list(directory.glob(pattern))) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"fewer than {n} {pattern} in {directory}")
         time.sleep(0.02)
 
 
@@ -135,19 +143,55 @@ def share(args: argparse.Namespace) -> int:
     return 0
 
 
+def _still_pinned(loader, hit) -> bool:  # type: ignore[no-untyped-def]
+    """Whether every snapshot of ``hit`` is still in the pool under the admission it was pinned with."""
+    now = loader.pool.admissions(list(hit.names))
+    return all(now.get(n) == a for n, a in zip(hit.names, hit.admissions))
+
+
 def churn(args: argparse.Namespace) -> int:
     """Random lookups of random prefixes; while each hit is pinned, check it stays in the pool.
 
+    Between a start barrier (``ready.<pid>``, then ``go`` in ``--sync``) and a closing one
+    (``idle.<pid>``, once this worker holds nothing, until ``--workers`` are idle), runs
+    ``--lookups`` lookups, holding up to four hits at a time. Then it sweeps: one two-block
+    lookup of each prefix, released at once. Each sweep lookup must hit, since the others
+    pin at most one two-block hit each by then; and one worker's sweep pins 20 distinct
+    blocks one after another in a pool of 12, so it must evict.
+
     Prints one JSON line: lookups, hits, violations (pinned entries that vanished or budget
-    overruns seen), the most pool bytes seen.
+    overruns seen), the most pool bytes seen, and the sweep's hits and tokens.
     """
     loader = _loader(args)
     prefixes = json.loads(Path(args.ids).read_text())
+    sync = Path(args.sync)
     rng = random.Random(args.seed)
-    out = {"lookups": 0, "hits": 0, "pinned_evicted": 0, "over_budget": 0, "max_usage": 0, "bad_data": 0}
-    deadline = time.monotonic() + args.seconds
+    out = {"lookups": 0, "hits": 0, "pinned_evicted": 0, "over_budget": 0, "max_usage": 0, "bad_data": 0,
+           "sweep_hits": 0, "sweep_tokens": 0}
+
+    def note_usage() -> None:
+        usage = loader.pool.usage()
+        out["max_usage"] = max(out["max_usage"], usage)
+        if usage > args.budget:
+            out["over_budget"] += 1
+
+    def check_data(hit) -> None:  # type: ignore[no-untyped-def]
+        import xxhash
+
+        for snap in hit.snapshots[:1]:
+            part = snap.header.parts[0]
+            if xxhash.xxh3_64_hexdigest(memoryview(snap.array(part.name))) != part.xxh3:
+                out["bad_data"] += 1
+
+    def release(hit) -> None:  # type: ignore[no-untyped-def]
+        if not _still_pinned(loader, hit):
+            out["pinned_evicted"] += 1
+        hit.release()
+
+    (sync / f"ready.{os.getpid()}").touch()
+    _wait_for(sync / "go")
     held: list[Any] = []
-    while time.monotonic() < deadline:
+    for _ in range(args.lookups):
         ids = rng.choice(prefixes)
         ids = ids[: rng.randint(1, len(ids) // args.block_size) * args.block_size + 1]
         hit = loader.lookup(ids)
@@ -155,28 +199,23 @@ def churn(args: argparse.Namespace) -> int:
         if hit is not None:
             out["hits"] += 1
             held.append(hit)
-            for snap in hit.snapshots[:1]:
-                part = snap.header.parts[0]
-                import xxhash
-
-                if xxhash.xxh3_64_hexdigest(memoryview(snap.array(part.name))) != part.xxh3:
-                    out["bad_data"] += 1
-        usage = loader.pool.usage()
-        out["max_usage"] = max(out["max_usage"], usage)
-        if usage > args.budget:
-            out["over_budget"] += 1
+            check_data(hit)
+        note_usage()
         while held and (len(held) > 3 or rng.random() < 0.5):
-            h = held.pop(rng.randrange(len(held)))
-            now = loader.pool.admissions(list(h.names))
-            if any(now.get(n) != a for n, a in zip(h.names, h.admissions)):
-                out["pinned_evicted"] += 1
-            h.release()
-        time.sleep(rng.random() * 0.003)
+            release(held.pop(rng.randrange(len(held))))
+        time.sleep(rng.random() * 0.003)  # varies the interleaving; nothing depends on it
     for h in held:
-        now = loader.pool.admissions(list(h.names))
-        if any(now.get(n) != a for n, a in zip(h.names, h.admissions)):
-            out["pinned_evicted"] += 1
-        h.release()
+        release(h)
+    (sync / f"idle.{os.getpid()}").touch()
+    _wait_for_count(sync, "idle.*", args.workers)
+    for ids in prefixes:
+        hit = loader.lookup(ids[: 2 * args.block_size + 1])
+        if hit is not None:
+            out["sweep_hits"] += 1
+            out["sweep_tokens"] += hit.tokens
+            check_data(hit)
+            note_usage()
+            release(hit)
     out["stats"] = {k: v for k, v in loader.stats().items() if k in ("misses_by_reason", "shortened_by_reason")}
     print(json.dumps(out), flush=True)
     loader.close()
@@ -194,7 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-instances", type=int, default=8)
     p.add_argument("--compression", default="bf16")
     p.add_argument("--sync", default="")
-    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--lookups", type=int, default=200)
+    p.add_argument("--workers", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     torch.set_num_threads(1)

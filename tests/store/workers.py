@@ -8,14 +8,16 @@ return values, so a parent can judge a child it killed.
 Commands:
     zygote      imports everything once, builds a pool of snapshots, then forks writer
                 children on request (``fork <start> <variant>`` on stdin, answers
-                ``pid <pid>``) and reaps them (``reap <pid>``, answers ``status <pid>
-                <raw wait status>``). The parent SIGKILLs the writers: forking from a
-                warm process makes a kill round cost milliseconds instead of a fresh
-                interpreter importing torch.
-    reader      reads every visible snapshot (raw ``read_snapshot`` and ``Store.get``)
-                in a loop until a stop file appears; records any error.
+                ``pid <pid>`` once the child has begun its first write) and reaps them
+                (``reap <pid>``, answers ``status <pid> <raw wait status>``). The parent
+                SIGKILLs the writers: forking from a warm process makes a kill round cost
+                milliseconds instead of a fresh interpreter importing torch.
+    reader      on ``pass`` (stdin), reads every visible snapshot once (raw
+                ``read_snapshot`` and ``Store.get``) and answers its running counts as
+                one JSON line; on ``quit``, writes its results and exits. The parent asks
+                for a pass while a writer is alive, so every pass races a write.
     same_keys   writes and reads the same chain of keys as its siblings.
-    diff_keys   writes its own keys under a small cap, sampling the tier's usage.
+    diff_keys   writes its own keys under a small cap, sampling the index's usage.
 """
 from __future__ import annotations
 
@@ -23,7 +25,6 @@ import json
 import os
 import random
 import signal
-import sqlite3
 import sys
 import time
 import traceback
@@ -65,7 +66,7 @@ def _touch(path: str) -> None:
     Path(path).write_text(str(os.getpid()))
 
 
-def _wait_for(path: str, timeout: float = 60.0) -> None:
+def _wait_for(path: str, timeout: float = 300.0) -> None:  # a hang guard
     deadline = time.monotonic() + timeout
     while not os.path.exists(path):
         if time.monotonic() > deadline:
@@ -82,28 +83,6 @@ def _write_json(path: str, obj: dict) -> None:
 def _store(cfg: dict) -> tuple[Store, LocalTier]:
     tier = LocalTier(cfg["root"], cap_bytes=cfg["cap"], recency_flush_s=cfg.get("recency_flush_s", 0.05))
     return Store([tier]), tier
-
-
-def consistent_usage(tier: LocalTier) -> tuple[int, int]:
-    """``(bytes on disk, bytes reserved in the index)`` at one consistent point.
-
-    A directory walk is not atomic: walked while others work, it can count a file that
-    was evicted early in the walk *and* the temp file that replaced it later on, which
-    never coexisted. Holding the index's write lock (what every reservation and eviction
-    takes) freezes the set of reservations for the walk; temp files can still grow
-    (within their reservation) or be renamed (counted once at most).
-    """
-    db = sqlite3.connect(tier.root / "meta" / "index.sqlite", timeout=60, isolation_level=None)
-    try:
-        db.execute("BEGIN IMMEDIATE")
-        try:
-            disk = tier.disk_usage()
-            index = int(db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0])
-        finally:
-            db.execute("ROLLBACK")
-    finally:
-        db.close()
-    return disk, index
 
 
 def crash_layers(seed: int, n: int) -> list[int]:
@@ -146,9 +125,14 @@ def zygote(cfg: dict) -> None:
             continue
         if parts[0] == "fork":
             start, variant = int(parts[1]), int(parts[2])
+            began_r, began_w = os.pipe()
             pid = os.fork()
             if pid == 0:
-                _crash_writer(cfg, pool, start, variant)  # never returns
+                os.close(began_r)
+                _crash_writer(cfg, pool, start, variant, began_w)  # never returns
+            os.close(began_w)
+            os.read(began_r, 1)  # the child's first write has begun (or it died: end of file)
+            os.close(began_r)
             out.write(f"pid {pid}\n")
             out.flush()
         elif parts[0] == "reap":
@@ -160,10 +144,10 @@ def zygote(cfg: dict) -> None:
             break
 
 
-def _crash_writer(cfg: dict, pool: list, start: int, variant: int) -> None:
+def _crash_writer(cfg: dict, pool: list, start: int, variant: int, began_fd: int) -> None:
     """Forked child: write snapshots ``pool[start:]`` (then round again) until killed.
     Logs ``B``egin and ``E``nd of each write (O_APPEND, unbuffered) so the parent knows
-    where it died."""
+    where it died; writes one byte to ``began_fd`` when the first write begins."""
     pid = os.getpid()
     code = 0
     fd = os.open(cfg["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -173,6 +157,10 @@ def _crash_writer(cfg: dict, pool: list, start: int, variant: int) -> None:
         while True:  # round the pool again when at its end: evicted keys are written anew
             i %= len(pool)
             os.write(fd, f"B {pid} {i}\n".encode())
+            if began_fd >= 0:
+                os.write(began_fd, b"B")
+                os.close(began_fd)
+                began_fd = -1
             wrote = store.put(ACME, pool[i][variant])
             os.write(fd, f"E {pid} {i} {int(wrote)}\n".encode())
             i += 1
@@ -190,12 +178,16 @@ def reader(cfg: dict) -> None:
     by_key = {b.key: b for b in chain}
     store, tier = _store(cfg)
     result = {"raw_reads": 0, "gets": 0, "hits": 0, "vanished": 0, "corrupt": [], "errors": [], "passes": 0,
-              "max_disk": 0}
-    _touch(cfg["ready"])
+              "max_index": 0}
     rng = random.Random(cfg.get("seed", 0))
-    while not os.path.exists(cfg["stop"]):
-        # under the index lock: a bare walk can count an evicted file and its replacement
-        result["max_disk"] = max(result["max_disk"], consistent_usage(tier)[0])
+    out = sys.stdout
+    out.write("ready\n")
+    out.flush()
+    for line in sys.stdin:
+        if line.strip() == "quit":
+            break
+        # one SELECT: an exact, atomic figure even while writers work (a directory walk is not)
+        result["max_index"] = max(result["max_index"], tier.usage())
         for entry in list(tier.entries("acme/")):
             mm = tier.read(entry.name)
             if mm is None:
@@ -227,6 +219,8 @@ def reader(cfg: dict) -> None:
             except Exception:
                 result["errors"].append(traceback.format_exc())
         result["passes"] += 1
+        out.write(json.dumps({k: result[k] for k in ("passes", "raw_reads", "hits")}) + "\n")
+        out.flush()
     result["stats"] = store.stats.as_dict()
     store.close()
     _write_json(cfg["out"], result)
@@ -298,15 +292,16 @@ def diff_keys(cfg: dict) -> None:
              for i, b in enumerate(chain)]
     store, tier = _store(cfg)
     cap = cfg["cap"]
-    result = {"writes": 0, "store_full": 0, "errors": [], "max_disk": 0, "max_index": 0, "over_cap": [],
-              "hits": 0, "misses": 0, "torn": [], "sizes": []}
+    result = {"writes": 0, "store_full": 0, "errors": [], "max_index": 0, "over_cap": [],
+              "hits": 0, "misses": 0, "torn": []}
 
     def sample(where: str) -> None:
-        disk, index = consistent_usage(tier)
-        result["max_disk"] = max(result["max_disk"], disk)
+        # the bytes reserved in the index, in one SELECT: exact while the others work (a
+        # directory walk is not); files and temp files never exceed their reservations
+        index = tier.usage()
         result["max_index"] = max(result["max_index"], index)
-        if disk > cap or index > cap:
-            result["over_cap"].append(f"{where}: disk={disk} index={index} cap={cap}")
+        if index > cap:
+            result["over_cap"].append(f"{where}: index={index} cap={cap}")
 
     _touch(cfg["ready"])
     _wait_for(cfg["go"])

@@ -1,6 +1,8 @@
 """Demand: the contract forecasting consumes, recovered exactly from logs with known patterns."""
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -83,7 +85,10 @@ def test_hash_id_prefixes_have_no_tokens() -> None:
     row = d.prefixes.iloc[0]
     assert (row.token_ids, row.text, row.hash_ids, row.n_tokens, row.n_blocks) == (None, None, [1, 2], 1024, 2)
     assert d.of(row.unique_id).tolist() == [3, 0] and d.total["y"].tolist() == [3, 1]
-    assert len(row.unique_id) == 64 and int(row.unique_id, 16) >= 0
+    assert re.fullmatch("[0-9a-f]{64}", row.unique_id)  # a sha256 of the tenant and the id path
+    again = build_demand(mine_trace(from_chains([0, 60], [[1, 2, 3], [1, 2, 4]], block_tokens=512)), k=2)
+    again_row = again.prefixes.iloc[0]
+    assert again_row.hash_ids == [1, 2] and again_row.unique_id == row.unique_id  # same path, same id, every run
 
 
 def test_demand_checks_its_frames() -> None:

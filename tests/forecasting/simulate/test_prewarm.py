@@ -20,18 +20,13 @@ from forecasting.simulate.prewarm import (
 from forecasting.simulate.replay import BlockIndex, PredictorConfig
 from store.identity.keys import block_keys
 from store.plan import Plan, PlanEntry
-from tests.forecasting.simulate.test_replay import _perturbed
+from tests.forecasting.simulate.hand_traces import PREWARM_CHAINS, PREWARM_TIMES, dense_ids, perturbed
 
 MOONCAKE = Path(__file__).resolve().parents[2] / "data" / "mooncake" / "conversation_head.jsonl"
 
-# One request a second; block 1 is a shared root.
-TIMES = [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
-CHAINS = [[1, 9], [1, 2], [1, 3], [1, 2, 4], [1, 5], [1, 3, 6], [1, 2, 4, 7]]
-
-
 @pytest.fixture(scope="module")
 def hand() -> BlockIndex:
-    return BlockIndex.build(from_chains(TIMES, CHAINS))
+    return BlockIndex.build(from_chains(PREWARM_TIMES, PREWARM_CHAINS))
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +72,7 @@ def test_first_use_order_puts_blocks_nobody_uses_first(hand: BlockIndex) -> None
 def test_kvwarm_prewarm_sees_nothing_after_its_time_under_every_tuned_setting(mooncake: BlockIndex,
                                                                               config: PredictorConfig) -> None:
     t = 300.0
-    other = BlockIndex.build(_perturbed(mooncake.trace, t))
+    other = BlockIndex.build(perturbed(mooncake.trace, t))
     picks = []
     for index in (mooncake, other):
         start = int(np.searchsorted(index.trace.timestamps_s, t))
@@ -95,12 +90,8 @@ def test_kvwarm_prewarm_of_nothing_is_empty(mooncake: BlockIndex) -> None:
     assert len(blocks) == 0
 
 
-def _dense(index: BlockIndex) -> dict[int, int]:
-    return {int(index.original[d]): d for d in range(index.n_unique)}
-
-
 def test_ranked_prewarm_keeps_parents_with_their_children_and_only_blocks_seen(hand: BlockIndex) -> None:
-    d = _dense(hand)
+    d = dense_ids(hand)
     score = np.zeros(hand.n_unique)
     score[d[4]], score[d[9]], score[d[7]] = 10.0, -np.inf, 100.0  # 7 is first used at request 6: unseen at 5
     blocks, closed = ranked_prewarm(hand, 5, score, 3)

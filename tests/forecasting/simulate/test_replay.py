@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from forecasting.ingest.traces import Trace, from_chains, read_mooncake
+from forecasting.ingest.traces import from_chains, read_mooncake
 from forecasting.simulate.replay import (
     NEVER,
     BeladyCache,
@@ -19,14 +19,12 @@ from forecasting.simulate.replay import (
     occurrence_classes,
     replay,
 )
+from tests.forecasting.simulate.hand_traces import REPLAY_CHAINS, perturbed
 
 MOONCAKE = Path(__file__).resolve().parents[2] / "data" / "mooncake" / "conversation_head.jsonl"
 
-# Five requests, one token per block; block ids are chained (1 is the shared root).
-CHAINS = [[1, 2], [1, 3], [1, 2, 4], [1, 3], [1, 2, 4]]
 
-
-def _index(chains: list[list[int]] = CHAINS, times: list[float] | None = None) -> BlockIndex:
+def _index(chains: list[list[int]] = REPLAY_CHAINS, times: list[float] | None = None) -> BlockIndex:
     times = [float(i) for i in range(len(chains))] if times is None else times
     return BlockIndex.build(from_chains(times, chains))
 
@@ -37,7 +35,7 @@ def _originals(index: BlockIndex, blocks: list[int]) -> list[int]:
 
 def test_index_links_each_use_to_the_previous_and_next() -> None:
     index = _index()
-    assert index.original[index.ids].tolist() == [b for c in CHAINS for b in c]
+    assert index.original[index.ids].tolist() == [b for c in REPLAY_CHAINS for b in c]
     # Occurrences of block 2: requests 0, 2, 4.
     occ2 = np.flatnonzero(index.original[index.ids] == 2)
     assert index.prev_request[occ2].tolist() == [-1, 0, 2]
@@ -123,24 +121,13 @@ def test_retention_keeps_the_class_that_comes_back() -> None:
     assert kept > lru * 1.5
 
 
-def _perturbed(trace: Trace, t: float) -> Trace:
-    """Same requests before ``t``; after it, other chains (new ids, reordered) and times."""
-    start = int(np.searchsorted(trace.timestamps_s, t))
-    chains = [trace.chain(i).tolist() for i in range(len(trace))]
-    later = [[c[0]] + [b + 10**9 for b in c[1:]] for c in reversed(chains[start:])]
-    later[::3] = [chains[i] for i in range(start - len(later[::3]), start)]  # repeat recent history
-    times = trace.timestamps_s.tolist()[:start] + sorted(t + 0.5 * k for k in range(len(later)))
-    inputs = trace.input_tokens.tolist()[:start] + [512 * len(c) for c in later]
-    return from_chains(times, chains[:start] + later, block_tokens=512, input_tokens=inputs)
-
-
 def test_retention_decisions_before_t_ignore_the_trace_after_t() -> None:
     trace = read_mooncake(MOONCAKE)
     t = 300.0
     start = int(np.searchsorted(trace.timestamps_s, t))
     config = PredictorConfig(horizon_s=60, tau_s=120, refresh_s=15)
     results = []
-    for tr in (trace, _perturbed(trace, t)):
+    for tr in (trace, perturbed(trace, t)):
         index = BlockIndex.build(tr)
         cache = RetentionCache(1024, ReusePredictor(index, config))
         hits = replay(index, cache, range(start))
@@ -153,7 +140,7 @@ def test_retention_decisions_before_t_ignore_the_trace_after_t() -> None:
     assert np.array_equal(p1, p2)
     assert len(np.unique(p1)) > 3  # the predictor did learn from the past (not just its prior)
     # The perturbation is real: an estimate made after t sees a different trace.
-    late = [ReusePredictor(BlockIndex.build(tr), config) for tr in (trace, _perturbed(trace, t))]
+    late = [ReusePredictor(BlockIndex.build(tr), config) for tr in (trace, perturbed(trace, t))]
     for p in late:
         p.update(470.0)
     assert not np.array_equal(late[0].log_p, late[1].log_p)

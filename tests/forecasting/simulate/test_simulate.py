@@ -14,7 +14,7 @@ from forecasting.simulate.simulation import Policy, Scenario, plot, simulate
 from prefill.cli import main
 from store.cost import PrefillCost
 from store.plan import Plan, PlanEntry, write_plan
-from tests.forecasting.simulate.test_replay import CHAINS, _perturbed
+from tests.forecasting.simulate.hand_traces import REPLAY_CHAINS, perturbed
 
 MOONCAKE = Path(__file__).resolve().parents[2] / "data" / "mooncake" / "conversation_head.jsonl"
 
@@ -26,7 +26,7 @@ def mooncake() -> BlockIndex:
 
 def test_restart_on_a_hand_made_trace() -> None:
     # Requests one second apart, one token per block, cache of 3, restart at t=2 (request 2).
-    index = BlockIndex.build(from_chains([0.0, 1.0, 2.0, 3.0, 4.0], CHAINS))
+    index = BlockIndex.build(from_chains([0.0, 1.0, 2.0, 3.0, 4.0], REPLAY_CHAINS))
     result = simulate(index, 3, Scenario("restart", at_s=2.0, window_s=10.0, bucket_s=1.0),
                       ["lru", "lru+oracle", "belady"])
     ref, cold, oracle, belady = result.reference, result.row("lru"), result.row("lru+oracle"), result.row("belady")
@@ -106,7 +106,7 @@ def test_prewarms_see_nothing_after_the_prewarm_time(mooncake: BlockIndex) -> No
     t = 300.0
     trace = mooncake.trace
     config = PredictorConfig(horizon_s=60, tau_s=120)
-    other = BlockIndex.build(_perturbed(trace, t))
+    other = BlockIndex.build(perturbed(trace, t))
     picks = []
     for index in (mooncake, other):
         start = int(np.searchsorted(index.trace.timestamps_s, t))
@@ -144,7 +144,12 @@ def test_restart_on_real_traffic_orders_the_policies(mooncake: BlockIndex) -> No
         assert r.first_bucket_hit_rate_excl_root > cold.first_bucket_hit_rate_excl_root
     assert result.row("belady").hit_tokens >= cold.hit_tokens
     assert {r.requests for r in result.rows} == {result.reference.requests}
-    assert "lru+kvwarm" in result.table() and json.dumps(result.to_json())
+    assert "lru+kvwarm" in result.table()
+    doc = json.loads(json.dumps(result.to_json()))  # JSON-ready: it survives a round trip, figures intact
+    assert [r["policy"] for r in doc["rows"]] == ["lru", "lru+naive", "lru+kvwarm", "lru+oracle", "belady"]
+    assert [r["hit_rate_excl_root"] for r in doc["rows"]] == [r.hit_rate_excl_root for r in result.rows]
+    assert doc["reference"]["requests"] == result.reference.requests and doc["capacity_blocks"] == 2048
+    assert doc["scenario"]["kind"] == "restart" and doc["window_s"] == list(result.window)
 
 
 def test_scale_out_serves_a_share_and_compares_with_an_established_replica(mooncake: BlockIndex) -> None:

@@ -13,7 +13,7 @@ from store.format.precision import Precision, dequantize
 from store.format.runs import payload_plan
 from store.kernels.dequant import Dequantizer, dequantize_into
 from store.kernels.table import gather_parts, gather_payloads, native_isa
-from tests.store.kernels.test_dequant import BS, mapped, reference, same_bits
+from tests.store.kernels.reference import BS, mapped, reference, same_bits
 
 EVERY_BYTE = torch.arange(256, dtype=torch.uint8)
 

@@ -13,6 +13,7 @@ from store.identity.fingerprint import identity_from_dir
 from store.plan import plan_from_prefixes
 from store.serving.loader import KVLoader
 from store.tiers.store import Store
+from tests.hang_guard import HANG_S
 from tests.store.pool_workers import ACME, TINY, config, prompt, tiny_model, write_prefix
 
 BS = 16
@@ -156,7 +157,7 @@ def test_prefetch_maps_ahead_and_plan_scores_decide_retention(tmp_path, bf16_mod
     # room for two of the three prefixes
     loader = make_loader(tmp_path, cfg, pool_bytes=2 * size + size // 2, pool_dir=tmp_path / "pool2")
 
-    result = loader.prefetch(plan_from_prefixes("acme", [a])).result(timeout=60)  # a: forecast to be reused
+    result = loader.prefetch(plan_from_prefixes("acme", [a])).result(timeout=HANG_S)  # a: forecast to be reused
     assert result.mapped == 2 and result.present == 2 and not result.failed
     assert loader.pool.usage() == size
     hit = loader.lookup(a + [1])
@@ -180,7 +181,7 @@ def test_the_loader_does_not_import_transformers_prefect_or_statsmodels():
     code = ("import sys, store.serving.loader, store.serving.pool, store.kernels.dequant, store.engines.paged, store.serving.metrics; "
             "bad = [m for m in ('transformers', 'prefect', 'statsmodels', 'prefill', 'flows') if m in sys.modules]; "
             "print(bad); sys.exit(1 if bad else 0)")
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert run.returncode == 0, run.stdout + run.stderr
 
 
@@ -246,8 +247,8 @@ def test_a_day_of_plans_keeps_one_plans_priorities(tmp_path):
     for i in range(288):
         entries = [PlanEntry("acme", token_ids=tuple(prompt(2 * BS, seed=1000 * i + j)), score=float(j))
                    for j in range(10)]
-        loader.prefetch(Plan(entries=tuple(entries)), map_ahead=False).result(timeout=60)
+        loader.prefetch(Plan(entries=tuple(entries)), map_ahead=False).result(timeout=HANG_S)
     assert len(loader.mapper.priority) == 20  # 10 prefixes of 2 blocks: the last plan's
-    loader.prefetch([prompt(2 * BS, seed=7)], map_ahead=False).result(timeout=60)  # bare prefixes keep them
+    loader.prefetch([prompt(2 * BS, seed=7)], map_ahead=False).result(timeout=HANG_S)  # bare prefixes keep them
     assert len(loader.mapper.priority) == 20
     loader.close()

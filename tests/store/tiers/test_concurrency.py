@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import sqlite3
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -25,40 +24,30 @@ from tests.store.factories import make_chain, make_root
 pytestmark = pytest.mark.slow
 
 N_WORKERS = 4
-START_TIMEOUT_S = 90
-RUN_TIMEOUT_S = 90
+START_TIMEOUT_S = 300  # hang guards: importing torch in four processes at once is slow on a loaded machine
+RUN_TIMEOUT_S = 300
 
 
-def _run_workers(tmp_path: Path, command: str, base_cfg: dict, *, during=None) -> list[dict]:
-    """Start N_WORKERS ``command`` processes, release them together, return their results.
-
-    ``during`` (optional) runs in this process while the workers work; it gets a stop event.
-    """
+def _run_workers(tmp_path: Path, command: str, base_cfg: dict) -> list[dict]:
+    """Start N_WORKERS ``command`` processes, release them together, return their results."""
     go = tmp_path / f"{command}.go"
     cfgs = [{**base_cfg, "worker": w, "go": str(go), "ready": str(tmp_path / f"{command}.{w}.ready"),
              "out": str(tmp_path / f"{command}.{w}.json")} for w in range(N_WORKERS)]
     procs = [subprocess.Popen(workers.command(command, c), cwd=workers.REPO, env=workers.child_env(),
                               stderr=subprocess.PIPE, text=True) for c in cfgs]
-    stop = threading.Event()
-    monitor = threading.Thread(target=during, args=(stop,), daemon=True) if during else None
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + START_TIMEOUT_S  # a hang guard
         while not all(Path(c["ready"]).exists() for c in cfgs):
             for p in procs:
                 if p.poll() is not None:
                     pytest.fail(f"worker exited while starting: {p.stderr.read()}")
             assert time.monotonic() < deadline, "workers never became ready"
             time.sleep(0.01)
-        if monitor:
-            monitor.start()
         go.touch()
         for p in procs:
             _, err = p.communicate(timeout=RUN_TIMEOUT_S)
             assert p.returncode == 0, f"worker failed:\n{err}"
     finally:
-        stop.set()
-        if monitor:
-            monitor.join(timeout=30)
         for p in procs:  # only on failure: these are our own children, by pid
             if p.poll() is None:
                 p.kill()
@@ -83,9 +72,13 @@ def test_four_processes_writing_and_reading_the_same_keys(tmp_path: Path) -> Non
         assert r["hits"] > 0
     # Each key was written once across all processes (the others saw it, or saw it in flight).
     assert sum(r["wrote"] for r in results) == n_blocks
-    # Workers really raced: some reads before a key was written missed, most reads hit.
-    assert sum(r["misses"] for r in results) > 0
-    assert sum(r["hits"] for r in results) >= N_WORKERS * n_blocks
+    # Counts that hold in any interleaving. In round 0 the first read of a key anywhere
+    # comes before any write of it: at least one miss per key. The winner of a key reads
+    # it after its own write and four times more in rounds 1 and 2: at least five hits per
+    # key. (And no worker misses everything: that would need all keys in flight at once
+    # during its round 1, while at most one write per worker is.)
+    assert sum(r["misses"] for r in results) >= n_blocks
+    assert sum(r["hits"] for r in results) >= 5 * n_blocks
 
     key_root = make_root()
     expected = {object_name("acme", b.key) for b in make_chain(key_root, n_blocks)}
@@ -110,15 +103,12 @@ def test_four_processes_writing_different_keys_never_exceed_the_cap(tmp_path: Pa
     cap = 800_000
     n_writes = 40
     tier = LocalTier(root_dir, cap_bytes=cap, recency_flush_s=0.01)
-    samples: list[tuple[int, int]] = []
 
-    def monitor(stop: threading.Event) -> None:
-        while not stop.is_set():
-            samples.append(workers.consistent_usage(tier))
-            time.sleep(0.002)
-
+    # Each worker samples the bytes the index reserves after each of its writes and reads
+    # (one SELECT: exact while the others work, as a walk of the directory is not); what
+    # is on disk is measured at rest, at the end.
     results = _run_workers(tmp_path, "diff_keys", {"root": str(root_dir), "cap": cap, "recency_flush_s": 0.01,
-                                                   "n_writes": n_writes, "layers": [2, 4, 8]}, during=monitor)
+                                                   "n_writes": n_writes, "layers": [2, 4, 8]})
 
     for w, r in enumerate(results):
         assert r["store_full"] == 0, f"worker {w}: {r['errors'][:2]}"
@@ -126,16 +116,15 @@ def test_four_processes_writing_different_keys_never_exceed_the_cap(tmp_path: Pa
         assert r["over_cap"] == [], f"worker {w}: {r['over_cap'][:5]}"
         assert r["torn"] == [], f"worker {w}: {r['torn'][:5]}"
         assert r["writes"] == n_writes
-        assert r["max_disk"] <= cap and r["max_index"] <= cap
+        assert r["max_index"] <= cap
         assert r["stats"].get("corrupt", 0) == 0
-    assert len(samples) >= 20, "the monitor hardly sampled"
-    over = [(d, i) for d, i in samples if d > cap or i > cap]
-    assert over == [], f"the monitor saw the tier over its cap of {cap}: {over[:5]}"
-    # The cap was exercised: far more was written than it holds.
+    # The cap was exercised: each worker alone writes more than twice what it holds (its 40
+    # seeded snapshots come to 1.8 MB or more), and eviction goes down to 90 % of it, less
+    # one snapshot: from its first eviction on, the index holds more than half the cap.
     assert len(list(tier.entries())) < N_WORKERS * n_writes
-    assert max(d for d, _ in samples) > cap // 2
+    assert min(r["max_index"] for r in results) > cap // 2
     assert list((root_dir / "tmp").iterdir()) == []
-    assert tier.usage() == tier.disk_usage() <= cap
+    assert tier.disk_usage() == tier.usage() <= cap
     assert verify(Store([tier]), quarantine=False).clean
 
 

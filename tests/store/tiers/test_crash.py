@@ -2,8 +2,12 @@
 points never leave a torn snapshot that anyone can read, and GC removes what they leave.
 
 Real processes and real files: a warm "zygote" process forks writer children that this
-test kills with SIGKILL after a random short delay, while a separate reader process
-reads every visible snapshot.
+test kills with SIGKILL at a random point of their writes, while a separate reader
+process reads every visible snapshot. Nothing is left to timing: each round waits for
+the writer's first write to begin, has the reader make a whole pass while the writer is
+alive, then kills it; the rounds go on until each count the test claims is reached. The
+disk is measured where a walk is exact, at rest between rounds, and in flight from the
+index (one SELECT).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from store.tiers.base import object_name
 from store.tiers.local import LocalTier
 from store.tiers.maintenance import check_object, gc, verify
 from store.tiers.store import Store
+from tests.hang_guard import HANG_S
 from tests.store import workers
 from tests.store.factories import ACME, make_chain, make_root, make_snapshot
 
@@ -33,8 +38,12 @@ SEED = 20240611
 POOL = 120                 # snapshots the writers work through
 MIN_ATTEMPTS = 60          # writes started (and mostly killed) before we stop
 MIN_KILLS = 30
+MIN_MID_WRITE_KILLS = 30   # kills that landed inside a write
+MIN_RAW_READS, MIN_HITS = 20, 5  # what the concurrent reader must have read
+#: a hang guard, not a budget: a round is one writer forked, raced by one reader pass,
+#: and killed; the minimums above take a few dozen
+MAX_ROUNDS = 1000
 CAP = 8 * 1024 * 1024      # small enough that writers also evict while being killed
-TIME_BUDGET_S = 40.0
 
 
 def _pending_rows(db_path: Path) -> list[tuple[str, int]]:
@@ -74,6 +83,7 @@ class _Procs:
 
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
+        self.writer: int | None = None  # the zygote's child not yet reaped (it outlives its parent)
 
     def start(self, argv: list[str], **kw) -> subprocess.Popen:
         p = subprocess.Popen(argv, cwd=workers.REPO, env=workers.child_env(), **kw)
@@ -81,6 +91,11 @@ class _Procs:
         return p
 
     def cleanup(self) -> None:
+        if self.writer is not None:
+            try:
+                os.kill(self.writer, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         for p in self.procs:
             if p.poll() is None:
                 p.kill()
@@ -107,40 +122,39 @@ def test_sigkilled_writers_never_leave_a_readable_torn_snapshot(tmp_path: Path, 
 
     cfg = {"root": str(root_dir), "cap": CAP, "recency_flush_s": 0.05, "n": POOL, "seed": SEED, "log": str(log),
            "manifest": str(manifest_path)}
-    zyg = procs.start(workers.command("zygote", cfg), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                      bufsize=1)
-    rcfg = {**cfg, "ready": str(tmp_path / "reader.ready"), "stop": str(tmp_path / "reader.stop"),
-            "out": str(tmp_path / "reader.json")}
-    rdr = procs.start(workers.command("reader", rcfg))
-
+    lines = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+    zyg = procs.start(workers.command("zygote", cfg), **lines)
+    rcfg = {**cfg, "out": str(tmp_path / "reader.json")}
+    rdr = procs.start(workers.command("reader", rcfg), **lines)
     assert zyg.stdout.readline().strip() == "ready", "zygote failed to start"
-    deadline = time.monotonic() + 60
-    while not os.path.exists(rcfg["ready"]):
-        assert rdr.poll() is None, "reader died while starting"
-        assert time.monotonic() < deadline, "reader never became ready"
-        time.sleep(0.01)
+    assert rdr.stdout.readline().strip() == "ready", "reader failed to start"
     manifest = json.loads(manifest_path.read_text())["entries"]
 
-    def ask(line: str) -> str:
-        zyg.stdin.write(line + "\n")
-        zyg.stdin.flush()
-        answer = zyg.stdout.readline().strip()
-        assert answer, f"zygote gave no answer to {line!r}"
+    def ask(proc: subprocess.Popen, line: str) -> str:
+        proc.stdin.write(line + "\n")
+        proc.stdin.flush()
+        answer = proc.stdout.readline().strip()
+        assert answer, f"no answer to {line!r}"
         return answer
 
     rng = random.Random(SEED)
-    start, kills, mid_write_kills, attempts = 0, 0, 0, 0
-    max_disk_between_rounds, garbage_seen = 0, 0
-    t0 = time.monotonic()
-    while attempts < MIN_ATTEMPTS or kills < MIN_KILLS:
-        assert time.monotonic() - t0 < TIME_BUDGET_S, f"only {attempts} writes / {kills} kills in {TIME_BUDGET_S}s"
+    start, rounds, kills, mid_write_kills, attempts = 0, 0, 0, 0, 0
+    read = {"raw_reads": 0, "hits": 0}
+    max_disk_at_rest, garbage_seen = 0, 0
+    while (attempts < MIN_ATTEMPTS or kills < MIN_KILLS or mid_write_kills < MIN_MID_WRITE_KILLS
+           or read["raw_reads"] < MIN_RAW_READS or read["hits"] < MIN_HITS or not garbage_seen):
+        assert rounds < MAX_ROUNDS, (f"{rounds} rounds: {attempts} writes, {kills} kills ({mid_write_kills} "
+                                     f"mid-write), {garbage_seen} garbage seen, reader {read}")
+        rounds += 1
         variant = kills % 2  # alternate header lengths: a re-written key may change size
-        pid = int(ask(f"fork {start} {variant}").split()[1])
-        # Mostly short delays (inside the first write or two), some longer ones.
-        delay = rng.choice([rng.uniform(0.0, 0.01), rng.uniform(0.0, 0.06), rng.uniform(0.02, 0.15)])
-        time.sleep(delay)
+        # answered once the writer has begun its first write
+        pid = procs.writer = int(ask(zyg, f"fork {start} {variant}").split()[1])
+        read = json.loads(ask(rdr, "pass"))  # a whole reader pass while the writer writes
+        # Then a random point in whatever write it is in by now: mostly soon, sometimes later.
+        time.sleep(rng.choice([rng.uniform(0.0, 0.01), rng.uniform(0.0, 0.06), rng.uniform(0.02, 0.15)]))
         os.kill(pid, signal.SIGKILL)
-        status = int(ask(f"reap {pid}").split()[2])
+        status = int(ask(zyg, f"reap {pid}").split()[2])
+        procs.writer = None
         events, failures = _parse_log(log)
         assert not failures, failures
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (
@@ -157,30 +171,32 @@ def test_sigkilled_writers_never_leave_a_readable_torn_snapshot(tmp_path: Path, 
             start = died_at if rng.random() < 0.5 else (died_at + 1) % POOL
         elif mine:
             start = (mine[-1][1] + 1) % POOL
-        # Garbage of killed writers counts against the cap: eviction must free it too.
-        disk = tier.disk_usage()
-        max_disk_between_rounds = max(max_disk_between_rounds, disk)
-        assert disk <= CAP, f"after kill {kills}: {disk} bytes on disk, cap {CAP}, index says {tier.usage()}"
+        # At rest (the writer reaped, the reader between passes) the walk is exact. The
+        # garbage of killed writers counts against the cap: eviction must free it too, so
+        # the files never exceed what the index reserves, and that never exceeds the cap.
+        disk, index = tier.disk_usage(), tier.usage()
+        max_disk_at_rest = max(max_disk_at_rest, disk)
+        assert disk <= index <= CAP, f"after kill {kills}: {disk} bytes on disk, {index} in the index, cap {CAP}"
         garbage_seen += len(_all_tmp_files(root_dir)) + len(_pending_rows(root_dir / "meta" / "index.sqlite"))
     zyg.stdin.write("quit\n")
     zyg.stdin.flush()
-    zyg.wait(timeout=30)
-
-    Path(rcfg["stop"]).touch()
-    rdr.wait(timeout=60)
+    zyg.wait(timeout=HANG_S)
+    rdr.stdin.write("quit\n")
+    rdr.stdin.flush()
+    rdr.wait(timeout=HANG_S)
     assert rdr.returncode == 0, "reader process failed"
     seen = json.loads(Path(rcfg["out"]).read_text())
 
-    # The test did what it claims: enough writes started, most kills landed inside a write.
-    assert attempts >= MIN_ATTEMPTS and kills >= MIN_KILLS
-    assert mid_write_kills >= kills // 2, f"only {mid_write_kills} of {kills} kills landed inside a write"
+    # The test did what it claims (the loop ran until it had): enough writes started,
+    # kills landed inside writes and left garbage, and the reader read while writers were alive.
+    assert attempts >= MIN_ATTEMPTS and kills >= MIN_KILLS and mid_write_kills >= MIN_MID_WRITE_KILLS
+    assert seen["passes"] == rounds and seen["raw_reads"] >= MIN_RAW_READS and seen["hits"] >= MIN_HITS, seen
 
     # No torn snapshot was ever readable by the concurrent reader.
     assert seen["corrupt"] == [], seen["corrupt"][:5]
     assert seen["errors"] == [], seen["errors"][:3]
     assert seen["stats"].get("corrupt", 0) == 0 and seen["stats"].get("quarantined", 0) == 0
-    assert seen["max_disk"] <= CAP, f"the reader saw {seen['max_disk']} bytes on disk, cap {CAP}"
-    assert seen["raw_reads"] >= 20 and seen["hits"] >= 5, f"the reader hardly read anything: {seen}"
+    assert seen["max_index"] <= CAP, f"the reader saw {seen['max_index']} bytes reserved, cap {CAP}"
 
     # Every visible snapshot is complete: bit-identical to one of the two encodings its
     # writer could have produced, and it passes the full check.
@@ -224,9 +240,10 @@ def test_sigkilled_writers_never_leave_a_readable_torn_snapshot(tmp_path: Path, 
             snap.close()
     assert hits == sum(1 for name in on_disk if name in expected)
     assert store.stats["corrupt"] == 0 and store.stats["mismatched"] == 0
-    print(f"\ncrash: {kills} kills ({mid_write_kills} mid-write), {attempts} writes started, "
-          f"{garbage_seen} garbage seen, {leftovers} left for gc, reader {seen['raw_reads']} reads / {seen['hits']} hits, "
-          f"max disk between rounds {max_disk_between_rounds} (cap {CAP}), gc {gc_report.as_dict()}")
+    print(f"\ncrash: {rounds} rounds, {kills} kills ({mid_write_kills} mid-write), {attempts} writes started, "
+          f"{garbage_seen} garbage seen, {leftovers} left for gc, "
+          f"reader {seen['raw_reads']} reads / {seen['hits']} hits, "
+          f"max disk at rest {max_disk_at_rest} (cap {CAP}), gc {gc_report.as_dict()}")
 
 
 # -- the states a SIGKILL leaves at precise points, planted deterministically ----------

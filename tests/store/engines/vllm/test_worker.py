@@ -17,6 +17,7 @@ from store.identity.fingerprint import ModelIdentity
 from store.identity.keys import block_chain
 from store.plan import Plan, PlanEntry
 from store.tiers.store import Store
+from tests.hang_guard import HANG_S
 from tests.store.factories import make_kv, make_snapshot
 
 KB, EB, L, H, D, NB = 32, 16, 2, 2, 8, 64
@@ -121,7 +122,7 @@ def test_write_back_stores_what_the_engine_computed_and_skips_what_is_stored(tmp
     worker.begin_step()
     worker.after_forward(StepPlan(saves=(SaveSpec("r", "acme", False, 1, tuple(ids[: 3 * KB]), tuple(table[2:6])),
                                          SaveSpec("s", "acme", False, 0, tuple(ids[:KB]), tuple(table[:2])))))
-    assert worker.writer.drain(30)
+    assert worker.writer.drain(HANG_S)
     totals = worker.counters.totals()
     assert totals["written_back_blocks"] == 2 and totals["write_back_skipped:present"] == 1
     c = cfg()
@@ -142,7 +143,7 @@ def test_no_write_back_of_a_request_whose_load_failed_in_the_step(tmp_path, work
     worker.begin_step()
     worker.start_load(StepPlan(loads=(LoadSpec("r", "acme", False, tuple(ids[: 2 * KB]), 0, 2 * KB, (1, 2, 3, 4)),)))
     worker.after_forward(StepPlan(saves=(SaveSpec("r", "acme", False, 0, tuple(ids[: 2 * KB]), (1, 2, 3, 4)),)))
-    assert worker.writer.drain(30) and "written_back_blocks" not in worker.counters.totals()
+    assert worker.writer.drain(HANG_S) and "written_back_blocks" not in worker.counters.totals()
 
 
 def test_a_full_queue_drops_saves_and_counts_them(tmp_path, worker) -> None:
@@ -152,14 +153,24 @@ def test_a_full_queue_drops_saves_and_counts_them(tmp_path, worker) -> None:
     assert worker.counters.totals()["write_back_dropped:queue_full"] == 1
 
 
-def test_steps_of_mostly_prefill_are_timed_for_the_scheduler(worker) -> None:
-    worker.begin_step()
-    worker.after_forward(StepPlan(prompt_tokens=500, other_tokens=3))
-    report = worker.take_report()
-    assert report.forward_tokens == 503 and report.forward_seconds >= 0
-    worker.begin_step()
-    worker.after_forward(StepPlan(prompt_tokens=10, other_tokens=30))
-    assert worker.take_report() is None
+def test_steps_of_mostly_prefill_are_timed_for_the_scheduler(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("KVWARM_HOME", str(tmp_path / "home"))
+    now = [100.0]
+    s = ConnectorSettings(store_url=f"file://{tmp_path}/nvme", tenant="acme", config=cfg(pool_dir=tmp_path / "pool"),
+                          model_dir=tmp_path)
+    worker = WorkerRole(s, identities=(IDENT, None), engine_block=EB, clock=lambda: now[0])
+    try:
+        worker.begin_step()
+        now[0] += 0.25  # the forward
+        worker.after_forward(StepPlan(prompt_tokens=500, other_tokens=3))
+        report = worker.take_report()
+        assert report.forward_tokens == 503 and report.forward_seconds == 0.25
+        worker.begin_step()
+        now[0] += 0.25
+        worker.after_forward(StepPlan(prompt_tokens=10, other_tokens=30))
+        assert worker.take_report() is None
+    finally:
+        worker.close()
 
 
 def test_the_start_up_prefetch_maps_the_plan_into_the_pool(tmp_path, worker) -> None:
@@ -170,7 +181,7 @@ def test_the_start_up_prefetch_maps_the_plan_into_the_pool(tmp_path, worker) -> 
                          PlanEntry("mallory", token_ids=tuple(b))))
     futures = worker.prefetch(plan, tokenizer=lambda text, chat: b)
     for f in futures:
-        f.result(timeout=60)
+        f.result(timeout=HANG_S)  # a hang guard
     assert worker.counters.totals()["prefetched_blocks"] == 4 and worker.counters.totals()["prefetch_skipped"] == 1
     assert worker.loader("acme", False).pool.usage() > 0
 
@@ -185,7 +196,7 @@ def test_a_chat_keyed_save_goes_under_the_chat_root(tmp_path, monkeypatch) -> No
     w.register(caches, EngineLayout("cpu_vec", NB, H, EB, D, torch.bfloat16), total_kv_heads=H)
     ids = tokens(2 * KB, seed=8)
     w.after_forward(StepPlan(saves=(SaveSpec("r", "acme", True, 1, tuple(ids), (5, 6)),)))
-    assert w.writer.drain(30) and w.counters.totals()["written_back_blocks"] == 1
+    assert w.writer.drain(HANG_S) and w.counters.totals()["written_back_blocks"] == 1
     c = cfg()
     tenant = c.tenant("acme")
     chat_root = chat_ident.key_root(c.kv_cache.precision(), KB, tenant.salt)
