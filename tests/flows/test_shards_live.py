@@ -6,7 +6,8 @@ section says cpu/fp32 (this machine has no GPU). The GPU pool's two workers take
 at a time (``--limit 1``), as a GPU host's worker does. Their flow runs import
 ``tests/flows/shard_gate/sitecustomize.py``, which does nothing unless a test puts a file in
 the gate folder: a slow ``Store.put`` (the deadline test) or a stop mid-shard (the kill test).
-Everything started here is stopped by pid at the end of the module.
+Everything started here is stopped by pid at the end of the module (the ``prefect_server``
+fixture of tests/flows/conftest.py).
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from flows.spec import PrefillSpec, RunTarget
 from prefill.cli import main as prefill_cli
 from prefill.rundir import RunDir
 from store.plan import Plan, write_plan
-from tests.flows.prefect_server import POOLS, ROOT, PrefectServer, prefect_server  # noqa: F401 - fixture
+from tests.flows.prefect_server import POOLS, ROOT, PrefectServer
 from tests.prefill.shard_plans import BLOCK, independent_plan, shared_prompt_plan, under_system
 
 GATE_CODE = Path(__file__).resolve().parent / "shard_gate"
@@ -37,7 +38,7 @@ GENEROUS_S = 900.0
 
 
 @pytest.fixture(scope="module")
-def gpu_pool(prefect_server: PrefectServer, tmp_path_factory):  # noqa: F811 - the fixture
+def gpu_pool(prefect_server: PrefectServer, tmp_path_factory):
     """Pools, the deployments (prefill on cpu), and two GPU-pool workers that take one run each at a time."""
     gate = tmp_path_factory.mktemp("gate")
     doc = yaml.safe_load((ROOT / "prefect.yaml").read_text())

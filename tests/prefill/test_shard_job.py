@@ -11,14 +11,9 @@ from prefill.block_writer import BlockWriter
 from prefill.runner import DeadlinePassed
 from prefill.shard_job import ShardOptions, run_shard
 from prefill.shards import make_shards, prefixes_of
-from store.config import parse_config
 from store.identity.keys import block_chain
+from tests.prefill.factories import config_for
 from tests.prefill.shard_plans import BLOCK, SYSTEM, independent_plan, shared_prompt_plan, under_system
-
-
-def _config():
-    """The ``store`` fixture's config (tests/prefill/conftest.py): FP8, 16-token blocks."""
-    return parse_config({"kv_cache": {"compression": "fp8", "block_size": BLOCK}})
 
 
 def _shards(plan, n):
@@ -31,7 +26,7 @@ def _distinct_blocks(plan) -> int:
 
 def test_two_shards_compute_every_block_once_and_the_waiter_continues_from_the_stored_prefix(tiny, store, caplog):
     plan = shared_prompt_plan()
-    config = _config()
+    config = config_for()
     shards = _shards(plan, 2)
     owner = next(s for s in shards if s.computes)
     waiter = next(s for s in shards if s.waits)
@@ -62,7 +57,7 @@ def test_two_shards_compute_every_block_once_and_the_waiter_continues_from_the_s
 
 def test_a_rerun_computes_nothing_and_a_wait_that_times_out_computes_the_prefix_here(tiny, store):
     plan = shared_prompt_plan()
-    config = _config()
+    config = config_for()
     waiter = next(s for s in _shards(plan, 2) if s.waits)
     kw = dict(loaded=tiny, store=store, config=config, precision=config.kv_cache.precision())
     # the owner never runs: the waiter gives up and computes the system prompt itself
@@ -78,7 +73,7 @@ def test_a_deadline_cuts_the_least_valuable_entries_of_the_shard(tiny, store, mo
     from prefill import runner
 
     plan = independent_plan(24, 2)
-    config = _config()
+    config = config_for()
     (shard,) = _shards(plan, 1)
     # a clock that moves 10 s per forward batch and never by itself: the runner measures its rate on it too
     clock = _StepClock(start=1000.0)
@@ -107,7 +102,7 @@ def test_a_deadline_cuts_the_least_valuable_entries_of_the_shard(tiny, store, mo
 
 def test_a_deadline_already_past_writes_nothing(tiny, store):
     plan = independent_plan(2, 1)
-    config = _config()
+    config = config_for()
     (shard,) = _shards(plan, 1)
     with pytest.raises(DeadlinePassed):
         run_shard(shard, plan.entries, loaded=tiny, store=store, config=config,
