@@ -16,9 +16,16 @@ query heads over 4 KV heads, head dim 64, ~100M parameters, random weights):
    (``||lp_fp8 - lp_bf16|| / ||lp_bf16||``, median over prompts), with top-1 agreement.
    Repeated with layers kept in bf16 (mixed precision) to find which overrides bring the
    loss under the SageMaker write-up's 0.5 %.
+5. ``shards``: the balance of a sharded prefill (``prefill.shards``) on the plan the
+   pipeline makes from the demo's logs (``flows/data/sample_logs.jsonl.gz``, trained on
+   all days but the last, as ``python -m flows.demo`` does), split into ``--shards`` (4):
+   the largest shard's estimated GPU-seconds over the mean (target at most 1.15), beside
+   one shard's (the whole plan) and how many shared prefixes were split across shards;
+   and the same for a plan of every prefix mining found (the planner keeps only a few).
 
     .venv/bin/python bench/prefill_bench.py            # full run
     .venv/bin/python bench/prefill_bench.py --quick    # small smoke run
+    .venv/bin/python bench/prefill_bench.py --shards-only   # the shard balance alone (about a minute)
 
 The last line printed is one JSON object with the figures and the targets. It is also
 written to ``bench/results/prefill.json`` (``prefill-quick.json`` for --quick,
@@ -53,6 +60,7 @@ from store.tiers.store import Store  # noqa: E402
 
 TENANT = Tenant.derive("bench", "bench-secret")
 WRITE_UP_LOSS = 0.005
+SHARD_BALANCE_TARGET = 1.15
 
 
 def prompts_ids(loaded, n: int, length: int) -> list[list[int]]:
@@ -157,6 +165,81 @@ def bench_precision(loaded, n_prompts: int, length: int, overrides: list[tuple[i
                    "under_write_up_0_5pct": r.loss_median < WRITE_UP_LOSS} for name, r in res.items()}
 
 
+def demo_plan(workdir: Path):
+    """The plan the pipeline makes from the demo's logs (mining, forecast and planning only, as the demo runs them)."""
+    import os
+
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from flows.demo import SAMPLE
+    from flows.pipeline import kvwarm_pipeline
+    from flows.spec import MiningSpec, RunSpec, RunTarget, StagesSpec
+    from flows.tasks import read_logs_task, run_dir
+    from store.plan import read_plan
+
+    last_day = read_logs_task.fn(str(SAMPLE), None, None, None).requests["timestamp"].max().floor("D")
+    target = RunTarget(store=f"file://{workdir}", run="shard-bench", model="kvwarm-tiny", block_size=16)
+    kvwarm_pipeline(RunSpec(target=target, mining=MiningSpec(logs=str(SAMPLE), end=str(last_day)),
+                            stages=StagesSpec(prefill=False, gc=False)))
+    return read_plan(run_dir(target).plan), candidates_plan(run_dir(target)), target
+
+
+def candidates_plan(run):
+    """Every prefix mining found (the planner's candidates, most requested first), as one plan: the demo's plan
+    under a budget that takes them all."""
+    from flows.tasks import load_demand
+    from store.plan import Plan, PlanEntry
+
+    p = load_demand(run).prefixes.sort_values(["distinct_requests", "unique_id"], ascending=[False, True])
+    return Plan(entries=tuple(PlanEntry(tenant=str(r.tenant), token_ids=tuple(r.token_ids))
+                              for r in p.itertuples() if r.token_ids), block_size=16)
+
+
+def bench_shards(n: int) -> dict:
+    """Shard balance (estimated GPU-seconds) of the demo's plan at ``n`` shards, beside one shard, and of the plan
+    of every mined candidate."""
+    with tempfile.TemporaryDirectory() as d:
+        plan, everything, target = demo_plan(Path(d))
+    out = _balance_of(plan, target.model, n)
+    out["all_candidates"] = _balance_of(everything, target.model, n)
+    return out
+
+
+def _balance_of(plan, model: str, n: int) -> dict:
+    from flows.shards import plan_shards
+    from prefill.shards import balance
+
+    sharded = plan_shards(plan, model, n, 16)
+    (whole,) = plan_shards(plan, model, 1, 16)
+    b = balance(sharded)
+    return {"plan_entries": len(plan.prefill_entries()), "shards": n, "whole_plan_gpu_s": round(whole.est_gpu_s, 4),
+            "largest_gpu_s": round(b["max_gpu_s"], 4), "mean_gpu_s": round(b["mean_gpu_s"], 4),
+            "largest_over_mean": round(b["max_over_mean"], 4),
+            "per_shard_gpu_s": [round(s.est_gpu_s, 4) for s in sharded],
+            "per_shard_entries": [len(s.entries) for s in sharded],
+            "shared_prefixes_split": sum(len(s.computes) for s in sharded),
+            "waits": sum(len(s.waits) for s in sharded),
+            "speedup_vs_one_shard": round(whole.est_gpu_s / b["max_gpu_s"], 3) if b["max_gpu_s"] else None}
+
+
+def _print_shards(r: dict) -> None:
+    print(f"shards: the demo's plan ({r['plan_entries']} prefixes, {r['whole_plan_gpu_s']} GPU-s estimated) in "
+          f"{r['shards']} shards: largest {r['largest_gpu_s']} GPU-s vs mean {r['mean_gpu_s']} "
+          f"(x{r['largest_over_mean']}, target <= {SHARD_BALANCE_TARGET}); {r['shared_prefixes_split']} shared "
+          f"prefix(es) split across shards; the window's work x{r['speedup_vs_one_shard']} faster than one GPU",
+          flush=True)
+    a = r["all_candidates"]
+    print(f"shards: every mined candidate ({a['plan_entries']} prefixes, {a['whole_plan_gpu_s']} GPU-s) in "
+          f"{a['shards']} shards: largest over mean x{a['largest_over_mean']}, {a['shared_prefixes_split']} shared "
+          f"prefix(es) split, {a['waits']} wait(s)", flush=True)
+
+
+def _shard_target(r: dict) -> dict:
+    return {"target": SHARD_BALANCE_TARGET, "measured": r["largest_over_mean"],
+            "met": r["largest_over_mean"] <= SHARD_BALANCE_TARGET,
+            "all_candidates": r["all_candidates"]["largest_over_mean"],
+            "all_candidates_met": r["all_candidates"]["largest_over_mean"] <= SHARD_BALANCE_TARGET}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small sizes, one repetition")
@@ -167,11 +250,20 @@ def main(argv: list[str] | None = None) -> None:
                     "(bf16; the GPU check of the prefill issue uses 8b)")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (with --shape)")
     ap.add_argument("--tokens", default="2048,8192", help="prefix lengths with --shape, comma-separated")
+    ap.add_argument("--shards", type=int, default=4, help="shards of the demo plan's balance figure (default 4)")
+    ap.add_argument("--shards-only", action="store_true", help="only the shard balance figure")
     add_results_option(ap)
     args = ap.parse_args(argv)
     run = Run("prefill", __file__, sys.argv[1:] if argv is None else argv)
     if args.shape:
         return main_shaped(args, run)
+    if args.shards_only:
+        r = bench_shards(args.shards)
+        _print_shards(r)
+        doc = {"shards": r, "targets": {f"shard_balance_at_{args.shards}": _shard_target(r)}}
+        run.write(doc, args.results, args.variant or "shards")
+        print(json.dumps(doc))
+        return None
     if args.threads:
         torch.set_num_threads(args.threads)
     reps = 1 if args.quick else args.reps
@@ -194,6 +286,8 @@ def main(argv: list[str] | None = None) -> None:
     for name, r in results["precision"].items():
         print(f"precision {name}: loss median {r['loss_median']:.4%} (p90 {r['loss_p90']:.4%}), "
               f"top-1 agreement {r['top1_agreement']:.1%}", flush=True)
+    results["shards"] = bench_shards(args.shards)
+    _print_shards(results["shards"])
     best_eager = max(results["codec"].get("dequantise_compiled_vs_clone", 0), results["codec"]["dequantise_eager_vs_clone"])
     results["targets"] = {
         "fp8_loss_under_0_5pct": {"target": WRITE_UP_LOSS, "measured": results["precision"]["fp8"]["loss_median"],
@@ -203,6 +297,7 @@ def main(argv: list[str] | None = None) -> None:
         "fp8_bytes_half_of_bf16": {"measured": results["bytes"]["fp8_vs_bf16"],
                                    "met": results["bytes"]["fp8_vs_bf16"] <= 0.55},
         "dequantise_vs_clone_best": best_eager,
+        f"shard_balance_at_{args.shards}": _shard_target(results["shards"]),
     }
     run.write(results, args.results, variant_of(args, partial=args.model != REFERENCE_MODEL))
     print(json.dumps(results))

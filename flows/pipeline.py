@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import pandas as pd
 from prefect import flow, get_run_logger, task
@@ -32,6 +32,7 @@ from flows import history, partitions
 from flows import report as reports
 from flows.cadence import plan_cadence
 from flows.scheduling import schedule_prefill_task
+from flows.shards import prefill_in_shards, shard_count, shard_task
 from flows.spec import (
     ForecastSpec,
     MiningSpec,
@@ -67,6 +68,7 @@ from flows.tasks import (
     window_task,
 )
 from prefill.models import kv_layout
+from prefill.shards import Shard
 from store.format.payload import kv_bytes_per_token
 from store.plan import read_plan
 
@@ -184,18 +186,31 @@ def plan_prewarm(target: RunTarget, plan: PlanSpec = PlanSpec()) -> str:
 
 
 @flow(name="prefill-plan")
-def prefill_plan(target: RunTarget, prefill: PrefillSpec = PrefillSpec(),
-                 deadline: float | None = None) -> dict[str, Any]:
+def prefill_plan(target: RunTarget, prefill: PrefillSpec = PrefillSpec(), deadline: float | None = None,
+                 shard: Optional[Shard] = None) -> dict[str, Any]:
     """Prefill the run's plan into the store before ``deadline`` (Unix seconds); writes ``prefill.json``.
 
     ``deadline`` belongs to one window, not to the deployment: the plan stage sets it
-    when it schedules this flow (:mod:`flows.scheduling`).
+    when it schedules this flow (:mod:`flows.scheduling`). With ``prefill.shards`` above
+    1 (or ``auto``) this run is the parent of a sharded prefill (:mod:`flows.shards`):
+    it runs each shard as a flow run of ``prefill.shard_deployment``, waits for all and
+    fails, after all have ended, naming any shard that failed. ``shard`` (set by that
+    parent) makes this run one shard: it writes ``prefill-shard-<i>.json``.
     """
     out = run_dir(target)
     config = flow_config(target)
     plan_path = need(out.plan, "plan_prewarm")
+    if shard is not None:
+        loaded = load_model_task(target.model, prefill.dtype, prefill.device)
+        result = shard_task(plan_path, shard, loaded, target.store, config, deadline, prefill)
+        save_json(result, out.shard_result(shard.index))
+        get_run_logger().info("prefill shard %d/%d: %s", shard.index, shard.count, result)
+        return result
+    n = 1 if prefill.shards == 1 else shard_count(prefill)
+    if n > 1:
+        return prefill_in_shards(target, prefill, deadline, n, out, config, plan_path)
     loaded = load_model_task(target.model, prefill.dtype, prefill.device)
-    result = prefill_task(plan_path, loaded, target.store, config, deadline)
+    result = prefill_task(plan_path, loaded, target.store, config, deadline, prefill.max_batch_tokens)
     save_json(result, out.prefill)
     get_run_logger().info("prefill: %s", result)
     return result

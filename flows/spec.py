@@ -12,7 +12,7 @@ form, so the flows take their knobs in these sections instead of long keyword li
   deployment to schedule at the window's start;
 - :class:`CadenceSpec` (``cadence``): how often the short plans are made (default every
   5 minutes), what they learn from and what they may retain (``plan_cadence``);
-- :class:`PrefillSpec` (``prefill``): the prefill job's device and dtype;
+- :class:`PrefillSpec` (``prefill``): the prefill job's device and dtype, and its shards;
 - :class:`MonitoringSpec` (``monitoring``): the GPU price of the report's economics;
 - :class:`StagesSpec` (``stages``): which optional stages the pipeline runs.
 
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -190,11 +190,36 @@ class CadenceSpec(_Section):
 
 
 class PrefillSpec(_Section):
-    """The prefill job's device and dtype (``prefill_plan``)."""
+    """The prefill job's device and dtype, and how many shards it runs as (``prefill_plan``)."""
 
     device: Optional[str] = Field("cpu", pattern=r"^[a-z]+(:\d+)?$",
                                   description="cpu, cuda or cuda:N (None: cuda when present).")
     dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Model compute dtype.")
+    max_batch_tokens: int = Field(8192, ge=1, description="Padded tokens per forward batch (bounds activation "
+                                                          "memory, and how finely the deadline cuts).")
+    shards: Union[Literal["auto"], int] = Field(1, description="Shards of the plan, each run as its own flow run of "
+                                                               "shard_deployment on the GPU pool (1: run here; "
+                                                               "'auto': one per online worker of that pool).")
+    shard_deployment: str = Field("prefill-plan/prefill-offpeak", description="The prefill deployment each shard "
+                                                                             "runs as, FLOW/DEPLOYMENT.")
+    wait_timeout_s: float = Field(600.0, gt=0, description="How long a shard waits for a shared prefix another "
+                                                          "shard computes before computing it itself.")
+
+    @field_validator("shards")
+    @classmethod
+    def _positive_or_auto(cls, shards: Union[str, int]) -> Union[str, int]:
+        if shards != "auto" and (isinstance(shards, bool) or not isinstance(shards, int) or shards < 1):
+            raise BadInputError(f"shards {shards!r} must be a positive whole number or 'auto' (one shard per online "
+                                f"worker of the GPU pool)")
+        return shards
+
+    @field_validator("shard_deployment")
+    @classmethod
+    def _a_shard_deployment(cls, name: str) -> str:
+        if not re.fullmatch(r"[^/\s]+/[^/\s]+", name):
+            raise BadInputError(f"shard_deployment {name!r} must name a deployment as FLOW/DEPLOYMENT, e.g. "
+                                f"'prefill-plan/prefill-offpeak'")
+        return name
 
 
 class MonitoringSpec(_Section):

@@ -245,7 +245,7 @@ def publish_latest_plan(plan: Plan, store_url: str, config: KvwarmConfig) -> int
 
 @task(retries=1, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
 def prefill_task(plan_path: Path, loaded: Any, store_url: str, config: KvwarmConfig,
-                 deadline: float | None = None) -> dict[str, Any]:
+                 deadline: float | None = None, max_batch_tokens: int = 8192) -> dict[str, Any]:
     """Prefill the plan's entries into the store (``prefill.warm.warm``); blocks already stored are skipped,
     so a retry or a rerun writes only what is missing."""
     from prefill.warm import warm
@@ -263,7 +263,8 @@ def prefill_task(plan_path: Path, loaded: Any, store_url: str, config: KvwarmCon
     try:
         with s3_reachable(config, "prefill"):
             check_remote_tiers(store)
-            report = warm(entries, loaded=loaded, store=store, config=config, deadline=deadline)
+            report = warm(entries, loaded=loaded, store=store, config=config, deadline=deadline,
+                          max_batch_tokens=max_batch_tokens)
     finally:
         store.close()
     return report.as_dict()

@@ -127,13 +127,19 @@ class LoadedModel:
 
     def encode(self, text: str, *, chat: bool = False) -> list[int]:
         """Token ids of ``text`` (as a system message through the chat template when ``chat``)."""
-        if chat:
-            ids = self.tokenizer.apply_chat_template([{"role": "system", "content": text}], tokenize=True,
-                                                     add_generation_prompt=False)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return [int(t) for t in ids]
-        return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+        return encode(self.tokenizer, text, chat=chat)
+
+
+def encode(tokenizer: Any, text: str, *, chat: bool = False) -> list[int]:
+    """Token ids of ``text`` by ``tokenizer`` (as a system message through its chat template when ``chat``):
+    what the prefill job computes for a plan entry's text, with the weights loaded or not."""
+    if chat:
+        ids = tokenizer.apply_chat_template([{"role": "system", "content": text}], tokenize=True,
+                                            add_generation_prompt=False)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+    return [int(t) for t in tokenizer(text, add_special_tokens=False)["input_ids"]]
 
 
 def models_home() -> Path:

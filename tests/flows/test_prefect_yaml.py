@@ -60,10 +60,18 @@ def test_gc_runs_every_15_minutes_and_the_prefill_uses_the_gpu_pool():
     assert by["plan-hourly"]["parameters"]["plan"]["schedule_prefill"] == "prefill-plan/prefill-offpeak"
 
 
+def test_the_sharded_prefill_runs_its_shards_on_the_gpu_deployment_from_the_cpu_pool():
+    by = {d["name"]: d for d in DEPLOYMENTS}
+    parent = by["prefill-sharded"]
+    assert parent["work_pool"]["name"] == "kvwarm-cpu", "the parent only waits: it must not hold a GPU worker"
+    assert parent["parameters"]["prefill"] == {"shards": "auto", "shard_deployment": "prefill-plan/prefill-offpeak"}
+    assert parent["schedules"][0]["active"] is False, "one fallback cron per window: prefill-offpeak's"
+
+
 def test_every_stage_of_the_set_works_on_one_run_target():
     """The plan and the prefill must agree on store, config, model and block size: one target for all."""
     targets = [d["parameters"]["target"] for d in DEPLOYMENTS if "run" in d["parameters"]["target"]]
-    assert len(targets) == 5 and all(t == targets[0] for t in targets) and targets[0]["run"] == "prod"
+    assert len(targets) == 6 and all(t == targets[0] for t in targets) and targets[0]["run"] == "prod"
     gc = next(d for d in DEPLOYMENTS if d["name"] == "gc-15min")["parameters"]["target"]
     assert gc == {k: v for k, v in targets[0].items() if k != "run"}  # the whole store, no run
 
