@@ -28,8 +28,8 @@ might cache on it carries over between repetitions.
 Each measurement is repeated (7 times up to 64 MiB, 5 times above; ``--reps``), after
 one untimed warm-up pair, with ours and raw alternating which goes first. Before every
 timed operation, untimed: ``os.sync()``, a GC pass, and touching then freeing twice the
-snapshot's size of memory (see ``warm_memory``: on this VM, re-touching memory freed a
-few seconds ago costs a host fault per page). Figures are medians; the ratio is
+snapshot's size of memory (see ``bench.lib.paired.warm_memory``: on this VM,
+re-touching memory freed a few seconds ago costs a host fault per page). Figures are medians; the ratio is
 ours/raw throughput (= raw median time / ours median time). The last line of stdout
 is one JSON object with every figure and the checks (target: ratio >= 0.9 for
 snapshots of 16 MiB and more, for nvme_write, nvme_read, s3_put and s3_get).
@@ -40,6 +40,10 @@ Usage::
     .venv/bin/python bench/store_bench.py --quick    # 1, 16, 64 MiB, 3 reps
     .venv/bin/python bench/store_bench.py --sizes 16,64 --reps 7 --no-s3 --no-cold
 
+The snapshots come from ``bench/lib/store_snapshots.py``, the paired timing from
+``bench/lib/paired.py``, the operations against their baselines from ``bench/lib/tier_io.py``;
+this script runs them by size and phase and reports.
+
 The object is also written, with the command, commit, date and machine, to
 ``bench/results/store.json`` (``store-quick.json`` for --quick, ``store-partial.json``
 for a subset of sizes or no S3; ``--results DIR`` to write elsewhere).
@@ -48,43 +52,36 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import xxhash  # noqa: E402
-
+from bench.lib.paired import Pair, Timer, summarise  # noqa: E402
 from bench.lib.results import Run, add_results_option, variant_of  # noqa: E402
-from store.format.encode import EncodedSnapshot, build_snapshot, snapshot_bytes  # noqa: E402
-from store.format.precision import Precision  # noqa: E402
-from store.format.snapshot import read_snapshot  # noqa: E402
-from store.identity.keys import KeyRoot, block_chain  # noqa: E402
-from store.identity.tenant import Tenant  # noqa: E402
-from store.tiers.base import object_name  # noqa: E402
+from bench.lib.store_snapshots import fresh_name, make_snapshot  # noqa: E402
+from bench.lib.tier_io import (  # noqa: E402
+    bench_nvme_read,
+    bench_nvme_write,
+    bench_s3_get,
+    bench_s3_put,
+    page_cache_dropper,
+)
+from store.format.encode import EncodedSnapshot, snapshot_bytes  # noqa: E402
 from store.tiers.local import LocalTier  # noqa: E402
 
-MiB = 1 << 20
 DEFAULT_SIZES = (1, 4, 16, 64, 256)
 QUICK_SIZES = (1, 16, 64)
 TARGET_RATIO = 0.9
 TARGET_MIN_MIB = 16
-LAYERS, KV_HEADS, HEAD_DIM = 32, 8, 128
-TOKENS_PER_MIB = MiB // (LAYERS * 2 * KV_HEADS * HEAD_DIM)  # fp8: one byte per element -> 16
 CHECKED_OPS = ("nvme_write", "nvme_read", "s3_put", "s3_get")
 ALL_OPS = ("nvme_write", "nvme_read", "nvme_read_readinto", "s3_put", "s3_get", "nvme_read_cold")
 LABELS = {
@@ -95,210 +92,7 @@ LABELS = {
     "s3_get": "s3 get",
     "nvme_read_cold": "  info: nvme read, cold",
 }
-TENANT = Tenant.derive("bench", "bench-secret")
 BUCKET_PREFIX = "kvwarm-bench"
-
-
-# -- snapshots ----------------------------------------------------------------
-def make_snapshot(mib: int, seed: int = 0) -> EncodedSnapshot:
-    """A real FP8 snapshot whose payload is ``mib`` MiB (plus 2 KiB of fp32 scales)."""
-    precision = Precision()
-    block_size = TOKENS_PER_MIB * mib
-    root = KeyRoot("bench-llama-3-8b-shaped@1", "bench-tok", precision.kv_dtype, precision.scheme_id(),
-                   block_size, TENANT.salt)
-    block = block_chain(root, np.arange(block_size) % 128_000)[0]
-    g = torch.Generator().manual_seed(seed)
-    shape = (KV_HEADS, block_size, HEAD_DIM)
-    kv = [(torch.randn(shape, generator=g, dtype=torch.bfloat16), torch.randn(shape, generator=g, dtype=torch.bfloat16))
-          for _ in range(LAYERS)]
-    return build_snapshot(root=root, block=block, tenant=TENANT.name, kv=kv, precision=precision,
-                          created_at=time.time(), ttl_s=24 * 3600)
-
-
-def uncached(snap: EncodedSnapshot) -> EncodedSnapshot:
-    """A new EncodedSnapshot of the same header and buffers, as a prefill job hands over:
-    nothing the store might cache on the object (header JSON, Arrow wrappers) survives from
-    an earlier repetition, so each timed write pays for them once, as a real write does."""
-    return EncodedSnapshot(replace(snap.header), snap.payload)
-
-
-def fresh_name(tag: str) -> str:
-    """A tier object name never used before (the tiers skip names they hold)."""
-    key = hashlib.sha256(f"{tag}/{time.time_ns()}/{os.urandom(8).hex()}".encode()).hexdigest()
-    return object_name(TENANT.name, key)
-
-
-def touch_parts(snap) -> int:
-    """Read every payload byte of an opened snapshot (what a consumer does, cheaply)."""
-    acc = 0
-    for part in snap.header.parts:
-        acc ^= xxhash.xxh3_64_intdigest(snap.array(part.name))
-    return acc
-
-
-def touch_bytes(data) -> int:
-    return xxhash.xxh3_64_intdigest(data)
-
-
-# -- timing -------------------------------------------------------------------
-@dataclass
-class Pair:
-    ours: list[float] = field(default_factory=list)
-    raw: list[float] = field(default_factory=list)
-
-
-#: Bytes of memory touched and freed before each timed operation (set per snapshot size).
-WARM_BYTES = 0
-
-
-def warm_memory(nbytes: int) -> None:
-    """Touch ``nbytes`` of fresh memory and free it. On a VM whose balloon reports free
-    pages to the host (this one: virtio-balloon free page reporting), memory freed a
-    couple of seconds ago costs a host fault per page when it is touched again, so the
-    first writer of new page cache or the first reader into a new buffer pays a cost that
-    depends on what ran before. Touching (and freeing) the memory an operation is about to
-    take puts every operation, ours and raw, on the same footing."""
-    if nbytes > 0:
-        np.ones(nbytes, dtype=np.uint8)
-
-
-def timed(fn: Callable[[], object], prepare: Callable[[], object] | None = None) -> float:
-    """Seconds ``fn`` takes, after ``prepare``, ``os.sync()``, a GC pass and warming memory
-    (all untimed)."""
-    if prepare is not None:
-        prepare()
-    os.sync()
-    gc.collect()
-    warm_memory(WARM_BYTES)
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
-
-
-def alternate(reps: int, ours: Callable[[], float], raw: Callable[[], float], warmup: int = 1) -> Pair:
-    """``warmup`` untimed pairs, then ``reps`` timed pairs; even pairs run ours first."""
-    out = Pair()
-    for i in range(warmup + reps):
-        order = ((ours, out.ours), (raw, out.raw)) if i % 2 == 0 else ((raw, out.raw), (ours, out.ours))
-        for fn, sink in order:
-            t = fn()
-            if i >= warmup:
-                sink.append(t)
-    return out
-
-
-# -- NVMe tier ----------------------------------------------------------------
-def bench_nvme_write(tier: LocalTier, rawdir: Path, snap: EncodedSnapshot, blob: bytes, reps: int) -> Pair:
-    def ours() -> float:
-        name, data = fresh_name("w"), uncached(snap)
-        t = timed(lambda: tier.write(name, data, expires_at=snap.header.expires_at))
-        if tier.path(name).stat().st_size != len(blob):
-            raise AssertionError("the tier wrote a different number of bytes than the raw baseline")
-        tier.delete(name)
-        return t
-
-    def raw() -> float:
-        path = rawdir / f"raw-{os.urandom(6).hex()}.bin"
-
-        def write() -> None:
-            with open(path, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
-
-        t = timed(write)
-        path.unlink()
-        return t
-
-    return alternate(reps, ours, raw)
-
-
-def read_ours(tier, name: str) -> None:
-    snap = read_snapshot(tier.read(name), location=name)
-    touch_parts(snap)
-    snap.close()
-
-
-def bench_nvme_read(tier: LocalTier, name: str, reps: int, *, drop: Callable[[], None] | None = None,
-                    readinto: bool = False) -> Pair:
-    path = tier.path(name)
-    reuse = bytearray(path.stat().st_size) if readinto else None
-    if reuse is not None:
-        reuse[:] = b"\1" * len(reuse)  # touched: its pages are resident
-
-    def ours() -> float:
-        return timed(lambda: read_ours(tier, name), drop)
-
-    def raw_read() -> None:
-        with open(path, "rb") as f:
-            data = f.read()
-        touch_bytes(data)
-
-    def raw_readinto() -> None:
-        with open(path, "rb", buffering=0) as f:
-            f.readinto(reuse)
-        touch_bytes(reuse)
-
-    def raw() -> float:
-        return timed(raw_readinto if readinto else raw_read, drop)
-
-    return alternate(reps, ours, raw)
-
-
-def page_cache_dropper() -> Callable[[], None] | None:
-    """``echo 3 > /proc/sys/vm/drop_caches`` if this process may, else ``None``."""
-    def drop() -> None:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-
-    try:
-        drop()
-    except OSError:
-        return None
-    return drop
-
-
-# -- S3 tier ------------------------------------------------------------------
-def bench_s3_put(tier, fs, snap: EncodedSnapshot, blob: bytes, reps: int) -> Pair:
-    def ours() -> float:
-        name, data = fresh_name("p"), uncached(snap)
-        t = timed(lambda: tier.write(name, data, expires_at=snap.header.expires_at))
-        tier.delete(name)
-        return t
-
-    def raw() -> float:
-        path = f"{tier.bucket}/raw/{fresh_name('p')}"
-        t = timed(lambda: fs.pipe(path, blob))
-        fs.rm(path)
-        return t
-
-    return alternate(reps, ours, raw)
-
-
-def bench_s3_get(tier, fs, name: str, reps: int) -> Pair:
-    path = f"{tier.base}/{name}"
-
-    def ours() -> float:
-        return timed(lambda: read_ours(tier, name))
-
-    def raw() -> float:
-        return timed(lambda: touch_bytes(fs.cat(path)))
-
-    return alternate(reps, ours, raw)
-
-
-# -- report -------------------------------------------------------------------
-def summarise(pair: Pair, nbytes: int) -> dict:
-    o, r = statistics.median(pair.ours), statistics.median(pair.raw)
-    return {
-        "ours_mb_s": round(nbytes / o / 1e6, 1),
-        "raw_mb_s": round(nbytes / r / 1e6, 1),
-        "ratio": round(r / o, 3),
-        "ratio_of_min": round(min(pair.raw) / min(pair.ours), 3),
-        "ours_s": [round(x, 6) for x in pair.ours],
-        "raw_s": [round(x, 6) for x in pair.raw],
-    }
 
 
 def print_table(results: dict, sizes: list[int]) -> None:
@@ -354,10 +148,11 @@ def main(argv: list[str] | None = None) -> int:
               f"built in {time.perf_counter() - t0:.1f} s; {reps_for(mib)} reps", flush=True)
     gc.collect()
 
+    timer = Timer()
+
     def size(mib: int) -> int:
         """Sets how much memory is warmed before each timed operation on this size."""
-        global WARM_BYTES
-        WARM_BYTES = 2 * len(snaps[mib][1])
+        timer.warm_bytes = 2 * len(snaps[mib][1])
         return mib
 
     def record(mib: int, op: str, pair: Pair) -> None:
@@ -377,11 +172,11 @@ def main(argv: list[str] | None = None) -> int:
         read_names: dict[int, str] = {}
         for mib in map(size, sizes):
             snap, blob = snaps[mib]
-            record(mib, "nvme_write", bench_nvme_write(tier, rawdir, snap, blob, reps_for(mib)))
+            record(mib, "nvme_write", bench_nvme_write(timer, tier, rawdir, snap, blob, reps_for(mib)))
             name = read_names[mib] = fresh_name("r")
             tier.write(name, snap, expires_at=snap.header.expires_at)
-            record(mib, "nvme_read", bench_nvme_read(tier, name, reps_for(mib)))
-            record(mib, "nvme_read_readinto", bench_nvme_read(tier, name, reps_for(mib), readinto=True))
+            record(mib, "nvme_read", bench_nvme_read(timer, tier, name, reps_for(mib)))
+            record(mib, "nvme_read_readinto", bench_nvme_read(timer, tier, name, reps_for(mib), readinto=True))
 
         # Phase 2: S3 tier against raw s3fs on one SeaweedFS server.
         if not args.no_s3:
@@ -409,10 +204,10 @@ def main(argv: list[str] | None = None) -> int:
                 snap, blob = snaps[mib]
                 bucket = f"{BUCKET_PREFIX}-{mib}"
                 s3 = S3Tier(f"s3://{bucket}/ours", options, create_bucket=True)
-                record(mib, "s3_put", bench_s3_put(s3, fs, snap, blob, reps_for(mib)))
+                record(mib, "s3_put", bench_s3_put(timer, s3, fs, snap, blob, reps_for(mib)))
                 name = fresh_name("g")
                 s3.write(name, snap, expires_at=snap.header.expires_at)
-                record(mib, "s3_get", bench_s3_get(s3, fs, name, reps_for(mib)))
+                record(mib, "s3_get", bench_s3_get(timer, s3, fs, name, reps_for(mib)))
                 s3.fs.rm(bucket, recursive=True)
                 del s3
 
@@ -422,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             cold_method = "drop_caches"
             print("NVMe tier, cold (echo 3 > /proc/sys/vm/drop_caches before each read) ...", flush=True)
             for mib in map(size, sizes):
-                record(mib, "nvme_read_cold", bench_nvme_read(tier, read_names[mib], reps_for(mib), drop=drop))
+                record(mib, "nvme_read_cold", bench_nvme_read(timer, tier, read_names[mib], reps_for(mib), drop=drop))
         elif not args.no_cold:
             print("cold reads skipped: /proc/sys/vm/drop_caches is not writable here", flush=True)
     finally:

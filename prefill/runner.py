@@ -116,10 +116,26 @@ class PrefillReport:
     def tokens_per_s(self) -> float:
         return self.tokens_computed / self.seconds if self.seconds > 0 else 0.0
 
+    def add(self, run: PrefillReport) -> None:
+        """Add what a further ``run`` did (a step of a longer job, as in :mod:`prefill.shard_job`).
+
+        Only the work counters add up; the counts of the prefixes' blocks (``prefixes``,
+        ``blocks_total``, ``blocks_stored_before``, ``blocks_left``) overlap between runs and
+        stay the caller's to set.
+        """
+        for name in _WORK_COUNTERS:
+            setattr(self, name, getattr(self, name) + getattr(run, name))
+        self.quant_error_max = max(self.quant_error_max, run.quant_error_max)
+        self.stopped = run.stopped or self.stopped
+
     def as_dict(self) -> dict[str, object]:
         d = dict(self.__dict__)
         d["tokens_per_s"] = round(self.tokens_per_s, 1)
         return d
+
+
+_WORK_COUNTERS = ("blocks_written", "blocks_skipped", "tokens_computed", "forward_tokens", "batches", "oom_splits",
+                  "deadline_splits", "reloaded_failures", "seconds")
 
 
 @dataclass

@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 
 from prefill.inputs import requests_from_plan
 from prefill.models import LoadedModel
-from prefill.runner import DeadlinePassed, Prefiller, PrefillOptions, PrefixRequest, check_deadline
+from prefill.runner import DeadlinePassed, Prefiller, PrefillOptions, PrefillReport, PrefixRequest, check_deadline
 from prefill.shards import Shard, SharedPrefix
 from store.config import KvwarmConfig
 from store.format.precision import Precision
@@ -75,36 +75,26 @@ class Wait:
 
 @dataclass
 class ShardReport:
-    """What one shard did: the runner's counts summed over its steps, its waits and what was cut."""
+    """What one shard did: the runner's report summed over its steps, its waits and what was cut.
+
+    ``prefill.prefixes`` counts the shard's plan entries, and its block counts are those of
+    the entries (probed before and after the job); :meth:`as_dict` writes it all as one flat
+    record, the prefill's keys beside the shard's (``entries`` for ``prefixes``).
+    """
 
     shard: int
     shards: int
-    entries: int
     est_gpu_s: float
-    blocks_total: int = 0
-    blocks_stored_before: int = 0
-    blocks_written: int = 0
-    blocks_skipped: int = 0
-    tokens_computed: int = 0
-    forward_tokens: int = 0
-    batches: int = 0
-    seconds: float = 0.0
-    stopped: str | None = None
-    blocks_left: int = 0
+    prefill: PrefillReport
     cut: list[int] = field(default_factory=list)
     waits: list[Wait] = field(default_factory=list)
-    quant_error_max: float = 0.0
     finished_at: float = 0.0
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens_computed / self.seconds if self.seconds > 0 else 0.0
-
     def as_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["waits"] = [w.as_dict() for w in self.waits]
-        d["tokens_per_s"] = round(self.tokens_per_s, 1)
-        return d
+        counts = self.prefill.as_dict()
+        return {"shard": self.shard, "shards": self.shards, "entries": counts.pop("prefixes"),
+                "est_gpu_s": self.est_gpu_s, **counts, "cut": list(self.cut),
+                "waits": [w.as_dict() for w in self.waits], "finished_at": self.finished_at}
 
 
 @dataclass(frozen=True)
@@ -138,9 +128,10 @@ def run_shard(shard: Shard, entries: Sequence[PlanEntry], *, loaded: LoadedModel
             for p in shard.computes]
     work += [_Work(req[i], None) for i in shard.entries]
     work = [replace(w, wait=_deepest_wait(w.request, shard.waits, req, bs)) for w in work]
-    report = ShardReport(shard=shard.index, shards=shard.count, entries=len(shard.entries), est_gpu_s=shard.est_gpu_s)
+    counts = PrefillReport(prefixes=len(shard.entries))
+    report = ShardReport(shard=shard.index, shards=shard.count, est_gpu_s=shard.est_gpu_s, prefill=counts)
     total, missing, _ = _missing(shard, req, loaded, store, precision, bs)
-    report.blocks_stored_before = total - missing
+    counts.blocks_stored_before = total - missing
     stop_at = None if deadline is None else deadline - options.stop_margin_s
     prefiller = Prefiller(loaded, store, PrefillOptions(precision=precision, block_size=bs, deadline=stop_at,
                                                         max_batch_tokens=options.max_batch_tokens), clock=clock)
@@ -150,11 +141,11 @@ def run_shard(shard: Shard, entries: Sequence[PlanEntry], *, loaded: LoadedModel
 
     def flush() -> None:
         nonlocal nothing_fits
-        if step and report.stopped is None:
+        if step and counts.stopped is None:
             try:
-                _add(report, prefiller.run(list(step)))
+                counts.add(prefiller.run(list(step)))
             except DeadlinePassed as exc:
-                report.stopped, nothing_fits = "deadline", exc
+                counts.stopped, nothing_fits = "deadline", exc
         step.clear()
 
     for n, w in enumerate(work):
@@ -162,7 +153,7 @@ def run_shard(shard: Shard, entries: Sequence[PlanEntry], *, loaded: LoadedModel
             flush()  # the shared prefixes others wait for go first, alone
         if w.wait is not None and (w.wait.entry, w.wait.blocks) not in done_waits:
             flush()
-            if report.stopped is not None:
+            if counts.stopped is not None:
                 break
             done_waits.add((w.wait.entry, w.wait.blocks))
             report.waits.append(_wait_for(w.wait, req[w.wait.entry], shard, loaded, store, precision, bs, stop_at,
@@ -173,7 +164,7 @@ def run_shard(shard: Shard, entries: Sequence[PlanEntry], *, loaded: LoadedModel
     flush()
     _count_cut(report, shard, req, loaded, store, precision, bs)
     report.finished_at = clock()
-    if nothing_fits is not None and report.blocks_written == 0 and report.blocks_left:
+    if nothing_fits is not None and counts.blocks_written == 0 and counts.blocks_left:
         raise nothing_fits
     return report
 
@@ -182,14 +173,6 @@ def _deepest_wait(r: PrefixRequest, waits: Sequence[SharedPrefix], req: dict[int
                   bs: int) -> SharedPrefix | None:
     found = [p for p in waits if _begins_with(r, req[p.entry], p.blocks * bs)]
     return max(found, key=lambda p: p.blocks, default=None)
-
-
-def _add(report: ShardReport, step: Any) -> None:
-    for name in ("blocks_written", "blocks_skipped", "tokens_computed", "forward_tokens", "batches", "seconds"):
-        setattr(report, name, getattr(report, name) + getattr(step, name))
-    report.quant_error_max = max(report.quant_error_max, step.quant_error_max)
-    if step.stopped:
-        report.stopped = step.stopped
 
 
 def _chain(r: PrefixRequest, loaded: LoadedModel, precision: Precision, bs: int, n_tokens: int | None = None):
@@ -245,4 +228,5 @@ def _missing(shard: Shard, req: dict[int, PrefixRequest], loaded: LoadedModel, s
 def _count_cut(report: ShardReport, shard: Shard, req: dict[int, PrefixRequest], loaded: LoadedModel, store: Store,
                precision: Precision, bs: int) -> None:
     """The shard's entries not fully stored now (what the deadline cut), and their missing blocks."""
-    report.blocks_total, report.blocks_left, report.cut = _missing(shard, req, loaded, store, precision, bs)
+    report.prefill.blocks_total, report.prefill.blocks_left, report.cut = _missing(shard, req, loaded, store,
+                                                                                    precision, bs)

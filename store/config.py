@@ -158,7 +158,12 @@ class LoaderConfig(_Section):
     sync_fetch_timeout_s: float = Field(2.0, gt=0, description="Most a lookup waits for S3 in sync mode.")
     s3_backoff_s: float = Field(30.0, ge=0, description="After S3 fails, do not ask it again for this long.")
     verify_payload: bool = Field(True, description="Check payload checksums when a snapshot enters the pool.")
-    fetch_workers: int = Field(2, ge=1, le=64, description="Background fetch threads (S3 to NVMe, prefetch).")
+    fetch_workers: int = Field(2, ge=1, le=64, description="Background fetch threads: S3 to NVMe for a lookup's "
+                               "NVMe miss (prefetch has its own prefetch_streams).")
+    prefetch_streams: int = Field(
+        8, ge=1, le=64, description="Chains a prefetch copies from S3 at once (parallel GETs), on threads of their "
+        "own; each chain block by block in prefix order, the plan's first entries first. S3 gives far more "
+        "bandwidth to parallel GETs than to one stream.")
     dequant: Literal["table", "compiled", "auto"] = Field(
         "table", description="CPU FP8 dequantiser: table (per-head tables; the native gather where it was built, "
         "numpy otherwise), compiled (torch.compile), or auto (the native table where built, else the numpy "

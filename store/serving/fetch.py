@@ -2,10 +2,12 @@
 
 Two ways, as the loader's ``fetch_mode`` says: in the background (an NVMe miss answers
 now and the chain is copied for next time; at most one fetch in flight per chain head)
-or waiting up to a timeout (and going on in the background past it). After S3 fails,
-it is not asked again for ``backoff_s``. Nothing here raises for store trouble: each
-outcome is a count of blocks now in NVMe and a reason when fewer than S3 holds. The
-copying is the store's own read-through (:meth:`store.tiers.store.Store.read`).
+or waiting up to a timeout (and going on in the background past it); a prefetch's
+streams copy through :meth:`RemoteFetcher.copy_chain`. After S3 fails, it is not asked
+again for ``backoff_s``. Nothing here raises for store trouble: each outcome is a count
+of blocks now in NVMe and a reason when fewer than S3 holds. The copying is the store's
+own read-through (:meth:`store.tiers.store.Store.read`), one block at a time: a block
+that one thread is copying is not copied by another, which waits for it instead.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import sqlite3
 import threading
 import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from store.errors import StoreError, StoreUnavailable, TenantAccessDenied
 from store.identity.keys import Block, KeyRoot
@@ -41,6 +43,18 @@ class Scope:
     def names(self, blocks: Sequence[Block]) -> list[str]:
         """The tier object names of ``blocks`` in this namespace."""
         return [object_name(self.ns, b.key) for b in blocks]
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What :meth:`RemoteFetcher.copy_chain` did: ``count`` leading blocks are in NVMe (from
+    ``blocks[0]``); of the blocks it handled, ``fetched`` it copied and ``present`` it found
+    there (already, or copied meanwhile by another thread); ``reason`` says why not more."""
+
+    count: int
+    fetched: int = 0
+    present: int = 0
+    reason: MissReason | None = None
 
 
 class RemoteFetcher:
@@ -69,6 +83,7 @@ class RemoteFetcher:
         self._down_until = 0.0
         self._lock = threading.Lock()
         self._inflight: set[str] = set()
+        self._copying: dict[str, threading.Event] = {}  # block name -> set when its copy ends
 
     def usable(self) -> bool:
         """Whether there is a remote tier and it is not in its backoff after a failure."""
@@ -109,31 +124,78 @@ class RemoteFetcher:
         Returns how many leading blocks are now in NVMe (counting from ``blocks[0]``) and a
         reason when fewer than the remote tier holds.
         """
+        done = self.copy_chain(blocks, scope)
+        return done.count, done.reason
+
+    def copy_chain(self, blocks: Sequence[Block], scope: Scope, *, start: int = 0,
+                   stopped: Callable[[], bool] | None = None) -> Fetched:
+        """Copy ``blocks[start:]`` into NVMe in prefix order, up to the first block no tier serves.
+
+        Args:
+            start: how many leading blocks are known to be in NVMe (a probe's count).
+            stopped: asked before each block; ``True`` ends the copy there (the loader is closing).
+
+        NOTE: S3 is not probed first. A probe is a HEAD per block on top of the GET that
+        copies it; the first GET that finds nothing ends the chain just as the probe's count
+        would, and a stream copying many chains side by side keeps its requests for GETs.
+        """
+        fetched = present = 0
+        i = start
         try:
-            # Store.probe counts an unreachable tier and answers from the others; a fetch
-            # that S3 did not answer backs off.
-            probe = self.store.probe(self.tenant, blocks, scope.root)
-            if probe.unavailable:
-                raise StoreUnavailable(f"the {', '.join(probe.unavailable)} tier did not answer a probe of "
-                                       f"{len(blocks)} blocks")
-            for i, block in enumerate(blocks[: probe.count]):
-                if self.store.probe(self.tenant, [block], scope.root, local_only=True).count:
-                    self.metrics.prefetched("present")
-                    continue
-                found = self.store.read(self.tenant, block, scope.root)
-                if found.snapshot is None:
-                    if isinstance(found.error, StoreUnavailable):
-                        raise found.error
-                    return i, found.miss  # expired, corrupt...: the store counted (and quarantined) it
-                found.snapshot.close()
-                self.metrics.prefetched("fetched")
-            return probe.count, None
+            for i in range(start, len(blocks)):
+                if stopped is not None and stopped():
+                    return Fetched(i, fetched, present)
+                got = self._copy(blocks[i], scope)
+                if got == "present":
+                    present += 1
+                elif got == "fetched":
+                    fetched += 1
+                else:  # absent in S3 too: the chain ends here; expired, corrupt...: the store counted it
+                    return Fetched(i, fetched, present, None if got is MissReason.ABSENT else got)
+            return Fetched(len(blocks), fetched, present)
         except StoreUnavailable as exc:
             self.failed(exc)
-            return 0, MissReason.STORE_UNAVAILABLE
+            return Fetched(i, fetched, present, MissReason.STORE_UNAVAILABLE)
         except TenantAccessDenied as exc:  # counted by the store
             log.warning("fetch refused: %s", exc)
-            return 0, MissReason.TENANT_REFUSED
+            return Fetched(i, fetched, present, MissReason.TENANT_REFUSED)
         except ERRORS as exc:
-            log.exception("background fetch failed: %s", exc)
-            return 0, MissReason.ERROR
+            log.exception("fetch failed: %s", exc)
+            return Fetched(i, fetched, present, MissReason.ERROR)
+
+    def _copy(self, block: Block, scope: Scope) -> str | MissReason:
+        """``"present"`` (in NVMe), ``"fetched"`` (copied now from S3) or why neither.
+
+        Raises:
+            StoreUnavailable: S3 did not answer (a back-off is answered ``store_unavailable``).
+            TenantAccessDenied, StoreError, OSError: as the store's probe and read.
+        """
+        name = scope.names([block])[0]
+        while True:
+            if self.store.probe(self.tenant, [block], scope.root, local_only=True).count:
+                self.metrics.prefetched("present")
+                return "present"
+            if not self.usable():  # no S3, or in its back-off: not asked (and the back-off not extended)
+                return MissReason.STORE_UNAVAILABLE if self.has_remote else MissReason.ABSENT
+            mine = threading.Event()
+            with self._lock:
+                busy = self._copying.setdefault(name, mine)
+            if busy is not mine:
+                busy.wait()  # another thread's copy of it ended: landed (present) or failed (try it here)
+                continue
+            try:
+                found = self.store.read(self.tenant, block, scope.root)
+            finally:
+                with self._lock:
+                    del self._copying[name]
+                mine.set()
+            if found.snapshot is None:
+                if isinstance(found.error, StoreUnavailable):
+                    raise found.error
+                return found.miss or MissReason.ABSENT
+            found.snapshot.close()
+            if found.tier == self.store.tiers[0].kind:  # landed between the probe and the read
+                self.metrics.prefetched("present")
+                return "present"
+            self.metrics.prefetched("fetched")
+            return "fetched"

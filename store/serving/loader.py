@@ -43,7 +43,7 @@ from store.serving.hit import LoaderHit
 from store.serving.mapper import PoolMapper
 from store.serving.metrics import LoaderMetrics
 from store.serving.pool import PoolAttachRefused, SnapshotPool, default_pool_dir, readahead
-from store.serving.prefetch import PrefetchResult, plan_chains, run_prefetch
+from store.serving.prefetch import Prefetcher, PrefetchResult, plan_chains
 from store.tiers.registry import tiers_from_url
 from store.tiers.store import Store
 
@@ -64,7 +64,8 @@ class KVLoader:
             is the smallest any attached process asks for).
 
         Keywords left as ``None`` (``pool_bytes``, ``fetch_mode``, ``sync_fetch_timeout_s``,
-        ``s3_backoff_s``, ``pool_dir``, ``verify_payload``, ``fetch_workers``, ``dequant``)
+        ``s3_backoff_s``, ``pool_dir``, ``verify_payload``, ``fetch_workers``, ``prefetch_streams``,
+        ``dequant``)
         take the config's ``loader`` section (docs/reference/config.md).
         config: a :class:`KvwarmConfig` or a config file path (default ``load_config()``);
             precision, block size, TTL and ``max_shared_instances`` come from it.
@@ -79,7 +80,9 @@ class KVLoader:
         verify_payload: check payload checksums when a snapshot first enters the pool
             (reads it once per node); ``False`` reads nothing but headers until used.
         registry: Prometheus registry (default: one of the loader's own).
-        fetch_workers: background fetch threads.
+        fetch_workers: background fetch threads (a lookup's NVMe miss copied for next time).
+        prefetch_streams: chains :meth:`prefetch` copies from S3 at once, on threads of their
+            own (so that a long prefetch leaves ``fetch_workers`` to the lookups' fetches).
         dequant: CPU FP8 dequantiser: ``table`` (default: per-head tables, no warm-up; the
             fastest where the native gather ``store.kernels._fp8gather`` was built, see
             :func:`store.kernels.table.native_isa`), ``compiled`` (a torch.compile kernel built on
@@ -95,14 +98,15 @@ class KVLoader:
                  sync_fetch_timeout_s: float | None = None, s3_backoff_s: float | None = None,
                  pool_dir: str | os.PathLike[str] | None = None,
                  verify_payload: bool | None = None, registry: CollectorRegistry | None = None,
-                 fetch_workers: int | None = None, dequant: DequantMode | Dequantizer | None = None,
+                 fetch_workers: int | None = None, prefetch_streams: int | None = None,
+                 dequant: DequantMode | Dequantizer | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         self.config = config if isinstance(config, KvwarmConfig) else load_config(config)
         # keywords left as None take the config's loader section; the rest are checked as it is
         d = self.config.loader.with_overrides(
             pool_bytes=pool_bytes, fetch_mode=fetch_mode, sync_fetch_timeout_s=sync_fetch_timeout_s,
             s3_backoff_s=s3_backoff_s, pool_dir=pool_dir, verify_payload=verify_payload, fetch_workers=fetch_workers,
-            dequant=None if isinstance(dequant, Dequantizer) else dequant)
+            prefetch_streams=prefetch_streams, dequant=None if isinstance(dequant, Dequantizer) else dequant)
         self.tenant = tenant if isinstance(tenant, Tenant) else self.config.tenant(tenant)
         self._model_dir: Path | None = None
         if isinstance(model, ModelIdentity):
@@ -142,6 +146,8 @@ class KVLoader:
         self._executor = cf.ThreadPoolExecutor(max_workers=d.fetch_workers, thread_name_prefix="kvwarm-fetch")
         self.fetcher = RemoteFetcher(self.store, self.tenant, self.metrics, self._executor,
                                      timeout_s=d.sync_fetch_timeout_s, backoff_s=d.s3_backoff_s)
+        self.prefetcher = Prefetcher(d.prefetch_streams, probe=self._probe_local, fetcher=self.fetcher,
+                                     metrics=self.metrics)
         self.dequantizer = dequant if isinstance(dequant, Dequantizer) else Dequantizer(d.dequant, self._executor)
         self._closed = False
 
@@ -281,6 +287,10 @@ class KVLoader:
                  tokenizer: Callable[[str], Sequence[int]] | None = None) -> "cf.Future[PrefetchResult]":
         """In the background: copy prefixes S3 -> NVMe and (``map_ahead``) map them into the pool.
 
+        ``prefetch_streams`` chains are copied at once, taken in priority order (the first
+        entries start first), each block by block in prefix order; a head that several
+        chains share is copied once.
+
         Args:
             items: a :class:`store.plan.Plan` (or a plan file): its entries for this tenant
                 and for ``public`` (unless public prefixes are off), in priority order; their
@@ -306,8 +316,7 @@ class KVLoader:
                 for name in scope.names(chain):
                     priority[name] = max(score, priority.get(name, score))
             self.mapper.priority = priority
-        return self._executor.submit(run_prefetch, chains, skipped, probe=self._probe_local, fetcher=self.fetcher,
-                                     map_ahead=self._map_ahead if map_ahead else None, metrics=self.metrics)
+        return self.prefetcher.run(chains, skipped, map_ahead=self._map_ahead if map_ahead else None)
 
     def _probe_local(self, chain: list[Block], scope: Scope) -> int:
         """Leading blocks of ``chain`` in the local tiers (no network)."""
@@ -346,6 +355,9 @@ class KVLoader:
         if self._closed:
             return
         self._closed = True
+        # the prefetch streams stop after the block each is copying, and are joined: none
+        # writes to the store once it is closed; their futures resolve with what was done
+        self.prefetcher.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.mapper.clear()
         self.pool.close()

@@ -1,15 +1,23 @@
 """Prefetch: a plan's prefixes copied S3 -> NVMe and mapped into the node's pool ahead of need.
 
 :meth:`store.serving.loader.KVLoader.prefetch` turns what it is given (a plan, a plan file, or
-prefixes as token ids) into block chains with :func:`plan_chains`, and runs
-:func:`run_prefetch` on its background executor. The steps that touch the loader's
-state (probing the local tier, mapping and pinning) are passed in, so this module holds
-only the order of things and the accounting; it never raises for store trouble.
+prefixes as token ids) into block chains with :func:`plan_chains`, and hands them to its
+:class:`Prefetcher`: ``streams`` threads of its own (apart from the loader's background
+fetches, which a long prefetch must not hold up) that take the chains in the plan's
+priority order, one chain per stream at a time, each copied block by block in prefix
+order (a chain is usable only up to its first missing block). Chains that share a head
+(a common system prompt) do not copy it twice: a block one stream is copying is waited
+for by the others (:meth:`store.serving.fetch.RemoteFetcher.copy_chain`). The steps that
+touch the loader's state (probing the local tier, mapping and pinning) are passed in, so
+this module holds only the order of things and the accounting; it never raises for store
+trouble.
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
@@ -42,6 +50,14 @@ class PrefetchResult:
     def fail(self, reason: MissReason) -> None:
         self.failed[reason.value] = self.failed.get(reason.value, 0) + 1
 
+    def add(self, other: "PrefetchResult") -> None:
+        """Count ``other``'s blocks and failures in this one (one chain's into the plan's)."""
+        self.fetched += other.fetched
+        self.present += other.present
+        self.mapped += other.mapped
+        for reason, n in other.failed.items():
+            self.failed[reason] = self.failed.get(reason, 0) + n
+
 
 def plan_chains(items: Plan | str | os.PathLike[str] | Iterable[Sequence[int]], own: Scope,
                 scopes: dict[str, Scope], tokenizer: Callable[[str], Sequence[int]] | None
@@ -70,38 +86,138 @@ def plan_chains(items: Plan | str | os.PathLike[str] | Iterable[Sequence[int]], 
     return [(block_chain(scope.root, ids), score, scope) for ids, score, scope in prefixes], skipped
 
 
-def run_prefetch(chains: list[PrefixChain], skipped: int, *, probe: Callable[[list[Block], Scope], int],
-                 fetcher: RemoteFetcher, map_ahead: Callable[[list[Block], Scope], int] | None,
-                 metrics: LoaderMetrics) -> PrefetchResult:
-    """For each chain: count what NVMe has (``probe``), fetch the rest from S3 where it is
-    usable, then (``map_ahead``, which returns the blocks it mapped) map what NVMe has."""
-    res = PrefetchResult(prefixes=len(chains), skipped=skipped)
-    for chain, _, scope in chains:
-        if not chain:
-            continue
+class Prefetcher:
+    """Prefetches on ``streams`` threads of their own, for one loader.
+
+    Args:
+        streams: chains copied at once (parallel S3 GETs); each stream copies one chain at a time.
+        probe: leading blocks of a chain in the local tier (raises ``TenantAccessDenied`` for
+            another tenant's namespace).
+        fetcher: copies S3 -> NVMe (and backs off after S3 fails).
+        metrics: counts present, fetched and mapped blocks.
+    """
+
+    def __init__(self, streams: int, *, probe: Callable[[list[Block], Scope], int], fetcher: RemoteFetcher,
+                 metrics: LoaderMetrics) -> None:
+        if streams < 1:
+            raise ValueError(f"streams must be at least 1, got {streams}")
+        self.streams = streams
+        self.probe = probe
+        self.fetcher = fetcher
+        self.metrics = metrics
+        self._executor = cf.ThreadPoolExecutor(max_workers=streams, thread_name_prefix="kvwarm-prefetch")
+        self._lock = threading.Lock()
+        self._runs: set[_Run] = set()
+        self._threads: set[int] = set()  # the streams' thread ids (close from one of them must not join it)
+
+    def run(self, chains: list[PrefixChain], skipped: int, *,
+            map_ahead: Callable[[list[Block], Scope], int] | None) -> "cf.Future[PrefetchResult]":
+        """Start prefetching ``chains`` (in their order); a future of the whole plan's result.
+
+        For each chain: count what NVMe has (``probe``), copy the rest from S3 where it is
+        usable, then (``map_ahead``, which returns the blocks it mapped) map what NVMe has.
+        """
+        run = _Run(self, chains, skipped, map_ahead)
+        n = min(self.streams, sum(1 for c, _, _ in chains if c))
+        if n == 0:
+            run.future.set_result(run.result)
+            return run.future
+        with self._lock:
+            self._runs.add(run)
+        run.left = n
+        for _ in range(n):
+            self._executor.submit(self._stream, run).add_done_callback(run.stream_ended)
+        return run.future
+
+    def _stream(self, run: "_Run") -> None:
+        with self._lock:
+            self._threads.add(threading.get_ident())
+        while (item := run.take()) is not None:
+            run.add(self._chain(item, run))
+
+    def _chain(self, item: PrefixChain, run: "_Run") -> PrefetchResult:
+        chain, _, scope = item
+        res = PrefetchResult()
         try:
-            have = probe(chain, scope)
+            have = self.probe(chain, scope)
         except TenantAccessDenied:  # counted by the store
             res.fail(MissReason.TENANT_REFUSED)
-            continue
+            return res
         except ERRORS as exc:
             log.exception("prefetch probe failed: %s", exc)
             res.fail(MissReason.ERROR)
-            continue
+            return res
         res.present += have
-        if have < len(chain) and fetcher.usable():
-            got, reason = fetcher.fetch_chain(chain, scope)
-            res.fetched += max(0, got - have)
-            have = max(have, got)
-            if reason:
-                res.fail(reason)
-        if map_ahead is not None and have:
+        if have:
+            self.metrics.prefetched("present", have)
+        if have < len(chain) and self.fetcher.usable():
+            done = self.fetcher.copy_chain(chain, scope, start=have, stopped=run.stopped.is_set)
+            res.fetched += done.fetched
+            res.present += done.present
+            have = max(have, done.count)
+            if done.reason:
+                res.fail(done.reason)
+        if run.map_ahead is not None and have and not run.stopped.is_set():
             try:
-                mapped = map_ahead(chain[:have], scope)
+                mapped = run.map_ahead(chain[:have], scope)
             except ERRORS as exc:
                 log.exception("prefetch mapping failed: %s", exc)
                 mapped = 0
             if mapped:
                 res.mapped += mapped
-                metrics.prefetched("mapped", mapped)
-    return res
+                self.metrics.prefetched("mapped", mapped)
+        return res
+
+    def ended(self, run: "_Run") -> None:
+        with self._lock:
+            self._runs.discard(run)
+
+    def close(self) -> None:
+        """Stop every prefetch after the block each stream is copying; their futures resolve
+        with what was done. Waits for the streams, unless called from one of them."""
+        with self._lock:
+            runs = list(self._runs)
+            inside = threading.get_ident() in self._threads
+        for run in runs:
+            run.stopped.set()
+        self._executor.shutdown(wait=not inside, cancel_futures=True)
+
+
+class _Run:
+    """One prefetch: its chains in priority order, handed out to the streams, and its result."""
+
+    def __init__(self, owner: Prefetcher, chains: list[PrefixChain], skipped: int,
+                 map_ahead: Callable[[list[Block], Scope], int] | None) -> None:
+        self.owner = owner
+        self.map_ahead = map_ahead
+        self.result = PrefetchResult(prefixes=len(chains), skipped=skipped)
+        self.future: cf.Future[PrefetchResult] = cf.Future()
+        self.stopped = threading.Event()
+        self.left = 0  # streams not yet ended
+        self._chains = iter([c for c in chains if c[0]])
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+
+    def take(self) -> PrefixChain | None:
+        """The next chain to copy, in the plan's order; ``None`` when none is left or the run stopped."""
+        with self._lock:
+            return None if self.stopped.is_set() else next(self._chains, None)
+
+    def add(self, res: PrefetchResult) -> None:
+        with self._lock:
+            self.result.add(res)
+
+    def stream_ended(self, fut: "cf.Future[None]") -> None:
+        """A stream's task is done (finished, failed on a bug, or cancelled by a close)."""
+        error = None if fut.cancelled() else fut.exception()
+        with self._lock:
+            self._error = self._error or error
+            self.left -= 1
+            last = self.left == 0
+        if not last:
+            return
+        self.owner.ended(self)
+        if self._error is not None:
+            self.future.set_exception(self._error)
+        else:
+            self.future.set_result(self.result)

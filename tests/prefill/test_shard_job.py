@@ -8,8 +8,8 @@ import time
 import pytest
 
 from prefill.block_writer import BlockWriter
-from prefill.runner import DeadlinePassed
-from prefill.shard_job import ShardOptions, run_shard
+from prefill.runner import DeadlinePassed, PrefillReport
+from prefill.shard_job import ShardOptions, ShardReport, Wait, run_shard
 from prefill.shards import make_shards, prefixes_of
 from store.identity.keys import block_chain
 from tests.prefill.factories import config_for
@@ -46,13 +46,13 @@ def test_two_shards_compute_every_block_once_and_the_waiter_continues_from_the_s
     assert wait.found and wait.owner == owner.index and wait.blocks == len(SYSTEM) // BLOCK
     assert "waiting for the shared prefix" in caplog.text and "continuing from the stored KV" in caplog.text
     # every block computed once: the shards' tokens add up to the plan's distinct blocks
-    assert sum(r.tokens_computed for r in reports.values()) == _distinct_blocks(plan) * BLOCK
-    assert sum(r.blocks_written for r in reports.values()) == _distinct_blocks(plan)
-    assert all(r.blocks_skipped == 0 and r.blocks_left == 0 and not r.cut for r in reports.values())
+    assert sum(r.prefill.tokens_computed for r in reports.values()) == _distinct_blocks(plan) * BLOCK
+    assert sum(r.prefill.blocks_written for r in reports.values()) == _distinct_blocks(plan)
+    assert all(r.prefill.blocks_skipped == 0 and r.prefill.blocks_left == 0 and not r.cut for r in reports.values())
     # both serve prefixes under the system prompt, and only the owner computed its blocks
     under = set(under_system(plan))
     assert under & set(owner.entries) and under & set(waiter.entries)
-    assert reports[owner.index].tokens_computed >= len(SYSTEM)
+    assert reports[owner.index].prefill.tokens_computed >= len(SYSTEM)
 
 
 def test_a_rerun_computes_nothing_and_a_wait_that_times_out_computes_the_prefix_here(tiny, store):
@@ -62,9 +62,9 @@ def test_a_rerun_computes_nothing_and_a_wait_that_times_out_computes_the_prefix_
     kw = dict(loaded=tiny, store=store, config=config, precision=config.kv_cache.precision())
     # the owner never runs: the waiter gives up and computes the system prompt itself
     alone = run_shard(waiter, plan.entries, options=ShardOptions(wait_timeout_s=0.2, poll_s=0.05), **kw)
-    assert not alone.waits[0].found and alone.blocks_left == 0 and not alone.cut
+    assert not alone.waits[0].found and alone.prefill.blocks_left == 0 and not alone.cut
     again = run_shard(waiter, plan.entries, **kw)
-    assert again.tokens_computed == 0 and again.blocks_written == 0 and again.waits[0].found
+    assert again.prefill.tokens_computed == 0 and again.prefill.blocks_written == 0 and again.waits[0].found
 
 
 def test_a_deadline_cuts_the_least_valuable_entries_of_the_shard(tiny, store, monkeypatch):
@@ -90,11 +90,11 @@ def test_a_deadline_cuts_the_least_valuable_entries_of_the_shard(tiny, store, mo
     report = run_shard(shard, plan.entries, loaded=tiny, store=store, config=config,
                        precision=config.kv_cache.precision(), deadline=1045.0, clock=clock,
                        options=ShardOptions(step_tokens=4 * 2 * BLOCK, stop_margin_s=2.0))
-    assert report.stopped == "deadline" and report.cut
+    assert report.prefill.stopped == "deadline" and report.cut
     assert report.finished_at <= 1045.0
     done = [i for i in shard.entries if i not in report.cut]
     assert done and max(done) < min(report.cut), "a cut entry outranks a computed one"
-    assert report.blocks_left == 2 * len(report.cut)
+    assert report.prefill.blocks_left == 2 * len(report.cut)
     for i in report.cut:  # nothing of a cut entry is half there: its blocks are absent, not torn
         root = tiny.key_root(config.kv_cache.precision(), BLOCK, config.tenant("public").salt)
         assert store.probe(config.tenant("public"), block_chain(root, plan.entries[i].token_ids), root).count == 0
@@ -107,6 +107,27 @@ def test_a_deadline_already_past_writes_nothing(tiny, store):
     with pytest.raises(DeadlinePassed):
         run_shard(shard, plan.entries, loaded=tiny, store=store, config=config,
                   precision=config.kv_cache.precision(), deadline=1.0)
+
+
+def test_a_shards_steps_add_their_work_and_its_record_stays_flat():
+    counts = PrefillReport(prefixes=3, blocks_total=9, blocks_stored_before=2)
+    counts.add(PrefillReport(prefixes=5, blocks_total=4, blocks_written=4, tokens_computed=64, seconds=1.0,
+                             quant_error_max=0.25, oom_splits=1))
+    counts.add(PrefillReport(prefixes=1, blocks_written=1, tokens_computed=16, seconds=1.0, stopped="deadline",
+                             quant_error_max=0.125))
+    counts.add(PrefillReport())  # a step after the stop does not clear it
+    assert (counts.prefixes, counts.blocks_total, counts.blocks_stored_before) == (3, 9, 2)  # the caller's to set
+    assert (counts.blocks_written, counts.tokens_computed, counts.seconds, counts.oom_splits) == (5, 80, 2.0, 1)
+    assert counts.quant_error_max == 0.25 and counts.stopped == "deadline"
+    report = ShardReport(shard=1, shards=2, est_gpu_s=0.5, prefill=counts, cut=[4], waits=[Wait(0, 2, 0, 1.5, True)],
+                         finished_at=7.0)
+    record = report.as_dict()
+    # the keys the parent flow (flows/shards.py) and prefill.json's readers take from a shard's record
+    assert record["entries"] == 3 and "prefixes" not in record and "prefill" not in record
+    assert record["tokens_computed"] == 80 and record["tokens_per_s"] == 40.0 and record["blocks_left"] == 0
+    assert record["waits"] == [{"entry": 0, "blocks": 2, "owner": 0, "waited_s": 1.5, "found": True}]
+    assert {k: record[k] for k in ("shard", "shards", "est_gpu_s", "stopped", "cut", "finished_at")} == {
+        "shard": 1, "shards": 2, "est_gpu_s": 0.5, "stopped": "deadline", "cut": [4], "finished_at": 7.0}
 
 
 class _StepClock:

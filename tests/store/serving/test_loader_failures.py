@@ -1,6 +1,6 @@
 """Never fail the request: every store failure is a counted miss (or a shortened hit), and serving proceeds.
 
-S3 is a real SeaweedFS started by this module (not the session's: this one is killed).
+S3 is a real SeaweedFS started for the test (``own_s3``, not the session's: this one is killed).
 No assertion here is on time: a call that must not hang runs under a generous hang guard
 (tests/hang_guard.py), and what a call did is read from its counts and reasons.
 """
@@ -18,7 +18,6 @@ from store.serving.loader import KVLoader
 from store.tiers.s3 import S3Tier
 from store.tiers.store import Store
 from tests.hang_guard import HANG_S, returns
-from tests.seaweedfs import SeaweedFS
 from tests.store.pool_workers import ACME, TINY, config, prompt, tiny_model, write_prefix
 
 BS = 16
@@ -134,18 +133,6 @@ def test_pool_full_is_a_miss_and_the_request_proceeds(tmp_path, model):
     assert ld.stats()["misses_by_reason"] == {"pool_full": 1}
     assert serve(m, None, ids) == cold(m, ids)
     ld.close()
-
-
-@pytest.fixture
-def own_s3(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVWARM_TEST_KEY", "test")
-    monkeypatch.setenv("KVWARM_TEST_SECRET", "test")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    server = SeaweedFS(workdir=str(tmp_path / "weed")).start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def test_seaweedfs_killed_mid_run(tmp_path, model, own_s3, monkeypatch):
