@@ -42,6 +42,9 @@ FETCH_MODES = ("background", "sync")
 NODE_TIER = LoadCost(bytes_per_s=7.4689e9, s_per_file=0.0)
 #: one S3 read stream: store_bench's GETs, 1 to 256 MiB (the same file's ``s3_stream``)
 S3_STREAM = LoadCost(bytes_per_s=2.72834e8, s_per_file=6.7806e-3)
+#: the node's S3 link, however many streams: one stream's rate times the speedup the prefetch bench
+#: measured at its most streams (1.68 at 8; the same file's ``s3_node_link``)
+S3_LINK_BYTES_PER_S = 2.72834e8 * 131.5 / 78.2
 
 
 @dataclass(frozen=True)

@@ -139,13 +139,17 @@ def test_the_default_level_costs_are_the_fit_of_the_calibration_file() -> None:
     import json
     from pathlib import Path
 
-    from forecasting.simulate.tiers import NODE_TIER, S3_STREAM
+    from forecasting.simulate.tiers import NODE_TIER, S3_LINK_BYTES_PER_S, S3_STREAM
 
     doc = json.loads((Path(__file__).resolve().parents[3] / "bench" / "calibration" / "load-tiers.json").read_text())
     for constant, key in ((NODE_TIER, "node_tier"), (S3_STREAM, "s3_stream")):
         fitted = LoadCost.fit(doc[key]["points"])
         assert constant.bytes_per_s == pytest.approx(fitted.bytes_per_s, rel=1e-4)
         assert constant.s_per_file == pytest.approx(fitted.s_per_file, rel=1e-4, abs=1e-9)
+    # the node's S3 link: one stream's rate times the speedup measured at the most streams
+    streams = doc["s3_node_link"]["streams_mb_per_s"]
+    speedup = max(streams)[1] / min(streams)[1]
+    assert S3_LINK_BYTES_PER_S == pytest.approx(S3_STREAM.bytes_per_s * speedup, rel=1e-4)
     # a Mooncake block (512 tokens of an 8B model, FP8): about 4.6 ms from the node tier, 0.13 s from S3
     block = 67587.875 * 512
     assert 0.004 < NODE_TIER.seconds(block) < 0.005 and 0.12 < S3_STREAM.seconds(block) < 0.14
