@@ -58,6 +58,7 @@ bench: $(STAMP) $(ENGINE_STAMP)
 	$(PY) bench/store_bench.py --no-cold
 	$(PY) bench/prefill_bench.py
 	$(PY) bench/loader_bench.py --threads 1 --reps 3
+	$(PY) bench/prefetch_bench.py
 	$(PY) bench/mining_bench.py
 	$(PY) bench/forecast_bench.py
 	$(PY) bench/replay_bench.py

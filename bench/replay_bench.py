@@ -54,6 +54,9 @@ from bench.lib.replay_analysis import (  # noqa: E402
     EVENTS,
     event_figures,
     fmt,
+    mean_of,
+    ratio,
+    rounded,
     scenarios,
     summarise,
     tune,
@@ -82,6 +85,10 @@ def _args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cadence", type=float, default=60.0 * CADENCE_MINUTES,
                     help="seconds between kvwarm's plans (default: the cadence flow's, 300)")
     ap.add_argument("--plots", action="store_true", help="write PNGs under --out (needs matplotlib)")
+    ap.add_argument("--s3-gbps", default="10,100", metavar="LIST",
+                    help="also replay the replacements with the node's S3 link at these gigabits a second "
+                         "(comma-separated; empty: none; default 10,100): what kvwarm and the oracle reach with "
+                         "more bandwidth than the measured link")
     add_results_option(ap)
     return ap.parse_args(argv)
 
@@ -166,21 +173,56 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{kind:<12} mean TTFT saved {s['ttft_saved_vs_reactive_ms']} ms per request "
               f"({s['ttft_saved_vs_reactive_s_total']} GPU-s in the window) for {s['prefill_gpu_s']} prefill GPU-s "
               f"and {s['prefetched_blocks']} prefetched blocks")
+    links = sensitivity(index, planner, ticks, fractions, trace.duration_s, args)
     print(f"\nreplay time, every event and policy: {replay_s:.1f} s (plans {plan_s:.1f} s)")
     (out_dir / "replay_bench.json").write_text(json.dumps([r.to_json() for r in results], indent=1))
     doc = {"bench": "replay", "quick": args.quick, "trace": str(path), "requests": len(trace),
            "blocks": trace.n_blocks, "duration_s": trace.duration_s, "window_s": args.window, "share": args.share,
            "cadence_s": args.cadence, "deployment": {"gpu_blocks": shape.gpu_blocks, "node_blocks": shape.node_blocks,
                                                      "block_bytes": deployment.costs.block_bytes,
-                                                     "fetch_mode": shape.fetch_mode},
+                                                     "fetch_mode": shape.fetch_mode,
+                                                     "prefetch_streams": deployment.costs.prefetch_streams,
+                                                     "fetch_streams": deployment.costs.fetch_streams,
+                                                     "s3_gbps": round(deployment.costs.s3_bytes_per_s * 8 / 1e9, 3)},
            "kvwarm": {"plans": len(ticks), "fallback_plans": fallbacks, "retain_fraction": RETAIN_FRACTION,
                       "tau_s": spec.reuse.tau_s, "horizon_s": spec.reuse.horizon_s,
                       "tuned_on": "restarts, replacements and scale-outs at 20/40/60/80 % (--tune)"},
            "events": events, "summary": {k: v for k, v in summary.items() if k != "targets"},
-           "targets": summary["targets"], "timings_s": {"plans": round(plan_s, 2), "replay": round(replay_s, 2)}}
+           "targets": summary["targets"], "s3_link_sensitivity": links,
+           "timings_s": {"plans": round(plan_s, 2), "replay": round(replay_s, 2)}}
     run.write(doc, args.results, variant)
     print(json.dumps(doc, separators=(",", ":")))
     return 0
+
+
+def sensitivity(index: BlockIndex, planner, ticks, fractions, duration_s: float,  # noqa: ANN001
+                args: argparse.Namespace) -> list[dict]:
+    """The replacements again with the node's S3 link at each of ``--s3-gbps`` (the plans are the same:
+    the planner does not know the link). Not the evaluation: how much of the shortfall is bandwidth."""
+    try:
+        rates = [float(x) for x in str(args.s3_gbps).split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"replay_bench: --s3-gbps must be comma-separated numbers, got {args.s3_gbps!r}") from None
+    out = []
+    scs = [Scenario("replacement", at_s=f * duration_s, window_s=args.window) for f in fractions]
+    if rates:
+        print("\n== replacements with more S3 bandwidth (the same plans; not the evaluation)")
+    for gbps in rates:
+        dep = Deployment.default(index.trace.block_tokens, s3_bytes_per_s=gbps * 1e9 / 8)
+        got = [event_figures(r) for r in simulate(index, dep, scs, ("reactive-store", "kvwarm", "oracle"),
+                                                   planner=planner, ticks=ticks)]
+        row = {"s3_gbps": gbps,
+               "prefetch_streams": dep.costs.prefetch_streams,
+               "ttft_saved_vs_reactive_ms": rounded(mean_of([g["kvwarm"]["ttft_saved_vs_reactive_ms"] for g in got]), 2),
+               "gap_closed": rounded(mean_of([g["kvwarm"]["gap_closed"] for g in got])),
+               "first_minute_vs_no_event": rounded(mean_of([g["kvwarm"]["first_minute_vs_no_event"] for g in got])),
+               "oracle_first_minute_vs_no_event": rounded(mean_of([
+                   ratio(g["first_minute_pct"]["oracle"], g["no_event_first_minute_pct"]["oracle"]) for g in got]))}
+        print(f"S3 at {gbps:g} Gb/s ({dep.costs.prefetch_streams} prefetch streams): kvwarm saves "
+              f"{row['ttft_saved_vs_reactive_ms']:+.2f} ms, gap closed {fmt(row['gap_closed'])} %, first minute "
+              f"{fmt(row['first_minute_vs_no_event'])} % of no event (oracle {fmt(row['oracle_first_minute_vs_no_event'])} %)")
+        out.append(row)
+    return out
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 from typing import Any, Callable
 
@@ -19,6 +20,7 @@ from forecasting.simulate.kvwarm_policy import planner_for, retain_spec
 from forecasting.simulate.policies import POLICIES
 from forecasting.simulate.replay import BlockIndex
 from forecasting.simulate.simulation import GPU_KV_BYTES, NODE_BYTES, SCENARIOS, Deployment, Scenario, plot, simulate
+from forecasting.simulate.tiers import S3_LINK_BYTES_PER_S
 from store.config import KvCacheConfig, LoaderConfig
 from store.cost import PrefillCost
 from store.errors import BadInputError
@@ -84,8 +86,14 @@ def add_simulate_command(sub: Any, load_tokenizer: Callable[[str], Tokenizer] | 
     p.add_argument("--node-bytes", type=float, default=NODE_BYTES, metavar="BYTES",
                    help="kvwarm's node tier, bytes of stored KV (FP8, layer 0 bf16) (default: %(default)g)")
     p.add_argument("--fetch-workers", type=int, default=loader.fetch_workers, metavar="N",
-                   help="the loader's S3 fetch workers: a plan's prefetch takes one, background fetches the others "
-                        "(default: %(default)s, the config's)")
+                   help="the loader's S3 fetch workers, for background fetches after a lookup (default: "
+                        "%(default)s, the config's)")
+    p.add_argument("--prefetch-streams", type=int, default=loader.prefetch_streams, metavar="N",
+                   help="S3 copies a plan's prefetch runs at once (default: %(default)s, the config's)")
+    p.add_argument("--s3-gbps", type=float, default=None, metavar="GBPS",
+                   help="the node's S3 read bandwidth in gigabits a second, shared by every stream (default: the "
+                        f"measured {S3_LINK_BYTES_PER_S * 8 / 1e9:.2f}: SeaweedFS on a 2-core host; "
+                        "docs/guides/simulate.md, 'Costs')")
     p.add_argument("--fetch-mode", choices=("background", "sync"), default=loader.fetch_mode,
                    help="an S3-only hit: miss now and copy for next time, or wait when that beats recomputing "
                         "(default: %(default)s, the config's)")
@@ -196,13 +204,19 @@ def run_simulate(args: argparse.Namespace) -> int:
         _check_plotting()
     cost = _cost(args)
     policies = _policies(args)
-    if args.fetch_workers < 1:
-        raise BadInputError(f"--fetch-workers must be at least 1, got {args.fetch_workers}")
-    loader = LoaderConfig().with_overrides(fetch_workers=args.fetch_workers, fetch_mode=args.fetch_mode)
+    if args.fetch_workers < 1 or args.prefetch_streams < 1:
+        raise BadInputError(f"--fetch-workers and --prefetch-streams must each be at least 1, got "
+                            f"{args.fetch_workers} and {args.prefetch_streams}")
+    if args.s3_gbps is not None and not (args.s3_gbps > 0 and math.isfinite(args.s3_gbps)):
+        raise BadInputError(f"--s3-gbps must be a positive number of gigabits a second, got {args.s3_gbps}")
+    link = S3_LINK_BYTES_PER_S if args.s3_gbps is None else args.s3_gbps * 1e9 / 8
+    loader = LoaderConfig().with_overrides(fetch_workers=args.fetch_workers, fetch_mode=args.fetch_mode,
+                                           prefetch_streams=args.prefetch_streams)
     base = read_plan(args.plan) if args.plan else None
     trace, requests, roots, read_note = _read(args)
     deployment = Deployment.default(trace.block_tokens, gpu_kv_bytes=args.gpu_kv_bytes, node_bytes=args.node_bytes,
-                                    write_back=not args.no_write_back, loader=loader, prefill=cost)
+                                    write_back=not args.no_write_back, loader=loader, prefill=cost,
+                                    s3_bytes_per_s=link)
     spec = retain_spec(deployment, fraction=args.retain_fraction)
     planner = planner_for(trace, requests, spec, deployment, cadence_s=args.cadence, roots=roots, base=base)
     scenario = Scenario(args.scenario, _event_time(args.at, trace.duration_s), args.window, args.share, args.seed)
@@ -217,7 +231,9 @@ def run_simulate(args: argparse.Namespace) -> int:
                     "blocks": trace.n_blocks, "duration_s": trace.duration_s}
     out["deployment"] = {"gpu_blocks": shape.gpu_blocks, "node_blocks": shape.node_blocks,
                          "block_bytes": deployment.costs.block_bytes, "fetch_mode": shape.fetch_mode,
-                         "write_back": shape.write_back, "cadence_s": args.cadence}
+                         "write_back": shape.write_back, "cadence_s": args.cadence,
+                         "prefetch_streams": deployment.costs.prefetch_streams,
+                         "fetch_streams": deployment.costs.fetch_streams, "s3_bytes_per_s": link}
     if plot_path is not None:
         out["plot"] = str(plot_path)
     if args.json:

@@ -38,7 +38,7 @@ from forecasting.simulate.policies import (
     written_back,
 )
 from forecasting.simulate.replay import BlockIndex
-from forecasting.simulate.tiers import NODE_TIER, S3_STREAM, NodeShape, TierCosts
+from forecasting.simulate.tiers import NODE_TIER, S3_LINK_BYTES_PER_S, S3_STREAM, NodeShape, TierCosts
 from store.config import KvCacheConfig, LoaderConfig
 from store.cost import PrefillCost
 from store.errors import BadInputError
@@ -107,14 +107,15 @@ class Deployment:
     @classmethod
     def default(cls, block_tokens: int, *, gpu_kv_bytes: float = GPU_KV_BYTES, node_bytes: float = NODE_BYTES,
                 write_back: bool = True, loader: LoaderConfig | None = None, prefill: PrefillCost | None = None,
-                stored_per_token: float | None = None) -> Deployment:
+                stored_per_token: float | None = None, s3_bytes_per_s: float = S3_LINK_BYTES_PER_S) -> Deployment:
         """The 8B model on an H200 with kvwarm's node tier and S3, at the calibrated costs.
 
         vLLM's cache holds ``gpu_kv_bytes`` of bf16 KV, the node tier ``node_bytes`` of
         stored blocks (``stored_per_token`` bytes a token, default the 8B geometry's in
         kvwarm's precision). The loader's settings (default: the config's ``loader``
-        section) give the fetch mode and workers: its plan prefetch walks one block at a
-        time, the other workers take background fetches.
+        section) give the fetch mode, the plan prefetch's streams (``prefetch_streams``) and
+        the background fetches' (``fetch_workers``); both share the node's S3 link of
+        ``s3_bytes_per_s`` (default: the measured one, :data:`~forecasting.simulate.tiers.S3_LINK_BYTES_PER_S`).
 
         Raises:
             BadInputError: a capacity that holds no block.
@@ -129,8 +130,9 @@ class Deployment:
                                 f"must each hold at least one block of {block_tokens} tokens")
         shape = NodeShape(gpu, node, write_back=write_back, fetch_mode=loader.fetch_mode,
                           sync_timeout_s=loader.sync_fetch_timeout_s)
-        costs = TierCosts(prefill or PrefillCost(), NODE_TIER, S3_STREAM, block_bytes, prefetch_streams=1,
-                          fetch_streams=max(1, loader.fetch_workers - 1))
+        costs = TierCosts(prefill or PrefillCost(), NODE_TIER, S3_STREAM, block_bytes,
+                          prefetch_streams=loader.prefetch_streams, fetch_streams=loader.fetch_workers,
+                          s3_bytes_per_s=s3_bytes_per_s)
         return cls(shape, costs)
 
 

@@ -16,21 +16,22 @@ What a request meets, level by level, is what the KV connector does (docs/guides
 After the request vLLM holds every block of it; with write-back the full blocks it
 computed go to the node tier (and S3: :class:`Node`'s ``stored`` array says since when a
 block is in S3). Copies from S3 go through two first-come-first-served channels, as the
-loader runs them: a plan's prefetch is one task that copies its chains one block after
-another (``prefetch_streams``), and background fetches share the other fetch workers
-(``fetch_streams``).
+loader runs them (:mod:`forecasting.simulate.channels`): a plan's prefetch on its own
+streams (``prefetch_streams``) and background fetches on the fetch workers
+(``fetch_streams``), both over the node's one S3 link (``s3_bytes_per_s``).
 """
 from __future__ import annotations
 
 import copy
 import heapq
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
 
+from forecasting.simulate.channels import FetchChannel, S3Link
 from forecasting.simulate.replay import BeladyCache, BlockIndex, LRUCache, prefix_hits
 from store.cost import LoadCost, PrefillCost, load_beats_prefill
 from store.errors import BadInputError
@@ -41,6 +42,9 @@ FETCH_MODES = ("background", "sync")
 NODE_TIER = LoadCost(bytes_per_s=7.4689e9, s_per_file=0.0)
 #: one S3 read stream: store_bench's GETs, 1 to 256 MiB (the same file's ``s3_stream``)
 S3_STREAM = LoadCost(bytes_per_s=2.72834e8, s_per_file=6.7806e-3)
+#: the node's S3 link, however many streams: one stream's rate times the speedup the prefetch bench
+#: measured at its most streams (1.68 at 8; the same file's ``s3_node_link``)
+S3_LINK_BYTES_PER_S = 2.72834e8 * 131.5 / 78.2
 
 
 @dataclass(frozen=True)
@@ -52,10 +56,12 @@ class TierCosts:
         local: loading stored KV from the node tier into the engine.
         remote: one S3 read stream (a block's copy to the node tier takes ``remote.seconds``).
         block_bytes: stored bytes of one full block (kvwarm's format, e.g. FP8).
-        prefetch_streams: S3 copies a plan's prefetch runs at once (the loader's prefetch
-            walks its chains one block at a time: 1).
-        fetch_streams: S3 copies background fetches run at once (the loader's other
+        prefetch_streams: S3 copies a plan's prefetch runs at once (the loader's
+            ``prefetch_streams``).
+        fetch_streams: S3 copies background fetches run at once (the loader's
             ``fetch_workers``).
+        s3_bytes_per_s: the most the node reads from S3 however many streams run (the
+            prefetch and the fetches share it); ``inf``: each stream at ``remote``'s rate.
     """
 
     prefill: PrefillCost
@@ -64,10 +70,14 @@ class TierCosts:
     block_bytes: float
     prefetch_streams: int = 1
     fetch_streams: int = 1
+    s3_bytes_per_s: float = math.inf
 
     def __post_init__(self) -> None:
         if not (self.block_bytes > 0 and math.isfinite(self.block_bytes)):
             raise BadInputError(f"TierCosts.block_bytes must be a positive number, got {self.block_bytes!r}")
+        if not (isinstance(self.s3_bytes_per_s, (int, float)) and self.s3_bytes_per_s > 0):
+            raise BadInputError(f"TierCosts.s3_bytes_per_s must be a positive number of bytes a second (inf: no "
+                                f"limit), got {self.s3_bytes_per_s!r}")
         for name in ("prefetch_streams", "fetch_streams"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
@@ -79,14 +89,19 @@ class TierCosts:
         return float(self.remote.seconds(self.block_bytes, 1))
 
     @property
+    def link_s(self) -> float:
+        """Seconds of the node's S3 link per block (0: no limit)."""
+        return self.block_bytes / self.s3_bytes_per_s
+
+    @property
     def prefetch_s(self) -> float:
-        """Seconds of the prefetch channel per block."""
-        return self.copy_s / self.prefetch_streams
+        """Seconds per block of the prefetch channel alone (its streams, or the link if slower)."""
+        return max(self.copy_s / self.prefetch_streams, self.link_s)
 
     @property
     def fetch_s(self) -> float:
-        """Seconds of the background-fetch channel per block."""
-        return self.copy_s / self.fetch_streams
+        """Seconds per block of the background-fetch channel alone."""
+        return max(self.copy_s / self.fetch_streams, self.link_s)
 
 
 @dataclass(frozen=True)
@@ -194,67 +209,6 @@ class NodeTier:
         self.capacity = cap
 
 
-class FetchChannel:
-    """Copies from S3 to the node tier, first come first served, ``fetch_s`` seconds of channel each.
-
-    A queued block that the node tier holds by the time its turn comes is skipped at no
-    cost, as the loader's fetcher skips what NVMe already has. :attr:`copied` counts the
-    copies made (what the channel spent).
-    """
-
-    def __init__(self, fetch_s: float) -> None:
-        self.fetch_s = fetch_s
-        self._busy_until = -math.inf
-        self._queue: deque[tuple[float, int]] = deque()
-        self.pending: set[int] = set()
-        self.copied = 0
-
-    def __len__(self) -> int:
-        return len(self._queue)
-
-    def submit(self, blocks: Iterable[int], now: float) -> int:
-        """Queue the copy of ``blocks`` not already queued; returns how many were queued."""
-        n = 0
-        for b in blocks:
-            if b not in self.pending:
-                self._queue.append((now, b))
-                self.pending.add(b)
-                n += 1
-        return n
-
-    def landed(self, now: float, present: NodeTier) -> list[int]:
-        """The blocks whose copy has finished by ``now``, in landing order (``present``'s are skipped)."""
-        out = []
-        q = self._queue
-        while q:
-            submitted, b = q[0]
-            if b in present:
-                q.popleft()
-                self.pending.discard(b)
-                continue
-            done = max(self._busy_until, submitted) + self.fetch_s
-            if done > now:
-                break
-            q.popleft()
-            self.pending.discard(b)
-            self._busy_until = done
-            out.append(b)
-        self.copied += len(out)
-        return out
-
-    def copy(self) -> FetchChannel:
-        out = FetchChannel(self.fetch_s)
-        out._busy_until, out._queue, out.pending = self._busy_until, deque(self._queue), set(self.pending)
-        out.copied = self.copied
-        return out
-
-    def clear(self) -> None:
-        """Drop every copy in flight (the process that ran them is gone)."""
-        self._queue.clear()
-        self.pending.clear()
-        self._busy_until = -math.inf
-
-
 @dataclass(frozen=True)
 class Served:
     """What one request got from each level (blocks), and what its first token cost."""
@@ -287,8 +241,9 @@ class Node:
         self.gpu: LRUCache | BeladyCache = (LRUCache(shape.gpu_blocks) if next_use is None
                                             else BeladyCache(shape.gpu_blocks, next_use))
         self.tier = NodeTier(shape.node_blocks)
-        self.fetch = FetchChannel(costs.fetch_s)
-        self.prefetcher = FetchChannel(costs.prefetch_s)
+        link = S3Link(costs.link_s)
+        self.fetch = FetchChannel(costs.fetch_s, link)
+        self.prefetcher = FetchChannel(costs.prefetch_s, link)
         self.priority: dict[int, float] = {}
         self._seq = 0
         self._cum = np.concatenate([[0], np.cumsum(index.tokens)])
@@ -303,7 +258,8 @@ class Node:
         else:
             out.gpu = copy.copy(self.gpu)
             out.gpu._pri, out.gpu._heap = dict(self.gpu._pri), list(self.gpu._heap)
-        out.tier, out.fetch, out.prefetcher = self.tier.copy(), self.fetch.copy(), self.prefetcher.copy()
+        link = self.fetch.link.copy()
+        out.tier, out.fetch, out.prefetcher = self.tier.copy(), self.fetch.copy(link), self.prefetcher.copy(link)
         out.priority = dict(self.priority)
         return out
 
@@ -329,6 +285,7 @@ class Node:
         self.gpu.clear()
         self.fetch.clear()
         self.prefetcher.clear()
+        self.fetch.link.clear()
 
     # ------------------------------------------------------------------ serving
 
@@ -371,7 +328,7 @@ class Node:
             while k + s < len(ids) and self._in_s3(int(ids[k + s]), i):
                 s += 1
             if s:
-                wait = s * costs.copy_s / costs.fetch_streams + float(costs.local.seconds(s * bb, s))
+                wait = s * costs.fetch_s + float(costs.local.seconds(s * bb, s))
                 saved = float(costs.prefill.seconds(int(cum[k + s]), int(cum[k])))
                 if shape.fetch_mode == "sync" and wait <= shape.sync_timeout_s and wait < saved:
                     load_s += wait

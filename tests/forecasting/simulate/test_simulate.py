@@ -16,7 +16,7 @@ from forecasting.simulate.policies import written_back
 from forecasting.simulate.prewarm import tree_blocks
 from forecasting.simulate.replay import BlockIndex
 from forecasting.simulate.simulation import Deployment, Scenario, plot, simulate
-from forecasting.simulate.tiers import NodeShape, TierCosts
+from forecasting.simulate.tiers import S3_LINK_BYTES_PER_S, NodeShape, TierCosts
 from prefill.cli import main
 from store.cost import LoadCost, PrefillCost
 from store.plan import Plan, PlanEntry, write_plan
@@ -112,7 +112,8 @@ def test_the_default_deployment_is_an_8b_model_on_an_h200_at_the_calibrated_cost
     # vLLM: 100 GB of bf16 KV at 131,072 bytes a token; the node tier: 1 TB of blocks of 67,587.875 x 512 bytes
     assert d.shape.gpu_blocks == int(100e9 // (512 * 131072)) == 1490
     assert d.costs.block_bytes == pytest.approx(67587.875 * 512) and d.shape.node_blocks == int(1e12 // 34604992)
-    assert d.costs.prefetch_streams == 1 and d.costs.fetch_streams == 1 and d.shape.fetch_mode == "background"
+    assert d.costs.prefetch_streams == 8 and d.costs.fetch_streams == 2 and d.shape.fetch_mode == "background"
+    assert d.costs.s3_bytes_per_s == S3_LINK_BYTES_PER_S  # the node link the prefetch bench measured
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:

@@ -6,7 +6,7 @@ import pytest
 
 from forecasting.ingest.traces import from_chains
 from forecasting.simulate.replay import BlockIndex
-from forecasting.simulate.tiers import FetchChannel, Node, NodeShape, NodeTier, TierCosts
+from forecasting.simulate.tiers import Node, NodeShape, NodeTier, TierCosts
 from store.cost import LoadCost, PrefillCost
 from store.errors import BadInputError
 
@@ -41,16 +41,6 @@ def test_the_tier_evicts_unplanned_blocks_by_recency_and_planned_ones_last() -> 
     copy = tier.copy()
     copy.put([6, 7], [(0.0, 6.0), (0.0, 7.0)])
     assert copy.blocks() == [6, 7, 2] and tier.blocks() == [4, 5, 2]
-
-
-def test_copies_land_first_come_first_served_and_skip_what_the_tier_has() -> None:
-    channel, tier = FetchChannel(2.0), NodeTier(10)
-    assert channel.submit([1, 2, 3], now=0.0) == 3 and channel.submit([2], now=0.5) == 0  # queued once
-    tier.put([2], [(0.0, 1.0)])  # 2 arrives another way (written back) before its turn
-    assert channel.landed(1.9, tier) == []
-    assert channel.landed(2.0, tier) == [1]
-    assert channel.landed(4.0, tier) == [3]  # 2 was skipped at no cost
-    assert channel.pending == set() and channel.copied == 2
 
 
 def test_a_request_takes_vllm_hits_then_node_tier_loads_then_misses() -> None:
@@ -120,19 +110,46 @@ def test_shapes_and_costs_are_checked() -> None:
     assert NodeShape(gpu_blocks=1, node_blocks=0, store=False).node_blocks == 0
     with pytest.raises(BadInputError, match="prefetch_streams"):
         TierCosts(PREFILL, COSTS.local, COSTS.remote, 1.0, prefetch_streams=0)
+    with pytest.raises(BadInputError, match="s3_bytes_per_s"):
+        TierCosts(PREFILL, COSTS.local, COSTS.remote, 1.0, s3_bytes_per_s=0.0)
+
+
+def test_streams_divide_a_copy_until_the_node_s3_link_is_the_slower() -> None:
+    # one stream: 2 s a block; 4 streams: 0.5 s; a link of 1 byte/s caps them at 1 s a block
+    four = TierCosts(PREFILL, COSTS.local, COSTS.remote, 1.0, prefetch_streams=4, fetch_streams=2)
+    assert (four.copy_s, four.prefetch_s, four.fetch_s, four.link_s) == pytest.approx((2.0, 0.5, 1.0, 0.0))
+    capped = TierCosts(PREFILL, COSTS.local, COSTS.remote, 1.0, prefetch_streams=4, s3_bytes_per_s=1.0)
+    assert (capped.prefetch_s, capped.fetch_s, capped.link_s) == pytest.approx((1.0, 2.0, 1.0))
+
+
+def test_the_prefetch_and_the_fetches_of_a_node_share_its_s3_link() -> None:
+    index = _index([[1], [2], [3], [4]])
+    shared = TierCosts(PREFILL, COSTS.local, COSTS.remote, 1.0, prefetch_streams=4, fetch_streams=4,
+                       s3_bytes_per_s=1.0)  # each channel alone: 1 s a block; together still 1 s a block
+    node = Node(index, NodeShape(gpu_blocks=1, node_blocks=10), shared, _everything_stored_before(index, 0))
+    node.prefetch(_dense(index, 1, 2), now=0.0, row=0)
+    node.fetch.submit(_dense(index, 3, 4), now=0.0)
+    node.land(2.0)
+    assert len(node.tier) == 2  # two blocks in 2 s over the link, not four
+    node.land(4.0)
+    assert len(node.tier) == 4
 
 
 def test_the_default_level_costs_are_the_fit_of_the_calibration_file() -> None:
     import json
     from pathlib import Path
 
-    from forecasting.simulate.tiers import NODE_TIER, S3_STREAM
+    from forecasting.simulate.tiers import NODE_TIER, S3_LINK_BYTES_PER_S, S3_STREAM
 
     doc = json.loads((Path(__file__).resolve().parents[3] / "bench" / "calibration" / "load-tiers.json").read_text())
     for constant, key in ((NODE_TIER, "node_tier"), (S3_STREAM, "s3_stream")):
         fitted = LoadCost.fit(doc[key]["points"])
         assert constant.bytes_per_s == pytest.approx(fitted.bytes_per_s, rel=1e-4)
         assert constant.s_per_file == pytest.approx(fitted.s_per_file, rel=1e-4, abs=1e-9)
+    # the node's S3 link: one stream's rate times the speedup measured at the most streams
+    streams = doc["s3_node_link"]["streams_mb_per_s"]
+    speedup = max(streams)[1] / min(streams)[1]
+    assert S3_LINK_BYTES_PER_S == pytest.approx(S3_STREAM.bytes_per_s * speedup, rel=1e-4)
     # a Mooncake block (512 tokens of an 8B model, FP8): about 4.6 ms from the node tier, 0.13 s from S3
     block = 67587.875 * 512
     assert 0.004 < NODE_TIER.seconds(block) < 0.005 and 0.12 < S3_STREAM.seconds(block) < 0.14
