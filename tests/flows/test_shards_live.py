@@ -143,11 +143,13 @@ def test_a_short_deadline_cuts_the_least_valuable_part_of_each_shard_before_it(g
     plan = independent_plan(160, 2)
     target = _target(tmp_path, "shards-deadline", plan)
     delay = gpu_pool.gate / "put-delay"
-    # A slow device: a batch of 4 blocks takes 8 s, so a shard's 160 blocks need 320 s, more than the window
-    # holds even when a shard starts at once (a shard's process takes from seconds to minutes to start here).
-    delay.write_text("2.0")
+    # A slow device: a batch of 4 blocks takes 6 s, so a shard's 160 blocks need 240 s, more than the window
+    # holds even when a shard starts at once. A shard's process takes from seconds to a minute to start here
+    # (49 s on the loaded two-core machine: 15 s to Prefect's engine, 18 s to import the flow, 11 s to load
+    # the model), so the window leaves it over two minutes of work to cut.
+    delay.write_text("1.5")
     try:
-        deadline = time.time() + 240.0
+        deadline = time.time() + 180.0
         state = _run_parent(gpu_pool, target, PrefillSpec(shards=2, max_batch_tokens=4 * BLOCK), deadline)
     finally:
         delay.unlink()
