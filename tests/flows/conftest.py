@@ -1,6 +1,11 @@
 """Fixtures for the flow tests: one Prefect test harness (a temporary server and database) for
 the whole session, sample logs, and a live Prefect server with the repository's deployments
-and a process worker (module-scoped; tests/flows/prefect_server.py runs them)."""
+and a process worker (tests/flows/prefect_server.py runs them).
+
+The live server is started once for the package (each start is tens of seconds on two busy
+cores) and lent to each module that needs one: a module's workers are stopped and its flow
+runs deleted when it ends, so the next module finds no worker and no run, as on a new server.
+"""
 from __future__ import annotations
 
 import os
@@ -8,7 +13,7 @@ from typing import Iterator
 
 import pytest
 
-from tests.flows.prefect_server import POOLS, ROOT, Managed, PrefectServer
+from tests.flows.prefect_server import ROOT, Managed, PrefectServer
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
@@ -32,14 +37,24 @@ def small_logs(tmp_path_factory) -> str:
     return str(path)
 
 
-@pytest.fixture(scope="module")
-def prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
-    """A live Prefect server for the module; stopped (with its workers) by pid even when a test fails."""
+@pytest.fixture(scope="package")
+def live_prefect_server(tmp_path_factory) -> Iterator[PrefectServer]:
+    """The package's live Prefect server; stopped (with its workers) by pid even when a test fails."""
     server = PrefectServer(tmp_path_factory.mktemp("prefect-live"))
     try:
         yield server.start()
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def prefect_server(live_prefect_server: PrefectServer) -> Iterator[PrefectServer]:
+    """The live server for one module: at its end the module's workers are stopped (by pid) and its
+    flow runs deleted (a run left scheduled would otherwise go to the next module's workers)."""
+    try:
+        yield live_prefect_server
+    finally:
+        live_prefect_server.reset()
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +64,7 @@ def kvwarm_deployments(prefect_server: PrefectServer) -> PrefectServer:
     A process worker on kvwarm-cpu starts while the deployments register (it needs only
     its pool), so it is polling by the time a test runs one; see :func:`cpu_worker`.
     """
-    prefect_server.cli_all([["work-pool", "create", name, "--type", kind] for name, kind in POOLS.items()])
+    prefect_server.create_pools()
     prefect_server.start_worker("kvwarm-cpu")
     prefect_server.cli("--no-prompt", "deploy", "--all", KVWARM_REPO=str(ROOT))
     return prefect_server

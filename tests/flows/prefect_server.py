@@ -13,7 +13,8 @@ point at a closed loopback port, with only loopback exempt, so any attempt to re
 the internet (the server's fetch of Prefect's collection registry, for one) fails at
 once on this machine instead of leaving it.
 
-The fixtures that start them (module-scoped) are in tests/flows/conftest.py.
+The fixtures that start them (one server for the package, lent to each module) are in
+tests/flows/conftest.py.
 """
 from __future__ import annotations
 
@@ -151,15 +152,34 @@ class PrefectServer:
             time.sleep(0.3)
         return False
 
-    def stop(self) -> None:
-        """Stop every worker, then the server (each by process group)."""
+    def stop_workers(self) -> None:
+        """Stop every worker started here (each by process group)."""
         while self.workers:
             self.workers.pop().stop()
+
+    def stop(self) -> None:
+        """Stop every worker, then the server (each by process group)."""
+        self.stop_workers()
         if self.server is not None:
             self.server.stop()
             self.server = None
 
+    def reset(self) -> None:
+        """Stop the workers and delete every flow run: what the next user finds is a server with no worker
+        and no run (the pools and deployments stay; :meth:`create_pools` and ``prefect deploy`` overwrite them)."""
+        from prefect import get_client
+
+        self.stop_workers()
+        with self.api(), get_client(sync_client=True) as client:
+            while runs := client.read_flow_runs(limit=200):
+                for run in runs:
+                    client.delete_flow_run(run.id)
+
     # -- CLI, workers, client ------------------------------------------------------
+    def create_pools(self) -> None:
+        """The work pools prefect.yaml names (:data:`POOLS`), with the CLI; an existing one is overwritten."""
+        self.cli_all([["work-pool", "create", name, "--type", kind, "--overwrite"] for name, kind in POOLS.items()])
+
     def cli(self, *args: str, timeout_s: float = 120.0, **extra_env: str) -> str:
         """Run ``prefect ARGS`` against this server from the repository root; returns its output.
 

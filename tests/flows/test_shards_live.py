@@ -6,8 +6,8 @@ section says cpu/fp32 (this machine has no GPU). The GPU pool's two workers take
 at a time (``--limit 1``), as a GPU host's worker does. Their flow runs import
 ``tests/flows/shard_gate/sitecustomize.py``, which does nothing unless a test puts a file in
 the gate folder: a slow ``Store.put`` (the deadline test) or a stop mid-shard (the kill test).
-Everything started here is stopped by pid at the end of the module (the ``prefect_server``
-fixture of tests/flows/conftest.py).
+The workers started here are stopped by pid at the end of the module, the server at the end of
+the package (the ``prefect_server`` fixture of tests/flows/conftest.py).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ from flows.spec import PrefillSpec, RunTarget
 from prefill.cli import main as prefill_cli
 from prefill.rundir import RunDir
 from store.plan import Plan, write_plan
-from tests.flows.prefect_server import POOLS, ROOT, PrefectServer
+from tests.flows.prefect_server import ROOT, PrefectServer
 from tests.prefill.shard_plans import BLOCK, independent_plan, shared_prompt_plan, under_system
 
 GATE_CODE = Path(__file__).resolve().parent / "shard_gate"
@@ -48,7 +48,7 @@ def gpu_pool(prefect_server: PrefectServer, tmp_path_factory):
             d["parameters"]["prefill"] = {"device": "cpu", "dtype": "fp32"}
     spec = prefect_server.root / "prefect-cpu.yaml"
     spec.write_text(yaml.safe_dump(doc, sort_keys=False))
-    prefect_server.cli_all([["work-pool", "create", name, "--type", kind] for name, kind in POOLS.items()])
+    prefect_server.create_pools()
     env = {"KVWARM_TEST_GATE": str(gate), "PYTHONPATH": os.pathsep.join([str(GATE_CODE), str(ROOT)])}
     workers = [prefect_server.start_worker("kvwarm-gpu", name=f"gpu-{n}", args=["--limit", "1"], **env)
                for n in ("a", "b")]
@@ -143,11 +143,13 @@ def test_a_short_deadline_cuts_the_least_valuable_part_of_each_shard_before_it(g
     plan = independent_plan(160, 2)
     target = _target(tmp_path, "shards-deadline", plan)
     delay = gpu_pool.gate / "put-delay"
-    # A slow device: a batch of 4 blocks takes 8 s, so a shard's 160 blocks need 320 s, more than the window
-    # holds even when a shard starts at once (a shard's process takes from seconds to minutes to start here).
-    delay.write_text("2.0")
+    # A slow device: a batch of 4 blocks takes 6 s, so a shard's 160 blocks need 240 s, more than the window
+    # holds even when a shard starts at once. A shard's process takes from seconds to a minute to start here
+    # (49 s on the loaded two-core machine: 15 s to Prefect's engine, 18 s to import the flow, 11 s to load
+    # the model), so the window leaves it over two minutes of work to cut.
+    delay.write_text("1.5")
     try:
-        deadline = time.time() + 240.0
+        deadline = time.time() + 180.0
         state = _run_parent(gpu_pool, target, PrefillSpec(shards=2, max_batch_tokens=4 * BLOCK), deadline)
     finally:
         delay.unlink()
