@@ -42,6 +42,19 @@ def native_isa() -> str | None:
     return None if _native is None else _native.isa()
 
 
+def pin_native_isa(name: str) -> str | None:
+    """Pin the native gather's instruction set: ``"scalar"`` (the plain loops, what CPUs without
+    AVX2 run) or ``"best"`` (the best this CPU has, the default). Returns the one in use, ``None``
+    without the native module. For tests and benches: not thread-safe against running gathers.
+
+    Raises:
+        ValueError: ``name`` is neither ``"scalar"`` nor ``"best"``.
+    """
+    if name not in ("scalar", "best"):
+        raise ValueError(f"unknown instruction set {name!r}: use 'scalar' or 'best'")
+    return None if _native is None else _native.use_isa(name)
+
+
 def tables(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """For each scale, the output value of every FP8 byte: ``[*scale.shape, 256]`` in ``dtype``."""
     return (_FP8_VALUES * scale.to(torch.float32)[..., None]).to(dtype)
