@@ -27,16 +27,6 @@
 #include <immintrin.h>
 #endif
 
-/* One table entry: fp32(value) * scale rounded once to the output dtype, as PyTorch rounds
- * (store.table.tables is the reference; tests compare every byte value). bf16: round to
- * nearest even, every NaN to 0xFFFF (what Tensor.to(torch.bfloat16) gives on the CPU). */
-static inline uint16_t bf16_bits(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    if (x != x) return 0xFFFF;
-    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
-}
-
 static void gather16_scalar(const uint8_t *src, const uint16_t *lut, uint16_t *dst, size_t n) {
     for (size_t i = 0; i < n; i++) dst[i] = lut[src[i]];
 }
@@ -81,15 +71,15 @@ static void gather16_avx512(const uint8_t *src, const uint16_t *lut, uint16_t *d
 #endif
 
 #ifdef KVW_X86
-/* AVX2 (no AVX-512): no 256-entry shuffle, and a 32-bit gather per entry is no faster than
- * the plain loop (Zen 3), so this uses what the table of an e4m3 byte holds. Byte
- * s|eeee|mmm is the value (-1)^s 2^e (1 + m/8) (e > 0); times a scale and rounded to a
- * 2-byte float, its bits are B[m] + e * step (the exponent field counts e, the rounding of
- * the mantissa does not depend on it) while the results stay normal; e = 0 (zero and the
- * subnormals) is 8 entries of its own; the sign byte flips the sign bit; 0x7F and 0xFF
- * (NaN) are two entries of their own. lut_structure() checks every entry of a table
- * against that form; a table that does not have it (a scale so large or small that
- * results leave the normal range) takes the plain loop. */
+/* AVX2 (no AVX-512): no 256-entry shuffle, and 32-bit gathers (vpgatherdd, 8 entries at a
+ * time) are no faster than the plain loop (Zen 3), so this uses what the table of an e4m3
+ * byte holds. Byte s|eeee|mmm is the value (-1)^s 2^(e-7) (1 + m/8) (e > 0); times a scale
+ * and rounded to a 2-byte float, its bits are B[m] + e * step (the exponent field counts e,
+ * the rounding of the mantissa does not depend on it) while the results stay normal; e = 0
+ * (zero and the subnormals) is 8 entries of its own; the sign bit of the byte flips the
+ * result's; 0x7F and 0xFF (NaN) are two entries of their own. lut_structure() checks
+ * every entry of a table against that form; a table that does not have it (a scale so
+ * large or small that results leave the normal range) takes the plain loop. */
 typedef struct {
     uint16_t norm[8], sub[8];  /* B[m] = entry(e = 1, m) - step; entry(e = 0, m) */
     uint16_t step, nan_pos, nan_neg;
@@ -117,7 +107,7 @@ static void gather16_avx2(const uint8_t *src, const uint16_t *lut, uint16_t *dst
         gather16_scalar(src, lut, dst, n);
         return;
     }
-    const int stream = n >= 2048 && ((uintptr_t)dst & 31) == 0;  /* as gather16_avx512 */
+    const int stream = n >= 2048 && ((uintptr_t)dst & 31) == 0;  /* as gather16_avx512, 32 bytes a store */
     const __m256i norm = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)f.norm));
     const __m256i sub = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)f.sub));
     const __m256i step = _mm256_set1_epi16((short)f.step);
@@ -256,6 +246,16 @@ static PyObject *gather(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&src); PyBuffer_Release(&dst); PyBuffer_Release(&count); PyBuffer_Release(&tab);
     Py_RETURN_NONE;
+}
+
+/* One table entry: fp32(value) * scale rounded once to the output dtype, as PyTorch rounds
+ * (store.table.tables is the reference; tests compare every byte value). bf16: round to
+ * nearest even, every NaN to 0xFFFF (what Tensor.to(torch.bfloat16) gives on the CPU). */
+static inline uint16_t bf16_bits(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    if (x != x) return 0xFFFF;
+    return (uint16_t)((u + 0x7FFF + ((u >> 16) & 1)) >> 16);
 }
 
 static int get_u64(PyObject *obj, Py_buffer *view, Py_ssize_t n, const char *name) {

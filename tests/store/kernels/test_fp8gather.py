@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import store.kernels.table
-from store.kernels.table import native_isa, tables
+from store.kernels.table import native_isa, pin_native_isa, tables
 
 pytestmark = pytest.mark.skipif(native_isa() is None, reason="native gather not built")
 
@@ -67,8 +67,11 @@ def aligned(nbytes: int, offset: int) -> tuple[np.ndarray, int]:
 
 
 def test_best_is_avx2_where_the_cpu_has_it_without_avx512bw(native):
-    assert native.use_isa("scalar") == "scalar" == native_isa()
-    best = native.use_isa("best")
+    assert pin_native_isa("scalar") == "scalar" == native_isa()
+    with pytest.raises(ValueError, match="unknown instruction set"):
+        pin_native_isa("avx3")
+    assert native_isa() == "scalar"  # a bad name changes nothing
+    best = pin_native_isa("best")
     assert best in ("avx512bw", "avx2", "scalar") and native_isa() == best
     flags = _cpu_flags()
     if flags is None or "avx2" not in flags or "avx512bw" in flags:
