@@ -17,8 +17,10 @@ Side by side in one run:
     ``prefetch(map_ahead=True)`` of the prefix: what a node serving kvwarm's plan sees),
     ``targets.load_met``. The fresh mapping (a new pool: the lookup maps and checks every
     snapshot of the prefix, then ``to_dynamic_cache``) has its own verdict,
-    ``load_met_fresh``. FP8 is measured with both CPU dequantisers (``table`` and
-    ``compiled``; the kernel is built untimed) and the faster is reported. The fresh
+    ``load_met_fresh``. With ``--isa scalar,best``, (b) is measured once per instruction
+    set of the native gather (``scalar``: its plain loops, what CPUs without AVX2 run), the
+    first as the headline, the others under ``load_by_isa``. FP8 is measured with both CPU
+    dequantisers (``table`` and ``compiled``; the kernel is built untimed) and the faster is reported. The fresh
     mapping is timed with ``verify_payload=False`` (no payload checksums: a node's pool
     checks them once, when a snapshot first enters it; that case is shown too). Each case
     is split into ``lookup`` (map, parse and check headers, pin) and
@@ -68,6 +70,7 @@ from store.format.encode import build_snapshot  # noqa: E402
 from store.identity.fingerprint import ModelIdentity  # noqa: E402
 from store.identity.keys import block_chain  # noqa: E402
 from store.identity.tenant import Tenant  # noqa: E402
+from store.kernels.table import pin_native_isa  # noqa: E402
 from store.serving.loader import KVLoader  # noqa: E402
 from store.tiers.store import Store  # noqa: E402
 
@@ -156,8 +159,10 @@ def bench_ttft_and_load(work: Path, args, out: dict) -> None:
             loader.close()
             continue
         # (b) map + dequantise against memcpy of the output bytes
-        out.setdefault("load", {})[compression] = measure_load(url, cfg, TENANT, ident, mcfg, ids, work, compression,
-                                                               args.reps, loader)
+        for isa, res in by_isa(args, lambda: measure_load(url, cfg, TENANT, ident, mcfg, ids, work, compression,
+                                                          args.reps, loader)):
+            (out if isa == args.isa[0] else out.setdefault("load_by_isa", {}).setdefault(isa, {})).setdefault(
+                "load", {})[compression] = res
         loader.close()
 
 
@@ -185,8 +190,22 @@ def bench_load_shape(work: Path, args, out: dict) -> None:
             store.put(TENANT, build_snapshot(root=root, block=b, tenant=TENANT.name, kv=kv, precision=precision,
                                              created_at=time.time(), ttl_s=4 * 3600))
         store.close()
-        res[compression] = measure_load(url, cfg, TENANT, ident, mcfg, ids, work, compression, args.reps)
-    out["load_shape"] = {"shape": args.load_shape, **res}
+        for isa, r in by_isa(args, lambda: measure_load(url, cfg, TENANT, ident, mcfg, ids, work, compression,
+                                                        args.reps)):
+            res.setdefault(isa, {})[compression] = r
+    out["load_shape"] = {"shape": args.load_shape, **res[args.isa[0]]}
+    for isa in args.isa[1:]:
+        out["load_by_isa"][isa]["load_shape"] = {"shape": args.load_shape, **res[isa]}
+
+
+def by_isa(args, measure):
+    """``(isa, measure())`` for each of ``--isa``, the native gather pinned to it (then back to the best)."""
+    for isa in args.isa:
+        pin_native_isa(isa)
+        try:
+            yield isa, measure()
+        finally:
+            pin_native_isa("best")
 
 
 def bench_device_load(loader, ids, dev: torch.device, compression: str, reps: int, out: dict) -> None:
@@ -280,14 +299,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="where (a) runs and loads to: cpu or cuda (with --shape)")
     p.add_argument("--load-shape", choices=sorted(SHAPES), default=None,
                    help="(b) also at this model's KV geometry, from random KV (CPU; default 8b, quick 8b-mini)")
+    p.add_argument("--isa", default="best",
+                   help="native gather instruction sets to time (b) with, comma-separated, of best and scalar "
+                        "(the plain loops); the first is the headline (default best)")
     add_results_option(p)
     args = p.parse_args(argv)
+    args.isa = args.isa.split(",")
+    if not args.isa or any(i not in ("best", "scalar") for i in args.isa) or len(set(args.isa)) < len(args.isa):
+        p.error(f"--isa {','.join(args.isa)}: a comma-separated list of best and scalar, each at most once")
     run = Run("loader", __file__, sys.argv[1:] if argv is None else argv)
     if args.device != "cpu" and not args.shape:
         p.error("--device other than cpu needs --shape (the reference model is built on the CPU)")
     # a CPU run with other sizes, or a shaped model on the CPU, is a partial run
     partial = args.device == "cpu" and (args.shape is not None or args.tokens not in (None, 2048) or args.suffix != 64
-                                        or args.block != 256 or args.snapshots not in (None, 10000))
+                                        or args.block != 256 or args.snapshots not in (None, 10000)
+                                        or args.isa[0] != "best")
     args.tokens = args.tokens or (512 if args.quick else 2048)
     args.snapshots = args.snapshots or (1000 if args.quick else 10000)
     args.reps = args.reps or (3 if args.quick else 5)

@@ -135,7 +135,7 @@ def measure_load(url: str, cfg, tenant: Tenant, ident, mcfg, ids, work: Path, co
           f"{t_verified * 1e3:.1f} ms (ratio {t_copy / t_verified:.2f}); after prefetch(map_ahead) in a new "
           f"loader: lookup {prefetched['lookup_s'] * 1e3:.1f} ms + to_dynamic_cache "
           f"{prefetched['to_dynamic_cache_s'] * 1e3:.1f} ms (ratio {t_copy / t_ahead:.2f})")
-    print(f"(b) load {compression} [{best}], {lay.num_layers} layers x {lay.num_kv_heads} KV heads x "
+    print(f"(b) load {compression} [{best}, native gather {native_isa()}], {lay.num_layers} layers x {lay.num_kv_heads} KV heads x "
           f"{lay.head_dim}: {out_bytes / 2**20:.1f} MiB bf16 out; map+dequant {t_load * 1e3:.1f} ms "
           f"({out_bytes / t_load / 1e9:.2f} GB/s), pooled {t_hot * 1e3:.1f} ms, memcpy {t_copy * 1e3:.1f} ms "
           f"({out_bytes / t_copy / 1e9:.2f} GB/s; clone {statistics.median(clones) * 1e3:.1f} ms): ratio {t_copy / t_load:.2f} (pooled {t_copy / t_hot:.2f})",

@@ -4,7 +4,7 @@ Pure tensor code, no I/O. The stored dtype is dequantised straight into the
 destination where possible:
 
 - on the CPU, FP8 with per-head scales goes through a 256-entry table per head and a
-  gather (:mod:`store.kernels.table`: the reference bits by construction; native with AVX-512
+  gather (:mod:`store.kernels.table`: the reference bits by construction; native with AVX-512 or AVX2
   when built, numpy otherwise), or (``compiled``) one ``torch.compile`` pass of the
   reference arithmetic. Unquantised parts (bf16 storage, layers that mixed precision
   keeps) are numpy copies of the stored bits (torch's copy starts an OpenMP team each time).

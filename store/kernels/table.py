@@ -6,8 +6,8 @@ An FP8 (e4m3) byte dequantised with a per-head scale has 256 possible values per
 dtype), so a gather through them gives the reference bits by construction.
 
 The gather itself is the native module ``store.kernels._fp8gather`` (built from
-``store/kernels/_fp8gather.c`` at install; AVX-512 where the CPU has it, streaming stores into
-new memory) when it is there, numpy's ``take`` otherwise. :func:`gather_parts` runs every
+``store/kernels/_fp8gather.c`` at install; AVX-512 or AVX2 where the CPU has it, streaming
+stores into new memory) when it is there, numpy's ``take`` otherwise. :func:`gather_parts` runs every
 head of one stored part; :func:`gather_payloads` every part of whole snapshot payloads
 straight from their mappings into the final ``[parts, heads, tokens, dim]`` layout: one
 native call for the FP8 layers, one for the layers kept unquantised (plain copies).
@@ -37,9 +37,22 @@ _TABLES_IN_C = (torch.bfloat16, torch.float32)
 
 
 def native_isa() -> str | None:
-    """The instruction set of the native gather (``"avx512bw"``, ``"scalar"``), or ``None`` when
+    """The instruction set of the native gather (``"avx512bw"``, ``"avx2"``, ``"scalar"``), or ``None`` when
     the module was not built (numpy is used then: the same bits, slower)."""
     return None if _native is None else _native.isa()
+
+
+def pin_native_isa(name: str) -> str | None:
+    """Pin the native gather's instruction set: ``"scalar"`` (the plain loops, what CPUs without
+    AVX2 run) or ``"best"`` (the best this CPU has, the default). Returns the one in use, ``None``
+    without the native module. For tests and benches: not thread-safe against running gathers.
+
+    Raises:
+        ValueError: ``name`` is neither ``"scalar"`` nor ``"best"``.
+    """
+    if name not in ("scalar", "best"):
+        raise ValueError(f"unknown instruction set {name!r}: use 'scalar' or 'best'")
+    return None if _native is None else _native.use_isa(name)
 
 
 def tables(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
