@@ -12,20 +12,7 @@ import uuid
 import pytest
 
 from tests.hang_guard import HANG_S
-from tests.seaweedfs import SeaweedFS
 from tests.store.engines.vllm.scheduler_fakes import KB, Req, config, role, store_prefix, tokens
-
-
-@pytest.fixture
-def own_s3(tmp_path, monkeypatch):
-    monkeypatch.setenv("KVWARM_TEST_KEY", "test")
-    monkeypatch.setenv("KVWARM_TEST_SECRET", "test")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    server = SeaweedFS(workdir=str(tmp_path / "weed")).start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 class Clock:
