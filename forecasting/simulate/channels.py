@@ -22,9 +22,13 @@ class S3Link:
         self.link_s = float(link_s)
         self.busy_until = -math.inf
 
+    def ends(self, start: float) -> float:
+        """When one block's transfer from ``start`` on would be carried (nothing reserved)."""
+        return max(self.busy_until, start) + self.link_s
+
     def take(self, start: float) -> float:
         """Reserve one block's transfer from ``start`` on; returns when the link has carried it."""
-        self.busy_until = max(self.busy_until, start) + self.link_s
+        self.busy_until = self.ends(start)
         return self.busy_until
 
     def copy(self) -> S3Link:
@@ -77,7 +81,7 @@ class FetchChannel:
                 self.pending.discard(b)
                 continue
             start = max(self._busy_until, submitted)
-            done = max(start + self.fetch_s, max(self.link.busy_until, start) + self.link.link_s)
+            done = max(start + self.fetch_s, self.link.ends(start))
             if done > now:
                 break
             self.link.take(start)
