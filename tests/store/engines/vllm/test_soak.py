@@ -17,6 +17,7 @@ import gc
 import os
 import tracemalloc
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -47,6 +48,19 @@ def traced() -> int:
     return sum(stat.size for stat in snap.statistics("filename"))
 
 
+def growth(step: Callable[[int], None], n: int, warmup: int) -> int:
+    """Run ``step(0 .. n - 1)`` under ``tracemalloc``; bytes :func:`traced` grew from after step ``warmup`` to the end."""
+    tracemalloc.start()
+    try:
+        for i in range(n):
+            step(i)
+            if i == warmup:
+                after_warmup = traced()
+        return traced() - after_warmup
+    finally:
+        tracemalloc.stop()
+
+
 @pytest.fixture
 def loader(tmp_path):
     cfg = config(BS, "bf16")
@@ -70,16 +84,12 @@ def a_plan(n: int, recurring: list[list[int]]) -> Plan:
 
 def test_a_day_of_plans_re_prefetched_every_five_minutes_keeps_memory_bounded(loader):
     ld, recurring = loader
-    tracemalloc.start()
-    try:
-        for n in range(PLANS_PER_DAY):
-            result = ld.prefetch(a_plan(n, recurring)).result(timeout=60)
-            assert result.present == 2 * len(recurring)  # the stored prefixes are found every time
-            if n == PLANS_PER_DAY // 6:
-                after_warmup = traced()
-        grown = traced() - after_warmup
-    finally:
-        tracemalloc.stop()
+
+    def plan(n: int) -> None:
+        result = ld.prefetch(a_plan(n, recurring)).result(timeout=60)
+        assert result.present == 2 * len(recurring)  # the stored prefixes are found every time
+
+    grown = growth(plan, PLANS_PER_DAY, PLANS_PER_DAY // 6)
     # ~240 plans x 40 new entries x 2 blocks: one kept name per block would be > 2 MiB
     assert grown < 512 << 10, f"memory grew by {grown / 1024:.0f} KiB over {PLANS_PER_DAY} plans"
     hit = ld.lookup(recurring[0] + [1])
@@ -89,20 +99,16 @@ def test_a_day_of_plans_re_prefetched_every_five_minutes_keeps_memory_bounded(lo
 
 def test_ten_thousand_lookups_of_distinct_prompts_keep_memory_bounded(loader):
     ld, recurring = loader
-    tracemalloc.start()
-    try:
-        for i in range(10_000):
-            ids = prompt(3 * BS + i % BS, seed=1_000_000 + i)
-            if i % 10 == 0:  # one in ten shares a stored prefix: hits are pinned and released
-                ids = recurring[i % len(recurring)] + ids[: BS + 1]
-            hit = ld.lookup(ids)
-            if hit is not None:
-                hit.release()
-            if i == 2_000:
-                after_warmup = traced()
-        grown = traced() - after_warmup
-    finally:
-        tracemalloc.stop()
+
+    def lookup(i: int) -> None:
+        ids = prompt(3 * BS + i % BS, seed=1_000_000 + i)
+        if i % 10 == 0:  # one in ten shares a stored prefix: hits are pinned and released
+            ids = recurring[i % len(recurring)] + ids[: BS + 1]
+        hit = ld.lookup(ids)
+        if hit is not None:
+            hit.release()
+
+    grown = growth(lookup, 10_000, 2_000)
     stats = ld.stats()
     assert stats["lookups"] == 10_000 and stats["hits"] == 1_000
     # one kept entry per prompt (a key, a tracker row) would be > 1 MiB over 8,000 prompts
@@ -116,28 +122,24 @@ def test_ten_thousand_requests_through_the_connectors_scheduler_role_keep_memory
     for ids in stored:
         fakes.store_prefix(tmp_path, ids)
     role = fakes.role(tmp_path, rate=100.0)
-    tracemalloc.start()
-    try:
-        for i in range(10_000):
-            ids = fakes.tokens(2 * fakes.KB + 3, seed=1_000_000 + i)
-            if i % 10 == 0:
-                ids = stored[i % len(stored)] + ids[:5]
-            req = fakes.Req(f"r{i}", ids, cache_salt="salt-acme" if i % 3 else None)
-            role.on_new_request(req)
-            role.get_num_new_matched_tokens(req, 0)
-            n, _ = role.get_num_new_matched_tokens(req, 0)
-            table = list(range(1, len(ids) // fakes.EB + 2))
-            role.update_state_after_alloc(req, table, n or 0)
-            plan = role.build_plan(fakes.Out([fakes.NewReq(req.request_id, ids, (table,), n or 0)],
-                                             num_scheduled_tokens={req.request_id: len(ids) - (n or 0)}))
-            role.update_output(WorkerReport([LoadResult(s.req_id, s.end - s.start, s.end - s.start, nbytes=1 << 20,
-                                                        seconds=1e-4) for s in plan.loads]), None)
-            assert role.request_finished(req)["kvwarm"]["loaded_tokens"] == (n or 0)
-            if i == 2_000:
-                after_warmup = traced()
-        grown = traced() - after_warmup
-    finally:
-        tracemalloc.stop()
+
+    def request(i: int) -> None:
+        ids = fakes.tokens(2 * fakes.KB + 3, seed=1_000_000 + i)
+        if i % 10 == 0:
+            ids = stored[i % len(stored)] + ids[:5]
+        req = fakes.Req(f"r{i}", ids, cache_salt="salt-acme" if i % 3 else None)
+        role.on_new_request(req)
+        role.get_num_new_matched_tokens(req, 0)
+        n, _ = role.get_num_new_matched_tokens(req, 0)
+        table = list(range(1, len(ids) // fakes.EB + 2))
+        role.update_state_after_alloc(req, table, n or 0)
+        plan = role.build_plan(fakes.Out([fakes.NewReq(req.request_id, ids, (table,), n or 0)],
+                                         num_scheduled_tokens={req.request_id: len(ids) - (n or 0)}))
+        role.update_output(WorkerReport([LoadResult(s.req_id, s.end - s.start, s.end - s.start, nbytes=1 << 20,
+                                                    seconds=1e-4) for s in plan.loads]), None)
+        assert role.request_finished(req)["kvwarm"]["loaded_tokens"] == (n or 0)
+
+    grown = growth(request, 10_000, 2_000)
     stats = role.stats()
     role.close()
     assert stats["lookups"] == 10_000 and stats["hits"] == 1_000 and stats["requests_tracked"] == 0
