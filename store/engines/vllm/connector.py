@@ -109,6 +109,8 @@ class KvwarmConnector(KVConnectorBase_V1):
     """
 
     _cache_hit_source = CacheHitSource.DISK
+    #: The worker role's class (a subclass may wrap its loads, as the fault-injection tests do).
+    worker_class: type[WorkerRole] = WorkerRole
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
@@ -146,16 +148,18 @@ class KvwarmConnector(KVConnectorBase_V1):
                 settings, identities=self._identities, engine_block=self._engine_block,
                 layers=mc.get_num_layers(vllm_config.parallel_config), kv_heads=self._total_kv_heads,
                 head_dim=mc.get_head_size(), hf_config=text, cpu=vllm_config.device_config.device_type == "cpu",
-                tp_size=vllm_config.parallel_config.tensor_parallel_size)
+                tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                async_loads=settings.async_loads(bool(vllm_config.scheduler_config.async_scheduling)))
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             tp = vllm_config.parallel_config.tensor_parallel_size
-            self._worker = WorkerRole(settings, identities=self._identities, engine_block=self._engine_block,
-                                      tp_rank=get_tensor_model_parallel_rank() if tp > 1 else 0, tp_size=tp)
+            self._worker = self.worker_class(settings, identities=self._identities, engine_block=self._engine_block,
+                                             tp_rank=get_tensor_model_parallel_rank() if tp > 1 else 0, tp_size=tp)
         log.info("kvwarm connector (%s role) ready in %.3f s (model identity %.3f s; store %s, tenant %r, "
-                 "write_back %s)", role.name.lower(), time.perf_counter() - t0, fingerprint_s, settings.store_url,
-                 settings.tenant, settings.write_back)
+                 "write_back %s, %s loads)", role.name.lower(), time.perf_counter() - t0, fingerprint_s,
+                 settings.store_url, settings.tenant, settings.write_back,
+                 "async" if settings.async_loads(bool(vllm_config.scheduler_config.async_scheduling)) else "sync")
 
     # -- figures -------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
@@ -257,11 +261,12 @@ class KvwarmConnector(KVConnectorBase_V1):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None:
-            self._worker.begin_step()
+            self._worker.begin_step(self._plan())
 
     def _plan(self) -> StepPlan:
         meta = self._get_connector_metadata()
-        return meta.plan if isinstance(meta, KvwarmMetadata) else StepPlan()
+        # metadata of another kind says nothing of what the step computes: the worker then stores nothing more
+        return meta.plan if isinstance(meta, KvwarmMetadata) else StepPlan(computes=None)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         if self._worker is not None:
@@ -282,7 +287,8 @@ class KvwarmConnector(KVConnectorBase_V1):
             log.exception("kvwarm: copying this step's blocks for write-back failed")
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, None
+        loads = self._worker.take_finished_loads() if self._worker is not None else set()
+        return None, loads or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_failed() if self._worker is not None else set()

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from store.engines.vllm.validity import Compute
+
 
 @dataclass(frozen=True)
 class LoadSpec:
@@ -27,6 +29,8 @@ class LoadSpec:
         start: the first token to load (vLLM's own prefix-cache hit; a multiple of its block size).
         end: one past the last token to load (a multiple of the engine block size).
         block_ids: the engine blocks that receive tokens ``start..end``, in order.
+        deferred: the request waits for this load (vLLM's async load): the worker reports it
+            finished (``get_finished``), and vLLM schedules the request's compute after that.
     """
 
     req_id: str
@@ -36,6 +40,7 @@ class LoadSpec:
     start: int
     end: int
     block_ids: tuple[int, ...]
+    deferred: bool = False
 
 
 @dataclass(frozen=True)
@@ -68,12 +73,20 @@ class StepPlan:
         saves: what to copy out after it, for write-back.
         prompt_tokens: prompt tokens the step computes (the worker times steps that are mostly prefill).
         other_tokens: the other tokens it computes (decode).
+        computes: every scheduled request's part of the step (what it attends to and writes), for
+            the worker's :class:`store.engines.vllm.validity.BlockLedger`; ``None`` when the
+            scheduler could not say (the worker then stores nothing more).
+        copies: vLLM's ``(src, dst)`` block copies of the step.
+        ended: requests whose blocks vLLM took back since the last step (finished, preempted).
     """
 
     loads: tuple[LoadSpec, ...] = ()
     saves: tuple[SaveSpec, ...] = ()
     prompt_tokens: int = 0
     other_tokens: int = 0
+    computes: tuple[Compute, ...] | None = ()
+    copies: tuple[tuple[int, int], ...] = ()
+    ended: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,11 +120,14 @@ class WorkerReport:
         loads: one result per load of the step.
         forward_tokens: tokens of a step that was mostly prefill, else 0.
         forward_seconds: how long its forward took (its loads excluded).
+        refused: per request, the first kvwarm block of its saves that was not stored because
+            it (or a block before it) did not hold valid KV; the scheduler plans it again.
     """
 
     loads: list[LoadResult] = field(default_factory=list)
     forward_tokens: int = 0
     forward_seconds: float = 0.0
+    refused: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: "WorkerReport") -> "WorkerReport":
         """Merge another worker's report of the same step (tensor parallel: each loads its heads).
@@ -125,6 +141,8 @@ class WorkerReport:
             if have is None or r.loaded < have.loaded:
                 mine[r.req_id] = r
         self.loads = list(mine.values())
+        for req_id, first in other.refused.items():
+            self.refused[req_id] = min(first, self.refused.get(req_id, first))
         self.forward_tokens = max(self.forward_tokens, other.forward_tokens)
         self.forward_seconds = max(self.forward_seconds, other.forward_seconds)
         return self

@@ -16,9 +16,10 @@ Pure functions over plain values, no vLLM.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 from store.engines.vllm.metadata import LoadSpec, SaveSpec
+from store.engines.vllm.validity import Compute
 from store.format.header import Layout
 from store.format.payload import payload_nbytes
 from store.format.precision import Precision
@@ -40,10 +41,11 @@ def kv_blocks_spanned(start: int, end: int, kv_block: int) -> range:
 
 
 def load_spec(req_id: str, tenant: str, chat: bool, prompt: Sequence[int], block_table: Sequence[int], *,
-              start: int, tokens: int, kv_block: int, engine_block: int) -> LoadSpec:
+              start: int, tokens: int, kv_block: int, engine_block: int, deferred: bool = False) -> LoadSpec:
     """What the worker loads for ``tokens`` stored tokens from ``start`` (vLLM's hit).
 
-    ``block_table`` is every engine block of the request, in token order.
+    ``block_table`` is every engine block of the request, in token order; ``deferred``: the
+    request waits for the load (an async load, reported finished by the worker).
 
     Raises:
         ValueError: the range is not whole engine blocks, or the table does not reach it.
@@ -56,7 +58,8 @@ def load_spec(req_id: str, tenant: str, chat: bool, prompt: Sequence[int], block
                          f"{end // engine_block}")
     last = kv_blocks_spanned(start, end, kv_block).stop
     return LoadSpec(req_id=req_id, tenant=tenant, chat=chat, token_ids=tuple(prompt[: last * kv_block]),
-                    start=start, end=end, block_ids=tuple(block_table[start // engine_block : end // engine_block]))
+                    start=start, end=end, block_ids=tuple(block_table[start // engine_block : end // engine_block]),
+                    deferred=deferred)
 
 
 def save_spec(req_id: str, tenant: str, prompt: Sequence[int], block_table: Sequence[int], *, save_from: int,
@@ -75,6 +78,28 @@ def save_spec(req_id: str, tenant: str, prompt: Sequence[int], block_table: Sequ
         return None  # blocks not allocated yet: they are saved in a later step
     return SaveSpec(req_id=req_id, tenant=tenant, chat=chat, first=save_from,
                     token_ids=tuple(prompt[: full * kv_block]), block_ids=tuple(ids))
+
+
+def computes_of(scheduler_output: Any) -> tuple[tuple[Compute, ...], tuple[tuple[int, int], ...], tuple[str, ...]]:
+    """What a vLLM ``SchedulerOutput`` says the step computes, copies and ends, for the worker's ledger.
+
+    Every scheduled request (new, resumed, running), whether kvwarm tracks it or not: its
+    context start, its tokens this step, its new engine blocks (all of them for a new or
+    resumed request); vLLM's block copies; the requests finished or preempted since the last step.
+    """
+    scheduled = scheduler_output.num_scheduled_tokens
+    out = [Compute(nr.req_id, int(nr.num_computed_tokens), int(scheduled.get(nr.req_id, 0)),
+                   tuple(int(b) for b in nr.block_ids[0]), replace=True)
+           for nr in scheduler_output.scheduled_new_reqs]
+    cached = scheduler_output.scheduled_cached_reqs
+    for i, req_id in enumerate(cached.req_ids):
+        new = cached.new_block_ids[i]
+        out.append(Compute(req_id, int(cached.num_computed_tokens[i]), int(scheduled.get(req_id, 0)),
+                           tuple(int(b) for b in new[0]) if new else (), replace=req_id in cached.resumed_req_ids))
+    copies = tuple((int(c[0]), int(c[1])) for c in getattr(scheduler_output, "kv_cache_block_copies", None) or ())
+    ended = set(getattr(scheduler_output, "finished_req_ids", None) or ())
+    ended |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+    return tuple(out), copies, tuple(sorted(ended))
 
 
 def stored_block_bytes(precision: Precision, *, layers: int, kv_heads: int, head_dim: int, kv_block: int) -> int:

@@ -8,7 +8,9 @@ It runs in vLLM's scheduler (EngineCore) and never touches KV:
    answer in whole engine blocks beyond vLLM's own hit (:mod:`store.engines.vllm.planning`), and
    the cost check (:mod:`store.engines.vllm.costs`). Never raises: trouble answers 0.
 2. ``update_state_after_alloc``: the load (tokens and the engine blocks vLLM gave them).
-3. ``build_plan`` (vLLM's ``build_connector_meta``): this step's loads and write-back saves.
+3. ``build_plan`` (vLLM's ``build_connector_meta``): this step's loads, what every scheduled request
+   attends to and writes (the worker's block-validity ledger, :mod:`store.engines.vllm.validity`),
+   and the write-back saves.
 4. ``update_output``: what the worker reported (loads, timings) feeds the counters and estimates.
 5. ``request_finished``: what kvwarm did for the request, returned in its ``kv_transfer_params``.
 
@@ -25,6 +27,7 @@ from store.engines.vllm.costs import CostModel, default_prefill
 from store.engines.vllm.fetches import RemoteFetches
 from store.engines.vllm.metadata import LoadSpec, SaveSpec, StepPlan, WorkerReport
 from store.engines.vllm.planning import (
+    computes_of,
     kv_blocks_spanned,
     load_spec,
     matched_tokens,
@@ -56,14 +59,17 @@ class SchedulerRole:
         hf_config: the model's config numbers (the default prefill estimate).
         cpu: whether the engine runs on the CPU (the default prefill estimate).
         tp_size: tensor-parallel workers (write-back needs every head in one worker: 1).
+        async_loads: a request waits a step for its load (vLLM's ``load_kv_async``) instead of
+            computing in the step that loads it (see ``ConnectorSettings.load_mode``).
         clock: monotonic time (S3 waits).
     """
 
     def __init__(self, settings: ConnectorSettings, *, identities: tuple[ModelIdentity, ModelIdentity | None],
                  engine_block: int, layers: int, kv_heads: int, head_dim: int,
                  hf_config: Mapping[str, Any] | None = None, cpu: bool = True, tp_size: int = 1,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 async_loads: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
         cfg = settings.config
+        self.async_loads = async_loads
         self.kv_block = cfg.kv_cache.block_size
         self.engine_block = engine_block
         self.ratio = check_block_sizes(self.kv_block, engine_block)
@@ -178,7 +184,7 @@ class SchedulerRole:
             return 0, False
         st.computed, st.answer = computed, n
         self._count(st, None)
-        return n, False
+        return n, self.async_loads
 
     def _look(self, st: RequestState) -> ProbeHit | None:
         """Probe NVMe (again after an S3 copy); ``None`` while the request should wait for S3."""
@@ -238,11 +244,12 @@ class SchedulerRole:
             hit = st.hit
             assert st.tenant is not None and hit is not None
             spec = load_spec(st.req_id, st.tenant, hit.chat, st.prompt, st.block_table, start=start,
-                             tokens=num_external, kv_block=self.kv_block, engine_block=self.engine_block)
+                             tokens=num_external, kv_block=self.kv_block, engine_block=self.engine_block,
+                             deferred=self.async_loads)
         except Exception:  # noqa: BLE001 - the worker must still hear of these blocks, to fail them
             log.exception("kvwarm could not plan the load of request %s; its blocks are reported failed", st.req_id)
             ids = tuple(st.block_table[start // self.engine_block : end // self.engine_block])
-            spec = LoadSpec(st.req_id, st.tenant or PUBLIC, False, (), start, end, ids)
+            spec = LoadSpec(st.req_id, st.tenant or PUBLIC, False, (), start, end, ids, deferred=self.async_loads)
         st.in_flight += num_external
         st.planned += num_external
         self.counters.add("tokens_matched", num_external)
@@ -250,8 +257,13 @@ class SchedulerRole:
 
     # -- per step ------------------------------------------------------------
     def build_plan(self, scheduler_output: Any) -> StepPlan:
-        """This step's loads (everything allocated since the last step) and write-back saves."""
+        """This step's loads (everything allocated since the last step), what it computes, and its saves."""
         loads, self._loads = tuple(self._loads), []
+        try:
+            computes, copies, ended = computes_of(scheduler_output)
+        except Exception:  # noqa: BLE001 - the worker then stores nothing more; the loads are always sent
+            log.exception("kvwarm could not read what this step computes; write-back stops")
+            return StepPlan(loads=loads, computes=None)
         saves: list[SaveSpec] = []
         prompt_tokens = 0
         try:
@@ -275,22 +287,27 @@ class SchedulerRole:
             other = max(0, int(scheduler_output.total_num_scheduled_tokens) - prompt_tokens)
         except Exception:  # noqa: BLE001 - saves are best effort; the loads above are always sent
             log.exception("kvwarm could not plan this step's write-back")
-            return StepPlan(loads=loads)
-        return StepPlan(loads=loads, saves=tuple(saves), prompt_tokens=prompt_tokens, other_tokens=other)
+            return StepPlan(loads=loads, computes=computes, copies=copies, ended=ended)
+        return StepPlan(loads=loads, saves=tuple(saves), prompt_tokens=prompt_tokens, other_tokens=other,
+                        computes=computes, copies=copies, ended=ended)
 
     def _step(self, st: RequestState, computed: int, scheduled: int, saves: list[SaveSpec]) -> int:
         """Plan the request's write-back for this step; returns its prompt tokens in the step."""
+        prompt = prompt_tokens_scheduled(len(st.prompt), computed, scheduled)
         full = min(computed + scheduled, len(st.prompt)) // self.kv_block
         public = st.hit.blocks if st.hit is not None and st.hit.namespace == PUBLIC else 0
-        # a prompt not yet past the public chain it was served from gets no copy of it for the tenant
-        if self.write_back and st.tenant not in (None, PUBLIC) and not (public and full <= public):
+        # a prompt not yet past the public chain it was served from gets no copy of it for the tenant;
+        # after a refused save, nothing is planned again until the request computes prompt tokens
+        if self.write_back and st.tenant not in (None, PUBLIC) and not (public and full <= public) \
+                and not (st.save_wait and not prompt):
             spec = save_spec(st.req_id, st.tenant, st.prompt, st.block_table, save_from=st.save_from,
                              computed=computed, scheduled=scheduled, kv_block=self.kv_block,
                              engine_block=self.engine_block, chat=st.save_chat)
             if spec is not None:
                 st.save_from = spec.first + len(spec.block_ids) // self.ratio
+                st.save_wait = False
                 saves.append(spec)
-        return prompt_tokens_scheduled(len(st.prompt), computed, scheduled)
+        return prompt
 
     def update_output(self, report: WorkerReport | None, worker_stats: Mapping[str, Any] | None) -> None:
         """What the worker reported after a step: each load's outcome, its timings, its counters."""
@@ -310,6 +327,11 @@ class SchedulerRole:
                 st.reason = r.reason
                 # recomputed blocks may be written back (they replace what was corrupt, expired or gone)
                 st.save_from = min(st.save_from, (st.computed + r.loaded) // self.kv_block)
+        for req_id, first in report.refused.items():
+            st = self.tracker.get(req_id)
+            if st is not None and first < st.save_from:
+                # its KV there was computed over a block that failed to load: saved once it is recomputed
+                st.save_from, st.save_wait = first, True
         if report.forward_tokens:
             self.costs.observe_prefill(report.forward_tokens, report.forward_seconds)
 

@@ -9,6 +9,9 @@ Keys (docs/guides/engines.md documents each):
 - ``write_back``: write the full prompt blocks the engine computes to the store (default true).
 - ``plan``: a plan file, or ``latest`` (the plan last published to the store), prefetched at start-up.
 - ``prefill_tokens_per_s``: the engine's prefill rate, until the connector has measured it.
+- ``load_mode``: ``sync`` (a hit is loaded before the forward of the step that computes the rest
+  of the request), ``async`` (the request waits a step for its load), or ``auto`` (the default:
+  ``async`` when vLLM's async scheduling is on, else ``sync``).
 
 An unknown key or a bad value raises :class:`ConnectorConfigError` naming
 ``kv_connector_extra_config.<key>``: vLLM stops its start with that message. Pure: no vLLM here.
@@ -27,8 +30,9 @@ from store.identity.fingerprint import IdentityError, ModelIdentity, identity_fr
 from store.identity.tenant import check_tenant_name
 
 PREFIX = "kv_connector_extra_config"
-KEYS = ("store", "tenant", "config", "model", "write_back", "plan", "prefill_tokens_per_s")
+KEYS = ("store", "tenant", "config", "model", "write_back", "plan", "prefill_tokens_per_s", "load_mode")
 LATEST = "latest"
+LOAD_MODES = ("auto", "sync", "async")
 
 
 class ConnectorConfigError(ConfigError):
@@ -47,6 +51,7 @@ class ConnectorSettings:
         write_back: whether computed prompt blocks are written to the store.
         plan: a plan file path, ``"latest"``, or ``None``.
         prefill_tokens_per_s: the configured prefill rate, or ``None`` (measured, else the default).
+        load_mode: one of :data:`LOAD_MODES`.
     """
 
     store_url: str
@@ -56,6 +61,11 @@ class ConnectorSettings:
     write_back: bool = True
     plan: str | None = None
     prefill_tokens_per_s: float | None = None
+    load_mode: str = "auto"
+
+    def async_loads(self, async_scheduling: bool) -> bool:
+        """Whether a request waits a step for its load (vLLM's ``load_kv_async``), under ``async_scheduling``."""
+        return self.load_mode == "async" or (self.load_mode == "auto" and bool(async_scheduling))
 
 
 def _bad(key: str, message: str) -> ConnectorConfigError:
@@ -118,6 +128,10 @@ def parse_settings(extra: Mapping[str, Any] | None, *, served_model: str,
                              or not math.isfinite(rate) or rate <= 0):
         raise _bad("prefill_tokens_per_s", f"must be a positive number of tokens per second, got {rate!r}")
 
+    load_mode = extra.get("load_mode", "auto")
+    if load_mode not in LOAD_MODES:
+        raise _bad("load_mode", f"must be one of {list(LOAD_MODES)}, got {load_mode!r}")
+
     model = extra.get("model", served_model)
     if not isinstance(model, str) or not model:
         raise _bad("model", f"must be a model directory or hub id, got {model!r}")
@@ -125,7 +139,7 @@ def parse_settings(extra: Mapping[str, Any] | None, *, served_model: str,
                                   "the model vLLM serves)")
     return ConnectorSettings(store_url=store_url, tenant=tenant, config=config, model_dir=model_dir,
                              write_back=write_back, plan=plan, prefill_tokens_per_s=None if rate is None
-                             else float(rate))
+                             else float(rate), load_mode=load_mode)
 
 
 def resolve_model_dir(model: str, revision: str | None = None, *, key: str = "model") -> Path:

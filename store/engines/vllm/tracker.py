@@ -32,6 +32,8 @@ class RequestState:
         block_table: its engine blocks, in token order.
         save_from: kvwarm blocks below this one are stored, or planned for write-back ...
         save_chat: ... in the tenant's chat-keyed chain (else its plain one).
+        save_wait: a save was refused (its KV was computed over a failed load): plan the next one
+            only in a step that computes prompt tokens (the engine recomputing it).
         in_flight: tokens of loads sent to the worker and not yet reported.
         loaded: tokens the worker reported loaded.
         planned: tokens of every load planned.
@@ -51,6 +53,7 @@ class RequestState:
     block_table: list[int] = field(default_factory=list)
     save_from: int = 0
     save_chat: bool = False
+    save_wait: bool = False
     in_flight: int = 0
     loaded: int = 0
     planned: int = 0

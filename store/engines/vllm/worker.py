@@ -10,7 +10,9 @@ It runs in vLLM's worker, beside the model, and only moves bytes the scheduler p
   Synchronous: vLLM runs the forward after it (docs/guides/engines.md says why). Whatever was not loaded
   (a snapshot gone, corrupt, expired) is reported by engine block id, and vLLM recomputes it.
 - :meth:`WorkerRole.after_forward`: copies the blocks of each save out of the cache and hands them to
-  :class:`store.engines.vllm.writeback.WriteBack`; times the step for the scheduler's prefill estimate.
+  :class:`store.engines.vllm.writeback.WriteBack`, only as far as they hold valid KV
+  (:class:`store.engines.vllm.validity.BlockLedger`: a failed load poisons every block computed
+  over it, in any request); times the step for the scheduler's prefill estimate.
 - :meth:`WorkerRole.prefetch`: at start-up, the plan's prefixes into the node's pool (``KVLoader.prefetch``,
   whose retention follows the plan's scores).
 
@@ -21,16 +23,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
 
 from store.engines.vllm.layout import EngineLayout
-from store.engines.vllm.metadata import LoadResult, LoadSpec, StepPlan, WorkerReport
+from store.engines.vllm.metadata import LoadResult, LoadSpec, SaveSpec, StepPlan, WorkerReport
 from store.engines.vllm.paging import take_blocks, write_layer
 from store.engines.vllm.settings import ConnectorSettings, check_block_sizes
 from store.engines.vllm.stats import Counters
 from store.engines.vllm.tenancy import TenantBook
+from store.engines.vllm.validity import BlockLedger
 from store.engines.vllm.writeback import WriteBack
 from store.identity.fingerprint import ModelIdentity
 from store.identity.tenant import PUBLIC
@@ -78,7 +82,8 @@ class WorkerRole:
         self._lock = threading.Lock()
         self._loaders: dict[tuple[str, bool], KVLoader] = {}
         self._failed: set[int] = set()
-        self._failed_reqs: set[str] = set()
+        self._finished_loads: set[str] = set()
+        self.ledger = BlockLedger(engine_block)
         self._report = WorkerReport()
         self._step_start = 0.0
         self._load_seconds = 0.0
@@ -124,10 +129,19 @@ class WorkerRole:
         return got
 
     # -- a step --------------------------------------------------------------
-    def begin_step(self) -> None:
-        """The step's metadata arrived (vLLM binds it just before the forward)."""
+    def begin_step(self, plan: StepPlan) -> None:
+        """The step's metadata arrived (vLLM binds it just before the forward): its tables go to the ledger."""
         self._step_start = self.clock()
         self._load_seconds = 0.0
+        try:
+            blind = self.ledger.blind
+            self.ledger.begin(plan.computes, copies=plan.copies, ended=plan.ended)
+        except Exception:  # noqa: BLE001 - the ledger cannot follow this step: nothing more is stored
+            log.exception("kvwarm: could not follow this step's blocks")
+            self.ledger.blind = True
+        if self.ledger.blind and not blind and self.writer is not None:
+            log.error("kvwarm write-back stops: the connector lost track of which engine blocks hold valid KV "
+                      "(a scheduler-side failure, logged above); restart the engine to write back again")
 
     def start_load(self, plan: StepPlan) -> None:
         """Load every planned range before the forward; what fails is reported by block id."""
@@ -139,9 +153,11 @@ class WorkerRole:
                 log.exception("kvwarm load for request %s failed; vLLM recomputes it", spec.req_id)
                 result = LoadResult(spec.req_id, 0, spec.end - spec.start, reason="error")
             loaded_blocks = result.loaded // self.engine_block
+            self.ledger.loaded(spec.block_ids, loaded_blocks)
+            if spec.deferred:  # the request waits for it: it is finished, failed blocks and all
+                self._finished_loads.add(spec.req_id)
             if result.loaded < result.planned:
                 self._failed.update(spec.block_ids[loaded_blocks:])
-                self._failed_reqs.add(spec.req_id)
                 self.counters.add("load_failures", reason=result.reason or "error")
             if result.loaded:
                 self.counters.add("loads")
@@ -183,12 +199,18 @@ class WorkerRole:
                           "absent", tier=tier, nbytes=nbytes, seconds=self.clock() - t0)
 
     def after_forward(self, plan: StepPlan) -> None:
-        """Copy this step's saves out of the cache for write-back, and time the step."""
+        """Copy this step's saves out of the cache for write-back (their valid part), and time the step."""
         t0 = self.clock()
+        try:
+            self.ledger.computed()
+        except Exception:  # noqa: BLE001 - the ledger cannot follow this step: nothing more is stored
+            log.exception("kvwarm: could not follow this step's blocks; write-back stops")
+            self.ledger.blind = True
         if self.writer is not None and self.layout is not None:
-            for spec in plan.saves:
-                if spec.req_id in self._failed_reqs:
-                    continue  # its forward ran over blocks that failed to load: nothing of it is kept
+            for planned in plan.saves:
+                spec = self._valid_part(planned)
+                if spec is None:
+                    continue
                 nbytes = len(self.caches) * len(spec.block_ids) * self.layout.block_bytes
                 if not self.writer.room(nbytes):
                     self.counters.add("write_back_dropped", len(spec.block_ids) * self.engine_block // self.kv_block,
@@ -200,15 +222,43 @@ class WorkerRole:
             self._report.forward_tokens = tokens
             self._report.forward_seconds = max(0.0, t0 - self._step_start - self._load_seconds)
 
+    def _valid_part(self, spec: SaveSpec) -> SaveSpec | None:
+        """The part of a planned save that holds valid KV (:mod:`store.engines.vllm.validity`), or ``None``.
+
+        A block is kept only if it and every block before it in the request's table are valid
+        now; what is cut is counted (``write_back_dropped:invalid``) and reported, so that the
+        scheduler plans it again once the engine has recomputed it.
+        """
+        ratio = self.kv_block // self.engine_block
+        end = spec.first + len(spec.block_ids) // ratio
+        table = self.ledger.table(spec.req_id)
+        if table is None or tuple(table[spec.first * ratio : end * ratio]) != spec.block_ids:
+            ok = 0  # the plan and the ledger disagree about the request's blocks: none of it is vouched for
+        else:
+            ok = min(end, self.ledger.valid_prefix(spec.req_id, end * ratio) // ratio)
+        if ok >= end:
+            return spec
+        self.counters.add("write_back_dropped", end - max(ok, spec.first), reason="invalid")
+        self._report.refused[spec.req_id] = min(ok, self._report.refused.get(spec.req_id, ok))
+        if ok <= spec.first:
+            return None
+        return replace(spec, token_ids=spec.token_ids[: ok * self.kv_block],
+                       block_ids=spec.block_ids[: (ok - spec.first) * ratio])
+
     def take_failed(self) -> set[int]:
         """Engine blocks whose load failed this step (vLLM recomputes them)."""
-        failed, self._failed, self._failed_reqs = self._failed, set(), set()
+        failed, self._failed = self._failed, set()
         return failed
+
+    def take_finished_loads(self) -> set[str]:
+        """Requests whose deferred (async) loads ended this step, well or not (vLLM's ``finished_recving``)."""
+        done, self._finished_loads = self._finished_loads, set()
+        return done
 
     def take_report(self) -> WorkerReport | None:
         """The step's report for the scheduler (``None`` when there is nothing to say)."""
         report, self._report = self._report, WorkerReport()
-        return report if report.loads or report.forward_tokens else None
+        return report if report.loads or report.forward_tokens or report.refused else None
 
     # -- start-up and shutdown -----------------------------------------------
     def prefetch(self, plan: Plan, tokenizer: Callable[[str, bool], Sequence[int]] | None = None) -> list[Any]:

@@ -48,6 +48,14 @@ def test_every_key(model_dir: Path, tmp_path: Path) -> None:
     assert parse_settings({"plan": "latest"}, served_model=str(model_dir)).plan == "latest"
 
 
+def test_load_mode_follows_vllms_async_scheduling_unless_set(model_dir: Path) -> None:
+    auto = parse_settings(None, served_model=str(model_dir))
+    assert auto.load_mode == "auto" and auto.async_loads(True) and not auto.async_loads(False)
+    for mode, want in (("sync", False), ("async", True)):
+        s = parse_settings({"load_mode": mode}, served_model=str(model_dir))
+        assert s.async_loads(True) == want and s.async_loads(False) == want
+
+
 @pytest.mark.parametrize("extra, must_say", [
     ({"stroe": "file:///x"}, ["unknown kv_connector_extra_config key(s) ['stroe']", "'store'"]),
     ({"store": ""}, ["kv_connector_extra_config.store", "store URL"]),
@@ -57,6 +65,7 @@ def test_every_key(model_dir: Path, tmp_path: Path) -> None:
     ({"plan": "/nonexistent/plan.json"}, ["kv_connector_extra_config.plan", "does not exist", "'latest'"]),
     ({"prefill_tokens_per_s": 0}, ["kv_connector_extra_config.prefill_tokens_per_s", "positive"]),
     ({"prefill_tokens_per_s": True}, ["kv_connector_extra_config.prefill_tokens_per_s"]),
+    ({"load_mode": "eager"}, ["kv_connector_extra_config.load_mode", "'auto'", "'eager'"]),
     ({"config": "/nonexistent/kvwarm.yaml"}, ["kv_connector_extra_config.config", "does not exist"]),
     ({"model": "/nonexistent/model"}, ["kv_connector_extra_config.model", "'/nonexistent/model'",
                                        "prefill warm --model"]),

@@ -12,6 +12,7 @@ from store.engines.vllm.layout import EngineLayout
 from store.engines.vllm.metadata import LoadSpec, SaveSpec, StepPlan
 from store.engines.vllm.paging import read_layer, write_layer
 from store.engines.vllm.settings import ConnectorSettings
+from store.engines.vllm.validity import Compute
 from store.engines.vllm.worker import WorkerRole
 from store.identity.fingerprint import ModelIdentity
 from store.identity.keys import block_chain
@@ -53,6 +54,18 @@ def expected(block: int):
     root = IDENT.key_root(c.kv_cache.precision(), KB, c.tenant("acme").salt)
     return [(k.to(torch.bfloat16), v.to(torch.bfloat16)) for k, v in make_kv(root, layers=L, heads=H, head_dim=D,
                                                                                seed=block)]
+
+
+def step(worker: WorkerRole, plan: StepPlan) -> None:
+    """One engine step as vLLM drives the worker: bind the plan, load, forward, save."""
+    worker.begin_step(plan)
+    worker.start_load(plan)
+    worker.after_forward(plan)
+
+
+def new(req_id: str, table, start: int, tokens: int) -> Compute:
+    """A request first scheduled this step: its whole table, ``start`` tokens already computed."""
+    return Compute(req_id, start, tokens, tuple(table), replace=True)
 
 
 @pytest.fixture()
@@ -119,9 +132,9 @@ def test_write_back_stores_what_the_engine_computed_and_skips_what_is_stored(tmp
         k = torch.cat([expected(b)[layer][0] for b in (1, 2)], dim=1)
         v = torch.cat([expected(b)[layer][1] for b in (1, 2)], dim=1)
         write_layer(worker.caches[layer], worker.layout, table[2:6], k, v)
-    worker.begin_step()
-    worker.after_forward(StepPlan(saves=(SaveSpec("r", "acme", False, 1, tuple(ids[: 3 * KB]), tuple(table[2:6])),
-                                         SaveSpec("s", "acme", False, 0, tuple(ids[:KB]), tuple(table[:2])))))
+    step(worker, StepPlan(saves=(SaveSpec("r", "acme", False, 1, tuple(ids[: 3 * KB]), tuple(table[2:6])),
+                                 SaveSpec("s", "acme", False, 0, tuple(ids[:KB]), tuple(table[:2]))),
+                          computes=(new("r", table, KB, 2 * KB), new("s", table[:2], 0, KB))))
     assert worker.writer.drain(HANG_S)
     totals = worker.counters.totals()
     assert totals["written_back_blocks"] == 2 and totals["write_back_skipped:present"] == 1
@@ -140,16 +153,19 @@ def test_write_back_stores_what_the_engine_computed_and_skips_what_is_stored(tmp
 
 def test_no_write_back_of_a_request_whose_load_failed_in_the_step(tmp_path, worker) -> None:
     ids = tokens(2 * KB + 1, seed=4)
-    worker.begin_step()
-    worker.start_load(StepPlan(loads=(LoadSpec("r", "acme", False, tuple(ids[: 2 * KB]), 0, 2 * KB, (1, 2, 3, 4)),)))
-    worker.after_forward(StepPlan(saves=(SaveSpec("r", "acme", False, 0, tuple(ids[: 2 * KB]), (1, 2, 3, 4)),)))
+    step(worker, StepPlan(loads=(LoadSpec("r", "acme", False, tuple(ids[: 2 * KB]), 0, 2 * KB, (1, 2, 3, 4)),),
+                          saves=(SaveSpec("r", "acme", False, 0, tuple(ids[: 2 * KB]), (1, 2, 3, 4)),),
+                          computes=(new("r", (1, 2, 3, 4, 5), 2 * KB, 1),)))
     assert worker.writer.drain(HANG_S) and "written_back_blocks" not in worker.counters.totals()
+    assert worker.counters.totals()["write_back_dropped:invalid"] == 2
+    assert worker.take_report().refused == {"r": 0}  # the scheduler plans block 0 again
 
 
 def test_a_full_queue_drops_saves_and_counts_them(tmp_path, worker) -> None:
     worker.writer.max_bytes = 1
     ids = tokens(KB + 1, seed=5)
-    worker.after_forward(StepPlan(saves=(SaveSpec("r", "acme", False, 0, tuple(ids[:KB]), (1, 2)),)))
+    step(worker, StepPlan(saves=(SaveSpec("r", "acme", False, 0, tuple(ids[:KB]), (1, 2)),),
+                          computes=(new("r", (1, 2, 3), 0, KB + 1),)))
     assert worker.counters.totals()["write_back_dropped:queue_full"] == 1
 
 
@@ -160,12 +176,12 @@ def test_steps_of_mostly_prefill_are_timed_for_the_scheduler(tmp_path, monkeypat
                           model_dir=tmp_path)
     worker = WorkerRole(s, identities=(IDENT, None), engine_block=EB, clock=lambda: now[0])
     try:
-        worker.begin_step()
+        worker.begin_step(StepPlan())
         now[0] += 0.25  # the forward
         worker.after_forward(StepPlan(prompt_tokens=500, other_tokens=3))
         report = worker.take_report()
         assert report.forward_tokens == 503 and report.forward_seconds == 0.25
-        worker.begin_step()
+        worker.begin_step(StepPlan())
         now[0] += 0.25
         worker.after_forward(StepPlan(prompt_tokens=10, other_tokens=30))
         assert worker.take_report() is None
@@ -195,7 +211,8 @@ def test_a_chat_keyed_save_goes_under_the_chat_root(tmp_path, monkeypatch) -> No
     caches = [torch.zeros((NB, H, EB, 2 * D), dtype=torch.bfloat16) for _ in range(L)]
     w.register(caches, EngineLayout("cpu_vec", NB, H, EB, D, torch.bfloat16), total_kv_heads=H)
     ids = tokens(2 * KB, seed=8)
-    w.after_forward(StepPlan(saves=(SaveSpec("r", "acme", True, 1, tuple(ids), (5, 6)),)))
+    step(w, StepPlan(saves=(SaveSpec("r", "acme", True, 1, tuple(ids), (5, 6)),),
+                     computes=(new("r", (3, 4, 5, 6), KB, KB),)))
     assert w.writer.drain(HANG_S) and w.counters.totals()["written_back_blocks"] == 1
     c = cfg()
     tenant = c.tenant("acme")
@@ -206,3 +223,44 @@ def test_a_chat_keyed_save_goes_under_the_chat_root(tmp_path, monkeypatch) -> No
     assert store.probe(tenant, block_chain(plain_root, ids), plain_root).count == 0
     store.close()
     w.close()
+
+
+def test_kv_computed_over_another_requests_failed_load_is_not_stored_until_recomputed(tmp_path, worker) -> None:
+    ids = tokens(3 * KB + 1, seed=9)
+    store_blocks(tmp_path, ids, blocks=1)  # kvwarm block 1 is planned but absent: its load fails
+    a_table, b_table = (1, 2, 3, 4, 5), (1, 2, 3, 4, 10, 11, 12)
+    # A loads 0..2KB; B shares A's blocks through vLLM's prefix cache, in the same step, and computes block 2
+    save_b = SaveSpec("B", "acme", False, 2, tuple(ids[: 3 * KB]), (10, 11))
+    step(worker, StepPlan(loads=(LoadSpec("A", "acme", False, tuple(ids[: 2 * KB]), 0, 2 * KB, (1, 2, 3, 4)),),
+                          saves=(save_b,), computes=(new("A", a_table, 2 * KB, 1), new("B", b_table, 2 * KB, KB))))
+    assert worker.take_failed() == {3, 4}
+    assert worker.take_report().refused == {"B": 1}
+    assert worker.counters.totals()["write_back_dropped:invalid"] == 1
+    # vLLM rewinds both to the failed block; A recomputes it, B its own part, in one step: now B's blocks are stored
+    for layer in range(L):
+        k = torch.cat([expected(b)[layer][0] for b in (1, 2)], dim=1)
+        v = torch.cat([expected(b)[layer][1] for b in (1, 2)], dim=1)
+        write_layer(worker.caches[layer], worker.layout, (3, 4, 10, 11), k, v)
+    step(worker, StepPlan(saves=(SaveSpec("B", "acme", False, 1, tuple(ids[: 3 * KB]), (3, 4, 10, 11)),),
+                          computes=(Compute("A", KB, KB + 1), Compute("B", 2 * KB, KB))))
+    assert worker.writer.drain(HANG_S) and worker.counters.totals()["written_back_blocks"] == 2
+    assert worker.take_report() is None or not worker.take_report().refused
+
+
+def test_a_save_whose_blocks_the_ledger_does_not_know_is_not_stored(tmp_path, worker) -> None:
+    ids = tokens(KB + 1, seed=10)
+    step(worker, StepPlan(saves=(SaveSpec("r", "acme", False, 0, tuple(ids[:KB]), (7, 8)),),
+                          computes=(new("r", (1, 2, 3), 0, KB + 1),)))  # the plan says blocks 7, 8; r holds 1, 2
+    assert worker.writer.drain(HANG_S) and "written_back_blocks" not in worker.counters.totals()
+    assert worker.take_report().refused == {"r": 0}
+
+
+def test_a_deferred_load_is_reported_finished_whether_it_worked_or_not(tmp_path, worker) -> None:
+    ids = tokens(2 * KB + 1, seed=11)
+    store_blocks(tmp_path, ids, blocks=1)
+    good = LoadSpec("good", "acme", False, tuple(ids[:KB]), 0, KB, (1, 2), deferred=True)
+    bad = LoadSpec("bad", "acme", False, tuple(ids[: 2 * KB]), 0, 2 * KB, (3, 4, 5, 6), deferred=True)
+    plain = LoadSpec("plain", "acme", False, tuple(ids[:KB]), 0, KB, (7, 8))
+    step(worker, StepPlan(loads=(good, bad, plain)))
+    assert worker.take_finished_loads() == {"good", "bad"} and worker.take_finished_loads() == set()
+    assert worker.take_failed() == {5, 6}
