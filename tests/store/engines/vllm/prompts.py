@@ -99,6 +99,28 @@ def concurrent_shared_ids() -> dict[str, list[int]]:
     return {p.name: SHARED.prefix + segment(36500 + 97 * i, p.new) for i, p in enumerate(CONCURRENT_SHARED)}
 
 
+#: no poison: rounds x prefixes x requests per prefix (the first loads it, the others share its blocks
+#: through vLLM's prefix cache), each a stored 512-token prefix then 300 new tokens (one more full kvwarm block)
+POISON_ROUNDS, POISON_PREFIXES, POISON_SHARERS = 3, 16, 3
+POISON_STORED, POISON_NEW = 512, 300
+
+
+def poison_prefix(i: int) -> list[int]:
+    return segment(10000 + 600 * i, POISON_STORED)
+
+
+def poison_ids() -> dict[str, list[int]]:
+    """``poison_<round>_<prefix>_<request>``: a stored prefix, then new tokens cut from elsewhere in the corpus."""
+    out: dict[str, list[int]] = {}
+    k = 0
+    for r in range(POISON_ROUNDS):
+        for i in range(POISON_PREFIXES):
+            for j in range(POISON_SHARERS):
+                out[f"poison_{r}_{i}_{j}"] = poison_prefix(i) + segment(1000 + 211 * k, POISON_NEW)
+                k += 1
+    return out
+
+
 def all_ids() -> dict[str, list[int]]:
     """The token ids of every prompt, by name (what the ``cold`` fixture runs)."""
     out = {name: p.ids for name, p in PROMPTS.items()}
@@ -106,4 +128,5 @@ def all_ids() -> dict[str, list[int]]:
     out.update({name: p.ids for name, p in AGREE.items()})
     out.update(concurrent_shared_ids())
     out.update(chat=chat_ids(), text=text_ids())
+    out.update(poison_ids())
     return out
