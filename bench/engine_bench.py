@@ -199,7 +199,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                       "filesystem tier (CUDA only)")
     add_results_option(p)
     args = p.parse_args(argv)
-    run = Run("engine", __file__, sys.argv[1:] if argv is None else argv)
+    # not `run`: that name holds each engine's EngineRun below
+    record = Run("engine", __file__, sys.argv[1:] if argv is None else argv)
     if args.prefix % BLOCK:
         p.error(f"--prefix must be a multiple of kvwarm's block size ({BLOCK})")
     if args.offloading_baseline and args.device != "cuda":
@@ -297,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     variant = variant_of(args)
     if args.device == "cuda" and not args.variant:
         variant = "-".join(["gpu", *([variant] if variant else [])])  # the engine runs in its own venv: no GPU name here
-    run.write(out, args.results, variant)
+    record.write(out, args.results, variant)
     print(json.dumps(out))
     return 0
 
