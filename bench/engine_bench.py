@@ -298,8 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     variant = variant_of(args)
     if args.device == "cuda" and not args.variant:
         variant = "-".join(["gpu", *([variant] if variant else [])])  # the engine runs in its own venv: no GPU name here
-    record.write(out, args.results, variant)
-    print(json.dumps(out))
+    record.finish(out, args.results, variant)
     return 0
 
 

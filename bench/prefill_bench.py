@@ -34,7 +34,6 @@ written to ``bench/results/prefill.json`` (``prefill-quick.json`` for --quick,
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -261,8 +260,7 @@ def main(argv: list[str] | None = None) -> None:
         r = bench_shards(args.shards)
         _print_shards(r)
         doc = {"shards": r, "targets": {f"shard_balance_at_{args.shards}": _shard_target(r)}}
-        run.write(doc, args.results, args.variant or "shards")
-        print(json.dumps(doc))
+        run.finish(doc, args.results, args.variant or "shards")
         return None
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -299,8 +297,7 @@ def main(argv: list[str] | None = None) -> None:
         "dequantise_vs_clone_best": best_eager,
         f"shard_balance_at_{args.shards}": _shard_target(results["shards"]),
     }
-    run.write(results, args.results, variant_of(args, partial=args.model != REFERENCE_MODEL))
-    print(json.dumps(results))
+    run.finish(results, args.results, variant_of(args, partial=args.model != REFERENCE_MODEL))
 
 
 def main_shaped(args: argparse.Namespace, run: Run) -> None:
@@ -323,8 +320,7 @@ def main_shaped(args: argparse.Namespace, run: Run) -> None:
               f"{r['codec'].get('dequantise_compiled_vs_clone', r['codec']['dequantise_eager_vs_clone'])}", flush=True)
     results["bytes"] = bench_bytes(loaded, 256)
     # on a GPU the record is <bench>-<gpu>.json; a shaped model on the CPU is a try-out (partial)
-    run.write(results, args.results, variant_of(args, partial=loaded.device.type == "cpu", gpu=results.get("gpu")))
-    print(json.dumps(results))
+    run.finish(results, args.results, variant_of(args, partial=loaded.device.type == "cpu", gpu=results.get("gpu")))
 
 
 if __name__ == "__main__":
