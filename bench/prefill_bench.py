@@ -169,6 +169,8 @@ def demo_plan(workdir: Path):
     import os
 
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect.testing.utilities import prefect_test_harness
+
     from flows.demo import SAMPLE
     from flows.pipeline import kvwarm_pipeline
     from flows.spec import MiningSpec, RunSpec, RunTarget, StagesSpec
@@ -177,8 +179,13 @@ def demo_plan(workdir: Path):
 
     last_day = read_logs_task.fn(str(SAMPLE), None, None, None).requests["timestamp"].max().floor("D")
     target = RunTarget(store=f"file://{workdir}", run="shard-bench", model="kvwarm-tiny", block_size=16)
-    kvwarm_pipeline(RunSpec(target=target, mining=MiningSpec(logs=str(SAMPLE), end=str(last_day)),
-                            stages=StagesSpec(prefill=False, gc=False)))
+    # A server this bench starts and stops here (its logs drained first, its database temporary), not
+    # the temporary one Prefect starts for a flow run with no PREFECT_API_URL: that one is stopped at
+    # exit, and its "Stopping temporary server" log line came after the bench's last line. The
+    # timeout is a hang guard: on two busy cores the server has taken over a minute to answer.
+    with prefect_test_harness(server_startup_timeout=300):
+        kvwarm_pipeline(RunSpec(target=target, mining=MiningSpec(logs=str(SAMPLE), end=str(last_day)),
+                                stages=StagesSpec(prefill=False, gc=False)))
     return read_plan(run_dir(target).plan), candidates_plan(run_dir(target)), target
 
 
