@@ -24,8 +24,8 @@ Time to first token is the wall time of ``generate()`` with one output token (of
 mode, one process). The three kinds of request alternate within an engine, so a busy
 machine slows them alike; the ratios are the medians of the per-repeat ratios, over
 ``--reps`` repeats. Targets: kvwarm warm <= 1.25 x vLLM's own hit, and <= 0.1 x cold. The last line printed is one JSON object; it is also written
-to ``bench/results/engine.json`` (``engine-quick.json`` for ``--quick``, ``engine-gpu.json``
-on CUDA).
+to ``bench/results/engine.json`` (``engine-quick.json`` for ``--quick``, ``engine-partial.json``
+for other sizes, repeats or precisions, ``engine-gpu.json`` on CUDA).
 
     .venv/bin/python bench/engine_bench.py            # full run (make install-engine first)
     .venv/bin/python bench/engine_bench.py --quick    # fewer repeats, fp8 only
@@ -184,6 +184,18 @@ def offloading_baseline(engine: dict, ids: list[list[int]], warmup: list[list[in
             "startup_s": run.result["startup_s"]}
 
 
+def record_variant(args: argparse.Namespace, reps: int, precisions: list[str]) -> str | None:
+    """The record's variant: none for the full CPU run, ``quick``, ``partial`` for a CPU run of other
+    sizes, repeats or precisions (a short run must not take the full run's ``engine.json``), ``gpu`` on CUDA."""
+    partial = args.device == "cpu" and (
+        args.shape is not None or args.model != "kvwarm-ref" or args.prefix != 2048 or args.new != 64
+        or reps != 5 or precisions != ["fp8", "bf16"])
+    variant = variant_of(args, partial=partial)
+    if args.device == "cuda" and not args.variant:
+        variant = "-".join(["gpu", *([variant] if variant else [])])  # the engine runs in its own venv: no GPU name here
+    return variant
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="3 repeats, fp8 only")
@@ -199,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                       "filesystem tier (CUDA only)")
     add_results_option(p)
     args = p.parse_args(argv)
-    run = Run("engine", __file__, sys.argv[1:] if argv is None else argv)
+    # not `run`: that name holds each engine's EngineRun below
+    record = Run("engine", __file__, sys.argv[1:] if argv is None else argv)
     if args.prefix % BLOCK:
         p.error(f"--prefix must be a multiple of kvwarm's block size ({BLOCK})")
     if args.offloading_baseline and args.device != "cuda":
@@ -294,11 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     out["duration_s"] = time.perf_counter() - t_start
-    variant = variant_of(args)
-    if args.device == "cuda" and not args.variant:
-        variant = "-".join(["gpu", *([variant] if variant else [])])  # the engine runs in its own venv: no GPU name here
-    run.write(out, args.results, variant)
-    print(json.dumps(out))
+    record.finish(out, args.results, record_variant(args, reps, precisions))
     return 0
 
 

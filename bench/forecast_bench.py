@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
-import json
 import os
 import sys
 import time
@@ -272,11 +271,10 @@ def main(argv: list[str] | None = None) -> int:
         "checks": checks, "all_pass": all(v for v in checks.values() if v is not None),
         "loadavg_start": load0, "loadavg_end": os.getloadavg()[0], "wall_s": round(time.time() - t0, 1),
     }
-    run.write(summary, args.results, variant_of(args, partial=args.prefixes != 10_000))
     against = f"AutoETS {ets:.3f}" if ets is not None else "AutoETS skipped"
     print(f"ours/seasonal naive = {ours_m / sn:.3f} (target <= 0.85); ours {ours_m:.3f} vs {against};"
           f" off-peak {off['ours']['mean'] * 100:.1f} % (target <= 10 %)")
-    print(json.dumps(summary))
+    run.finish(summary, args.results, variant_of(args, partial=args.prefixes != 10_000))
     return 0
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import statistics
 import sys
 import time
@@ -175,8 +174,7 @@ def main(argv: list[str] | None = None) -> int:
               "mooncake": mooncake(args.data, repeats),
               "text": text(args.data, repeats, n_requests, args.block_size, args.batch_size)}
     result["met"] = result["mooncake"]["met"] and result["text"]["met"]
-    run.write(result, args.results, variant_of(args, partial=args.requests not in (None, 10000) or args.block_size != 16))
-    print(json.dumps(result))
+    run.finish(result, args.results, variant_of(args, partial=args.requests not in (None, 10000) or args.block_size != 16))
     return 0
 
 

@@ -23,7 +23,6 @@ last line printed is one JSON object; it is also written to ``bench/results/pref
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -164,9 +163,8 @@ def main(argv: list[str] | None = None) -> int:
            "results": results, "best_streams": int(best),
            "targets": {"speedup_8_streams": {"value": results["8"]["speedup"], "target": TARGET_SPEEDUP,
                                              "met": met}}}
-    run.write(doc, args.results, variant_of(args, partial=(chains, blocks, mib, reps) != (8, 4, 16, 5)
-                                            and not args.quick))
-    print(json.dumps(doc, separators=(",", ":")))
+    run.finish(doc, args.results, variant_of(args, partial=(chains, blocks, mib, reps) != (8, 4, 16, 5)
+                                             and not args.quick))
     return 0
 
 

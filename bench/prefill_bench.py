@@ -34,7 +34,6 @@ written to ``bench/results/prefill.json`` (``prefill-quick.json`` for --quick,
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -170,6 +169,8 @@ def demo_plan(workdir: Path):
     import os
 
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from prefect.testing.utilities import prefect_test_harness
+
     from flows.demo import SAMPLE
     from flows.pipeline import kvwarm_pipeline
     from flows.spec import MiningSpec, RunSpec, RunTarget, StagesSpec
@@ -178,8 +179,13 @@ def demo_plan(workdir: Path):
 
     last_day = read_logs_task.fn(str(SAMPLE), None, None, None).requests["timestamp"].max().floor("D")
     target = RunTarget(store=f"file://{workdir}", run="shard-bench", model="kvwarm-tiny", block_size=16)
-    kvwarm_pipeline(RunSpec(target=target, mining=MiningSpec(logs=str(SAMPLE), end=str(last_day)),
-                            stages=StagesSpec(prefill=False, gc=False)))
+    # A server this bench starts and stops here (its logs drained first, its database temporary), not
+    # the temporary one Prefect starts for a flow run with no PREFECT_API_URL: that one is stopped at
+    # exit, and its "Stopping temporary server" log line came after the bench's last line. The
+    # timeout is a hang guard: on two busy cores the server has taken over a minute to answer.
+    with prefect_test_harness(server_startup_timeout=300):
+        kvwarm_pipeline(RunSpec(target=target, mining=MiningSpec(logs=str(SAMPLE), end=str(last_day)),
+                                stages=StagesSpec(prefill=False, gc=False)))
     return read_plan(run_dir(target).plan), candidates_plan(run_dir(target)), target
 
 
@@ -261,8 +267,7 @@ def main(argv: list[str] | None = None) -> None:
         r = bench_shards(args.shards)
         _print_shards(r)
         doc = {"shards": r, "targets": {f"shard_balance_at_{args.shards}": _shard_target(r)}}
-        run.write(doc, args.results, args.variant or "shards")
-        print(json.dumps(doc))
+        run.finish(doc, args.results, args.variant or "shards")
         return None
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -299,8 +304,7 @@ def main(argv: list[str] | None = None) -> None:
         "dequantise_vs_clone_best": best_eager,
         f"shard_balance_at_{args.shards}": _shard_target(results["shards"]),
     }
-    run.write(results, args.results, variant_of(args, partial=args.model != REFERENCE_MODEL))
-    print(json.dumps(results))
+    run.finish(results, args.results, variant_of(args, partial=args.model != REFERENCE_MODEL))
 
 
 def main_shaped(args: argparse.Namespace, run: Run) -> None:
@@ -323,8 +327,7 @@ def main_shaped(args: argparse.Namespace, run: Run) -> None:
               f"{r['codec'].get('dequantise_compiled_vs_clone', r['codec']['dequantise_eager_vs_clone'])}", flush=True)
     results["bytes"] = bench_bytes(loaded, 256)
     # on a GPU the record is <bench>-<gpu>.json; a shaped model on the CPU is a try-out (partial)
-    run.write(results, args.results, variant_of(args, partial=loaded.device.type == "cpu", gpu=results.get("gpu")))
-    print(json.dumps(results))
+    run.finish(results, args.results, variant_of(args, partial=loaded.device.type == "cpu", gpu=results.get("gpu")))
 
 
 if __name__ == "__main__":

@@ -120,8 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chosen: {tuned['chosen']} (current defaults {tuned['current']})")
         doc = {"bench": "replay", "mode": "tune", "trace": str(path), "window_s": args.window,
                "share": args.share, "cadence_s": args.cadence, **tuned}
-        run.write(doc, args.results, variant)
-        print(json.dumps(doc, separators=(",", ":")))
+        run.finish(doc, args.results, variant)
         return 0
 
     fractions = (0.5,) if args.quick else EVAL_FRACTIONS
@@ -190,8 +189,7 @@ def main(argv: list[str] | None = None) -> int:
            "events": events, "summary": {k: v for k, v in summary.items() if k != "targets"},
            "targets": summary["targets"], "s3_link_sensitivity": links,
            "timings_s": {"plans": round(plan_s, 2), "replay": round(replay_s, 2)}}
-    run.write(doc, args.results, variant)
-    print(json.dumps(doc, separators=(",", ":")))
+    run.finish(doc, args.results, variant)
     return 0
 
 

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import shutil
@@ -261,8 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         "elapsed_s": round(elapsed, 1),
     }
     # A subset of sizes or no S3 is a partial run (the cold rows are informational only).
-    run.write(summary, args.results, variant_of(args, partial=args.no_s3 or sizes != list(DEFAULT_SIZES)))
-    print(json.dumps(summary, separators=(",", ":")))
+    run.finish(summary, args.results, variant_of(args, partial=args.no_s3 or sizes != list(DEFAULT_SIZES)))
     return 0
 
 

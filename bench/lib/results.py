@@ -1,12 +1,14 @@
 """A bench run's record: its last-line JSON object, saved with where and how it was made.
 
-Every script in ``bench/`` prints one JSON object as its last line. :class:`Run` also
-writes that object to ``bench/results/<bench>[-<variant>].json`` with the command line,
-the commit (and whether the tree held other changes), the date, the duration, the
-machine and how loaded it was (the 1-minute load average sampled through the run, and
-the run's niceness), so that ``bench/report.py`` can build docs/benchmarks.md from the saved files
-alone. A full run has no variant; a quick or partial run, or one on a GPU, names its
-variant so that it never overwrites the full run's file.
+Every script in ``bench/`` prints one JSON object as its last line, on stdout, and nothing
+after it on stdout or stderr, so that ``bench/x.py 2>&1 | tail -1 | jq`` reads its figures:
+:meth:`Run.finish` prints it, and a bench calls it last. It also writes that object to
+``bench/results/<bench>[-<variant>].json`` with the command line, the commit (and whether
+the tree held other changes), the date, the duration, the machine and how loaded it was
+(the 1-minute load average sampled through the run, and the run's niceness), so that
+``bench/report.py`` can build docs/benchmarks.md from the saved files alone. A full run
+has no variant; a quick or partial run, or one on a GPU, names its variant so that it
+never overwrites the full run's file.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import re
 import shlex
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from datetime import datetime, timezone
@@ -158,6 +161,29 @@ class Run:
         path.write_text(json.dumps(record, indent=1) + "\n")
         print(f"result written to {portable(str(path.resolve()))}", flush=True)
         return path
+
+    def finish(self, result: dict, results: Path, variant: str | None) -> Path:
+        """Save ``result`` (:meth:`write`), then print it as the run's last line (:func:`last_line`).
+
+        A bench calls it last, once whatever it started that could still print (a Prefect server,
+        an engine) has stopped. Returns the file written.
+        """
+        path = self.write(result, results, variant)
+        # stderr first: a warning still buffered there must not land after the result in `2>&1`
+        sys.stderr.flush()
+        print(last_line(result), flush=True)
+        return path
+
+
+def last_line(result: dict) -> str:
+    """``result`` as a bench's last line: one JSON object on one line.
+
+    Raises:
+        TypeError: ``result`` is not a dict (the line must parse as a JSON object).
+    """
+    if not isinstance(result, dict):
+        raise TypeError(f"a bench's last line is a JSON object, not {type(result).__name__}")
+    return json.dumps(result)
 
 
 def variant_of(args: argparse.Namespace, *, partial: bool = False, gpu: str | None = None) -> str | None:

@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from bench.lib import results
 
 
@@ -45,6 +47,27 @@ def test_the_record_holds_the_result_and_how_it_was_made(tmp_path: Path) -> None
     # how busy the shared machine was: sampled through the run (here only its two ends), and the niceness
     load = record["load"]
     assert load["samples"] == 2 and load["max"] >= load["median"] >= 0 and load["nice"] == os.nice(0)
+
+
+def test_finish_writes_the_record_then_prints_the_result_as_the_last_line(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    run = results.Run("mining", str(results.ROOT / "bench" / "mining_bench.py"), ["--quick"])
+    result = {"bench": "mining", "note": "two\nlines", "figures": [1.5, None]}
+    path = run.finish(result, tmp_path, "quick")
+    out, err = capsys.readouterr()
+    assert out.endswith("\n") and not err
+    lines = out.splitlines()
+    # what `tail -1 | jq` reads: the object itself, on one line, after the line saying where it went
+    assert json.loads(lines[-1]) == result
+    assert lines[-2] == f"result written to {results.portable(str(path.resolve()))}"
+    assert json.loads(path.read_text())["result"] == result
+
+
+def test_a_last_line_is_one_json_object_on_one_line() -> None:
+    line = results.last_line({"a": "x\ny", "b": {"c": [1, 2]}})
+    assert "\n" not in line and json.loads(line) == {"a": "x\ny", "b": {"c": [1, 2]}}
+    with pytest.raises(TypeError, match="JSON object"):
+        results.last_line([1, 2])  # type: ignore[arg-type]
 
 
 def test_paths_beside_the_checkout_become_relative() -> None:
