@@ -14,7 +14,7 @@ import logging
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -99,6 +99,25 @@ def _cpu_order(isa: str, heads: int, block: int, dim: int, dtype: torch.dtype) -
         ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, isa, 1.0, 1.0, "auto")
         blocks.append(scratch[0])
     return index_from_probe(blocks, heads, block, dim)
+
+
+def cpu_block_writer(isa: str) -> Callable[[torch.Tensor, Sequence[int], torch.Tensor, torch.Tensor], None]:
+    """Write ``k`` and ``v`` (``[kv_heads, n * block_size, head_dim]``) into engine blocks with vLLM's own
+    CPU cache kernel for ``isa`` (the one its attention writes with): a strided pass at memory speed,
+    whatever the ISA's in-block order (measured: 2 ms for 24 MiB on AMX, against 145 ms for the
+    permutation in numpy)."""
+    from vllm import _custom_ops as ops
+
+    def write(cache: torch.Tensor, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        nb, heads, block, width = cache.shape
+        kc, vc = cache.view(nb, heads, 2 * block, width // 2).chunk(2, dim=2)
+        ids = torch.as_tensor(block_ids, dtype=torch.int64)
+        slots = (ids[:, None] * block + torch.arange(block, dtype=torch.int64)).reshape(-1)
+        if k.shape[1] != slots.numel():
+            raise ValueError(f"K/V of {k.shape[1]} tokens do not fill {len(block_ids)} engine blocks of {block}")
+        ops.cpu_attn_reshape_and_cache(k.transpose(0, 1), v.transpose(0, 1), kc, vc, slots, isa, 1.0, 1.0, "auto")
+
+    return write
 
 
 class KvwarmConnector(KVConnectorBase_V1):
@@ -200,6 +219,7 @@ class KvwarmConnector(KVConnectorBase_V1):
         isa = getattr(layer, "isa", None)
         heads, block, dim = spec.num_kv_heads, spec.block_size, spec.head_size
         index = None
+        writer = cpu_block_writer(isa) if backend == CPU_BACKEND and isinstance(isa, str) else None
         if backend == CPU_BACKEND:
             try:
                 index = _cpu_order(isa, heads, block, dim, tensors[0].dtype)
@@ -216,7 +236,7 @@ class KvwarmConnector(KVConnectorBase_V1):
                 isa = "probed"
         layout = detect_layout(tensors, backend=backend, isa=isa, num_kv_heads=heads, head_dim=dim,
                                block_size=block, index=index)
-        worker.register(tensors, layout, total_kv_heads=self._total_kv_heads)
+        worker.register(tensors, layout, total_kv_heads=self._total_kv_heads, writer=writer)
         log.info("kvwarm: %d layers of KV, %s layout (backend %s, %s), %d blocks of %d tokens; registered in %.3f s",
                  len(tensors), layout.kind, backend, getattr(layer, "isa", None), layout.num_blocks, block,
                  time.perf_counter() - t0)

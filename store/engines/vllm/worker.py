@@ -45,6 +45,8 @@ from store.tiers.registry import tiers_from_url
 from store.tiers.store import Store
 
 log = logging.getLogger("kvwarm.vllm")
+#: Writes one layer's K and V (``[kv_heads, n * block, head_dim]``) into engine blocks: ``(cache, block_ids, k, v)``.
+BlockWriter = Callable[[torch.Tensor, Sequence[int], torch.Tensor, torch.Tensor], None]
 #: A step counts towards the prefill rate when at least this share of its tokens are prompt tokens ...
 PREFILL_SHARE = 0.9
 #: ... and at least this many.
@@ -89,8 +91,13 @@ class WorkerRole:
         self._load_seconds = 0.0
 
     # -- setup ---------------------------------------------------------------
-    def register(self, caches: Sequence[torch.Tensor], layout: EngineLayout, *, total_kv_heads: int) -> None:
+    def register(self, caches: Sequence[torch.Tensor], layout: EngineLayout, *, total_kv_heads: int,
+                 writer: BlockWriter | None = None) -> None:
         """The engine's per-layer KV tensors (in layer order) and their layout.
+
+        ``writer(cache, block_ids, k, v)`` writes a load into one layer's blocks (the engine's own
+        cache kernel, where the connector has one); by default
+        :func:`store.engines.vllm.paging.write_layer`.
 
         Raises:
             ValueError: this worker's heads are not an equal share of the model's.
@@ -101,6 +108,7 @@ class WorkerRole:
                              "supported)")
         self.caches = list(caches)
         self.layout = layout
+        self._write: BlockWriter = writer or (lambda cache, ids, k, v: write_layer(cache, layout, ids, k, v))
         self._heads = slice(self.tp_rank * layout.num_kv_heads, (self.tp_rank + 1) * layout.num_kv_heads)
         cfg = self.settings.config
         for chat in (False, True) if self.identities[1] is not None else (False,):
@@ -189,7 +197,7 @@ class WorkerRole:
             for layer, cache in enumerate(self.caches):
                 k = kv[2 * layer][self._heads, offset:]
                 v = kv[2 * layer + 1][self._heads, offset:]
-                write_layer(cache, self.layout, ids, k, v)
+                self._write(cache, ids, k, v)
             span = range(first, -(-end // self.kv_block))
             nbytes = sum(hit.snapshots[b].nbytes for b in span)
         finally:

@@ -50,3 +50,36 @@ def test_the_class_vllm_loads_by_name_is_a_v1_connector_whose_stats_round_trip()
     assert not total.is_empty()
     assert total.data["lookups"] == 5 and total.data["misses:absent"] == 2 and total.data["hits"] == 1
     assert KvwarmConnector.build_kv_connector_stats({}).is_empty()
+
+
+def _isas() -> list[str]:
+    """The CPU cache kernel's ISAs this CPU runs (vec everywhere; amx where the CPU has AMX)."""
+    import torch
+
+    out = ["vec"]
+    if hasattr(torch.cpu, "_is_amx_tile_supported") and torch.cpu._is_amx_tile_supported():
+        out.append("amx")
+    return out
+
+
+@pytest.mark.parametrize("isa", _isas())
+def test_the_kernel_writer_writes_what_the_probed_order_says_for_a_slice_of_heads(isa):
+    import torch
+
+    from store.engines.vllm.connector import _cpu_order, cpu_block_writer
+    from store.engines.vllm.layout import EngineLayout
+    from store.engines.vllm.paging import read_layer, write_layer
+
+    H, B, D, NB = 4, 128, 32, 12
+    layout = EngineLayout("cpu_permuted", NB, 2, B, D, torch.bfloat16, index=_cpu_order(isa, 2, B, D, torch.bfloat16))
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(H, 3 * B, D, generator=g).to(torch.bfloat16)[1:3]  # heads 1-2 of 4: a view, as a TP rank reads
+    v = torch.randn(H, 3 * B, D, generator=g).to(torch.bfloat16)[1:3]
+    by_kernel, by_index = (torch.zeros(NB, 2, B, 2 * D, dtype=torch.bfloat16) for _ in range(2))
+    cpu_block_writer(isa)(by_kernel, [7, 2, 9], k, v)
+    write_layer(by_index, layout, [7, 2, 9], k.contiguous(), v.contiguous())
+    assert torch.equal(by_kernel, by_index)
+    rk, rv = read_layer(by_kernel, layout, [7, 2, 9])
+    assert torch.equal(rk, k) and torch.equal(rv, v)
+    with pytest.raises(ValueError, match="do not fill"):
+        cpu_block_writer(isa)(by_kernel, [1], k, v)
