@@ -148,11 +148,13 @@ class LoaderHit:
         return cache
 
     def dequantized(self, dtype: torch.dtype, *, first_block: int = 0, tokens: int | None = None,
-                    device: str | torch.device = "cpu") -> list[torch.Tensor]:
+                    device: str | torch.device = "cpu", layers: Sequence[int] | None = None) -> list[torch.Tensor]:
         """K and V of every layer, ``[K.0, V.0, K.1, ...]``, each ``[kv_heads, tokens, head_dim]`` in ``dtype``.
 
         They start at block ``first_block`` of the hit and hold ``tokens`` tokens (default: up to
-        :attr:`usable_tokens`): what an engine copies into its own cache layout.
+        :attr:`usable_tokens`): what an engine copies into its own cache layout. With ``layers``,
+        only those layers' K and V, in that order (an engine that loads layer by layer: on a GPU
+        only one layer's bytes are on the device at a time).
 
         Raises:
             ValueError: the range is outside the hit.
@@ -168,14 +170,17 @@ class LoaderHit:
                              f"{len(self.snapshots)} blocks")
         g = snaps[0].header.precision.group_tokens
         dq = self._loader.dequantizer
-        if torch.device(device).type == "cpu":  # whole payloads at once where the layout allows
+        if torch.device(device).type == "cpu" and layers is None:  # whole payloads at once where the layout allows
             payloads = [s.payload for s in snaps]
             if all(p is not None for p in payloads):
                 kv = dq.payload_layers(payloads, tokens, dtype)  # type: ignore[arg-type]
                 if kv is not None:
                     return kv
         lay = self.layout
-        runs = [self._parts(i, name, blocks) for i in range(lay.num_layers) for name in ("k", "v")]
+        wanted = range(lay.num_layers) if layers is None else layers
+        if any(not 0 <= i < lay.num_layers for i in wanted):
+            raise ValueError(f"layers {list(wanted)} are outside the snapshots' {lay.num_layers}")
+        runs = [self._parts(i, name, blocks) for i in wanted for name in ("k", "v")]
         return dq.layers(runs, tokens, dtype, device, g)
 
     def copy_into_paged(self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], *,

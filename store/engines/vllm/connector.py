@@ -154,6 +154,7 @@ class KvwarmConnector(KVConnectorBase_V1):
         self._tokenizer: Any = None  # for a plan's text entries, loaded on first use
         self._scheduler: SchedulerRole | None = None
         self._worker: WorkerRole | None = None
+        self._layer_of: dict[str, int] = {}  # registered layer name -> the worker's index of its cache
         if role == KVConnectorRole.SCHEDULER:
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 # vLLM reads the policy right after making this connector: "fail" would turn a failed
@@ -213,6 +214,7 @@ class KvwarmConnector(KVConnectorBase_V1):
         t0 = time.perf_counter()
         names = sorted(kv_caches, key=_layer_index)
         tensors = [kv_caches[n] for n in names]
+        self._layer_of = {n: i for i, n in enumerate(names)}
         spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
         layer = self._vllm_config.compilation_config.static_forward_context.get(names[0])
         backend = layer.attn_backend.get_name() if layer is not None else "unknown"
@@ -293,7 +295,16 @@ class KvwarmConnector(KVConnectorBase_V1):
             self._worker.start_load(self._plan())  # never raises: failures become failed blocks
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # loads are done in start_load_kv, before the forward
+        if self._worker is not None:
+            index = self._layer_of.get(layer_name)
+            try:
+                if index is None:  # a layer kvwarm did not register: wait for every layer
+                    for i in range(len(self._layer_of)):
+                        self._worker.wait_layer(i)
+                else:
+                    self._worker.wait_layer(index)
+            except Exception:  # noqa: BLE001 - the forward never fails because of kvwarm
+                log.exception("kvwarm: waiting for layer %s's load failed", layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # blocks are copied out once per step, in wait_for_save

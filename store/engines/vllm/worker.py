@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -34,6 +34,7 @@ from store.engines.vllm.paging import take_blocks, write_layer
 from store.engines.vllm.settings import ConnectorSettings, check_block_sizes
 from store.engines.vllm.stats import Counters
 from store.engines.vllm.tenancy import TenantBook
+from store.engines.vllm.transfer import LoadThread, OpenLoad, StepLoad, run_loads
 from store.engines.vllm.validity import BlockLedger
 from store.engines.vllm.writeback import WriteBack
 from store.identity.fingerprint import ModelIdentity
@@ -51,6 +52,15 @@ BlockWriter = Callable[[torch.Tensor, Sequence[int], torch.Tensor, torch.Tensor]
 PREFILL_SHARE = 0.9
 #: ... and at least this many.
 PREFILL_MIN_TOKENS = 64
+
+
+@dataclass
+class _Pending:
+    """A step's loads in flight on the loader thread."""
+
+    specs: tuple[LoadSpec, ...]
+    job: StepLoad
+    results: list[LoadResult] | None = None
 
 
 class WorkerRole:
@@ -86,6 +96,8 @@ class WorkerRole:
         self._failed: set[int] = set()
         self._finished_loads: set[str] = set()
         self.ledger = BlockLedger(engine_block)
+        self._thread: LoadThread | None = None
+        self._pending: _Pending | None = None
         self._report = WorkerReport()
         self._step_start = 0.0
         self._load_seconds = 0.0
@@ -109,6 +121,8 @@ class WorkerRole:
         self.caches = list(caches)
         self.layout = layout
         self._write: BlockWriter = writer or (lambda cache, ids, k, v: write_layer(cache, layout, ids, k, v))
+        if self._thread is None and self.caches:
+            self._thread = LoadThread(self.caches[0].device)
         self._heads = slice(self.tp_rank * layout.num_kv_heads, (self.tp_rank + 1) * layout.num_kv_heads)
         cfg = self.settings.config
         for chat in (False, True) if self.identities[1] is not None else (False,):
@@ -152,14 +166,49 @@ class WorkerRole:
                       "(a scheduler-side failure, logged above); restart the engine to write back again")
 
     def start_load(self, plan: StepPlan) -> None:
-        """Load every planned range before the forward; what fails is reported by block id."""
-        t0 = self.clock()
-        for spec in plan.loads:
+        """Start this step's loads on the loader thread; the forward waits per layer (:meth:`wait_layer`).
+
+        What fails is reported by block id once the loads are done (:meth:`take_failed`).
+        """
+        self._finish_loads()
+        if not plan.loads:
+            return
+        job = StepLoad(len(self.caches), self.caches[0].device if self.caches else "cpu")
+        pending = _Pending(plan.loads, job)
+        self._pending = pending
+
+        def work() -> None:
             try:
-                result = self._load(spec)
-            except Exception:  # noqa: BLE001 - a request never fails because of kvwarm
-                log.exception("kvwarm load for request %s failed; vLLM recomputes it", spec.req_id)
-                result = LoadResult(spec.req_id, 0, spec.end - spec.start, reason="error")
+                pending.results = run_loads(plan.loads, job, open_load=self._open, write_layer=self._write_layer,
+                                            close_load=self._close)
+            finally:
+                job.complete()
+
+        if self._thread is not None:
+            self._thread.submit(work)
+        else:
+            work()
+
+    def wait_layer(self, index: int) -> None:
+        """Before the forward's attention reads local layer ``index``: wait until this step's loads wrote it."""
+        pending = self._pending
+        if pending is not None:
+            t0 = self.clock()
+            pending.job.wait(index)
+            self._load_seconds += self.clock() - t0
+
+    def _finish_loads(self) -> None:
+        """Wait for this step's loads, then account for them (failed blocks, the ledger, counters, report)."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        t0 = self.clock()
+        pending.job.wait_all()
+        self._load_seconds += self.clock() - t0
+        results = pending.results
+        if results is None or pending.job.timed_out:  # a loader that did not finish: none of its writes is trusted
+            results = [LoadResult(s.req_id, 0, s.end - s.start, reason="timeout") for s in pending.specs]
+        for spec, result in zip(pending.specs, results):
             loaded_blocks = result.loaded // self.engine_block
             self.ledger.loaded(spec.block_ids, loaded_blocks)
             if spec.deferred:  # the request waits for it: it is finished, failed blocks and all
@@ -174,40 +223,62 @@ class WorkerRole:
                 self.counters.add("load_seconds", result.seconds)
                 self.counters.sample(result.seconds)
             self._report.loads.append(result)
-        self._load_seconds += self.clock() - t0
 
-    def _load(self, spec: LoadSpec) -> LoadResult:
+    def _open(self, spec: LoadSpec) -> OpenLoad | LoadResult:
+        """Look the load's chain up (mapped, checked, pinned); on the CPU, dequantise every layer now."""
         planned = spec.end - spec.start
-        if not spec.token_ids or self.layout is None:
-            return LoadResult(spec.req_id, 0, planned, reason="error")
-        t0 = self.clock()
-        loader = self.loader(spec.tenant, spec.chat)
-        hit, reason = loader.lookup_with_reason(spec.token_ids)
-        if hit is None:
-            return LoadResult(spec.req_id, 0, planned, reason=reason or "absent")
+        hit = None
         try:
+            if not spec.token_ids or self.layout is None:
+                return LoadResult(spec.req_id, 0, planned, reason="error")
+            t0 = self.clock()
+            hit, reason = self.loader(spec.tenant, spec.chat).lookup_with_reason(spec.token_ids)
+            if hit is None:
+                return LoadResult(spec.req_id, 0, planned, reason=reason or "absent")
             end = min(spec.end, hit.tokens) // self.engine_block * self.engine_block
             if end <= spec.start:
-                return LoadResult(spec.req_id, 0, planned, reason=reason or "absent", tier=hit.tier)
+                tier = hit.tier
+                hit.release()
+                return LoadResult(spec.req_id, 0, planned, reason=reason or "absent", tier=tier)
             first = spec.start // self.kv_block
-            offset = spec.start - first * self.kv_block
-            kv = hit.dequantized(self.layout.dtype, first_block=first, tokens=end - first * self.kv_block,
-                                 device=self.caches[0].device)
-            ids = spec.block_ids[: (end - spec.start) // self.engine_block]
-            for layer, cache in enumerate(self.caches):
-                k = kv[2 * layer][self._heads, offset:]
-                v = kv[2 * layer + 1][self._heads, offset:]
-                self._write(cache, ids, k, v)
-            span = range(first, -(-end // self.kv_block))
-            nbytes = sum(hit.snapshots[b].nbytes for b in span)
-        finally:
-            tier = hit.tier
-            hit.release()
-        return LoadResult(spec.req_id, end - spec.start, planned, reason=None if end == spec.end else reason or
-                          "absent", tier=tier, nbytes=nbytes, seconds=self.clock() - t0)
+            op = OpenLoad(spec, hit, end, first, spec.start - first * self.kv_block,
+                          spec.block_ids[: (end - spec.start) // self.engine_block], reason, t0)
+            if self.caches[0].device.type == "cpu":  # one gather for every layer: the CPU's fastest path
+                op.kv = hit.dequantized(self.layout.dtype, first_block=first, tokens=end - first * self.kv_block)
+            return op
+        except Exception:  # noqa: BLE001 - a request never fails because of kvwarm
+            log.exception("kvwarm load for request %s failed; vLLM recomputes it", spec.req_id)
+            if hit is not None:
+                hit.release()
+            return LoadResult(spec.req_id, 0, planned, reason="error")
+
+    def _write_layer(self, op: OpenLoad, index: int) -> None:
+        """Write one layer of an open load into its engine blocks (on a GPU: its bytes moved and dequantised there)."""
+        assert self.layout is not None
+        if op.kv is not None:
+            k, v = op.kv[2 * index], op.kv[2 * index + 1]
+        else:
+            k, v = op.hit.dequantized(self.layout.dtype, first_block=op.first,
+                                      tokens=op.end - op.first * self.kv_block, device=self.caches[index].device,
+                                      layers=[index])
+        self._write(self.caches[index], op.ids, k[self._heads, op.offset:], v[self._heads, op.offset:])
+
+    def _close(self, op: OpenLoad) -> LoadResult:
+        """Release an open load's hit; what it loaded."""
+        spec = op.spec
+        end = op.end if op.fail_from is None else spec.start + op.fail_from * self.engine_block
+        span = range(op.first, -(-op.end // self.kv_block))
+        nbytes = sum(op.hit.snapshots[b].nbytes for b in span) if not op.hit.released else 0
+        tier = op.hit.tier
+        op.hit.release()
+        op.kv = None
+        reason = None if end == spec.end else (op.reason or "absent") if op.fail_from is None else "error"
+        return LoadResult(spec.req_id, end - spec.start, spec.end - spec.start, reason=reason, tier=tier,
+                          nbytes=nbytes, seconds=self.clock() - op.started)
 
     def after_forward(self, plan: StepPlan) -> None:
         """Copy this step's saves out of the cache for write-back (their valid part), and time the step."""
+        self._finish_loads()
         t0 = self.clock()
         try:
             self.ledger.computed()
@@ -255,16 +326,19 @@ class WorkerRole:
 
     def take_failed(self) -> set[int]:
         """Engine blocks whose load failed this step (vLLM recomputes them)."""
+        self._finish_loads()
         failed, self._failed = self._failed, set()
         return failed
 
     def take_finished_loads(self) -> set[str]:
         """Requests whose deferred (async) loads ended this step, well or not (vLLM's ``finished_recving``)."""
+        self._finish_loads()
         done, self._finished_loads = self._finished_loads, set()
         return done
 
     def take_report(self) -> WorkerReport | None:
         """The step's report for the scheduler (``None`` when there is nothing to say)."""
+        self._finish_loads()
         report, self._report = self._report, WorkerReport()
         return report if report.loads or report.forward_tokens or report.refused else None
 
@@ -302,7 +376,10 @@ class WorkerRole:
                  result.prefixes, result.mapped, result.fetched, result.skipped, result.failed or "none")
 
     def close(self) -> None:
-        """Write what is queued, then release the loaders (their pins and pool slot)."""
+        """Finish the loads in flight, write what is queued, then release the loaders (their pins and pool slot)."""
+        self._finish_loads()
+        if self._thread is not None:
+            self._thread.close()
         if self.writer is not None:
             self.writer.close()
         with self._lock:
