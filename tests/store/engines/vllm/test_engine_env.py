@@ -50,3 +50,18 @@ def test_the_class_vllm_loads_by_name_is_a_v1_connector_whose_stats_round_trip()
     assert not total.is_empty()
     assert total.data["lookups"] == 5 and total.data["misses:absent"] == 2 and total.data["hits"] == 1
     assert KvwarmConnector.build_kv_connector_stats({}).is_empty()
+
+
+def test_kvwarm_is_a_best_effort_cache_so_a_preemption_keeps_the_requests_output():
+    """vLLM's default ``requires_kv_delivery`` is the producer role (true for ``kv_both``, the role kvwarm
+    runs in): the scheduler would then drop a preempted request's in-flight output as for a hand-off."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from store.engines.vllm import KvwarmConnector
+
+    conn = KvwarmConnector.__new__(KvwarmConnector)  # the property reads no state: no engine is started
+    conn._kv_transfer_config = KVTransferConfig(kv_connector="KvwarmConnector", kv_role="kv_both",
+                                                kv_connector_module_path="store.engines.vllm")
+    assert KVConnectorBase_V1.requires_kv_delivery.fget(conn) is True  # what kvwarm overrides
+    assert conn.requires_kv_delivery is False
