@@ -85,7 +85,7 @@ def test_repeated_asks_probe_once_and_count_once(tmp_path, monkeypatch) -> None:
 
 @pytest.mark.parametrize("case, reason", [
     ("absent", "absent"), ("short", "short_prompt"), ("cached", "engine_cached"),
-    ("salt", "tenant_unknown"), ("claim", "tenant_refused"), ("name", "tenant_unknown"), ("lora", "unsupported"),
+    ("salt", "tenant_unknown"), ("claim", "tenant_refused"), ("name", "tenant_unverified"), ("lora", "unsupported"),
     ("image", "unsupported"),
 ])
 def test_misses_are_counted_under_their_reason(tmp_path, case: str, reason: str) -> None:
