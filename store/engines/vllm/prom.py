@@ -25,7 +25,9 @@ COUNTERS = {
     "lookups": "Requests looked up in kvwarm (once each).",
     "hits": "Requests that load stored KV.",
     "tokens_matched": "Prompt tokens answered to vLLM as stored and allocated for loading.",
-    "refused_cross_tenant": "Requests whose prefix is stored for another tenant, refused.",
+    "refused_cross_tenant": "Requests whose prefix is stored for another tenant, refused (checked after the answer; "
+                            "their miss counts as tenant_refused).",
+    "cross_tenant_unchecked": "Misses whose cross-tenant check was dropped (its queue was full).",
     "loads": "Loads into the engine's blocks that wrote at least one block.",
     "tokens_loaded": "Prompt tokens loaded into the engine's blocks.",
     "bytes_loaded": "Stored bytes read by loads.",
@@ -36,7 +38,8 @@ COUNTERS = {
 #: ``kvwarm_connector_<name>_total{reason=...}``, and the reasons created at start.
 LABELLED = {
     "misses": ("Requests that load nothing, by reason.",
-               (*MISS_REASONS, "engine_cached", "slower_than_prefill", "tenant_unknown", "unsupported")),
+               (*MISS_REASONS, "engine_cached", "slower_than_prefill", "tenant_unknown", "tenant_unverified",
+                "unsupported")),
     "shortened": ("Requests that load less than the store could give, by reason.", MISS_REASONS),
     "load_failures": ("Loads that wrote fewer blocks than planned (vLLM recomputes the rest), by reason.",
                       MISS_REASONS),

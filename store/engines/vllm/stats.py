@@ -73,6 +73,15 @@ class Counters:
             self._interval[key] += n
             self._total[key] += n
 
+    def add_many(self, *counts: tuple[str, str | None]) -> None:
+        """Count 1 under each ``(name, reason)`` at once: the figures can never land in different
+        intervals (a request's lookup and its outcome, so that ``lookups == hits + misses``)."""
+        with self._lock:
+            for name, reason in counts:
+                key = f"{name}:{reason}" if reason is not None else name
+                self._interval[key] += 1
+                self._total[key] += 1
+
     def sample(self, seconds: float) -> None:
         """Record one load's latency."""
         with self._lock:
