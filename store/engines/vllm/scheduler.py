@@ -12,10 +12,11 @@ It runs in vLLM's scheduler (EngineCore) and never touches KV:
 4. ``update_output``: what the worker reported (loads, timings) feeds the counters and estimates.
 5. ``request_finished``: what kvwarm did for the request, returned in its ``kv_transfer_params``.
 
-Each request's lookup is counted once, with its outcome: a miss when it is answered 0 (a miss
-of the tenant's own chains after the cross-tenant check, :mod:`store.engines.vllm.audit`, off the
-request path), a hit when answered. What a client is told never names a tenant or a tenancy
-reason (:func:`store.engines.vllm.tenancy.client_reason`).
+Each request's lookup is counted once, with its outcome (``lookups == hits + misses``): a miss
+when it is answered 0 (a miss of the tenant's own chains after the cross-tenant check,
+:mod:`store.engines.vllm.audit`, off the request path), a hit only when the worker reports tokens
+loaded, a miss under the worker's reason when a load wrote nothing. What a client is told
+never names a tenant or a tenancy reason (:func:`store.engines.vllm.tenancy.client_reason`).
 
 A planned load is always sent to the worker, which either loads it or reports its blocks
 failed (vLLM then recomputes them): a request never computes over blocks nobody wrote.
@@ -49,6 +50,8 @@ from store.tiers.registry import tiers_from_url
 from store.tiers.store import Store
 
 log = logging.getLogger("kvwarm.vllm")
+#: Most finished requests whose load the worker has not reported yet (vLLM reports after it finishes them).
+MAX_FINISHING = 4096
 
 
 class SchedulerRole:
@@ -95,6 +98,7 @@ class SchedulerRole:
         self.counters = Counters()
         self.audit = CrossTenantAudit(self.probe, self.counters)
         self.tracker = Tracker()
+        self._finishing: dict[str, RequestState] = {}  # finished, their load not reported yet
         self._named_warned = False
         self._loads: list[LoadSpec] = []
         self._worker_totals: dict[str, Any] = {}
@@ -143,7 +147,7 @@ class SchedulerRole:
             self.counters.add_many(("lookups", None), ("misses", reason))
 
     def _hit(self, st: RequestState) -> None:
-        """Resolve the request's lookup as a hit, once."""
+        """Resolve the request's lookup as a hit (the worker loaded tokens for it), once."""
         if st.counted:
             return
         st.counted = True
@@ -165,12 +169,16 @@ class SchedulerRole:
 
     def _matched(self, request: Any, computed: int) -> tuple[int | None, bool]:
         st = self._state(request)
-        st.answer = 0
+        st.answer, st.asked = 0, True
         if st.tenant is None:
             # told what a tenant with nothing stored is told: the same words as the probe's
             short = len(st.prompt) < max(2, self.kv_block)
             self._miss(st, st.refusal or "error", shown=st.refusal if st.refusal not in TENANCY_REASONS else
                        "short_prompt" if short else "absent")
+            return 0, False
+        if getattr(request, "skip_reading_prefix_cache", False):
+            # vLLM overrides any answer with 0 for it (prompt logprobs...): nothing is probed or counted as a hit
+            self._miss(st, "skip_reading_prefix_cache")
             return 0, False
         if st.hit is None or st.pending is not None:
             if self._look(st) is None:
@@ -193,8 +201,7 @@ class SchedulerRole:
                                         nbytes=len(span) * self.block_bytes, files=len(span)):
             self._miss(st, "slower_than_prefill")
             return 0, False
-        st.computed, st.answer = computed, n
-        self._hit(st)
+        st.computed, st.answer = computed, n  # a hit once the worker reports the load
         return n, False
 
     def _look(self, st: RequestState) -> ProbeHit | None:
@@ -249,6 +256,8 @@ class SchedulerRole:
         st = self._state(request)
         st.block_table = list(block_table)
         if num_external <= 0:
+            if st.answer > 0 and st.planned == 0:  # vLLM took none of it: its own cache holds that much
+                self._miss(st, "engine_cached")
             return
         start, end = st.computed, st.computed + num_external
         try:
@@ -262,7 +271,9 @@ class SchedulerRole:
             spec = LoadSpec(st.req_id, st.tenant or PUBLIC, False, (), start, end, ids)
         st.in_flight += num_external
         st.planned += num_external
-        self.counters.add("tokens_matched", num_external)
+        if not st.matched_counted:  # once: a preempted request allocates (and loads) again
+            st.matched_counted = True
+            self.counters.add("tokens_matched", num_external)
         self._loads.append(spec)
 
     # -- per step ------------------------------------------------------------
@@ -318,11 +329,15 @@ class SchedulerRole:
         for r in report.loads:
             if r.seconds > 0:
                 self.costs.observe_load(r.tier, r.nbytes, r.seconds)
-            st = self.tracker.get(r.req_id)
+            st = self.tracker.get(r.req_id) or self._finishing.pop(r.req_id, None)
             if st is None:
                 continue
             st.in_flight = max(0, st.in_flight - r.planned)
             st.loaded += r.loaded
+            if r.loaded > 0:
+                self._hit(st)
+            else:
+                self._miss(st, r.reason or "error")
             if r.reason is not None:
                 st.reason = client_reason(r.reason)
                 # recomputed blocks may be written back (they replace what was corrupt, expired or gone)
@@ -337,6 +352,13 @@ class SchedulerRole:
             return {}
         if st.pending is not None:
             st.pending.future.cancel()
+        if not st.counted and st.in_flight > 0:
+            # vLLM finished it in the step its load ran, and reports the load just after: counted then
+            self._finishing[st.req_id] = st
+            while len(self._finishing) > MAX_FINISHING:  # a report that never comes: vLLM finishes only loaded ones
+                self._hit(self._finishing.pop(next(iter(self._finishing))))
+        elif st.asked:
+            self._miss(st, "aborted")  # it ended before its answer was allocated (aborted while it waited)
         return {"kvwarm": st.outcome()}
 
     # -- reporting -----------------------------------------------------------

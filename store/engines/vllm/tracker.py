@@ -26,7 +26,9 @@ class RequestState:
         hit: the probe's answer, kept while the request waits.
         pending: an S3 copy the request waits for.
         fetch_reason: why the hit is shorter than it could be (``fetch_scheduled``, ``fetch_timeout``...).
+        asked: whether vLLM asked about it (a lookup to resolve).
         counted: whether its lookup was resolved and counted (once per request: a hit or a miss).
+        matched_counted: whether its allocated tokens were counted (once: a reload after preemption is not).
         computed: vLLM's own hit at the last ask.
         answer: the tokens answered at the last ask.
         block_table: its engine blocks, in token order.
@@ -45,7 +47,9 @@ class RequestState:
     hit: ProbeHit | None = None
     pending: Pending | None = None
     fetch_reason: str | None = None
+    asked: bool = False
     counted: bool = False
+    matched_counted: bool = False
     computed: int = 0
     answer: int = 0
     block_table: list[int] = field(default_factory=list)
