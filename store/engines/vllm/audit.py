@@ -52,13 +52,15 @@ class CrossTenantAudit:
         self._queue: queue.Queue[Check | None] = queue.Queue(maxsize=capacity)
         self._idle = threading.Condition()
         self._pending = 0
-        self._thread = threading.Thread(target=self._run, name="kvwarm-tenant-audit", daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # started by the first check
 
     def submit(self, check: Check) -> None:
         """Queue ``check`` (never blocks; a full queue counts the miss now, unchecked)."""
         with self._idle:
             self._pending += 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="kvwarm-tenant-audit", daemon=True)
+                self._thread.start()
         try:
             self._queue.put_nowait(check)
         except queue.Full:
@@ -96,8 +98,12 @@ class CrossTenantAudit:
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Count what is queued, then stop the thread (waits up to ``timeout_s``)."""
+        with self._idle:
+            thread = self._thread
+        if thread is None:
+            return
         try:
             self._queue.put(None, timeout=timeout_s)
         except queue.Full:
             return  # the daemon thread ends with the process
-        self._thread.join(timeout_s)
+        thread.join(timeout_s)
