@@ -15,7 +15,16 @@ from typing import Any, Literal, Optional
 
 import tomllib
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    model_serializer,
+    model_validator,
+)
 
 from store.errors import ConfigError
 from store.format.precision import Precision
@@ -23,6 +32,8 @@ from store.identity.tenant import PUBLIC, Tenant, check_tenant_name
 
 #: environment variable naming the config file when none is passed
 CONFIG_ENV = "KVWARM_CONFIG"
+#: the one key under ``tenants`` that is a setting, not a tenant (no tenant may be configured by that name)
+TRUST_NAMED = "trust_named"
 
 
 class _Section(BaseModel):
@@ -216,7 +227,42 @@ class KvwarmConfig(_Section):
     monitoring: MonitoringConfig = Field(MonitoringConfig(), description="Prices for the reports' economics.")
     tenants: dict[str, TenantConfig] = Field(
         {}, description="One entry per tenant name (1-63 characters of a-z 0-9 _ . -); 'public' is the shared "
-        "namespace and has no secret.")
+        "namespace and has no secret. 'trust_named' is reserved: tenants.trust_named is a setting, not a tenant.")
+    # In the file this is tenants.trust_named (moved here on the way in, back on the way out): a boolean
+    # under ``tenants`` cannot be mistaken for a tenant's mapping, and no tenant may take the name.
+    trust_named: bool = Field(
+        False, json_schema_extra={"section": "tenants"},
+        description="Honour a tenant name a vLLM request gives in kv_transfer_params (kvwarm_tenant) without "
+        "that tenant's cache_salt. Only for a gateway that sets the field itself: a name is not a secret, and "
+        "with this off a request selects a tenant only through a cache_salt listed in tenants.<name>.cache_salts "
+        "(a bare name loads nothing).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tenants_setting(cls, data: Any) -> Any:
+        """``tenants.trust_named`` (the file's spelling) into the ``trust_named`` field."""
+        if not isinstance(data, dict):
+            return data
+        if TRUST_NAMED in data:
+            raise ValueError(f"{TRUST_NAMED} is a key of the tenants section: write it as tenants.{TRUST_NAMED}")
+        tenants = data.get("tenants")
+        if not isinstance(tenants, dict) or TRUST_NAMED not in tenants:
+            return data
+        tenants = dict(tenants)
+        value = tenants.pop(TRUST_NAMED)
+        if not isinstance(value, bool):
+            raise ValueError(f"tenants.{TRUST_NAMED} = {value!r}: it is the setting 'honour tenant names without "
+                             f"their cache_salt', true or false, not a tenant ('{TRUST_NAMED}' is reserved: give "
+                             "that tenant another name)")
+        return {**data, "tenants": tenants, TRUST_NAMED: value}
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """The file's shape: ``trust_named`` back under ``tenants`` (when on), so a dump parses again."""
+        out = handler(self)
+        if isinstance(out, dict) and out.pop(TRUST_NAMED, False):
+            out["tenants"] = {TRUST_NAMED: True, **out.get("tenants", {})}
+        return out
 
     @model_validator(mode="after")
     def _check_tenants(self) -> "KvwarmConfig":

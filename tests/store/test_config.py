@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from store.config import load_config, parse_config
+from store.config import load_config, parse_config, with_values
 from store.errors import ConfigError
 from store.format.precision import Precision
 
@@ -120,3 +120,19 @@ def test_cache_salts_name_one_tenant_each() -> None:
         parse_config({"tenants": {"public": {"cache_salts": ["x"]}}})
     with pytest.raises(ConfigError, match="must not be empty"):
         parse_config({"tenants": {"acme": {"cache_salts": [""]}}})
+
+
+def test_trust_named_is_a_setting_of_the_tenants_section_and_no_tenant_may_take_the_name() -> None:
+    assert parse_config({}).trust_named is False
+    c = parse_config({"tenants": {"trust_named": True, "acme": {"cache_salts": ["s-acme"]}}})
+    assert c.trust_named is True and list(c.tenants) == ["acme"]
+    # a dump has the file's shape, and parses back to the same config (CLI flags go through it)
+    assert c.model_dump()["tenants"]["trust_named"] is True and parse_config(c.model_dump()) == c
+    assert with_values(c, "kv_cache", {"block_size": 16}, source="--block-size").trust_named is True
+    assert "trust_named" not in parse_config({"tenants": {"acme": {}}}).model_dump()["tenants"]
+    with pytest.raises(ConfigError, match="'trust_named' is reserved: give that tenant another name"):
+        parse_config({"tenants": {"trust_named": {"cache_salts": ["s"]}}})
+    with pytest.raises(ConfigError, match="true or false"):
+        parse_config({"tenants": {"trust_named": "yes"}})
+    with pytest.raises(ConfigError, match="write it as tenants.trust_named"):
+        parse_config({"trust_named": True})

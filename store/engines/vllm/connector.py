@@ -131,6 +131,13 @@ class KvwarmConnector(KVConnectorBase_V1):
     #: The worker role's class (a subclass may wrap its loads, as the fault-injection tests do).
     worker_class: type[WorkerRole] = WorkerRole
 
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """``False``: kvwarm is a best-effort cache, not a hand-off (vLLM's default is the producer role,
+        true for ``kv_both``). A write-back a preemption cuts short is a future miss, so vLLM need not drop
+        the preempted request's in-flight output as it must for a disaggregated-prefill transfer."""
+        return False
+
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig") -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         t0 = time.perf_counter()

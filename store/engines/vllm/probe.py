@@ -128,22 +128,26 @@ class StoreProbe:
                 break
         return best
 
-    def held_by_another(self, tenant: str, token_ids: Sequence[int] | np.ndarray) -> str | None:
-        """Another tenant of this engine whose chain holds the prompt's first block, else ``None``.
+    def held_by_others(self, tenant: str, token_ids: Sequence[int] | np.ndarray) -> list[str]:
+        """The other tenants of this engine whose chains hold the prompt's first block.
 
-        That tenant's prefix is what this request would have used had the tenants not been kept
-        apart: the connector counts it as a refused cross-tenant access. Probes one block per
-        other tenant, and only after a miss.
+        Their prefix is what this request would have used had the tenants not been kept apart:
+        the connector counts it as a refused cross-tenant access. Every other tenant is probed
+        (one block each, both chains), whatever the first answer: the work does not depend on
+        who holds it (:mod:`store.engines.vllm.audit` runs it off the request path).
         """
         head = np.asarray(token_ids)[: self.block_size]
         if len(head) < self.block_size:
-            return None
+            return []
+        holders = []
         for other in self.tenants.others(tenant):
+            held = False
             for chat in (False, True) if self.identities[1] is not None else (False,):
                 try:
                     root = self.root(other, chat)
-                    if self.local.probe(self.tenants.credentials(other), block_chain(root, head), root).count:
-                        return other
+                    held |= self.local.probe(self.tenants.credentials(other), block_chain(root, head), root).count > 0
                 except _ERRORS as exc:  # an unreadable namespace, a secret not set: not ours to report
                     log.debug("cross-tenant check of %r skipped: %s", other, exc)
-        return None
+            if held:
+                holders.append(other)
+        return holders

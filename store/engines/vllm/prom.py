@@ -22,10 +22,13 @@ from store.serving.metrics import LATENCY_BUCKETS
 MISS_REASONS = tuple(reason.value for reason in MissReason)
 #: ``kvwarm_connector_<name>_total``: counters without a label.
 COUNTERS = {
-    "lookups": "Requests looked up in kvwarm (once each).",
-    "hits": "Requests that load stored KV.",
-    "tokens_matched": "Prompt tokens answered to vLLM as stored and allocated for loading.",
-    "refused_cross_tenant": "Requests whose prefix is stored for another tenant, refused.",
+    "lookups": "Requests looked up in kvwarm, counted once each with their outcome: lookups = hits + misses.",
+    "hits": "Requests the worker loaded stored KV into (counted when it reports the load, once per request).",
+    "tokens_matched": "Prompt tokens answered to vLLM as stored and allocated for loading (a request's first "
+                      "allocation: a reload after preemption is not counted again).",
+    "refused_cross_tenant": "Requests whose prefix is stored for another tenant, refused (checked after the answer; "
+                            "their miss counts as tenant_refused).",
+    "cross_tenant_unchecked": "Misses whose cross-tenant check was dropped (its queue was full).",
     "loads": "Loads into the engine's blocks that wrote at least one block.",
     "tokens_loaded": "Prompt tokens loaded into the engine's blocks.",
     "bytes_loaded": "Stored bytes read by loads.",
@@ -36,7 +39,8 @@ COUNTERS = {
 #: ``kvwarm_connector_<name>_total{reason=...}``, and the reasons created at start.
 LABELLED = {
     "misses": ("Requests that load nothing, by reason.",
-               (*MISS_REASONS, "engine_cached", "slower_than_prefill", "tenant_unknown", "unsupported")),
+               (*MISS_REASONS, "engine_cached", "slower_than_prefill", "tenant_unknown", "tenant_unverified",
+                "unsupported", "skip_reading_prefix_cache", "aborted")),
     "shortened": ("Requests that load less than the store could give, by reason.", MISS_REASONS),
     "load_failures": ("Loads that wrote fewer blocks than planned (vLLM recomputes the rest), by reason.",
                       MISS_REASONS),

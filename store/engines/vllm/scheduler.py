@@ -14,6 +14,12 @@ It runs in vLLM's scheduler (EngineCore) and never touches KV:
 4. ``update_output``: what the worker reported (loads, timings) feeds the counters and estimates.
 5. ``request_finished``: what kvwarm did for the request, returned in its ``kv_transfer_params``.
 
+Each request's lookup is counted once, with its outcome (``lookups == hits + misses``): a miss
+when it is answered 0 (a miss of the tenant's own chains after the cross-tenant check,
+:mod:`store.engines.vllm.audit`, off the request path), a hit only when the worker reports tokens
+loaded, a miss under the worker's reason when a load wrote nothing. What a client is told
+never names a tenant or a tenancy reason (:func:`store.engines.vllm.tenancy.client_reason`).
+
 A planned load is always sent to the worker, which either loads it or reports its blocks
 failed (vLLM then recomputes them): a request never computes over blocks nobody wrote.
 """
@@ -23,6 +29,7 @@ import logging
 import time
 from typing import Any, Callable, Mapping, Sequence
 
+from store.engines.vllm.audit import Check, CrossTenantAudit
 from store.engines.vllm.costs import CostModel, default_prefill
 from store.engines.vllm.fetches import RemoteFetches
 from store.engines.vllm.metadata import LoadSpec, SaveSpec, StepPlan, WorkerReport
@@ -38,7 +45,7 @@ from store.engines.vllm.planning import (
 from store.engines.vllm.probe import ProbeHit, StoreProbe
 from store.engines.vllm.settings import ConnectorSettings, check_block_sizes
 from store.engines.vllm.stats import Counters, merge
-from store.engines.vllm.tenancy import TenantBook
+from store.engines.vllm.tenancy import TENANCY_REASONS, TenantBook, client_reason
 from store.engines.vllm.tracker import RequestState, Tracker
 from store.identity.fingerprint import ModelIdentity
 from store.identity.tenant import PUBLIC
@@ -46,6 +53,8 @@ from store.tiers.registry import tiers_from_url
 from store.tiers.store import Store
 
 log = logging.getLogger("kvwarm.vllm")
+#: Most finished requests whose load the worker has not reported yet (vLLM reports after it finishes them).
+MAX_FINISHING = 4096
 
 
 class SchedulerRole:
@@ -93,7 +102,10 @@ class SchedulerRole:
                         "kv_connector_extra_config.tenant, or give requests a tenant, to write back")
         self.clock = clock
         self.counters = Counters()
+        self.audit = CrossTenantAudit(self.probe, self.counters)
         self.tracker = Tracker()
+        self._finishing: dict[str, RequestState] = {}  # finished, their load not reported yet
+        self._named_warned = False
         self._loads: list[LoadSpec] = []
         self._worker_totals: dict[str, Any] = {}
 
@@ -111,38 +123,44 @@ class SchedulerRole:
                                                  refusal="unsupported"))
         who = self.tenants.resolve(getattr(request, "cache_salt", None), getattr(request, "kv_transfer_params", None))
         if who.name is None:  # a refused claim is suspicious; a salt kvwarm does not map is a configuration choice
-            log.log(logging.WARNING if who.refusal == "tenant_refused" else logging.DEBUG,
-                    "request %s gets nothing from kvwarm (%s): %s", request.request_id, who.refusal, who.detail)
+            level = logging.WARNING if who.refusal == "tenant_refused" else logging.DEBUG
+            if who.refusal == "tenant_unverified" and not self._named_warned:
+                self._named_warned, level = True, logging.WARNING  # once: a gateway that names tenants by name
+                log.warning("kvwarm: requests name a tenant in kv_transfer_params without its cache_salt and get "
+                            "nothing; give them the tenant's cache_salt, or set tenants.trust_named when a trusted "
+                            "gateway sets the name (docs/guides/engines.md)")
+            log.log(level, "request %s gets nothing from kvwarm (%s): %s", request.request_id, who.refusal, who.detail)
         return self.tracker.add(RequestState(req_id=request.request_id, prompt=tuple(request.prompt_token_ids or ()),
                                              tenant=who.name, refusal=who.refusal))
 
     def _state(self, request: Any) -> RequestState:
         return self.tracker.get(request.request_id) or self.on_new_request(request)
 
-    def _count(self, st: RequestState, reason: str | None, *, absent: bool = False) -> None:
-        """Count the request's lookup, once: a hit, or a miss under ``reason``.
+    def _miss(self, st: RequestState, reason: str, *, audit: bool = False, shown: str | None = None) -> None:
+        """Resolve the request's lookup as a miss under ``reason``, once; the client is told ``shown``
+        (default: :func:`client_reason`).
 
-        ``absent``: nothing of the prompt is stored for the request's tenant; another tenant's
-        copy of it is then counted as a refused cross-tenant access.
+        ``audit``: nothing of the prompt is stored for the request's tenant; the cross-tenant check
+        runs after the answer and counts the miss (``tenant_refused`` when another tenant holds it).
         """
         if st.counted:
             return
         st.counted = True
-        self.counters.add("lookups")
-        if reason is None:
-            self.counters.add("hits")
-            if st.fetch_reason is not None:
-                self.counters.add("shortened", reason=st.fetch_reason)
+        st.reason = shown or client_reason(reason)
+        if audit and st.tenant is not None:
+            self.audit.submit(Check(st.req_id, st.tenant, st.prompt[: self.kv_block], reason))
+        else:
+            self.counters.add_many(("lookups", None), ("misses", reason))
+
+    def _hit(self, st: RequestState) -> None:
+        """Resolve the request's lookup as a hit (the worker loaded tokens for it), once."""
+        if st.counted:
             return
-        if absent and st.tenant is not None:
-            other = self.probe.held_by_another(st.tenant, st.prompt)
-            if other is not None:
-                log.warning("request %s of tenant %r: its prefix is stored for tenant %r; refused",
-                            st.req_id, st.tenant, other)
-                self.counters.add("refused_cross_tenant")
-                reason = "tenant_refused"
-        st.reason = reason
-        self.counters.add("misses", reason=reason)
+        st.counted = True
+        counts: list[tuple[str, str | None]] = [("lookups", None), ("hits", None)]
+        if st.fetch_reason is not None:
+            counts.append(("shortened", st.fetch_reason))
+        self.counters.add_many(*counts)
 
     def get_num_new_matched_tokens(self, request: Any, computed: int) -> tuple[int | None, bool]:
         """Stored tokens beyond vLLM's ``computed`` ones that the worker will load before the forward.
@@ -157,9 +175,16 @@ class SchedulerRole:
 
     def _matched(self, request: Any, computed: int) -> tuple[int | None, bool]:
         st = self._state(request)
-        st.answer = 0
+        st.answer, st.asked = 0, True
         if st.tenant is None:
-            self._count(st, st.refusal)
+            # told what a tenant with nothing stored is told: the same words as the probe's
+            short = len(st.prompt) < max(2, self.kv_block)
+            self._miss(st, st.refusal or "error", shown=st.refusal if st.refusal not in TENANCY_REASONS else
+                       "short_prompt" if short else "absent")
+            return 0, False
+        if getattr(request, "skip_reading_prefix_cache", False):
+            # vLLM overrides any answer with 0 for it (prompt logprobs...): nothing is probed or counted as a hit
+            self._miss(st, "skip_reading_prefix_cache")
             return 0, False
         if st.hit is None or st.pending is not None:
             if self._look(st) is None:
@@ -175,15 +200,14 @@ class SchedulerRole:
                 usable = matched_tokens(hit.blocks, kv_block=self.kv_block, engine_block=self.engine_block,
                                         prompt_tokens=len(st.prompt), computed=0)
                 reason = "engine_cached" if usable and computed >= usable else "short_prompt"
-            self._count(st, reason, absent=hit.blocks == 0 and hit.reason == "absent")
+            self._miss(st, reason, audit=hit.blocks == 0 and hit.reason == "absent")
             return 0, False
         span = kv_blocks_spanned(computed, computed + n, self.kv_block)
         if not self.costs.worth_loading("nvme", cached_tokens=computed, hit_tokens=n,
                                         nbytes=len(span) * self.block_bytes, files=len(span)):
-            self._count(st, "slower_than_prefill")
+            self._miss(st, "slower_than_prefill")
             return 0, False
-        st.computed, st.answer = computed, n
-        self._count(st, None)
+        st.computed, st.answer = computed, n  # a hit once the worker reports the load
         return n, self.async_loads
 
     def _look(self, st: RequestState) -> ProbeHit | None:
@@ -238,6 +262,8 @@ class SchedulerRole:
         st = self._state(request)
         st.block_table = list(block_table)
         if num_external <= 0:
+            if st.answer > 0 and st.planned == 0:  # vLLM took none of it: its own cache holds that much
+                self._miss(st, "engine_cached")
             return
         start, end = st.computed, st.computed + num_external
         try:
@@ -252,7 +278,9 @@ class SchedulerRole:
             spec = LoadSpec(st.req_id, st.tenant or PUBLIC, False, (), start, end, ids, deferred=self.async_loads)
         st.in_flight += num_external
         st.planned += num_external
-        self.counters.add("tokens_matched", num_external)
+        if not st.matched_counted:  # once: a preempted request allocates (and loads) again
+            st.matched_counted = True
+            self.counters.add("tokens_matched", num_external)
         self._loads.append(spec)
 
     # -- per step ------------------------------------------------------------
@@ -318,13 +346,17 @@ class SchedulerRole:
         for r in report.loads:
             if r.seconds > 0:
                 self.costs.observe_load(r.tier, r.nbytes, r.seconds)
-            st = self.tracker.get(r.req_id)
+            st = self.tracker.get(r.req_id) or self._finishing.pop(r.req_id, None)
             if st is None:
                 continue
             st.in_flight = max(0, st.in_flight - r.planned)
             st.loaded += r.loaded
+            if r.loaded > 0:
+                self._hit(st)
+            else:
+                self._miss(st, r.reason or "error")
             if r.reason is not None:
-                st.reason = r.reason
+                st.reason = client_reason(r.reason)
                 # recomputed blocks may be written back (they replace what was corrupt, expired or gone)
                 st.save_from = min(st.save_from, (st.computed + r.loaded) // self.kv_block)
         for req_id, first in report.refused.items():
@@ -342,6 +374,13 @@ class SchedulerRole:
             return {}
         if st.pending is not None:
             st.pending.future.cancel()
+        if not st.counted and st.in_flight > 0:
+            # vLLM finished it in the step its load ran, and reports the load just after: counted then
+            self._finishing[st.req_id] = st
+            while len(self._finishing) > MAX_FINISHING:  # a report that never comes: vLLM finishes only loaded ones
+                self._hit(self._finishing.pop(next(iter(self._finishing))))
+        elif st.asked:
+            self._miss(st, "aborted")  # it ended before its answer was allocated (aborted while it waited)
         return {"kvwarm": st.outcome()}
 
     # -- reporting -----------------------------------------------------------
@@ -351,7 +390,12 @@ class SchedulerRole:
         return [b.key for b in self.probe.chain(tenant or self.tenants.default, chat, token_ids)]
 
     def stats(self) -> dict[str, Any]:
-        """Every figure since start: this role's counters, the worker's as reported, the estimates."""
+        """Every figure since start: this role's counters, the worker's as reported, the estimates.
+
+        Waits up to a second for the cross-tenant checks still queued (their requests' lookups
+        are counted with them); vLLM's per-step figures (``counters.take``) never wait.
+        """
+        self.audit.flush(1.0)
         out = dict(self.counters.totals())
         merge(out, self._worker_totals)
         out["requests_tracked"] = len(self.tracker)
@@ -359,6 +403,7 @@ class SchedulerRole:
         return out
 
     def close(self) -> None:
-        """Stop the S3 copy threads and release the store."""
+        """Stop the S3 copy threads and the cross-tenant checks, and release the store."""
         self.fetches.close()
+        self.audit.close()
         self.probe.local.close()

@@ -6,8 +6,17 @@ the scheduler's, summed by :func:`merge`) and carries the dict to the API server
 keys, with ``name:label`` for a counter with a ``reason`` label:
 
 scheduler role:
-    ``lookups`` (requests looked up, once each), ``hits`` (requests that load), ``tokens_matched``
-    (tokens answered to vLLM and allocated), ``misses:<reason>``, ``refused_cross_tenant``.
+    ``lookups``, ``hits``, ``misses:<reason>``: each request's lookup is counted once, at the same
+    moment as its outcome, so ``lookups == hits + misses`` (a request still waiting for its
+    answer, its load or its cross-tenant check is in none of them). ``hits``: requests the worker
+    reported tokens loaded into (``update_output``, ``LoadResult.loaded``), not answers;
+    ``misses``: answered 0, vLLM took none of the answer (``engine_cached``), the request skips
+    prefix caches (``skip_reading_prefix_cache``: vLLM overrides any answer with 0), its load wrote
+    nothing (the worker's reason), or it ended before its answer was allocated (``aborted``).
+    ``tokens_matched`` (tokens answered to vLLM and allocated, at a request's first allocation:
+    a reload after preemption is not counted again), ``shortened:<reason>`` (with a hit),
+    ``refused_cross_tenant`` (with a ``tenant_refused`` miss, :mod:`store.engines.vllm.audit`),
+    ``cross_tenant_unchecked`` (a check dropped, its queue full).
 worker role:
     ``loads``, ``tokens_loaded``, ``bytes_loaded``, ``load_seconds`` (their sum) and
     ``load_latencies`` (each load's seconds: a histogram), ``load_failures:<reason>``,
@@ -18,8 +27,10 @@ Miss reasons: the loader's (``absent``, ``short_prompt``, ``fetch_scheduled``, `
 ``store_unavailable``, ``corrupt``, ``mismatch``, ``expired``, ``tenant_refused``, ...) and the
 connector's own: ``engine_cached`` (vLLM's own prefix cache already has the stored tokens),
 ``slower_than_prefill`` (the cost estimate), ``tenant_unknown`` (a cache_salt or tenant name the
-config does not know), ``unsupported`` (multimodal inputs, a LoRA adapter or prompt embeddings:
-KV that depends on more than the tokens). Pure: no vLLM.
+config does not know), ``tenant_unverified`` (a tenant name without its cache_salt, while
+``tenants.trust_named`` is off), ``unsupported`` (multimodal inputs, a LoRA adapter or prompt
+embeddings: KV that depends on more than the tokens), ``skip_reading_prefix_cache``, ``aborted``.
+The tenancy reasons are the server's: a client is told ``absent``. Pure: no vLLM.
 """
 from __future__ import annotations
 
@@ -72,6 +83,15 @@ class Counters:
         with self._lock:
             self._interval[key] += n
             self._total[key] += n
+
+    def add_many(self, *counts: tuple[str, str | None]) -> None:
+        """Count 1 under each ``(name, reason)`` at once: the figures can never land in different
+        intervals (a request's lookup and its outcome, so that ``lookups == hits + misses``)."""
+        with self._lock:
+            for name, reason in counts:
+                key = f"{name}:{reason}" if reason is not None else name
+                self._interval[key] += 1
+                self._total[key] += 1
 
     def sample(self, seconds: float) -> None:
         """Record one load's latency."""

@@ -1,17 +1,21 @@
 """Whose request is it: a request's kvwarm tenant, from its vLLM ``cache_salt`` and ``kv_transfer_params``.
 
-One engine serves many tenants; the connector's ``tenant`` setting is only the default. The rules:
+One engine serves many tenants; the connector's ``tenant`` setting is only the default. A request
+selects a tenant only through a secret it holds, its ``cache_salt``. The rules:
 
 1. A request with a ``cache_salt`` is the tenant whose ``tenants.<name>.cache_salts`` lists it. A
    salt the config does not map gets nothing from kvwarm (``tenant_unknown``): vLLM keeps salted
-   requests apart in its own cache, and kvwarm must not join them to anyone's prefixes.
-2. ``kv_transfer_params["kvwarm_tenant"]`` names a tenant the config knows (or the default, or
-   ``public``); another name gets nothing (``tenant_unknown``). With a salt as well, both must
-   name the same tenant, or the request gets nothing (``tenant_refused``).
+   requests apart in its own cache, and kvwarm must not join them to anyone's prefixes. A
+   ``kv_transfer_params["kvwarm_tenant"]`` beside it must name the same tenant, or the request
+   gets nothing (``tenant_refused``).
+2. ``kvwarm_tenant`` without a salt (a name is not a secret) gets nothing (``tenant_unverified``),
+   unless the config trusts the gateway (``tenants.trust_named``): then it must name a tenant the
+   config knows (or the default, or ``public``), else nothing (``tenant_unknown``).
 3. Otherwise the request is the default tenant's.
 
-Both fields come from the client through the serving stack, so a deployment where clients are
-not trusted sets them at its gateway (as it must for vLLM's own ``cache_salt`` isolation).
+These reasons are the server's (counters, log). A client sees ``absent`` for all of them
+(:func:`client_reason`), as for a tenant that has nothing stored: what it receives must not say
+whether a name it tried is configured, or whether another tenant holds its prefix.
 Pure: no vLLM, no store access.
 """
 from __future__ import annotations
@@ -25,6 +29,19 @@ from store.identity.tenant import PUBLIC, Tenant
 
 #: The ``kv_transfer_params`` key a request names its tenant with.
 TENANT_PARAM = "kvwarm_tenant"
+#: Reasons that say something about the config or other tenants: a client sees ``absent`` instead.
+TENANCY_REASONS = frozenset({"tenant_unknown", "tenant_refused", "tenant_unverified"})
+
+
+def client_reason(reason: str | None) -> str | None:
+    """The miss reason a client is told: ``absent`` for any of :data:`TENANCY_REASONS`."""
+    return "absent" if reason in TENANCY_REASONS else reason
+
+
+def _shown(claimed: Any) -> str:
+    """A client's claim, for the log: quoted, cut short (it is whatever the client sent)."""
+    text = repr(claimed)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 @dataclass(frozen=True)
@@ -33,8 +50,8 @@ class RequestTenant:
 
     Attributes:
         name: the tenant, or ``None`` when kvwarm serves the request nothing.
-        refusal: why not (``tenant_unknown`` or ``tenant_refused``), else ``None``.
-        detail: what was asked, for the log.
+        refusal: why not (``tenant_unknown``, ``tenant_refused``, ``tenant_unverified``), else ``None``.
+        detail: what was asked, for the server's log (never shown to the client).
     """
 
     name: str | None
@@ -46,13 +63,14 @@ class TenantBook:
     """The tenants one engine serves: the salt map, the names it accepts, their credentials.
 
     Args:
-        config: the kvwarm config (``tenants``: secrets and cache salts).
+        config: the kvwarm config (``tenants``: secrets and cache salts; ``tenants.trust_named``).
         default: the tenant of requests that name none.
     """
 
     def __init__(self, config: KvwarmConfig, default: str) -> None:
         self.config = config
         self.default = default
+        self.trust_named = config.trust_named
         self._by_salt = {salt: name for name, tc in config.tenants.items() for salt in tc.cache_salts}
         self.known = frozenset(config.tenants) | {default, PUBLIC}
         self._lock = threading.Lock()
@@ -61,17 +79,22 @@ class TenantBook:
     def resolve(self, cache_salt: str | None, kv_transfer_params: Mapping[str, Any] | None) -> RequestTenant:
         """The tenant of a request with this ``cache_salt`` and these ``kv_transfer_params``."""
         claimed = kv_transfer_params.get(TENANT_PARAM) if isinstance(kv_transfer_params, Mapping) else None
-        if claimed is not None and (not isinstance(claimed, str) or claimed not in self.known):
-            return RequestTenant(None, "tenant_unknown", f"{TENANT_PARAM}={claimed!r} is not a configured tenant")
         if cache_salt:
             by_salt = self._by_salt.get(cache_salt)
             if by_salt is None:
                 return RequestTenant(None, "tenant_unknown", "a cache_salt that no tenants.<name>.cache_salts lists")
             if claimed is not None and claimed != by_salt:
                 return RequestTenant(None, "tenant_refused",
-                                     f"{TENANT_PARAM}={claimed!r} but the cache_salt is tenant {by_salt!r}'s")
+                                     f"{TENANT_PARAM}={_shown(claimed)} but the cache_salt is tenant {by_salt!r}'s")
             return RequestTenant(by_salt)
-        return RequestTenant(claimed if claimed is not None else self.default)
+        if claimed is None:
+            return RequestTenant(self.default)
+        if not self.trust_named:
+            return RequestTenant(None, "tenant_unverified", f"{TENANT_PARAM}={_shown(claimed)} without a cache_salt of "
+                                 "that tenant; a name is honoured only with tenants.trust_named")
+        if not isinstance(claimed, str) or claimed not in self.known:
+            return RequestTenant(None, "tenant_unknown", f"{TENANT_PARAM}={_shown(claimed)} is not a configured tenant")
+        return RequestTenant(claimed)
 
     def credentials(self, name: str) -> Tenant:
         """The tenant's name and salt (its secret read from the environment once).

@@ -22,11 +22,13 @@ class RequestState:
         req_id: vLLM's request id.
         prompt: its prompt token ids.
         tenant: its tenant, or ``None`` when kvwarm serves it nothing (``refusal`` says why).
-        refusal: ``tenant_unknown`` or ``tenant_refused``.
+        refusal: ``unsupported``, or a tenancy reason (``tenant_unknown``...: the server's, never the client's).
         hit: the probe's answer, kept while the request waits.
         pending: an S3 copy the request waits for.
         fetch_reason: why the hit is shorter than it could be (``fetch_scheduled``, ``fetch_timeout``...).
-        counted: whether its lookup was counted (once per request).
+        asked: whether vLLM asked about it (a lookup to resolve).
+        counted: whether its lookup was resolved and counted (once per request: a hit or a miss).
+        matched_counted: whether its allocated tokens were counted (once: a reload after preemption is not).
         computed: vLLM's own hit at the last ask.
         answer: the tokens answered at the last ask.
         block_table: its engine blocks, in token order.
@@ -37,7 +39,7 @@ class RequestState:
         in_flight: tokens of loads sent to the worker and not yet reported.
         loaded: tokens the worker reported loaded.
         planned: tokens of every load planned.
-        reason: why it loaded nothing, or less than planned (the last such reason).
+        reason: why it loaded nothing, or less than planned (the last such reason), as the client is told.
     """
 
     req_id: str
@@ -47,7 +49,9 @@ class RequestState:
     hit: ProbeHit | None = None
     pending: Pending | None = None
     fetch_reason: str | None = None
+    asked: bool = False
     counted: bool = False
+    matched_counted: bool = False
     computed: int = 0
     answer: int = 0
     block_table: list[int] = field(default_factory=list)
@@ -62,11 +66,13 @@ class RequestState:
     def outcome(self) -> dict[str, object]:
         """What kvwarm did for the request (returned to the client in ``kv_transfer_params``).
 
-        A load still unreported when vLLM finishes the request worked: vLLM reschedules a
-        request whose load failed instead of finishing it in that step.
+        Only what the request's own lookup gave: tokens loaded and the client's reason. No tenant:
+        whose it was is the server's to log, and any answer would tell a client whether a
+        name or salt it tried is configured. A load still unreported when vLLM finishes the
+        request worked: vLLM reschedules a request whose load failed instead of finishing it in
+        that step.
         """
-        return {"tenant": self.tenant, "loaded_tokens": self.loaded + self.in_flight,
-                "reason": self.reason if self.tenant is not None else self.refusal}
+        return {"loaded_tokens": self.loaded + self.in_flight, "reason": self.reason}
 
 
 class Tracker:

@@ -47,8 +47,8 @@ PROMPTS: dict[str, Prompt] = _chain([
     # never fail: each prefix stored, then broken one way
     ("corrupt", 512, 60), ("expired", 512, 60), ("other_model", 512, 60), ("other_tenant", 512, 60),
     ("s3_hit", 512, 60), ("s3_down", 512, 60),
-    # isolation: tenant A's prefix, a public prefix
-    ("tenant_a", 512, 80), ("public", 512, 80),
+    # isolation: tenant A's prefix, a public prefix; one nobody stores (a miss to compare refusals with)
+    ("tenant_a", 512, 80), ("public", 512, 80), ("unstored", 512, 60),
 ], start=0)
 
 #: keys: a corpus prompt stored by `prefill warm --chat --text` (as a system message), then a user turn;

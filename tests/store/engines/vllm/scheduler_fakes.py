@@ -34,6 +34,7 @@ class Req:
     lora_request: Any = None
     mm_features: list[Any] = field(default_factory=list)
     prompt_embeds: Any = None
+    skip_reading_prefix_cache: bool = False
 
 
 @dataclass
@@ -63,9 +64,9 @@ class Out:
         return sum(self.num_scheduled_tokens.values())
 
 
-def config(s3: dict[str, Any] | None = None, **loader: Any) -> KvwarmConfig:
-    return parse_config({"kv_cache": {"block_size": KB}, "tenants": TENANTS, "loader": loader,
-                         "store": {"s3": s3 or {}}})
+def config(s3: dict[str, Any] | None = None, *, trust_named: bool = False, **loader: Any) -> KvwarmConfig:
+    return parse_config({"kv_cache": {"block_size": KB}, "tenants": {**TENANTS, "trust_named": trust_named},
+                         "loader": loader, "store": {"s3": s3 or {}}})
 
 
 def tokens(n: int, seed: int = 0) -> list[int]:

@@ -13,7 +13,10 @@ a local tier and a SeaweedFS S3 tier holds one prefix per way of going wrong:
 Each request completes with the cold tokens, and its miss is counted under its reason
 (kvwarm's counters and the request's ``kv_transfer_params``). Isolation: ``tenant_a``
 (stored for acme) is loaded for acme's salt and refused, counted, for beta's; ``public``
-serves both salts; an unmapped salt gets nothing.
+serves both salts; an unmapped salt gets nothing; a tenant named in ``kv_transfer_params``
+without its salt gets nothing (``tenants.trust_named`` is off). What the client receives for
+a refusal is what it receives for a prompt nobody stores (``unstored``): the server's counters
+alone say why.
 """
 from __future__ import annotations
 
@@ -47,19 +50,29 @@ from tests.store.pool_workers import synthetic_prefix
 
 S3_ENV = {"KVWARM_TEST_KEY": "test", "KVWARM_TEST_SECRET": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 SYNC_FETCH_TIMEOUT_S = 5.0
-#: what each request of the "local" step is, and what kvwarm must answer: (prompt, salt, loads?, reason)
+#: what each request of the "local" step is, and what the client must be told:
+#: (prompt, salt, kvwarm_tenant, loads?, reason); refusals are told "absent", like a prompt nobody stores
 LOCAL = [
-    ("corrupt", None, False, "corrupt"),
-    ("expired", None, False, "expired"),
-    ("other_model", None, False, "mismatch"),
-    ("other_tenant", None, False, "tenant_refused"),
-    ("tenant_a", SALTS["acme"], True, None),
-    ("tenant_a", SALTS["beta"], False, "tenant_refused"),
-    ("public", SALTS["acme"], True, None),
-    ("public", SALTS["beta"], True, None),
-    ("public", "salt-nobody", False, "tenant_unknown"),
-    ("s3_hit", None, True, None),
+    ("corrupt", None, None, False, "corrupt"),
+    ("expired", None, None, False, "expired"),
+    ("other_model", None, None, False, "mismatch"),
+    ("other_tenant", None, None, False, "absent"),  # beta's, asked for by acme: refused
+    ("tenant_a", SALTS["acme"], None, True, None),
+    ("tenant_a", SALTS["beta"], None, False, "absent"),  # acme's, asked for by beta: refused
+    ("public", SALTS["acme"], None, True, None),
+    ("public", SALTS["beta"], None, True, None),
+    ("public", "salt-nobody", None, False, "absent"),  # a salt no tenant lists
+    ("s3_hit", None, None, True, None),
+    ("unstored", None, None, False, "absent"),  # acme's miss, nobody holding it
+    ("unstored", SALTS["beta"], None, False, "absent"),  # beta's
+    ("other_tenant", None, "beta", False, "absent"),  # beta's name without beta's salt
+    ("other_tenant", None, "nobody", False, "absent"),  # a name the config does not know
 ]
+
+
+def local_call(calls, name: str, salt: str | None = None, tenant: str | None = None) -> dict:
+    (i,) = [i for i, (n, s, t, _, _) in enumerate(LOCAL) if (n, s, t) == (name, salt, tenant)]
+    return calls[i]
 
 
 def names_of(config, tenant: str, ids) -> list[str]:
@@ -119,7 +132,8 @@ def failures(engine, tmp_path_factory):
         flip_a_payload_byte(nvme / "objects" / names_of(cfg, TENANT, p["corrupt"])[1])
         put_another_models_kv(cfg, nvme, p["other_model"])
         ids = all_ids()
-        steps = [{"name": "local", "requests": [request(ids[n], salt=s) for n, s, _, _ in LOCAL], "together": True},
+        steps = [{"name": "local", "requests": [request(ids[n], salt=s, tenant=t) for n, s, t, _, _ in LOCAL],
+                  "together": True},
                  {"name": "kill_s3", "barrier": True},
                  {"name": "s3_down", "requests": [request(ids["s3_down"])]}]
         proc = start_engine(engine_spec(steps, extra=connector(cfg, write_back=False)), d / "engine", env=S3_ENV)
@@ -139,8 +153,8 @@ def failures(engine, tmp_path_factory):
 def test_every_broken_snapshot_is_a_counted_miss_and_the_request_gets_the_cold_tokens(failures, cold,
                                                                                       same_as_cold):
     calls = failures.calls("local")
-    for (name, salt, loads, reason), call in zip(LOCAL, calls):
-        what = f"{name} (salt {salt})"
+    for (name, salt, tenant, loads, reason), call in zip(LOCAL, calls):
+        what = f"{name} (salt {salt}, kvwarm_tenant {tenant})"
         got = outcome(call)
         if got.get("loaded_tokens"):
             same_as_cold(name, call["tokens"])  # prefill warm's KV: up to a near tie
@@ -153,11 +167,13 @@ def test_every_broken_snapshot_is_a_counted_miss_and_the_request_gets_the_cold_t
             assert got.get("loaded_tokens", 0) < 512 and got.get("reason") == reason, (what, got)
     stats = failures.stats("local")
     failed = {k: v for k, v in stats.items() if k.startswith(("misses:", "load_failures:")) and v}
-    for reason in ("corrupt", "expired", "mismatch", "tenant_refused", "tenant_unknown"):
+    for reason in ("corrupt", "expired", "mismatch", "tenant_refused", "tenant_unknown", "tenant_unverified"):
         assert any(k.endswith(":" + reason) for k in failed), (reason, failed)
     # what loaded: the four good prefixes, and the corrupt one's first block at most
     loaded = [outcome(c).get("loaded_tokens", 0) for c in calls]
     assert count(stats, "tokens_loaded") == sum(loaded) == 512 * sum(1 for *_, ok, _ in LOCAL if ok) + loaded[0]
+    misses = sum(v for k, v in stats.items() if k.startswith("misses:"))
+    assert count(stats, "lookups") == len(LOCAL) == count(stats, "hits") + misses
 
 
 @pytest.mark.s3
@@ -176,3 +192,26 @@ def test_another_tenants_prefix_loads_nothing_and_the_refusal_is_counted(failure
     # acme asking for beta's prefix, and beta's salt asking for acme's prefix
     assert count(stats, "refused_cross_tenant") == 2
     assert count(stats, "misses", "tenant_refused") == 2
+
+
+def seen(call: dict) -> dict:
+    """Everything the client received but the generated tokens and the batch's wall time."""
+    return {k: v for k, v in call.items() if k not in ("tokens", "index", "seconds", "rep")}
+
+
+@pytest.mark.s3
+def test_a_client_cannot_tell_a_refusal_from_a_prompt_nobody_stores(failures, cold):
+    calls = failures.calls("local")
+    absent = seen(local_call(calls, "unstored"))
+    assert absent["kv_transfer_params"] == {"kvwarm": {"loaded_tokens": 0, "reason": "absent"}}, absent
+    # another tenant holds it, or nobody does: the same, for acme and for beta
+    assert seen(local_call(calls, "other_tenant")) == absent
+    assert seen(local_call(calls, "tenant_a", SALTS["beta"])) == seen(local_call(calls, "unstored", SALTS["beta"]))
+    assert seen(local_call(calls, "public", "salt-nobody")) == absent
+    # a configured tenant's name and an unknown one, without a salt: the same call, tokens included (cold)
+    named, unknown = local_call(calls, "other_tenant", tenant="beta"), local_call(calls, "other_tenant", tenant="nobody")
+    assert seen(named) == seen(unknown) == absent and named["tokens"] == unknown["tokens"] == cold["other_tenant"]
+    # the server knows why
+    stats = failures.stats("local")
+    assert count(stats, "misses", "tenant_unverified") == 2 and count(stats, "misses", "tenant_unknown") == 1
+

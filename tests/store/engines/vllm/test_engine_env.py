@@ -83,3 +83,18 @@ def test_the_kernel_writer_writes_what_the_probed_order_says_for_a_slice_of_head
     assert torch.equal(rk, k) and torch.equal(rv, v)
     with pytest.raises(ValueError, match="do not fill"):
         cpu_block_writer(isa)(by_kernel, [1], k, v)
+
+
+def test_kvwarm_is_a_best_effort_cache_so_a_preemption_keeps_the_requests_output():
+    """vLLM's default ``requires_kv_delivery`` is the producer role (true for ``kv_both``, the role kvwarm
+    runs in): the scheduler would then drop a preempted request's in-flight output as for a hand-off."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+    from store.engines.vllm import KvwarmConnector
+
+    conn = KvwarmConnector.__new__(KvwarmConnector)  # the property reads no state: no engine is started
+    conn._kv_transfer_config = KVTransferConfig(kv_connector="KvwarmConnector", kv_role="kv_both",
+                                                kv_connector_module_path="store.engines.vllm")
+    assert KVConnectorBase_V1.requires_kv_delivery.fget(conn) is True  # what kvwarm overrides
+    assert conn.requires_kv_delivery is False

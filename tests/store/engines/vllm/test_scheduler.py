@@ -65,7 +65,8 @@ def test_vllms_own_hit_is_not_loaded_again_and_the_second_half_of_a_block_is(tmp
     (load,) = r.build_plan(Out()).loads
     assert (load.start, load.end, load.block_ids) == (24, 48, (23, 24, 25))
     assert load.token_ids == tuple(ids[:48])  # the chain from its root
-    assert ask(r, req, computed=3 * KB) == (0, False)
+    r.update_output(WorkerReport([LoadResult("r", loaded=24, planned=24)]), None)
+    assert ask(r, req, computed=3 * KB) == (0, False)  # preempted, then asked again: vLLM's cache has it all
     assert "misses:engine_cached" not in r.stats()  # the request was counted once, as a hit
     assert (r.stats()["lookups"], r.stats()["hits"]) == (1, 1)
 
@@ -80,12 +81,15 @@ def test_repeated_asks_probe_once_and_count_once(tmp_path, monkeypatch) -> None:
     req = Req("r", ids)
     for _ in range(17):  # a request waiting for free blocks is asked at every step
         assert ask(r, req) == (2 * KB, False)
-    assert len(calls) == 1 and r.stats()["lookups"] == 1
+    assert len(calls) == 1 and "lookups" not in r.stats()  # counted with its outcome: the worker's report
+    r.update_state_after_alloc(req, list(range(5)), 2 * KB)
+    r.update_output(WorkerReport([LoadResult("r", loaded=2 * KB, planned=2 * KB)]), None)
+    assert (r.stats()["lookups"], r.stats()["hits"]) == (1, 1)
 
 
 @pytest.mark.parametrize("case, reason", [
     ("absent", "absent"), ("short", "short_prompt"), ("cached", "engine_cached"),
-    ("salt", "tenant_unknown"), ("claim", "tenant_refused"), ("name", "tenant_unknown"), ("lora", "unsupported"),
+    ("salt", "tenant_unknown"), ("claim", "tenant_refused"), ("name", "tenant_unverified"), ("lora", "unsupported"),
     ("image", "unsupported"),
 ])
 def test_misses_are_counted_under_their_reason(tmp_path, case: str, reason: str) -> None:
@@ -105,7 +109,8 @@ def test_misses_are_counted_under_their_reason(tmp_path, case: str, reason: str)
     assert ask(r, req, computed=2 * KB if case == "cached" else 0) == (0, False)
     s = r.stats()
     assert s["lookups"] == 1 and s[f"misses:{reason}"] == 1 and s.get("hits", 0) == 0
-    assert r.request_finished(req)["kvwarm"]["reason"] == reason
+    # the client is told no tenancy reason (test_scheduler_tenancy.py)
+    assert r.request_finished(req)["kvwarm"]["reason"] == ("absent" if reason.startswith("tenant_") else reason)
 
 
 def test_another_tenants_prefix_is_refused_and_counted_and_public_serves_both(tmp_path) -> None:
@@ -199,7 +204,7 @@ def test_a_failed_load_is_reported_and_its_recomputed_blocks_are_written_back(tm
     # vLLM recomputes from the first bad block: the request comes back with its computed count cut there
     plan = r.build_plan(Out(scheduled_cached_reqs=Cached(["r"], [None], [KB]), num_scheduled_tokens={"r": 2 * KB + 1}))
     assert [(s.first, s.block_ids) for s in plan.saves] == [(1, (12, 13, 14, 15))]
-    assert r.request_finished(req)["kvwarm"] == {"tenant": "acme", "loaded_tokens": KB, "reason": "corrupt"}
+    assert r.request_finished(req)["kvwarm"] == {"loaded_tokens": KB, "reason": "corrupt"}
 
 
 def test_a_load_unreported_when_the_request_finishes_worked(tmp_path) -> None:
@@ -269,7 +274,9 @@ def test_sync_mode_gives_up_at_the_timeout_and_counts_it(tmp_path) -> None:
     assert ask(r, req) == (None, False)
     stub.now = 2.5
     assert ask(r, req) == (KB, False)
-    assert r.stats()["shortened:fetch_timeout"] == 1
+    r.update_state_after_alloc(req, list(range(7)), KB)
+    r.update_output(WorkerReport([LoadResult("r", loaded=KB, planned=KB)]), None)
+    assert r.stats()["shortened:fetch_timeout"] == 1  # with the hit
 
 
 def test_background_mode_answers_now_and_fetches_for_next_time(tmp_path) -> None:

@@ -1,18 +1,24 @@
-"""A request's tenant: cache_salt through the config, kvwarm_tenant, the default; refusals named."""
+"""A request's tenant: cache_salt through the config, kvwarm_tenant only when trusted, the default; refusals named."""
 from __future__ import annotations
 
 import pytest
 
 from store.config import parse_config
-from store.engines.vllm.tenancy import RequestTenant, TenantBook
+from store.engines.vllm.tenancy import TENANCY_REASONS, RequestTenant, TenantBook, client_reason
 from store.errors import ConfigError
+
+TENANTS = {"acme": {"cache_salts": ["salt-a", "salt-a2"]},
+           "bolt": {"cache_salts": ["salt-b"], "secret_env": "BOLT_SECRET_FOR_TEST"}}
 
 
 @pytest.fixture()
 def book() -> TenantBook:
-    cfg = parse_config({"tenants": {"acme": {"cache_salts": ["salt-a", "salt-a2"]},
-                                    "bolt": {"cache_salts": ["salt-b"], "secret_env": "BOLT_SECRET_FOR_TEST"}}})
-    return TenantBook(cfg, "acme")
+    return TenantBook(parse_config({"tenants": TENANTS}), "acme")
+
+
+@pytest.fixture()
+def trusting() -> TenantBook:
+    return TenantBook(parse_config({"tenants": {**TENANTS, "trust_named": True}}), "acme")
 
 
 def test_the_default_tenant_serves_requests_that_name_none(book: TenantBook) -> None:
@@ -23,23 +29,38 @@ def test_the_default_tenant_serves_requests_that_name_none(book: TenantBook) -> 
 def test_cache_salts_map_to_their_tenant(book: TenantBook) -> None:
     assert book.resolve("salt-b", None).name == "bolt"
     assert book.resolve("salt-a2", None).name == "acme"
+    assert book.resolve("salt-b", {"kvwarm_tenant": "bolt"}).name == "bolt"  # a name with its salt
 
 
-def test_kv_transfer_params_name_a_known_tenant(book: TenantBook) -> None:
-    assert book.resolve(None, {"kvwarm_tenant": "bolt"}).name == "bolt"
-    assert book.resolve(None, {"kvwarm_tenant": "public"}).name == "public"
-    assert book.resolve("salt-b", {"kvwarm_tenant": "bolt"}).name == "bolt"
+@pytest.mark.parametrize("name", ["bolt", "acme", "public", "mallory", 7])
+def test_a_name_without_its_salt_selects_nothing_unless_the_gateway_is_trusted(book, trusting, name) -> None:
+    got = book.resolve(None, {"kvwarm_tenant": name})
+    assert got.name is None and got.refusal == "tenant_unverified" and got.detail
+    if name in ("bolt", "acme", "public"):
+        assert trusting.resolve(None, {"kvwarm_tenant": name}).name == name
+    else:
+        assert trusting.resolve(None, {"kvwarm_tenant": name}).refusal == "tenant_unknown"
 
 
 @pytest.mark.parametrize("salt, params, refusal", [
     ("salt-unmapped", None, "tenant_unknown"),
-    (None, {"kvwarm_tenant": "mallory"}, "tenant_unknown"),
-    (None, {"kvwarm_tenant": 7}, "tenant_unknown"),
     ("salt-a", {"kvwarm_tenant": "bolt"}, "tenant_refused"),
+    ("salt-a", {"kvwarm_tenant": "mallory"}, "tenant_refused"),
 ])
-def test_requests_kvwarm_must_not_serve_get_nothing_and_say_why(book, salt, params, refusal) -> None:
-    got = book.resolve(salt, params)
-    assert got.name is None and got.refusal == refusal and got.detail
+def test_requests_kvwarm_must_not_serve_get_nothing_and_say_why(book, trusting, salt, params, refusal) -> None:
+    for b in (book, trusting):
+        got = b.resolve(salt, params)
+        assert got.name is None and got.refusal == refusal and got.detail
+
+
+def test_a_client_is_told_absent_for_every_tenancy_reason() -> None:
+    assert TENANCY_REASONS == {"tenant_unknown", "tenant_refused", "tenant_unverified"}
+    assert {client_reason(r) for r in TENANCY_REASONS} == {"absent"}
+    assert [client_reason(r) for r in ("corrupt", "short_prompt", None)] == ["corrupt", "short_prompt", None]
+
+
+def test_a_claim_is_logged_cut_short(book) -> None:
+    assert len(book.resolve(None, {"kvwarm_tenant": "x" * 10_000}).detail) < 200
 
 
 def test_credentials_are_read_once_and_need_their_secret(book: TenantBook, monkeypatch) -> None:
