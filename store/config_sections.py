@@ -1,0 +1,205 @@
+"""The sections of kvwarm's configuration file (``kv_cache``, ``store``, ``loader``, ``monitoring``,
+``tenants.<name>``): one frozen pydantic model each, checked field by field.
+
+:mod:`store.config` puts them together into :class:`store.config.KvwarmConfig` and reads files;
+the field descriptions are the configuration reference (``docs/generate.py``).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+
+from store.errors import ConfigError
+from store.format.precision import Precision
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class KvCacheConfig(_Section):
+    """What is cached and how. ``reuse_strategy`` never allows serving KV across prefixes."""
+
+    reuse_strategy: Literal["exact_prefix", "similarity"] = Field(
+        "exact_prefix",
+        description="Serving always reuses KV for an exact token prefix only. 'similarity' makes mining "
+        "group near-duplicate prompts (MinHash LSH) to find their shared prefix; it never hands a "
+        "request KV computed for different tokens.",
+    )
+    similarity_threshold: float = Field(
+        0.85, ge=0.5, le=1.0,
+        description="Jaccard threshold of the MinHash LSH that groups prompts into families while mining: the "
+        "first run's. Later runs of a store adapt it between 0.7 and 0.95 by the last measured hit rate.",
+    )
+    max_shared_instances: int = Field(
+        8, ge=1, le=1024,
+        description="Serving processes on one node that may attach to the node's shared snapshot pool at once. "
+        "It bounds the pool's bookkeeping, not tenants or requests; a process beyond it serves cold (misses "
+        "with reason max_shared_instances) and retries every 5 s.",
+    )
+    compression: Literal["fp8", "bf16", "fp16", "fp32"] = Field(
+        "fp8", description="Storage dtype of the KV. fp8 is e4m3 with fp32 scales; fp32 is lossless for fp32 "
+        "models (4x the bytes of fp8: for exactness checks, not production).")
+    scale_granularity: Literal["head", "head_group"] = Field(
+        "head", description="FP8 scales per layer and kv head, or per kv head and group of group_tokens tokens.")
+    group_tokens: int = Field(0, ge=0, description="Tokens per scale group; at least 1 with head_group.")
+    keep_layers: tuple[int, ...] = Field(
+        (0,), description="Layers stored unquantised (keep_dtype) when compression is fp8. Default [0]: layer 0 "
+        "is where FP8 loses most (docs/concepts/precision.md); [] stores FP8 everywhere. Snapshots of "
+        "different settings have different keys and never mix.",
+    )
+    keep_dtype: Literal["bf16", "fp16"] = Field("bf16", description="Dtype of the keep_layers.")
+    block_size: int = Field(256, ge=1, le=65536, description="Tokens per block, i.e. per snapshot file.")
+    ttl_hours: float = Field(4.0, gt=0, description="Default lifetime of a snapshot; within the policy bounds.")
+    ttl_min_hours: float = Field(2.0, gt=0, description="Shortest TTL allowed: shorter ones are clamped up "
+                                 "(plan entries) or refused (explicit TTLs).")
+    ttl_max_hours: float = Field(6.0, gt=0, description="Longest TTL allowed: longer ones are clamped down or "
+                                 "refused. GC deletes S3 objects older than this.")
+
+    @model_validator(mode="after")
+    def _check(self) -> "KvCacheConfig":
+        if self.ttl_min_hours > self.ttl_max_hours:
+            raise ValueError(
+                f"ttl_min_hours ({self.ttl_min_hours}) must not exceed ttl_max_hours ({self.ttl_max_hours})"
+            )
+        if not self.ttl_min_hours <= self.ttl_hours <= self.ttl_max_hours:
+            raise ValueError(
+                f"ttl_hours = {self.ttl_hours} is outside the policy bounds "
+                f"[{self.ttl_min_hours}, {self.ttl_max_hours}] (ttl_min_hours, ttl_max_hours)"
+            )
+        if self.scale_granularity == "head_group" and self.group_tokens < 1:
+            raise ValueError("scale_granularity = 'head_group' needs group_tokens >= 1")
+        return self
+
+    def precision(self) -> Precision:
+        """The storage precision these settings describe."""
+        return Precision(
+            compression=self.compression,
+            granularity=self.scale_granularity,
+            group_tokens=self.group_tokens,
+            keep_layers=tuple(self.keep_layers),
+            keep_dtype=self.keep_dtype,
+        )
+
+    def ttl_seconds(self, hours: float | None = None) -> float:
+        """A TTL in seconds, the default one or ``hours`` checked against the policy bounds."""
+        h = self.ttl_hours if hours is None else hours
+        if not self.ttl_min_hours <= h <= self.ttl_max_hours:
+            raise ConfigError(
+                f"ttl = {h} h is outside the policy bounds [{self.ttl_min_hours}, {self.ttl_max_hours}] h"
+            )
+        return h * 3600.0
+
+    @property
+    def ttl_max_s(self) -> float:
+        """The longest TTL the policy allows, in seconds (what GC holds remote objects to)."""
+        return self.ttl_max_hours * 3600.0
+
+    def clamp_ttl(self, ttl_s: float | None) -> float:
+        """A TTL in seconds clamped into the policy bounds (``ttl_min_hours`` .. ``ttl_max_hours``);
+        the default TTL (``ttl_hours``) when none is given. The one clamp of plan and prefill TTLs."""
+        if ttl_s is None:
+            return self.ttl_seconds()
+        return min(max(float(ttl_s), self.ttl_min_hours * 3600.0), self.ttl_max_s)
+
+
+class S3Config(_Section):
+    """How to reach the S3 tier (any S3-compatible endpoint)."""
+
+    endpoint_url: Optional[str] = Field(
+        None, description="Any S3-compatible endpoint (SeaweedFS, MinIO, Ceph...); none: AWS.")
+    access_key_env: Optional[str] = Field(None, description="Env var holding the access key (else boto's chain).")
+    secret_key_env: Optional[str] = Field(None, description="Env var holding the secret key (else boto's chain).")
+    region: str = Field("us-east-1", description="The S3 region.")
+    connect_timeout_s: float = Field(3.0, gt=0, description="botocore's connect timeout.")
+    read_timeout_s: float = Field(10.0, gt=0, description="botocore's read timeout.")
+    op_timeout_s: float = Field(
+        30.0, gt=0, description="Hard ceiling on any one S3 call, retries included: an unreachable endpoint fails "
+        "with StoreUnavailable after at most this long.")
+    retries: int = Field(2, ge=0, le=10, description="Retries per S3 call.")
+
+
+class StoreConfig(_Section):
+    """Where snapshots live and how much room they may take."""
+
+    url: str = Field(
+        "file://~/.cache/kvwarm",
+        description="Tiers, fastest first, comma-separated: 'file:///var/cache/kvwarm' alone, or "
+        "'file:///var/cache/kvwarm,s3://bucket/prefix'. An s3:// URL alone adds the default local tier.",
+    )
+    nvme_cap: ByteSize = Field(ByteSize(64 << 30), description="Hard ceiling on the local tier's bytes (snapshots "
+                               "plus writes in flight), e.g. '64GiB', '2GB' or bytes.")
+    recency_flush_s: float = Field(5.0, ge=0, description="Readers record accesses in memory and write them to the "
+                                   "index at most this often (LRU without a disk write per read).")
+    evict_to_fraction: float = Field(0.9, gt=0, le=1.0, description="When a write does not fit, evict (expired "
+                                     "first, then least recently used) down to this fraction of the cap.")
+    s3: S3Config = Field(S3Config(), description="How to reach the S3 tier.")
+
+
+class LoaderConfig(_Section):
+    """Serving-side loader defaults (``store.serving.loader.KVLoader`` keywords override them)."""
+
+    pool_bytes: ByteSize = Field(ByteSize(8 << 30), description="Most snapshot bytes a node keeps mapped, e.g. '16GiB'.")
+    pool_dir: Optional[str] = Field(None, description="Where the node pool's state lives (default under /dev/shm).")
+    fetch_mode: Literal["background", "sync"] = Field(
+        "background", description="NVMe miss with an S3 hit: answer miss now and fetch for next time, or wait.")
+    sync_fetch_timeout_s: float = Field(2.0, gt=0, description="Most a lookup waits for S3 in sync mode.")
+    s3_backoff_s: float = Field(30.0, ge=0, description="After S3 fails, do not ask it again for this long.")
+    verify_payload: bool = Field(True, description="Check payload checksums when a snapshot enters the pool.")
+    fetch_workers: int = Field(2, ge=1, le=64, description="Background fetch threads: S3 to NVMe for a lookup's "
+                               "NVMe miss (prefetch has its own prefetch_streams).")
+    prefetch_streams: int = Field(
+        8, ge=1, le=64, description="Chains a prefetch copies from S3 at once (parallel GETs), on threads of their "
+        "own; each chain block by block in prefix order, the plan's first entries first. S3 gives far more "
+        "bandwidth to parallel GETs than to one stream.")
+    dequant: Literal["table", "compiled", "auto"] = Field(
+        "table", description="CPU FP8 dequantiser: table (per-head tables; the native gather where it was built, "
+        "numpy otherwise), compiled (torch.compile), or auto (the native table where built, else the numpy "
+        "table until the compiled kernel is ready).")
+    public_prefixes: bool = Field(
+        True, description="Also look up prefixes prefilled for tenant 'public' (shared system prompts) and keep "
+                          "the longer hit.")
+    staging_bytes: ByteSize = Field(
+        ByteSize(64 << 20), description="Most pinned host memory a process keeps for moving stored KV to a GPU "
+        "(two slots used in turn; a larger load goes through in pieces), e.g. '64MiB'.")
+    write_back_queue_bytes: ByteSize = Field(
+        ByteSize(256 << 20), description="Most bytes of blocks the vLLM connector has copied out for write-back and "
+        "not yet written (pinned host memory on a GPU); a save that does not fit is dropped and counted.")
+
+    def with_overrides(self, **given: Any) -> "LoaderConfig":
+        """This section with each keyword that is not ``None`` in place of its value, validated
+        as the config file's values are (``KVLoader``'s keywords).
+
+        Raises:
+            ConfigError: one line per bad keyword: ``loader.key = value: what is allowed``.
+        """
+        from store.config import _format_errors  # the file's error format (store.config imports this module)
+
+        update = {k: os.fspath(v) if isinstance(v, os.PathLike) else v for k, v in given.items() if v is not None}
+        try:
+            return LoaderConfig.model_validate({**self.model_dump(), **update})
+        except ValidationError as exc:
+            raise ConfigError(_format_errors(exc, "KVLoader keywords").replace("\n  ", "\n  loader.")) from None
+
+
+class MonitoringConfig(_Section):
+    """Prices for the economics family of ``prefill report`` and the flows' report."""
+
+    gpu_price_per_hour: Optional[float] = Field(
+        None, ge=0, description="Price of one GPU-hour (any currency) for prefill cost per 1,000 requests.")
+    prefill_tokens_per_s: Optional[float] = Field(
+        None, gt=0, description="Prefill rate to value saved tokens at (default: the rate the run's prefill measured).")
+
+
+class TenantConfig(_Section):
+    """Where a tenant's secrets come from (never the secrets themselves)."""
+
+    secret_env: Optional[str] = Field(None, description="Env var holding the tenant's salt secret.")
+    encryption_key_env: Optional[str] = Field(
+        None, description="Env var holding a hex 32-byte AES-GCM key: S3 objects are encrypted at rest."
+    )
+    cache_salts: tuple[str, ...] = Field(
+        (), description="vLLM cache_salt values whose requests are this tenant's (the KV connector maps a "
+        "request's cache_salt to its tenant through these).")
