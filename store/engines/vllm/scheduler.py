@@ -38,11 +38,10 @@ from store.engines.vllm.planning import (
     kv_blocks_spanned,
     load_spec,
     matched_tokens,
-    prompt_tokens_scheduled,
-    save_spec,
     stored_block_bytes,
 )
 from store.engines.vllm.probe import ProbeHit, StoreProbe
+from store.engines.vllm.saves import SavePlanner
 from store.engines.vllm.settings import ConnectorSettings, check_block_sizes
 from store.engines.vllm.stats import Counters, merge
 from store.engines.vllm.tenancy import TENANCY_REASONS, TenantBook, client_reason
@@ -94,6 +93,7 @@ class SchedulerRole:
         self.block_bytes = stored_block_bytes(precision, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
                                               kv_block=self.kv_block)
         self.write_back = settings.write_back and tp_size == 1
+        self.saves = SavePlanner(write_back=self.write_back, kv_block=self.kv_block, engine_block=engine_block)
         if settings.write_back and tp_size > 1:
             log.warning("kvwarm write-back is off: with %d tensor-parallel workers no worker holds every KV head",
                         tp_size)
@@ -225,10 +225,10 @@ class SchedulerRole:
                     why = "error"
             st.hit = self.probe.probe(st.tenant, st.prompt)
             st.fetch_reason = why if st.hit.blocks < st.hit.full_blocks else None
-            self._save_where(st)
+            self.saves.where(st)
             return st.hit
         hit = st.hit = self.probe.probe(st.tenant, st.prompt)
-        self._save_where(st)
+        self.saves.where(st)
         if hit.blocks < hit.full_blocks and hit.reason in (None, "absent") and self.fetches.has_remote:
             if not self.fetches.usable(st.tenant):
                 st.fetch_reason = "store_unavailable"
@@ -245,17 +245,6 @@ class SchedulerRole:
             self.fetches.background(st.tenant, scope, chain[hit.blocks:])
             st.fetch_reason = "fetch_scheduled"
         return hit
-
-    @staticmethod
-    def _save_where(st: RequestState) -> None:
-        """Where write-back goes: on in the tenant's chain the hit is in, after it; after a hit
-        in ``public`` (or none), the tenant's plain chain from its first block, since a chain is
-        found only from its root (the tenant then holds its own copy of the public part)."""
-        hit = st.hit
-        if hit is not None and hit.blocks and hit.namespace == st.tenant:
-            st.save_from, st.save_chat = hit.blocks, hit.chat
-        else:
-            st.save_from, st.save_chat = 0, False
 
     def update_state_after_alloc(self, request: Any, block_table: Sequence[int], num_external: int) -> None:
         """vLLM allocated ``block_table`` (all the request's blocks); plan the load of ``num_external`` tokens."""
@@ -300,7 +289,7 @@ class SchedulerRole:
                 st = self.tracker.get(nr.req_id)
                 if st is not None:
                     st.block_table = list(nr.block_ids[0])
-                    prompt_tokens += self._step(st, nr.num_computed_tokens, scheduled.get(nr.req_id, 0), saves)
+                    prompt_tokens += self.saves.step(st, nr.num_computed_tokens, scheduled.get(nr.req_id, 0), saves)
             cached = scheduler_output.scheduled_cached_reqs
             for i, req_id in enumerate(cached.req_ids):
                 st = self.tracker.get(req_id)
@@ -311,31 +300,13 @@ class SchedulerRole:
                     st.block_table = list(new[0]) if new else []
                 elif new:
                     st.block_table.extend(new[0])
-                prompt_tokens += self._step(st, cached.num_computed_tokens[i], scheduled.get(req_id, 0), saves)
+                prompt_tokens += self.saves.step(st, cached.num_computed_tokens[i], scheduled.get(req_id, 0), saves)
             other = max(0, int(scheduler_output.total_num_scheduled_tokens) - prompt_tokens)
         except Exception:  # noqa: BLE001 - saves are best effort; the loads above are always sent
             log.exception("kvwarm could not plan this step's write-back")
             return StepPlan(loads=loads, computes=computes, copies=copies, ended=ended)
         return StepPlan(loads=loads, saves=tuple(saves), prompt_tokens=prompt_tokens, other_tokens=other,
                         computes=computes, copies=copies, ended=ended)
-
-    def _step(self, st: RequestState, computed: int, scheduled: int, saves: list[SaveSpec]) -> int:
-        """Plan the request's write-back for this step; returns its prompt tokens in the step."""
-        prompt = prompt_tokens_scheduled(len(st.prompt), computed, scheduled)
-        full = min(computed + scheduled, len(st.prompt)) // self.kv_block
-        public = st.hit.blocks if st.hit is not None and st.hit.namespace == PUBLIC else 0
-        # a prompt not yet past the public chain it was served from gets no copy of it for the tenant;
-        # after a refused save, nothing is planned again until the request computes prompt tokens
-        if self.write_back and st.tenant not in (None, PUBLIC) and not (public and full <= public) \
-                and not (st.save_wait and not prompt):
-            spec = save_spec(st.req_id, st.tenant, st.prompt, st.block_table, save_from=st.save_from,
-                             computed=computed, scheduled=scheduled, kv_block=self.kv_block,
-                             engine_block=self.engine_block, chat=st.save_chat)
-            if spec is not None:
-                st.save_from = spec.first + len(spec.block_ids) // self.ratio
-                st.save_wait = False
-                saves.append(spec)
-        return prompt
 
     def update_output(self, report: WorkerReport | None, worker_stats: Mapping[str, Any] | None) -> None:
         """What the worker reported after a step: each load's outcome, its timings, its counters."""
@@ -357,13 +328,11 @@ class SchedulerRole:
                 self._miss(st, r.reason or "error")
             if r.reason is not None:
                 st.reason = client_reason(r.reason)
-                # recomputed blocks may be written back (they replace what was corrupt, expired or gone)
-                st.save_from = min(st.save_from, (st.computed + r.loaded) // self.kv_block)
+                self.saves.load_failed(st, r.loaded)
         for req_id, first in report.refused.items():
             st = self.tracker.get(req_id)
-            if st is not None and first < st.save_from:
-                # its KV there was computed over a block that failed to load: saved once it is recomputed
-                st.save_from, st.save_wait = first, True
+            if st is not None:
+                self.saves.refused(st, first)
         if report.forward_tokens:
             self.costs.observe_prefill(report.forward_tokens, report.forward_seconds)
 

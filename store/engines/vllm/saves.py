@@ -1,0 +1,70 @@
+"""Write-back planning in the scheduler role: where a request's computed blocks go, and which to save each step.
+
+A request's blocks extend the chain its hit is in (plain or chat-keyed), after the hit; after a
+hit in ``public`` (or none), the tenant's own plain chain from block 0, once the prompt goes
+past the public blocks (a chain is found only from its root). Each step, the full prompt
+blocks computed since the last save are planned (:func:`store.engines.vllm.planning.save_spec`).
+A save the worker refused (its KV was computed over a failed load,
+:mod:`store.engines.vllm.validity`) moves the request back to the refused block, and nothing
+more is planned for it until a step computes prompt tokens again (the engine recomputing them).
+Pure: request states and numbers, no vLLM.
+"""
+from __future__ import annotations
+
+from store.engines.vllm.metadata import SaveSpec
+from store.engines.vllm.planning import prompt_tokens_scheduled, save_spec
+from store.engines.vllm.tracker import RequestState
+from store.identity.tenant import PUBLIC
+
+
+class SavePlanner:
+    """Which blocks of each request the worker copies out for write-back.
+
+    Args:
+        write_back: whether write-back is on at all.
+        kv_block: kvwarm's block size; ``engine_block``: vLLM's (which divides it).
+    """
+
+    def __init__(self, *, write_back: bool, kv_block: int, engine_block: int) -> None:
+        self.write_back = write_back
+        self.kv_block = kv_block
+        self.engine_block = engine_block
+        self.ratio = kv_block // engine_block
+
+    @staticmethod
+    def where(st: RequestState) -> None:
+        """Set where the request's write-back goes, from its hit (``save_from``, ``save_chat``)."""
+        hit = st.hit
+        if hit is not None and hit.blocks and hit.namespace == st.tenant:
+            st.save_from, st.save_chat = hit.blocks, hit.chat
+        else:
+            st.save_from, st.save_chat = 0, False
+
+    def step(self, st: RequestState, computed: int, scheduled: int, saves: list[SaveSpec]) -> int:
+        """Plan the request's save for this step into ``saves``; returns its prompt tokens in the step."""
+        prompt = prompt_tokens_scheduled(len(st.prompt), computed, scheduled)
+        full = min(computed + scheduled, len(st.prompt)) // self.kv_block
+        public = st.hit.blocks if st.hit is not None and st.hit.namespace == PUBLIC else 0
+        # a prompt not yet past the public chain it was served from gets no copy of it for the tenant;
+        # after a refused save, nothing is planned again until the request computes prompt tokens
+        if self.write_back and st.tenant not in (None, PUBLIC) and not (public and full <= public) \
+                and not (st.save_wait and not prompt):
+            spec = save_spec(st.req_id, st.tenant, st.prompt, st.block_table, save_from=st.save_from,
+                             computed=computed, scheduled=scheduled, kv_block=self.kv_block,
+                             engine_block=self.engine_block, chat=st.save_chat)
+            if spec is not None:
+                st.save_from = spec.first + len(spec.block_ids) // self.ratio
+                st.save_wait = False
+                saves.append(spec)
+        return prompt
+
+    def load_failed(self, st: RequestState, loaded_tokens: int) -> None:
+        """The request's load got ``loaded_tokens`` of its range: the blocks vLLM recomputes may be written back
+        (they replace what was corrupt, expired or gone)."""
+        st.save_from = min(st.save_from, (st.computed + loaded_tokens) // self.kv_block)
+
+    @staticmethod
+    def refused(st: RequestState, first: int) -> None:
+        """The worker did not store the request's blocks from ``first`` on (computed over a failed load)."""
+        if first < st.save_from:
+            st.save_from, st.save_wait = first, True
