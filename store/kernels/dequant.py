@@ -11,9 +11,9 @@ destination where possible:
 - whole snapshot payloads on the CPU (:meth:`Dequantizer.payload_layers`), mixed precision
   included: one operation per group (FP8 layers, kept layers) per snapshot, or one native
   gather for every FP8 part of a hit.
-- to a GPU, FP8 runs with per-head scales are gathered once into a reused pinned host
-  buffer, moved in one copy (FP8 bytes, half of bf16's) and dequantised there by the
-  reference arithmetic; anything else block by block through
+- to a GPU, FP8 runs with per-head scales are gathered into bounded, reused pinned host
+  slots (:mod:`store.kernels.staging`), moved piece by piece (FP8 bytes, half of bf16's) and
+  dequantised there by the reference arithmetic; anything else block by block through
   :func:`store.format.precision.dequantize`.
 
 :mod:`store.engines.paged` writes the result into the caches engines use.
@@ -32,7 +32,7 @@ import torch
 from store.format.precision import dequantize
 from store.format.runs import NP_SAME_SIZE, PayloadPlan, payload_plan
 from store.kernels import memory
-from store.kernels.staging import Staging, gather_to_device
+from store.kernels.staging import STAGING_BYTES, Staging, gather_to_device
 from store.kernels.table import bits_dtype, gather_parts, gather_payloads, native_isa
 
 if TYPE_CHECKING:
@@ -104,7 +104,8 @@ class Dequantizer:
     (always the table path).
     """
 
-    def __init__(self, mode: DequantMode = "table", executor: cf.Executor | None = None) -> None:
+    def __init__(self, mode: DequantMode = "table", executor: cf.Executor | None = None, *,
+                 staging_bytes: int = STAGING_BYTES) -> None:
         if mode not in ("auto", "table", "compiled"):
             raise ValueError(f"dequant mode {mode!r} is not allowed; choose auto, table or compiled")
         self.mode = mode
@@ -113,7 +114,7 @@ class Dequantizer:
         self._ready: set[tuple] = set()
         self._pending: set[tuple] = set()
         self._kernel: Callable[..., torch.Tensor] | None = None
-        self._staging = Staging()  # host buffers: hits bound for a GPU, whole payloads for the kernel
+        self._staging = Staging(staging_bytes)  # host buffers: hits bound for a GPU, whole payloads for the kernel
 
     def __call__(self, out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor | None,
                  group_tokens: int = 0) -> None:

@@ -1,19 +1,30 @@
-"""Host staging of a hit's stored bytes: reused host buffers, and the gather bound for a device.
+"""Host staging of a hit's stored bytes: bounded host buffers reused across hits, and the gather to a device.
 
-A hit's parts lie in many mappings (one per snapshot). Code that needs them in one
-place (the compiled CPU kernel, a copy to a GPU) copies them into a host buffer that
-:class:`Staging` keeps from one hit to the next: a pinned one always (pinning costs
-milliseconds), a plain one up to :data:`KEEP_STAGING_BYTES`. :func:`gather_to_device`
-copies the parts there with a few threads, each sending its slice on to the device as
-soon as it has copied it, so the gather and the transfer overlap. No arithmetic here:
-:mod:`store.kernels.dequant` dequantises what arrives.
+A hit's parts lie in many mappings (one per snapshot). Code that needs them in one place
+(the compiled CPU kernel, a copy to a GPU) copies them into a host buffer that
+:class:`Staging` keeps from one hit to the next:
+
+- for a device, :data:`SLOTS` pinned *slots* used in turn, together at most ``max_bytes``
+  (``loader.staging_bytes``). A transfer larger than a slot goes through in pieces: while
+  one slot's bytes are on their way to the device, the next piece is gathered into the other.
+  A slot is reused once the copy out of it is done (a CUDA event recorded after the copy:
+  the host waits for that copy, never for a whole stream). A slot is made as large as a
+  piece needs (at most its share of the bound) and made smaller again when the pieces of
+  the last :data:`SHRINK_AFTER` uses needed under a quarter of it.
+- for the CPU, one plain buffer up to :data:`KEEP_STAGING_BYTES` (whole payloads for the
+  compiled kernel), kept for the next hit.
+
+:func:`gather_to_device` copies the parts with a few threads (numpy copies: the GIL is
+released) and sends each piece on from the calling thread, on its current stream. No
+arithmetic here: :mod:`store.kernels.dequant` dequantises what arrives.
 """
 from __future__ import annotations
 
 import concurrent.futures as cf
 import os
 import threading
-from typing import Sequence
+from collections import deque
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -23,6 +34,12 @@ import torch
 GATHER_THREADS = max(1, min(4, (os.cpu_count() or 1)))
 #: A plain (unpinned) staging buffer up to this size is kept for the next hit.
 KEEP_STAGING_BYTES = 256 << 20
+#: Default bound on the pinned staging (``loader.staging_bytes``).
+STAGING_BYTES = 64 << 20
+#: Pinned slots used in turn (one filling while the other is copied out).
+SLOTS = 2
+#: A slot is made smaller when this many uses in a row needed under a quarter of it.
+SHRINK_AFTER = 32
 
 _executor: cf.ThreadPoolExecutor | None = None
 _executor_lock = threading.Lock()
@@ -37,46 +54,123 @@ def gather_pool() -> cf.ThreadPoolExecutor:
         return _executor
 
 
-class Staging:
-    """Host buffers reused across hits; hold :attr:`lock` from :meth:`buffer` until done with it."""
+class _Slot:
+    """One reusable host buffer, the event after which it is free again, and its recent needs."""
 
     def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+        self.free_after: Any = None  # a CUDA event, or None: free now
+        self.needs: deque[int] = deque(maxlen=SHRINK_AFTER)
+
+
+class Staging:
+    """Host buffers reused across hits; hold :attr:`lock` from :meth:`buffer` until done with it.
+
+    Args:
+        max_bytes: the most pinned memory kept for transfers to a device (all slots together).
+    """
+
+    def __init__(self, max_bytes: int = STAGING_BYTES) -> None:
+        if max_bytes < SLOTS:
+            raise ValueError(f"staging needs at least {SLOTS} bytes, got {max_bytes}")
         self.lock = threading.Lock()
-        self.pinned: torch.Tensor | None = None  # for hits bound for a GPU
+        self.max_bytes = int(max_bytes)
         self.host: torch.Tensor | None = None  # for the CPU (whole payloads for the compiled kernel)
+        self._slots = [_Slot() for _ in range(SLOTS)]
+        self._turn = 0
+        self.allocations = 0  # pinned (or device-bound) buffers made: reuse keeps it low
+
+    @property
+    def slot_bytes(self) -> int:
+        """The most one slot holds: a piece of a transfer is at most this large."""
+        return self.max_bytes // SLOTS
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes the slots hold now (at most ``max_bytes``)."""
+        return sum(s.buf.numel() for s in self._slots if s.buf is not None)
 
     def buffer(self, nbytes: int, *, pin: bool) -> torch.Tensor:
-        """A ``uint8`` buffer of ``nbytes``: the kept one when it is large enough."""
-        kept = self.pinned if pin else self.host
-        if kept is not None and kept.numel() >= nbytes:
-            return kept[:nbytes]
-        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        """A ``uint8`` buffer of ``nbytes``: the kept one when it is large enough (the CPU's, or a slot)."""
         if pin:
-            self.pinned = buf
-        elif nbytes <= KEEP_STAGING_BYTES:
+            return self.acquire(nbytes, pin=True)[0]
+        if self.host is not None and self.host.numel() >= nbytes:
+            return self.host[:nbytes]
+        buf = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes <= KEEP_STAGING_BYTES:
             self.host = buf
         return buf
+
+    def acquire(self, nbytes: int, *, pin: bool) -> tuple[torch.Tensor, int]:
+        """The next slot as a ``uint8`` buffer of ``nbytes``, once the copy out of it is done; and its number.
+
+        A piece larger than :attr:`slot_bytes` gets a buffer of its own, not kept.
+        """
+        i = self._turn
+        self._turn = (self._turn + 1) % SLOTS
+        slot = self._slots[i]
+        if slot.free_after is not None:
+            slot.free_after.synchronize()  # the copy out of this slot, not the stream
+            slot.free_after = None
+        if nbytes > self.slot_bytes:
+            self.allocations += 1
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin), i
+        slot.needs.append(nbytes)
+        size = 0 if slot.buf is None else slot.buf.numel()
+        shrink = size >= 4 * nbytes and len(slot.needs) == SHRINK_AFTER and max(slot.needs) * 4 <= size
+        if size < nbytes or shrink:
+            slot.buf = None  # drop the old one before making the new: the bound holds throughout
+            slot.buf = torch.empty(nbytes if shrink else min(self.slot_bytes, max(nbytes, size)),
+                                   dtype=torch.uint8, pin_memory=pin)
+            self.allocations += 1
+            if shrink:
+                slot.needs.clear()
+        return slot.buf[:nbytes], i
+
+    def release(self, slot: int, event: Any) -> None:
+        """The copy out of ``slot`` ends with ``event`` (a CUDA event; ``None``: it is done already)."""
+        self._slots[slot].free_after = event
+
+    def trim(self) -> None:
+        """Give back every kept buffer (idle, or shutting down)."""
+        for s in self._slots:
+            if s.free_after is not None:
+                s.free_after.synchronize()
+            s.buf, s.free_after = None, None
+            s.needs.clear()
+        self.host = None
+        empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
+        if callable(empty) and torch.cuda.is_available():
+            empty()  # the caching host allocator would keep the pages otherwise
 
 
 def gather_to_device(raw: Sequence[torch.Tensor], dev: torch.device, staging: Staging) -> torch.Tensor:
     """Equal-shaped CPU byte tensors (``uint8`` views of stored parts) as one ``[len(raw), *shape]``
-    ``uint8`` tensor on ``dev``, through ``staging``'s (pinned, for CUDA) buffer."""
+    ``uint8`` tensor on ``dev``, through ``staging``'s slots (pinned for CUDA), piece by piece."""
     shape = raw[0].shape
+    per = shape.numel()
     dst = torch.empty((len(raw), *shape), dtype=torch.uint8, device=dev)
-    with staging.lock:  # held until the copies out of the staging buffer are done
-        host = staging.buffer(len(raw) * shape.numel(), pin=dev.type == "cuda" and torch.cuda.is_available())
-        host = host.view(len(raw), *shape)
-        host_np = host.numpy()
-        step = -(-len(raw) // GATHER_THREADS)
+    cuda = dev.type == "cuda" and torch.cuda.is_available()
+    chunk = max(1, staging.slot_bytes // per)
+    with staging.lock:  # the slots are used in turn: one transfer at a time
+        for lo in range(0, len(raw), chunk):
+            hi = min(lo + chunk, len(raw))
+            host, slot = staging.acquire((hi - lo) * per, pin=cuda)
+            host = host.view(hi - lo, *shape)
+            host_np = host.numpy()
+            step = -(-(hi - lo) // GATHER_THREADS)
 
-        def gather(lo: int) -> None:
-            # numpy's copy: one thread per call and the GIL released (torch's copy would
-            # start an OpenMP team inside each of these threads)
-            hi = min(lo + step, len(raw))
-            for i in range(lo, hi):
-                np.copyto(host_np[i], raw[i].numpy())
-            dst[lo:hi].copy_(host[lo:hi], non_blocking=True)
-        list(gather_pool().map(gather, range(0, len(raw), step)))
-        if dev.type == "cuda":
-            torch.cuda.current_stream(dev).synchronize()  # the buffer is free again after this
+            def gather(a: int, host_np: np.ndarray = host_np, lo: int = lo, hi: int = hi, step: int = step) -> None:
+                # numpy's copy: one thread per call and the GIL released (torch's copy would
+                # start an OpenMP team inside each of these threads)
+                for j in range(a, min(a + step, hi - lo)):
+                    np.copyto(host_np[j], raw[lo + j].numpy())
+
+            list(gather_pool().map(gather, range(0, hi - lo, step)))
+            dst[lo:hi].copy_(host, non_blocking=cuda)
+            event = None
+            if cuda:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(dev))
+            staging.release(slot, event)
     return dst

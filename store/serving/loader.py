@@ -148,7 +148,8 @@ class KVLoader:
                                      timeout_s=d.sync_fetch_timeout_s, backoff_s=d.s3_backoff_s)
         self.prefetcher = Prefetcher(d.prefetch_streams, probe=self._probe_local, fetcher=self.fetcher,
                                      metrics=self.metrics)
-        self.dequantizer = dequant if isinstance(dequant, Dequantizer) else Dequantizer(d.dequant, self._executor)
+        self.dequantizer = dequant if isinstance(dequant, Dequantizer) else Dequantizer(
+            d.dequant, self._executor, staging_bytes=int(d.staging_bytes))
         self._closed = False
 
     # -- setup helpers -------------------------------------------------------

@@ -84,15 +84,41 @@ def write_layer(cache: torch.Tensor, layout: EngineLayout, block_ids: torch.Tens
         raise ValueError(f"unknown layout kind {layout.kind!r}")
 
 
-def take_blocks(cache: torch.Tensor, layout: EngineLayout,
-                block_ids: torch.Tensor | list[int] | tuple[int, ...]) -> torch.Tensor:
+def block_runs(block_ids: list[int] | tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """``block_ids`` as maximal runs of consecutive ids: ``(position, first id, length)`` each."""
+    runs: list[tuple[int, int, int]] = []
+    for pos, b in enumerate(int(x) for x in block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            p, first, n = runs[-1]
+            runs[-1] = (p, first, n + 1)
+        else:
+            runs.append((pos, b, 1))
+    return runs
+
+
+def take_blocks(cache: torch.Tensor, layout: EngineLayout, block_ids: torch.Tensor | list[int] | tuple[int, ...], *,
+                host: bool = False) -> torch.Tensor:
     """A copy of engine blocks ``block_ids`` of one layer, still in the engine's layout (one indexed copy:
-    the part of write-back that must happen before the engine reuses the blocks)."""
+    the part of write-back that must happen before the engine reuses the blocks).
+
+    With ``host`` and a cache on a device: into host memory (pinned where CUDA is), one
+    non-blocking copy per run of consecutive ids; it is complete once an event recorded on
+    the current stream after it has happened. No device memory is taken.
+    """
     src = _bits(cache)
     if layout.kind in _CPU_KINDS and src is not None:
         ids = np.asarray(block_ids, dtype=np.int64)
         return torch.from_numpy(src.reshape(layout.num_blocks, -1)[ids]).view(cache.dtype).view(
             len(ids), *cache.shape[1:])
+    if host:
+        axis = 1 if layout.kind == "kv_first" else 0
+        ids_list = [int(b) for b in block_ids]
+        shape = list(cache.shape)
+        shape[axis] = len(ids_list)
+        out = torch.empty(shape, dtype=cache.dtype, pin_memory=cache.device.type == "cuda")
+        for pos, first, n in block_runs(ids_list):
+            out.narrow(axis, pos, n).copy_(cache.narrow(axis, first, n), non_blocking=cache.device.type == "cuda")
+        return out
     ids_t = _ids(block_ids, cache.device)
     if layout.kind == "kv_first":
         return cache.index_select(1, ids_t)

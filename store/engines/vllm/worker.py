@@ -85,7 +85,7 @@ class WorkerRole:
         check_block_sizes(self.kv_block, engine_block)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.tenants = TenantBook(cfg, settings.tenant)
-        self.dequantizer = Dequantizer(cfg.loader.dequant)
+        self.dequantizer = Dequantizer(cfg.loader.dequant, staging_bytes=int(cfg.loader.staging_bytes))
         self.counters = Counters()
         self.clock = clock
         self.layout: EngineLayout | None = None
@@ -131,6 +131,7 @@ class WorkerRole:
             self.writer = WriteBack(Store(tiers_from_url(self.settings.store_url, cfg.store)), self.tenants,
                                     self.identities, cfg.kv_cache.precision(), kv_block=self.kv_block,
                                     ttl_s=cfg.kv_cache.ttl_seconds(), layout=layout, counters=self.counters,
+                                    max_bytes=int(cfg.loader.write_back_queue_bytes),
                                     s3_backoff_s=cfg.loader.s3_backoff_s)
 
     def loader(self, tenant: str, chat: bool) -> KVLoader:
@@ -295,7 +296,13 @@ class WorkerRole:
                     self.counters.add("write_back_dropped", len(spec.block_ids) * self.engine_block // self.kv_block,
                                       reason="queue_full")
                     continue
-                self.writer.submit(spec, [take_blocks(c, self.layout, spec.block_ids) for c in self.caches])
+                device = self.caches[0].device
+                layers = [take_blocks(c, self.layout, spec.block_ids, host=True) for c in self.caches]
+                ready = None
+                if device.type == "cuda":  # the copies run on the forward's stream, after it: wait for them there
+                    ready = torch.cuda.Event()
+                    ready.record(torch.cuda.current_stream(device))
+                self.writer.submit(spec, layers, ready=ready)
         tokens = plan.prompt_tokens + plan.other_tokens
         if plan.prompt_tokens >= PREFILL_MIN_TOKENS and plan.prompt_tokens >= PREFILL_SHARE * tokens:
             self._report.forward_tokens = tokens

@@ -2,7 +2,8 @@
 
 After a step's forward, the worker copies the blocks a :class:`store.engines.vllm.metadata.SaveSpec`
 names out of the engine's cache (one indexed copy per layer: the engine may reuse them once the
-step is over) and hands them to :class:`WriteBack`. One background thread does the rest, off the
+step is over; from a GPU into pinned host memory, with an event the writer waits for) and hands
+them to :class:`WriteBack`. One background thread does the rest, off the
 forward path: it reorders them into kvwarm's layout, skips blocks the store already holds,
 quantises at the configured precision (recording the error), and writes each block atomically
 through :meth:`store.tiers.store.Store.put` (every tier; with the config's TTL and the tenant's
@@ -19,7 +20,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -44,8 +45,9 @@ MAX_QUEUED_BYTES = 256 << 20
 @dataclass(frozen=True)
 class _Job:
     spec: SaveSpec
-    layers: list[torch.Tensor]  # per layer, the engine blocks as take_blocks copied them
+    layers: list[torch.Tensor]  # per layer, the engine blocks as take_blocks copied them (host memory)
     nbytes: int
+    ready: Any = None  # a CUDA event after the copies into ``layers``; None: they are done
 
 
 class WriteBack:
@@ -97,8 +99,12 @@ class WriteBack:
         with self._lock:
             return self._queued + nbytes <= self.max_bytes
 
-    def submit(self, spec: SaveSpec, layers: Sequence[torch.Tensor]) -> bool:
-        """Queue copied blocks for writing; ``False`` (counted) when the queue is full."""
+    def submit(self, spec: SaveSpec, layers: Sequence[torch.Tensor], ready: Any = None) -> bool:
+        """Queue copied blocks for writing; ``False`` (counted) when the queue is full.
+
+        ``ready``: an event (``synchronize()``) the copies into ``layers`` end with, waited for here,
+        on the writer's thread, before it reads them.
+        """
         nbytes = sum(t.numel() * t.element_size() for t in layers)
         with self._lock:
             if self._queued + nbytes > self.max_bytes:
@@ -106,7 +112,7 @@ class WriteBack:
                                   reason="queue_full")
                 return False
             self._queued += nbytes
-        self._queue.put(_Job(spec, list(layers), nbytes))
+        self._queue.put(_Job(spec, list(layers), nbytes, ready))
         return True
 
     def _run(self) -> None:
@@ -125,6 +131,8 @@ class WriteBack:
                 self._queue.task_done()
 
     def _write(self, job: _Job) -> None:
+        if job.ready is not None:
+            job.ready.synchronize()  # the device-to-host copies of this job, not a stream
         spec = job.spec
         tenant = self.tenants.credentials(spec.tenant)
         identity = self.identities[1] if spec.chat else self.identities[0]

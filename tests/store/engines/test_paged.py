@@ -8,6 +8,7 @@ from store.engines.paged import new_dynamic_cache
 from store.format.precision import Precision, dequantize, quantize
 from store.format.runs import payload_plan
 from store.kernels.dequant import Dequantizer, dequantize_into
+from store.kernels.staging import SLOTS
 from store.serving.loader import KVLoader
 from store.tiers.store import Store
 from tests.store.pool_workers import ACME, TINY, config, prefill_kv, prompt, tiny_model, write_prefix
@@ -164,9 +165,9 @@ def test_the_device_path_gives_the_same_bits_and_reuses_its_staging_buffer():
     dq = Dequantizer("table")
     got = dq._to_device(runs, torch.bfloat16, torch.device("cpu"))
     assert all(torch.equal(got[j], want[j]) for j in range(4))
-    buf = dq._staging.host
     smaller = dq._to_device([run[:2] for run in runs], torch.bfloat16, torch.device("cpu"))
-    assert dq._staging.host is buf  # reused, not reallocated
+    dq._to_device([run[:1] for run in runs], torch.bfloat16, torch.device("cpu"))
+    assert dq._staging.allocations == SLOTS  # one per slot, each then reused
     assert all(torch.equal(smaller[j], want[j][:, :32]) for j in range(4))
     # unscaled storage (bf16) takes the same path: the bytes, moved and laid out as they were
     plain = [[quantize(torch.randn((2, 16, 8), generator=g), Precision(compression="bf16"), 0) for _ in range(3)]

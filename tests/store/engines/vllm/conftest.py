@@ -31,6 +31,7 @@ from tests.store.engines.vllm.harness import (
     write_config,
 )
 from tests.store.engines.vllm.prompts import CHAT_LINE, SAME, SHARED, TEXT_LINE, all_ids, stored_prefix
+from tests.store.engines.vllm.worker_setup import worker  # noqa: F401 - the worker-role fixture, for every module
 
 
 @pytest.fixture(scope="session")

@@ -85,3 +85,23 @@ def test_values_are_converted_to_the_engine_dtype_and_bad_shapes_refused() -> No
     assert torch.equal(read_layer(cache, lay, [0, 1])[0], k.to(torch.float16))
     with pytest.raises(ValueError, match="do not fill 3 engine blocks"):
         write_layer(cache, lay, [0, 1, 2], k, v)
+
+
+def test_block_runs_cover_the_ids_in_order() -> None:
+    from store.engines.vllm.paging import block_runs
+
+    assert block_runs([4, 5, 6, 9, 2, 3]) == [(0, 4, 3), (3, 9, 1), (4, 2, 2)]
+    assert block_runs([]) == []
+
+
+def test_blocks_taken_to_host_in_runs_are_the_blocks() -> None:
+    from store.engines.vllm.layout import EngineLayout
+    from store.engines.vllm.paging import take_blocks
+
+    for kind, shape in (("split", (10, 2, 4, 16)), ("kv_first", (2, 10, 4, 2, 8))):
+        cache = torch.randn(shape).to(torch.bfloat16)
+        layout = EngineLayout(kind, 10, 2, 4, 8, torch.bfloat16)
+        ids = [3, 4, 5, 1, 8, 9]
+        got = take_blocks(cache, layout, ids, host=True)
+        want = cache.index_select(1 if kind == "kv_first" else 0, torch.tensor(ids))
+        assert torch.equal(got, want)
