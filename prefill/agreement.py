@@ -1,0 +1,141 @@
+"""The audit's agreement rule: is a snapshot's stored KV the model's KV for its tokens, to within its precision?
+
+Per layer and for K and V apart, ``measured`` is the relative L2 distance between the stored
+KV (dequantised) and the KV the model recomputes for the same tokens after the same prefix.
+The stored KV is the KV its writer computed, ``x_w``, rounded by the storage precision, whose
+relative error the header records (``quant_error``, measured against ``x_w`` when it was
+stored). So, by the triangle inequality, with ``x_r`` the recomputed KV::
+
+    ||stored - x_r|| <= ||stored - x_w|| + ||x_w - x_r||
+
+the first term is the recorded error, and the second is how far two implementations of the
+same model (vLLM's kernels, transformers; bf16, fp32) compute the same KV apart. Hence:
+
+    agrees  iff  measured <= min(recorded, STORAGE_BOUND[dtype]) + tolerance
+
+for every layer and both K and V. ``tolerance`` (:data:`TOLERANCE`) is the implementation
+tolerance: it must cover the largest difference two correct implementations show, and stay
+far below what wrong KV shows. The recorded error is trusted only up to what the storage
+dtype can introduce at all (:data:`STORAGE_BOUND`; a missing or non-finite record counts as
+that bound), so a writer cannot buy slack by recording a large error. The measurements behind
+the constants are in docs/guides/operating-a-store.md (``bench/audit_tolerance.py``).
+
+Pure: tensors in, a :class:`Verdict` out.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from store.format.precision import relative_errors
+
+#: The implementation tolerance (relative L2). Measured: KV that vLLM's CPU kernels computed and
+#: wrote back differs from transformers' by at most 0.011 beyond the recorded error (bf16 and
+#: FP8 storage, recomputed in bf16 or fp32); KV after a wrong prefix, at wrong positions or of
+#: another block differs by 0.47 or more in some layer. 0.05 is 4.5x the first, 9x below the second.
+TOLERANCE = 0.05
+
+#: The largest relative L2 error rounding to each storage dtype can introduce (half a unit in the
+#: last place, relatively: e4m3 keeps 3 mantissa bits, bf16 7, fp16 10; fp32 stores the model's
+#: bf16/fp16/fp32 KV exactly). FP8's subnormals add at most ~5e-4 at these scales, inside the tolerance.
+STORAGE_BOUND: Mapping[str, float] = {"fp8_e4m3": 2.0**-4, "bf16": 2.0**-8, "fp16": 2.0**-11, "fp32": 0.0}
+
+KINDS = ("k", "v")
+
+
+@dataclass(frozen=True)
+class LayerCheck:
+    """One layer's K or V: the distance measured, the error recorded and as trusted, the tolerance."""
+
+    layer: int
+    kind: str
+    measured: float
+    recorded: float | None
+    trusted: float
+    tolerance: float
+
+    @property
+    def allowed(self) -> float:
+        return self.trusted + self.tolerance
+
+    @property
+    def agrees(self) -> bool:
+        return self.measured <= self.allowed  # a NaN distance never agrees
+
+    @property
+    def excess(self) -> float:
+        """``measured`` beyond the trusted recorded error: what the tolerance has to cover."""
+        return self.measured - self.trusted
+
+    def describe(self) -> str:
+        rec = "none" if self.recorded is None else f"{self.recorded:.4f}"
+        return (f"layer {self.layer} {self.kind.upper()} is {self.measured:.4f} (relative L2) from the model's KV, "
+                f"allowed {self.allowed:.4f} (recorded error {rec})")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Every layer's checks of one snapshot: it agrees when every one does."""
+
+    checks: tuple[LayerCheck, ...]
+
+    @property
+    def agrees(self) -> bool:
+        return all(c.agrees for c in self.checks)
+
+    @property
+    def worst(self) -> LayerCheck:
+        """The check nearest to (or furthest past) its allowance."""
+        return max(self.checks, key=lambda c: c.measured - c.allowed if not math.isnan(c.measured) else math.inf)
+
+    def reason(self) -> str:
+        """Why it disagrees (the worst check), for the quarantine note; ``""`` when it agrees."""
+        if self.agrees:
+            return ""
+        bad = [c for c in self.checks if not c.agrees]
+        return (f"KV differs from the model's recomputation: {self.worst.describe()}"
+                f"{f'; {len(bad) - 1} more layer check(s) over' if len(bad) > 1 else ''}")
+
+
+def trusted_error(recorded: float | None, dtype: str) -> float:
+    """The recorded error as the rule trusts it: capped at the storage dtype's bound
+    (:data:`STORAGE_BOUND`), which also stands in for a missing, negative or non-finite record."""
+    bound = STORAGE_BOUND.get(dtype, STORAGE_BOUND["fp8_e4m3"])
+    if recorded is None or not math.isfinite(recorded) or recorded < 0:
+        return bound
+    return min(recorded, bound)
+
+
+def judge(stored: Sequence[tuple[torch.Tensor, torch.Tensor]], recomputed: Sequence[tuple[torch.Tensor, torch.Tensor]],
+          recorded: Mapping[str, Sequence[float]], dtypes: Sequence[str], *, tolerance: float = TOLERANCE) -> Verdict:
+    """Compare one block's stored KV with the model's, layer by layer (see the module doc).
+
+    Args:
+        stored: per layer ``(K, V)`` as stored, dequantised (``[kv_heads, block_size, head_dim]``).
+        recomputed: the same from the model, in any float dtype.
+        recorded: the header's ``quant_error`` (``k_rel_l2``, ``v_rel_l2``: one value per layer).
+        dtypes: each layer's storage dtype (``Precision.layer_dtype``).
+        tolerance: the implementation tolerance (:data:`TOLERANCE`).
+
+    Raises:
+        ValueError: the layer counts or shapes differ, or ``tolerance`` is negative.
+    """
+    if tolerance < 0 or not math.isfinite(tolerance):
+        raise ValueError(f"tolerance must be a finite non-negative relative error, got {tolerance!r}")
+    if not (len(stored) == len(recomputed) == len(dtypes)):
+        raise ValueError(f"{len(stored)} stored layers, {len(recomputed)} recomputed, {len(dtypes)} dtypes")
+    checks = []
+    for kind_i, kind in enumerate(KINDS):
+        ref = torch.stack([r[kind_i].to(torch.float32) for r in recomputed])
+        got = torch.stack([s[kind_i].to(torch.float32) for s in stored])
+        if ref.shape != got.shape:
+            raise ValueError(f"stored {kind.upper()} is {tuple(got.shape)}, recomputed {tuple(ref.shape)}")
+        distances = relative_errors(ref, got).tolist()
+        values = list(recorded.get(f"{kind}_rel_l2") or ())
+        for layer, measured in enumerate(distances):
+            rec = float(values[layer]) if layer < len(values) and values[layer] is not None else None
+            checks.append(LayerCheck(layer, kind, float(measured), rec, trusted_error(rec, dtypes[layer]), tolerance))
+    return Verdict(tuple(sorted(checks, key=lambda c: (c.layer, c.kind))))
