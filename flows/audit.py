@@ -25,12 +25,13 @@ ARTIFACT_KEY = "kvwarm-audit"
 
 def audit_options(spec: AuditSpec) -> Any:
     """The :class:`prefill.audit.AuditOptions` of a flow's audit section."""
+    from prefill.agreement import TOLERANCE
     from prefill.audit import AuditOptions
     from prefill.audit_catalogue import SOURCE_ORDER
 
     return AuditOptions(sample=spec.sample, sources=SOURCE_ORDER if spec.source == "all" else (spec.source,),
-                        namespace=spec.tenant, tolerance=spec.tolerance, budget_s=spec.budget_gpu_s,
-                        max_batch_tokens=spec.max_batch_tokens, quarantine=True)
+                        namespace=spec.tenant, tolerance=TOLERANCE.scaled(spec.tolerance_scale),
+                        budget_s=spec.budget_gpu_s, max_batch_tokens=spec.max_batch_tokens, quarantine=True)
 
 
 @task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)

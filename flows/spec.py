@@ -238,8 +238,10 @@ class AuditSpec(_Section):
                                                                                           "this source.")
     tenant: Optional[str] = Field(None, description="Only this tenant's namespace ('public' for the shared "
                                                     "prefixes; None: every namespace).")
-    tolerance: float = Field(TOLERANCE, ge=0, lt=1, description="Implementation tolerance of the agreement rule: "
-                                                                "relative L2 beyond the recorded error.")
+    tolerance_scale: float = Field(1.0, gt=0, lt=1.0 / TOLERANCE.cap,
+                                   description=f"Factor on the agreement rule's implementation tolerance "
+                                               f"({TOLERANCE.base:g} + {TOLERANCE.per_layer:g} per layer, at most "
+                                               f"{TOLERANCE.cap:g}, relative L2 beyond the recorded error).")
     device: Optional[str] = Field("cpu", pattern=r"^[a-z]+(:\d+)?$",
                                   description="cpu, cuda or cuda:N (None: cuda when present).")
     dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Model compute dtype.")

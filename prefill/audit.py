@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from prefill.agreement import TOLERANCE, judge
+from prefill.agreement import TOLERANCE, Tolerance, judge
 from prefill.audit_catalogue import SOURCE_ORDER, AuditPath, Stored, catalogue, plan_paths, read_stored_header, select
 from prefill.models import LoadedModel, ModelError, kv_layout
 from store.errors import BadInputError, SnapshotError
@@ -52,7 +52,7 @@ class AuditOptions:
         sample: snapshots to audit (write-back first); ``None`` for every one.
         sources: the sources to audit (``write-back``, ``unknown``, ``prefill``).
         namespace: one tenant's namespace (or ``public``); ``None`` for all.
-        tolerance: the agreement rule's implementation tolerance (:data:`prefill.agreement.TOLERANCE`).
+        tolerance: the agreement rule's implementation tolerance by layer (:data:`prefill.agreement.TOLERANCE`).
         budget_s: seconds of compute (forward passes) after which no forward starts; ``None``: no limit.
         max_batch_tokens: tokens per forward chunk (bounds activation memory; rounded down to whole blocks).
         quarantine: move the copies that differ to quarantine (``False``: report only).
@@ -62,7 +62,7 @@ class AuditOptions:
     sample: int | None = 32
     sources: tuple[str, ...] = SOURCE_ORDER
     namespace: str | None = None
-    tolerance: float = TOLERANCE
+    tolerance: Tolerance = TOLERANCE
     budget_s: float | None = None
     max_batch_tokens: int = 8192
     quarantine: bool = True
@@ -74,8 +74,8 @@ class AuditOptions:
         unknown = set(self.sources) - set(SOURCE_ORDER)
         if unknown or not self.sources:
             raise BadInputError(f"sources {list(self.sources)} must be some of {', '.join(SOURCE_ORDER)}")
-        if not 0 <= self.tolerance < 1:
-            raise BadInputError(f"tolerance {self.tolerance!r} must be a relative error in [0, 1)")
+        if not isinstance(self.tolerance, Tolerance):
+            raise BadInputError(f"tolerance must be a prefill.agreement.Tolerance, got {self.tolerance!r}")
         if self.budget_s is not None and not self.budget_s > 0:
             raise BadInputError(f"budget_s {self.budget_s!r} must be positive seconds (or None for no limit)")
         if self.max_batch_tokens < 1:
@@ -90,7 +90,9 @@ class SourceCounts:
     agreed: int = 0
     differed: int = 0
     quarantined: int = 0
-    max_excess: float = 0.0  # the largest distance beyond the trusted recorded error among agreeing copies
+    # the largest share of its tolerance a check of an agreeing copy used (distance beyond the trusted
+    # recorded error / the tolerance at its layer): how close correct KV came to the limit
+    max_tolerance_used: float = 0.0
 
 
 @dataclass
@@ -118,7 +120,7 @@ class AuditReport:
             out.agreed += c.agreed
             out.differed += c.differed
             out.quarantined += c.quarantined
-            out.max_excess = max(out.max_excess, c.max_excess)
+            out.max_tolerance_used = max(out.max_tolerance_used, c.max_tolerance_used)
         return out
 
     def as_dict(self) -> dict[str, Any]:
@@ -254,7 +256,8 @@ def _judge_copy(loaded: LoadedModel, store: Store, tier_index: int, stored: Stor
             verdict = judge(stored_kv, recomputed, h.quant_error, dtypes, tolerance=options.tolerance)
             reason = verdict.reason()
             if verdict.agrees:
-                counts.max_excess = max(counts.max_excess, max(c.excess for c in verdict.checks))
+                counts.max_tolerance_used = max(counts.max_tolerance_used,
+                                                max(c.tolerance_used for c in verdict.checks))
     finally:
         snap.close()
     if not reason:

@@ -25,6 +25,8 @@ from store.identity.tenant import check_tenant_name
 from store.tiers.store import Store
 
 SOURCES = ("write-back", "prefill", "unknown", "all")
+#: the tolerance scale must stay below this: the tolerance's cap times it stays below 1
+MAX_SCALE = 1.0 / TOLERANCE.cap
 
 
 def _positive_int(text: str) -> int:
@@ -37,13 +39,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _fraction(text: str) -> float:
+def _scale(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        value = -1.0
-    if not 0 <= value < 1:
-        raise argparse.ArgumentTypeError(f"expected a relative error in [0, 1), got {text!r}")
+        value = 0.0
+    if not 0 < value < MAX_SCALE:
+        raise argparse.ArgumentTypeError(f"expected a factor above 0 and below {MAX_SCALE:g}, got {text!r}")
     return value
 
 
@@ -77,8 +79,9 @@ def add_audit_command(ss: Any) -> None:
     how_many.add_argument("--all", action="store_true", help="audit every snapshot")
     a.add_argument("--source", choices=SOURCES, default="all",
                    help="only snapshots of this source; 'unknown': written before headers recorded one (default: all)")
-    a.add_argument("--tolerance", type=_fraction, default=TOLERANCE, metavar="FRACTION",
-                   help=f"implementation tolerance, relative L2 beyond the recorded error (default: {TOLERANCE})")
+    a.add_argument("--tolerance-scale", type=_scale, default=1.0, metavar="FACTOR",
+                   help=f"multiply the implementation tolerance ({TOLERANCE.base:g} + {TOLERANCE.per_layer:g} per layer, "
+                        f"at most {TOLERANCE.cap:g}, relative L2 beyond the recorded error) by FACTOR (default: 1)")
     a.add_argument("--budget-s", type=_seconds, metavar="SECONDS",
                    help="compute seconds after which no further forward starts (default: no limit)")
     a.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="model compute dtype (default: fp32)")
@@ -96,7 +99,7 @@ def options_from(args: argparse.Namespace) -> AuditOptions:
     return AuditOptions(sample=None if args.all else args.sample,
                         sources=SOURCE_ORDER if args.source == "all" else (args.source,),
                         namespace=None if args.tenant is None else check_tenant_name(args.tenant),
-                        tolerance=args.tolerance, budget_s=args.budget_s, max_batch_tokens=args.max_batch_tokens,
+                        tolerance=TOLERANCE.scaled(args.tolerance_scale), budget_s=args.budget_s, max_batch_tokens=args.max_batch_tokens,
                         quarantine=not args.no_quarantine, seed=args.seed)
 
 
@@ -119,7 +122,7 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report.as_dict()))
     else:
-        print(format_report(report, f"model {args.model} ({dtype}, {device}), tolerance {options.tolerance}"))
+        print(format_report(report, f"model {args.model} ({dtype}, {device}), tolerance x{args.tolerance_scale:g}"))
     return 0 if report.clean else 1
 
 

@@ -128,6 +128,6 @@ def test_every_tiers_copy_is_judged_and_only_the_wrong_one_quarantined(tiny, con
 
 def test_bad_options_are_refused_before_any_work() -> None:
     for kw, message in ((dict(sample=0), "sample must be at least 1"), (dict(sources=("engine",)), "must be some of"),
-                        (dict(tolerance=1.5), "tolerance 1.5"), (dict(budget_s=0.0), "budget_s 0.0")):
+                        (dict(tolerance=0.05), "must be a prefill.agreement.Tolerance"), (dict(budget_s=0.0), "budget_s 0.0")):
         with pytest.raises(ValueError, match=message):
             AuditOptions(**kw)

@@ -78,7 +78,7 @@ def test_another_model_exits_2_naming_what_to_pass(tiny, tmp_path, capsys) -> No
 @pytest.mark.parametrize("args, message", [
     (["--sample", "0"], "expected a positive whole number"),
     (["--sample", "3", "--all"], "not allowed with argument"),
-    (["--tolerance", "2"], "expected a relative error in [0, 1)"),
+    (["--tolerance-scale", "4"], "expected a factor above 0 and below 4"),
     (["--budget-s", "0"], "expected positive seconds"),
     (["--source", "engine"], "invalid choice"),
 ])
