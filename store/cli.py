@@ -66,7 +66,8 @@ def add_store_commands(sub: Any, extra: Sequence[Callable[[Any], None]] = ()) ->
     """
     p = sub.add_parser("store", help="inspect and maintain a snapshot store",
                        description="Inspect and maintain a snapshot store: list, show, verify, collect garbage, "
-                                   "remove. Tenants' secrets come from the config file.")
+                                   "remove, and audit its KV against the model. Tenants' secrets come from the "
+                                   "config file.")
     add_location_options(p, command=False)
     ss = p.add_subparsers(dest="store_cmd", required=True, metavar="{ls,stat,verify,gc,rm}")
 
