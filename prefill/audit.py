@@ -11,9 +11,16 @@ able to prove that KV right. :func:`audit`:
    prefill job, from block 0 of its chain (one forward per chain, however many picks lie on it;
    in chunks of ``max_batch_tokens`` tokens that carry the cache on);
 4. compares every copy of every pick (each tier's) with the recomputation by the agreement rule
-   (:mod:`prefill.agreement`), and quarantines each copy that differs (``tier.quarantine``, as
-   ``prefill store verify`` does with corrupt files);
-5. stops starting forwards once ``budget_s`` seconds of compute are spent.
+   (:mod:`prefill.agreement`);
+5. then recomputes the stored descendants of every block that differs, picked or not: KV
+   computed after a wrong block may be wrong too (the prefill job continues from stored KV,
+   and an engine that loaded the block wrote back what followed), and once the block is
+   quarantined its descendants could not be recomputed (their prefix gone) until the block is
+   stored again, when they would be served again;
+6. quarantines each copy that differs (``tier.quarantine``, as ``prefill store verify`` does
+   with corrupt files), at the end, so that every chain could still be read;
+
+and starts no forward once ``budget_s`` seconds of compute are spent.
 
 Counts are of copies, by the source their header records (:class:`AuditReport`).
 """
@@ -28,7 +35,16 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from prefill.agreement import TOLERANCE, Tolerance, judge
-from prefill.audit_catalogue import SOURCE_ORDER, AuditPath, Stored, catalogue, plan_paths, read_stored_header, select
+from prefill.audit_catalogue import (
+    SOURCE_ORDER,
+    AuditPath,
+    Catalogue,
+    Stored,
+    catalogue,
+    plan_paths,
+    read_stored_header,
+    select,
+)
 from prefill.models import LoadedModel, ModelError, kv_layout
 from store.errors import BadInputError, SnapshotError
 from store.format.snapshot import read_snapshot
@@ -104,6 +120,7 @@ class AuditReport:
     quarantined: list[str] = field(default_factory=list)
     skipped: dict[str, int] = field(default_factory=dict)
     unreadable: list[tuple[str, str]] = field(default_factory=list)
+    descendants: int = 0  # blocks after one that differs, judged for that reason (beyond the sample)
     forwards: int = 0
     tokens: int = 0
     compute_s: float = 0.0
@@ -128,7 +145,8 @@ class AuditReport:
         return {"checked": total.checked, "agreed": total.agreed, "differed": total.differed,
                 "quarantined": total.quarantined, "by_source": {s: c.__dict__ for s, c in self.by_source.items()},
                 "differences": [list(d) for d in self.differences], "quarantined_to": list(self.quarantined),
-                "skipped": dict(self.skipped), "unreadable": len(self.unreadable), "forwards": self.forwards,
+                "skipped": dict(self.skipped), "unreadable": len(self.unreadable), "descendants": self.descendants,
+                "forwards": self.forwards,
                 "tokens": self.tokens, "compute_s": round(self.compute_s, 3), "stopped": self.stopped}
 
 
@@ -140,6 +158,7 @@ class AuditPlan:
     paths: tuple[AuditPath, ...]
     skipped: dict[str, int]
     unreadable: tuple[tuple[str, str], ...]
+    catalogue: Catalogue = field(default_factory=Catalogue)
 
 
 def plan_audit(store: Store, identity: ModelIdentity, options: AuditOptions = AuditOptions(), *,
@@ -159,7 +178,7 @@ def plan_audit(store: Store, identity: ModelIdentity, options: AuditOptions = Au
     paths, orphans = plan_paths(cat, picked.targets)
     skipped = {"other_model": sum(picked.other_models.values()), **picked.skipped, "no_prefix": len(orphans),
                "encrypted": cat.encrypted, "over_budget": 0}
-    return AuditPlan(tuple(paths), skipped, tuple(cat.unreadable))
+    return AuditPlan(tuple(paths), skipped, tuple(cat.unreadable), cat)
 
 
 def audit(loaded: LoadedModel | None, store: Store, options: AuditOptions = AuditOptions(), *,
@@ -177,13 +196,65 @@ def audit(loaded: LoadedModel | None, store: Store, options: AuditOptions = Audi
     report = AuditReport(skipped=dict(planned.skipped), unreadable=list(planned.unreadable))
     if planned.paths and loaded is None:
         raise ValueError("the plan recomputes KV: pass the loaded model")
-    for i, path in enumerate(planned.paths):
+    differs: list[_Differs] = []
+    _run(loaded, store, planned.paths, options, tenants, report, differs)  # type: ignore[arg-type]
+    judged = {p.chain[n].name for p in planned.paths for n in p.targets}
+    now = store.clock()
+    suspects = [s for s in planned.catalogue.descendants({d.stored.name for d in differs})
+                if s.name not in judged and s.expires_at > now]
+    if suspects:
+        paths, _ = plan_paths(planned.catalogue, suspects)
+        report.descendants = len(suspects)
+        for s in _run(loaded, store, paths, options, tenants, report, differs):  # type: ignore[arg-type]
+            # the budget ran out first: once the wrong block is quarantined these could never be
+            # recomputed (their prefix gone), and they would serve again when it is stored again
+            differs += [_Differs(i, s, UNJUDGED, None) for i in s.tiers]
+    for d in differs:
+        _settle(store, d, options, report)
+    return report
+
+
+@dataclass(frozen=True)
+class _Differs:
+    """A copy that differs, to quarantine once every judgement is made."""
+
+    tier_index: int
+    stored: Stored
+    reason: str
+    counts: SourceCounts | None  # None: not judged (UNJUDGED)
+
+
+#: why a descendant of a block that differs is quarantined without being recomputed
+UNJUDGED = ("not recomputed: its chain runs through a block that differs, and the compute budget was spent "
+            "before it was reached")
+
+
+def _run(loaded: LoadedModel, store: Store, paths: Sequence[AuditPath], options: AuditOptions,
+         tenants: Mapping[str, Tenant], report: AuditReport, differs: list[_Differs]) -> list[Stored]:
+    """Recompute and judge ``paths`` in order until the budget is spent; returns the targets left (counted)."""
+    for i, path in enumerate(paths):
         if options.budget_s is not None and report.compute_s >= options.budget_s:
             report.stopped = "budget"
-            report.skipped["over_budget"] = sum(len(p.targets) for p in planned.paths[i:])
-            break
-        _audit_path(loaded, store, path, options, tenants, report)  # type: ignore[arg-type]
-    return report
+            left = [p.chain[n] for p in paths[i:] for n in sorted(set(p.targets))]
+            report.skipped["over_budget"] += len(left)
+            return left
+        _audit_path(loaded, store, path, options, tenants, report, differs)
+    return []
+
+
+def _settle(store: Store, d: _Differs, options: AuditOptions, report: AuditReport) -> None:
+    """Record a copy that differs, and quarantine it unless only reporting."""
+    tier = store.tiers[d.tier_index]
+    report.differences.append((tier.describe(d.stored.name), d.reason))
+    store.stats.incr("audit_differed")
+    log.error("audit: %s %s", tier.describe(d.stored.name), d.reason)
+    if options.quarantine:
+        where = tier.quarantine(d.stored.name, f"AuditDisagreement: {d.reason}")
+        if where:
+            if d.counts is not None:
+                d.counts.quarantined += 1
+            report.quarantined.append(where)
+            store.stats.incr("quarantined")
 
 
 def _mismatch(name: str, identity: ModelIdentity, others: Mapping[str, int]) -> str:
@@ -195,7 +266,7 @@ def _mismatch(name: str, identity: ModelIdentity, others: Mapping[str, int]) -> 
 
 
 def _audit_path(loaded: LoadedModel, store: Store, path: AuditPath, options: AuditOptions,
-                tenants: Mapping[str, Tenant], report: AuditReport) -> None:
+                tenants: Mapping[str, Tenant], report: AuditReport, differs: list[_Differs]) -> None:
     try:
         headers = [read_stored_header(store, s, tenants) for s in path.chain]
     except SnapshotError as exc:  # a block of the prefix went meanwhile, or went bad: verify's to judge
@@ -213,7 +284,7 @@ def _audit_path(loaded: LoadedModel, store: Store, path: AuditPath, options: Aud
         recomputed = [(layer.keys[0, :, sl].to("cpu", torch.float32), layer.values[0, :, sl].to("cpu", torch.float32))
                       for layer in layers]
         for i in path.chain[n].tiers:
-            _judge_copy(loaded, store, i, path.chain[n], recomputed, options, tenants, report)
+            _judge_copy(loaded, store, i, path.chain[n], recomputed, options, tenants, report, differs)
 
 
 def _forward(loaded: LoadedModel, ids: Sequence[int], chunk: int) -> tuple[Sequence[Any], float]:
@@ -231,7 +302,7 @@ def _forward(loaded: LoadedModel, ids: Sequence[int], chunk: int) -> tuple[Seque
 
 def _judge_copy(loaded: LoadedModel, store: Store, tier_index: int, stored: Stored,
                 recomputed: list[tuple[torch.Tensor, torch.Tensor]], options: AuditOptions,
-                tenants: Mapping[str, Tenant], report: AuditReport) -> None:
+                tenants: Mapping[str, Tenant], report: AuditReport, differs: list[_Differs]) -> None:
     tier = store.tiers[tier_index]
     name, location = stored.name, tier.describe(stored.name)
     src = tier.read(name)
@@ -264,12 +335,4 @@ def _judge_copy(loaded: LoadedModel, store: Store, tier_index: int, stored: Stor
         counts.agreed += 1
         return
     counts.differed += 1
-    report.differences.append((location, reason))
-    store.stats.incr("audit_differed")
-    log.error("audit: %s %s", location, reason)
-    if options.quarantine:
-        where = tier.quarantine(name, f"AuditDisagreement: {reason}")
-        if where:
-            counts.quarantined += 1
-            report.quarantined.append(where)
-            store.stats.incr("quarantined")
+    differs.append(_Differs(tier_index, stored, reason, counts))

@@ -62,6 +62,22 @@ class Catalogue:
     unreadable: list[tuple[str, str]] = field(default_factory=list)  # (location, reason)
     encrypted: int = 0
 
+    def descendants(self, names: set[str]) -> list[Stored]:
+        """Every stored block whose chain runs through one of ``names`` (children, their children, ...)."""
+        children: dict[str, list[Stored]] = {}
+        for s in self.entries.values():
+            if not s.is_first:
+                children.setdefault(object_name(s.namespace, s.parent_key), []).append(s)
+        out: list[Stored] = []
+        todo, seen = sorted(names), set(names)
+        while todo:
+            for child in sorted(children.get(todo.pop(), []), key=lambda c: c.name):
+                if child.name not in seen:
+                    seen.add(child.name)
+                    out.append(child)
+                    todo.append(child.name)
+        return out
+
     def chain(self, stored: Stored) -> tuple[Stored, ...] | None:
         """``stored``'s chain from block 0 to it, or ``None`` when a block of its prefix is not in the store."""
         out = [stored]

@@ -77,6 +77,32 @@ def test_only_the_sources_asked_for_are_audited(tiny, mixed, sources, checked) -
     assert report.clean and present(store) == everything  # the wrong write-back blocks were not looked at
 
 
+def test_the_blocks_after_one_that_differs_are_judged_too_sampled_or_not(tiny, store, config) -> None:
+    """A prefill that continued from a wrong stored block computed its next block wrong: once the
+    block is quarantined that one could not be recomputed, and would be served again when the block
+    is stored again. So the audit judges every stored descendant of a block that differs."""
+    ids = tokens(4, BLOCK, seed=11)
+    chain = put_chain(store, tiny, config, ids, source="write-back", wrong={1: "garbage_prefix"}, only=[0, 1])
+    put_chain(store, tiny, config, ids, source="prefill", wrong={2: "garbage_prefix"}, only=[2, 3])
+    report = audit(tiny, store, AuditOptions(sample=None, sources=("write-back",)))
+    assert report.descendants == 2 and report.forwards == 2
+    assert {w for w, _ in report.differences} == {store.tiers[0].describe(n) for n in names(chain)[1:3]}
+    assert present(store) == {names(chain)[0], names(chain)[3]}  # block 3 was computed from the right prefix
+    assert report.by_source["prefill"].checked == 2 and report.by_source["prefill"].quarantined == 1
+
+
+def test_descendants_the_budget_left_unjudged_are_quarantined_with_the_wrong_block(tiny, store, config) -> None:
+    ids = tokens(3, BLOCK, seed=12)
+    chain = put_chain(store, tiny, config, ids, source="write-back", wrong={1: "garbage_prefix"}, only=[0, 1])
+    put_chain(store, tiny, config, ids, source="prefill", only=[2])
+    report = audit(tiny, store, AuditOptions(sample=None, sources=("write-back",), budget_s=1e-9))
+    assert report.stopped == "budget" and report.forwards == 1 and report.skipped["over_budget"] == 1
+    assert present(store) == {names(chain)[0]}  # block 2 could never be recomputed once block 1 is gone
+    reasons = dict(report.differences)
+    assert reasons[store.tiers[0].describe(names(chain)[2])].startswith("not recomputed: its chain runs through")
+    assert report.by_source["prefill"].checked == 0 and len(report.quarantined) == 2
+
+
 def test_report_only_leaves_the_wrong_copies_in_place_but_says_so(tiny, mixed) -> None:
     store, _, wrong = mixed
     report = audit(tiny, store, AuditOptions(sample=None, quarantine=False))

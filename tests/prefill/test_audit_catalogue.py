@@ -61,3 +61,13 @@ def test_picks_on_one_chain_share_one_path_and_a_broken_chain_is_an_orphan() -> 
     assert [sorted(p.targets) for p in paths] == [[0, 1, 3], [1]]
     assert orphans == [orphaned[2]]
     assert cat.chain(a[2]) == tuple(a[:3]) and cat.chain(orphaned[1]) is None
+
+
+def test_the_descendants_of_a_block_are_every_block_after_it_on_any_chain() -> None:
+    cat = Catalogue()
+    a = _chain(cat, 1, 4, "write-back")
+    branch = Stored("acme", _key(9), a[1].key, ROOT, "prefill", "m", "", 2 * NOW, (0,))  # a second child of a[1]
+    cat.entries[branch.name] = branch
+    _chain(cat, 20, 2, "write-back")
+    assert sorted(s.key for s in cat.descendants({a[1].name})) == sorted([a[2].key, a[3].key, branch.key])
+    assert cat.descendants({a[3].name}) == [] and cat.descendants(set()) == []
