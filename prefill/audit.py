@@ -197,14 +197,15 @@ def audit(loaded: LoadedModel | None, store: Store, options: AuditOptions = Audi
     if planned.paths and loaded is None:
         raise ValueError("the plan recomputes KV: pass the loaded model")
     differs: list[_Differs] = []
-    _run(loaded, store, planned.paths, options, tenants, report, differs)  # type: ignore[arg-type]
-    judged = {p.chain[n].name for p in planned.paths for n in p.targets}
+    left = _run(loaded, store, planned.paths, options, tenants, report, differs)  # type: ignore[arg-type]
+    judged = {p.chain[n].name for p in planned.paths for n in p.targets} - {s.name for s in left}
     now = store.clock()
     suspects = [s for s in planned.catalogue.descendants({d.stored.name for d in differs})
                 if s.name not in judged and s.expires_at > now]
     if suspects:
         paths, _ = plan_paths(planned.catalogue, suspects)
         report.descendants = len(suspects)
+        report.skipped["over_budget"] -= len({s.name for s in left} & {s.name for s in suspects})  # counted again
         for s in _run(loaded, store, paths, options, tenants, report, differs):  # type: ignore[arg-type]
             # the budget ran out first: once the wrong block is quarantined these could never be
             # recomputed (their prefix gone), and they would serve again when it is stored again
