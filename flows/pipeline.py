@@ -1,4 +1,4 @@
-"""The kvwarm pipeline as Prefect flows: mine -> forecast -> plan -> prefill -> GC -> report.
+"""The kvwarm pipeline as Prefect flows: mine -> forecast -> plan -> prefill -> GC (and audit) -> report.
 
 One flow per stage, each runnable on its own (a deployment per stage) because every
 stage reads its inputs from, and writes its results to, the run directory under the
@@ -30,10 +30,12 @@ from prefect.cache_policies import NO_CACHE
 
 from flows import history, partitions
 from flows import report as reports
+from flows.audit import audit_task, publish_audit
 from flows.cadence import plan_cadence
 from flows.scheduling import schedule_prefill_task
 from flows.shards import prefill_in_shards, shard_count, shard_task
 from flows.spec import (
+    AuditSpec,
     ForecastSpec,
     MiningSpec,
     MonitoringSpec,
@@ -217,12 +219,25 @@ def prefill_plan(target: RunTarget, prefill: PrefillSpec = PrefillSpec(), deadli
 
 
 @flow(name="gc-store")
-def gc_store(target: RunTarget) -> dict[str, Any]:
-    """Collect the store's garbage (expired snapshots, temp files, over-cap eviction); ``gc.json`` when a run is named."""
+def gc_store(target: RunTarget, audit: AuditSpec = AuditSpec()) -> dict[str, Any]:
+    """The store's maintenance: collect its garbage (expired snapshots, temp files, over-cap eviction), then,
+    when ``audit.budget_gpu_s`` is above 0, audit its KV against ``target.model`` within that many compute
+    seconds (:mod:`flows.audit`: copies that differ are quarantined; the counts go to the ``kvwarm-audit``
+    table artifact and under ``audit`` in the result). Writes ``gc.json`` (and ``audit.json``) when a run is named.
+    """
     config = flow_config(target)
     result = gc_task(target.store, config)
     if target.run is not None:
         save_json(result, run_dir(target).gc)
+    if audit.budget_gpu_s > 0:
+        loaded = load_model_task(target.model, audit.dtype, audit.device)
+        result = {**result, "audit": audit_task(target.store, loaded, config, audit)}
+        try:
+            publish_audit(result["audit"])
+        except Exception as e:  # noqa: BLE001 - an artifact is a convenience; the result and audit.json are the record
+            get_run_logger().warning("could not publish the audit artifact: %s", e)
+        if target.run is not None:
+            save_json(result["audit"], run_dir(target).audit)
     return result
 
 
@@ -259,7 +274,7 @@ def report(target: RunTarget, monitoring: MonitoringSpec = MonitoringSpec(), ext
                                                    prefix=prefix)),
              "offpeak": str(reports.plot_offpeak(demand.total, total_fc, window, out.offpeak_plot))}
     summary: dict[str, Any] = {"run": out.name}
-    for name in ("mine", "prefill", "gc"):
+    for name in ("mine", "prefill", "gc", "audit"):
         p = out.result(name)
         if p.exists():
             summary[name] = json.loads(p.read_text())
@@ -288,7 +303,7 @@ def report(target: RunTarget, monitoring: MonitoringSpec = MonitoringSpec(), ext
 
 @flow(name="kvwarm-pipeline")
 def kvwarm_pipeline(spec: RunSpec) -> dict[str, Any]:
-    """Mine the logs up to ``spec.mining.end``, forecast, plan the off-peak prefill, prefill, GC, report.
+    """Mine the logs up to ``spec.mining.end``, forecast, plan the off-peak prefill, prefill, GC (and audit), report.
 
     With ``spec.stages.cadence`` it also makes one short plan at ``spec.mining.end``
     (:func:`flows.cadence.plan_cadence`) after the off-peak one.
@@ -312,7 +327,7 @@ def kvwarm_pipeline(spec: RunSpec) -> dict[str, Any]:
     if spec.stages.prefill:
         result["prefill"] = prefill_plan(target, spec.prefill)
     if spec.stages.gc:
-        result["gc"] = gc_store(target)
+        result["gc"] = gc_store(target, spec.audit)
     result["report"] = str(out.report)
     report(target, spec.monitoring)
     return result

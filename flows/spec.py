@@ -13,6 +13,8 @@ form, so the flows take their knobs in these sections instead of long keyword li
 - :class:`CadenceSpec` (``cadence``): how often the short plans are made (default every
   5 minutes), what they learn from and what they may retain (``plan_cadence``);
 - :class:`PrefillSpec` (``prefill``): the prefill job's device and dtype, and its shards;
+- :class:`AuditSpec` (``audit``): the KV audit the maintenance flow (``gc_store``) runs after GC,
+  within a budget of compute seconds (off by default);
 - :class:`MonitoringSpec` (``monitoring``): the GPU price of the report's economics;
 - :class:`StagesSpec` (``stages``): which optional stages the pipeline runs.
 
@@ -34,9 +36,11 @@ import pandas as pd
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from forecasting.planning.cadence import CADENCE_MINUTES
+from prefill.agreement import TOLERANCE
 from prefill.models import DEFAULT_MODEL
 from prefill.rundir import check_run_name, local_root
 from store.errors import BadInputError
+from store.identity.tenant import check_tenant_name
 
 
 class _Section(BaseModel):
@@ -222,6 +226,33 @@ class PrefillSpec(_Section):
         return name
 
 
+class AuditSpec(_Section):
+    """The KV audit after garbage collection (``gc_store``; ``prefill store audit`` by hand): recompute
+    sampled snapshots with the target's model, write-back first, and quarantine what differs."""
+
+    budget_gpu_s: float = Field(0.0, ge=0, description="Compute seconds the audit may spend; no forward starts "
+                                                       "once they are spent. 0 (the default): no audit.")
+    sample: Optional[int] = Field(32, ge=1, description="Snapshots to audit, write-back first, then those of "
+                                                        "unknown source, then the prefill job's (None: all).")
+    source: Literal["write-back", "prefill", "unknown", "all"] = Field("all", description="Only snapshots of "
+                                                                                          "this source.")
+    tenant: Optional[str] = Field(None, description="Only this tenant's namespace ('public' for the shared "
+                                                    "prefixes; None: every namespace).")
+    tolerance_scale: float = Field(1.0, gt=0, lt=1.0 / TOLERANCE.cap,
+                                   description=f"Factor on the agreement rule's implementation tolerance "
+                                               f"({TOLERANCE.base:g} + {TOLERANCE.per_layer:g} per layer, at most "
+                                               f"{TOLERANCE.cap:g}, relative L2 beyond the recorded error).")
+    device: Optional[str] = Field("cpu", pattern=r"^[a-z]+(:\d+)?$",
+                                  description="cpu, cuda or cuda:N (None: cuda when present).")
+    dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Model compute dtype.")
+    max_batch_tokens: int = Field(8192, ge=1, description="Tokens per forward chunk (bounds activation memory).")
+
+    @field_validator("tenant")
+    @classmethod
+    def _a_tenant_name(cls, name: Optional[str]) -> Optional[str]:
+        return None if name is None else check_tenant_name(name)
+
+
 class MonitoringSpec(_Section):
     """The report's economics (``report``; docs/guides/monitoring.md)."""
 
@@ -234,7 +265,8 @@ class StagesSpec(_Section):
     """The pipeline's optional stages."""
 
     prefill: bool = Field(True, description="Prefill the plan after planning it.")
-    gc: bool = Field(True, description="Collect the store's garbage before the report.")
+    gc: bool = Field(True, description="Collect the store's garbage before the report (and audit its KV when "
+                                       "audit.budget_gpu_s is above 0).")
     cadence: bool = Field(False, description="Make one short plan (plan_cadence) after the off-peak plan, as the "
                                              "cadence deployment does every cadence.minutes, and publish it as "
                                              "the store's latest.")
@@ -250,6 +282,7 @@ class RunSpec(_Section):
     plan: PlanSpec = PlanSpec()
     cadence: CadenceSpec = CadenceSpec()
     prefill: PrefillSpec = PrefillSpec()
+    audit: AuditSpec = AuditSpec()
     monitoring: MonitoringSpec = MonitoringSpec()
     stages: StagesSpec = StagesSpec()
 

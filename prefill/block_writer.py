@@ -16,6 +16,7 @@ import torch
 
 from prefill.schedule import Segment
 from store.format.encode import StoredLayer, encode_snapshot
+from store.format.header import PREFILL
 from store.format.precision import Precision, dequantize, quantize, relative_errors
 from store.identity.keys import Block
 from store.identity.tenant import Tenant
@@ -99,5 +100,5 @@ class BlockWriter:
                   for _, p in sorted(q.parts.items())]
         errors = {f"{name}_rel_l2": [per_layer[b] for per_layer in q.errors[name]] for name in ("k", "v")}
         snap = encode_snapshot(root=seg.root, block=block, tenant=tenant.name, layers=layers, errors=errors,
-                               precision=self.precision, created_at=now, ttl_s=seg.ttl_s)
+                               precision=self.precision, created_at=now, ttl_s=seg.ttl_s, source=PREFILL)
         return self.store.put(tenant, snap)

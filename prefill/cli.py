@@ -2,7 +2,7 @@
 
     prefill warm ...    prefill prefixes into FP8 KV snapshots (see ``prefill warm -h``)
     prefill simulate .. replay a trace against reactive, prewarmed and optimal caches
-    prefill store ...   inspect and maintain a snapshot store (see ``prefill store -h``)
+    prefill store ...   inspect, maintain and audit a snapshot store (see ``prefill store -h``)
     prefill demo        write a snapshot from a tiny model and read it back
     prefill report ...  monitoring families of a pipeline run (see ``prefill report -h``)
 """
@@ -27,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_location_options(parser, command=False)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from forecasting.simulate.cli import add_simulate_command
+    from prefill.audit_cli import add_audit_command
     from prefill.demo import add_demo_command
     from prefill.models import load_tokenizer
     from prefill.report_cli import add_report_command
@@ -34,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_warm_command(sub)
     add_simulate_command(sub, load_tokenizer=load_tokenizer)
-    add_store_commands(sub)
+    add_store_commands(sub, extra=(add_audit_command,))
     add_report_command(sub)
     add_demo_command(sub)
     return parser

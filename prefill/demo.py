@@ -19,6 +19,7 @@ from store.cli import add_location_options
 from store.config import load_config
 from store.errors import BadInputError
 from store.format.encode import build_snapshot
+from store.format.header import PREFILL
 from store.identity.keys import KeyRoot, block_chain
 from store.tiers.store import Store
 
@@ -76,7 +77,7 @@ def run(store_url: str, tenant_name: str = "demo", block_size: int = 32, config_
         sl = slice(b.index * block_size, (b.index + 1) * block_size)
         kv = [(layer.keys[0, :, sl], layer.values[0, :, sl]) for layer in cache.layers]
         snap = build_snapshot(root=root, block=b, tenant=tenant.name, kv=kv, precision=precision,
-                              created_at=time.time(), ttl_s=config.kv_cache.ttl_seconds())
+                              created_at=time.time(), ttl_s=config.kv_cache.ttl_seconds(), source=PREFILL)
         written += store.put(tenant, snap)
     write_s = time.perf_counter() - t0
     print(f"wrote {written} new snapshot(s) ({len(blocks)} blocks of {block_size} tokens, {precision.scheme_id()}) "

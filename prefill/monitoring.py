@@ -12,8 +12,8 @@ Inputs, already read (this module does no I/O; :mod:`prefill.run_results` reads 
 - a run's stage results (the JSON files of :class:`prefill.rundir.RunDir`): ``prefill``
   (the prefill job: tokens computed, seconds, tokens/s), ``plan`` (the KV bytes per
   token the planner priced storage at: ``extra.kv_bytes_per_token``), and optionally
-  ``mine``, ``gc``, ``report`` (its ``replay`` section, written by the demo, stands in
-  for loader stats when none are given);
+  ``mine``, ``gc``, ``audit`` (the KV audit's counts), ``report`` (its ``replay`` section,
+  written by the demo, stands in for loader stats when none are given);
 - zero or more loader stats dumps: the dict :meth:`store.serving.loader.KVLoader.stats` returns,
   saved as JSON, optionally with two keys the dumping process adds: ``elapsed_s`` (the
   seconds the loader served: gives throughput) and ``prompt_tokens`` (the prompt tokens
@@ -139,11 +139,21 @@ class SecurityAudit:
     - ``integrity_refusals``: snapshots refused and quarantined as corrupt, mismatched or
       of an unknown format version (misses plus hits cut short).
     - ``by_reason``: every refusal reason with its count (zeros kept: they are the audit).
+    - ``kv_audit_checked``, ``kv_audit_differed``, ``kv_audit_quarantined``: stored copies the
+      KV audit (``audit.json``: ``prefill store audit``'s job, run by the maintenance flow)
+      recomputed with the model, found to differ from it, and moved to quarantine;
+      ``kv_audit_checked_by_source``, ``kv_audit_quarantined_by_source``: the same by the
+      source the headers record (``write-back``, ``unknown``, ``prefill``).
     """
 
     refused_cross_tenant: int | None = None
     integrity_refusals: int | None = None
     by_reason: dict[str, int] = field(default_factory=dict)
+    kv_audit_checked: int | None = None
+    kv_audit_differed: int | None = None
+    kv_audit_quarantined: int | None = None
+    kv_audit_checked_by_source: dict[str, int] = field(default_factory=dict)
+    kv_audit_quarantined_by_source: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -213,7 +223,7 @@ def compute(run: str, files: Mapping[str, Mapping[str, Any]], stats: Sequence[Ma
         notes.append("prefill.json has no measured rate (nothing was computed, e.g. a rerun): pass "
                      "--prefill-tokens-per-s to value the saved tokens")
     service = _service(stats, measured, notes)
-    security = _security(stats)
+    security = _security(stats, files.get("audit"))
     economics = _economics(cache, rate, _num(prefill, "seconds") if prefill else None, prices, notes)
     return Monitoring(run, cache, service, security, economics, tuple(notes))
 
@@ -291,9 +301,16 @@ def _service(stats: Sequence[Mapping[str, Any]], prefill_rate: float | None, not
                           elapsed_s=total, prefill_tokens_per_s=prefill_rate)
 
 
-def _security(stats: Sequence[Mapping[str, Any]]) -> SecurityAudit:
+def _security(stats: Sequence[Mapping[str, Any]], audit: Mapping[str, Any] | None) -> SecurityAudit:
+    kv: dict[str, Any] = {}
+    if audit is not None:
+        by = audit.get("by_source") or {}
+        kv = {"kv_audit_checked": _int(audit, "checked"), "kv_audit_differed": _int(audit, "differed"),
+              "kv_audit_quarantined": _int(audit, "quarantined"),
+              "kv_audit_checked_by_source": {s: int(c.get("checked", 0)) for s, c in by.items()},
+              "kv_audit_quarantined_by_source": {s: int(c.get("quarantined", 0)) for s, c in by.items()}}
     if not stats:
-        return SecurityAudit()
+        return SecurityAudit(**kv)
     reasons = {r: 0 for r in (*TENANT_REASONS, *INTEGRITY_REASONS)}
     for s in stats:
         for section in ("misses_by_reason", "shortened_by_reason"):
@@ -302,7 +319,12 @@ def _security(stats: Sequence[Mapping[str, Any]]) -> SecurityAudit:
                     reasons[r] += int(n)
     refused = int(sum(_num(s, "refused_cross_tenant") or 0 for s in stats))
     return SecurityAudit(refused_cross_tenant=refused,
-                         integrity_refusals=sum(reasons[r] for r in INTEGRITY_REASONS), by_reason=reasons)
+                         integrity_refusals=sum(reasons[r] for r in INTEGRITY_REASONS), by_reason=reasons, **kv)
+
+
+def _int(d: Mapping[str, Any], key: str) -> int | None:
+    v = _num(d, key)
+    return None if v is None else int(v)
 
 
 def _economics(cache: CacheEfficiency, rate: float | None, spent: float | None, prices: Prices,

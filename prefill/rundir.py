@@ -12,7 +12,7 @@ write them, :mod:`prefill.run_results` reads the JSON results back):
 - ``plan.json``: planning (the :mod:`store.plan` format); ``cadence_plan.json``: the latest
   short plan (``flows/cadence.py``); ``prefill.json``: the prefill job's report (a sharded
   prefill's: every shard's), ``prefill-shard-<i>.json``: one shard's; ``gc.json``: garbage
-  collection;
+  collection; ``audit.json``: the KV audit that ran with it (``flows/audit.py``);
 - ``report.json``, ``forecast.png``, ``offpeak.png``: the report;
 - ``loader_stats/*.json``: the serving loaders' stats dumps (docs/guides/monitoring.md);
 - ``replay_outcomes.parquet``, ``hitrate.png``, ``pool/``, ``cold_store/``: the demo's replay;
@@ -32,7 +32,7 @@ from store.errors import BadInputError
 #: the folder of the local tier that holds every run's directory
 RUNS_FOLDER = "_flows"
 #: the stages whose result is one JSON object in the run directory, ``<stage>.json``, in pipeline order
-RESULTS = ("mine", "plan", "prefill", "gc", "report")
+RESULTS = ("mine", "plan", "prefill", "gc", "audit", "report")
 #: the demand tables mining writes (``demand/<name>.parquet``)
 DEMAND_TABLES = ("series", "total", "prefixes", "families")
 
@@ -165,6 +165,11 @@ class RunDir:
     def gc(self) -> Path:
         """``gc.json``: what garbage collection removed."""
         return self.result("gc")
+
+    @property
+    def audit(self) -> Path:
+        """``audit.json``: what the KV audit checked and quarantined (``prefill.audit.AuditReport.as_dict``)."""
+        return self.result("audit")
 
     # -- the report
     @property

@@ -5,6 +5,7 @@
     prefill store verify [--namespace NS] [--no-quarantine]   (exit 1 when anything is bad)
     prefill store gc     [--verify]
     prefill store rm     KEY --tenant T [--namespace public]
+    prefill store audit  --model M ...   (registered by prefill.audit_cli: it needs the model)
 
 The store and tenants' secrets come from the config file (``--config`` or
 ``$KVWARM_CONFIG``); ``--store`` overrides ``store.url``. Both may be given before the
@@ -17,7 +18,7 @@ import argparse
 import datetime as dt
 import json
 import sys
-from typing import Any
+from typing import Any, Callable, Sequence
 
 from store.config import CONFIG_ENV, KvwarmConfig, StoreConfig, load_config
 from store.errors import StoreError
@@ -56,11 +57,17 @@ def location_options(args: argparse.Namespace) -> tuple[bool, bool]:
     return given, bool(getattr(args, _SUBCOMMAND, False))
 
 
-def add_store_commands(sub: Any) -> None:
-    """Register ``store`` and its subcommands on an argparse subparsers object."""
+def add_store_commands(sub: Any, extra: Sequence[Callable[[Any], None]] = ()) -> None:
+    """Register ``store`` and its subcommands on an argparse subparsers object.
+
+    ``extra``: functions that each register one more ``prefill store`` command on the
+    ``store`` subparsers (with its own ``func`` default), for commands that need what
+    ``store`` may not import (``audit`` needs the model: :mod:`prefill.audit_cli`).
+    """
     p = sub.add_parser("store", help="inspect and maintain a snapshot store",
                        description="Inspect and maintain a snapshot store: list, show, verify, collect garbage, "
-                                   "remove. Tenants' secrets come from the config file.")
+                                   "remove, and audit its KV against the model. Tenants' secrets come from the "
+                                   "config file.")
     add_location_options(p, command=False)
     ss = p.add_subparsers(dest="store_cmd", required=True, metavar="{ls,stat,verify,gc,rm}")
 
@@ -94,6 +101,9 @@ def add_store_commands(sub: Any) -> None:
     rm.add_argument("--namespace", metavar="NAME", help="'public' for a shared prefix (default: the tenant's own)")
     for command in (ls, st, ve, g, rm):
         add_location_options(command)
+    for register in extra:
+        register(ss)
+    ss.metavar = "{" + ",".join(ss.choices) + "}"
     p.set_defaults(func=run_store_command)
 
 
@@ -101,8 +111,9 @@ def _iso(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def _tenants(config: KvwarmConfig) -> dict[str, Any]:
-    """Credentials of every configured tenant whose secrets are available (for verify/gc)."""
+def configured_tenants(config: KvwarmConfig) -> dict[str, Any]:
+    """Credentials of every configured tenant whose secrets are available (for verify, gc and audit:
+    their encryption keys open sealed snapshots)."""
     out = {}
     for name in config.tenants:
         try:
@@ -154,7 +165,7 @@ def _dispatch(args: argparse.Namespace, config: KvwarmConfig, store: Store) -> i
         print(json.dumps(info, indent=2), file=out)
         return 0
     if args.store_cmd == "verify":
-        report = verify(store, namespace=args.namespace, tenants=_tenants(config), quarantine=not args.no_quarantine)
+        report = verify(store, namespace=args.namespace, tenants=configured_tenants(config), quarantine=not args.no_quarantine)
         for location, reason in report.bad:
             print(f"CORRUPT {location}: {reason}", file=out)
         for where in report.quarantined:
@@ -167,7 +178,7 @@ def _dispatch(args: argparse.Namespace, config: KvwarmConfig, store: Store) -> i
         return 0 if report.clean else 1
     if args.store_cmd == "gc":
         report = gc(store, ttl_max_s=config.kv_cache.ttl_max_s, verify_all=args.verify,
-                    tenants=_tenants(config))
+                    tenants=configured_tenants(config))
         print(json.dumps(report.as_dict(), indent=2), file=out)
         return 1 if report.verify is not None and not report.verify.clean else 0
     if args.store_cmd == "rm":

@@ -19,7 +19,7 @@ import pyarrow as pa
 import torch
 import xxhash
 
-from store.format.header import Layout, Part, SnapshotHeader
+from store.format.header import SOURCES, Layout, Part, SnapshotHeader
 from store.format.payload import META_CHECKSUM, META_HEADER, PAYLOAD_COLUMN, PAYLOAD_TYPE, canonical_layout
 from store.format.precision import STORAGE_DTYPES, Precision, dequantize, quantize, relative_error
 from store.identity.keys import Block, KeyRoot, root_key, tokens_digest
@@ -99,6 +99,7 @@ def build_snapshot(
     precision: Precision,
     created_at: float,
     ttl_s: float,
+    source: str | None = None,
 ) -> EncodedSnapshot:
     """Quantise one block's KV and describe it.
 
@@ -111,10 +112,13 @@ def build_snapshot(
         precision: storage precision; the measured relative error per layer is recorded.
         created_at: unix seconds.
         ttl_s: lifetime in seconds; ``expires_at = created_at + ttl_s``.
+        source: where the KV was computed, recorded in the header: ``prefill`` or
+            ``write-back`` (:data:`store.format.header.SOURCES`); ``None`` records none
+            (read back as ``unknown``).
 
     Raises:
-        ValueError: shapes disagree with each other or with the block, or ``root``
-            was keyed for another precision.
+        ValueError: shapes disagree with each other or with the block, ``root`` was
+            keyed for another precision, or ``source`` is not one of the sources.
     """
     if not kv:
         raise ValueError("kv must hold at least one layer")
@@ -133,7 +137,7 @@ def build_snapshot(
             pair += [q, scale]
         stored.append(StoredLayer(*pair))
     return encode_snapshot(root=root, block=block, tenant=tenant, layers=stored, errors=errors, precision=precision,
-                           created_at=created_at, ttl_s=ttl_s)
+                           created_at=created_at, ttl_s=ttl_s, source=source)
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,7 @@ def encode_snapshot(
     precision: Precision,
     created_at: float,
     ttl_s: float,
+    source: str | None = None,
 ) -> EncodedSnapshot:
     """Describe one block's already-quantised KV (what :func:`build_snapshot` does after
     quantising; the prefill job quantises a whole batch at once on its device and calls this).
@@ -163,12 +168,16 @@ def encode_snapshot(
     Args:
         layers: per layer, the stored tensors from :func:`store.format.precision.quantize`.
         errors: ``k_rel_l2`` and ``v_rel_l2``, one relative error per layer.
+        source: as for :func:`build_snapshot`.
 
     Raises:
-        ValueError: shapes or dtypes disagree with each other, the block or ``precision``.
+        ValueError: shapes or dtypes disagree with each other, the block or ``precision``,
+            or ``source`` is not one of the sources.
     """
     if not layers:
         raise ValueError("layers must hold at least one layer")
+    if source is not None and source not in SOURCES:
+        raise ValueError(f"source {source!r} is not allowed; choose one of {', '.join(SOURCES)} (or None)")
     heads, tokens, dim = layers[0].k.shape
     _check_block(root, block, precision, tokens)
     if any(len(errors.get(f"{n}_rel_l2", ())) != len(layers) for n in ("k", "v")):
@@ -214,6 +223,7 @@ def encode_snapshot(
         expires_at=float(created_at) + float(ttl_s),
         quant_error=errors,
         format_version=root.format_version,
+        source=source,
     )
     layout = canonical_layout(header)
     payload = np.zeros(layout.nbytes, dtype=np.uint8)  # zero padding between parts

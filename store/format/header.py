@@ -21,6 +21,12 @@ from store.format.precision import Precision
 from store.identity.keys import FORMAT_VERSION, Block, KeyRoot, chain_key, root_key, tokens_digest
 
 FORMAT_NAME = "kvwarm-kv-snapshot"
+#: Where a snapshot's KV was computed (the optional header field ``source``): the prefill job
+#: (transformers), or a serving engine whose KV the connector wrote back.
+PREFILL, WRITE_BACK = "prefill", "write-back"
+SOURCES: tuple[str, ...] = (PREFILL, WRITE_BACK)
+#: What :attr:`SnapshotHeader.origin` says of a snapshot written before headers recorded a source.
+UNKNOWN_SOURCE = "unknown"
 
 try:  # a faster parser of the same JSON where installed (~3x); the stdlib's otherwise
     from orjson import loads as _fast_loads
@@ -124,6 +130,20 @@ class SnapshotHeader:
     quant_error: dict[str, list[float]] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
     format: str = FORMAT_NAME
+    # NOTE: optional, and absent from the JSON when None, so that it needed no new format
+    # version: files written before it read as before (source None), and a header without
+    # it is byte for byte what those versions wrote.
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.source is not None and not isinstance(self.source, str):
+            raise TypeError(f"source must be a string, got {type(self.source).__name__}")
+
+    @property
+    def origin(self) -> str:
+        """Where the KV was computed: ``prefill``, ``write-back``, or ``unknown`` (written before
+        headers recorded it)."""
+        return UNKNOWN_SOURCE if self.source is None else self.source
 
     # -- codec ---------------------------------------------------------------
     def to_json(self) -> bytes:
@@ -136,6 +156,8 @@ class SnapshotHeader:
         d["layout"] = _fields_of(self.layout)
         d["precision"] = _fields_of(self.precision)
         d["parts"] = [p._asdict() for p in self.parts]
+        if d["source"] is None:
+            del d["source"]
         return json.dumps(d, sort_keys=True, separators=(",", ":")).encode("utf-8")
 
     @staticmethod

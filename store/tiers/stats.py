@@ -14,7 +14,8 @@ from collections import Counter
 class StoreStats:
     """Thread-safe named counters (``hits``, ``misses``, ``expired``, ``corrupt``,
     ``mismatched``, ``unknown_version``, ``undecryptable``, ``quarantined``, ``refused``,
-    ``read_through``, ``unavailable``, ``writes``, ``writes_skipped``)."""
+    ``read_through``, ``unavailable``, ``writes``, ``writes_skipped``; ``audit_differed`` from
+    ``prefill store audit``)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

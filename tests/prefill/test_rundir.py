@@ -17,14 +17,14 @@ def test_a_run_lives_under_the_first_local_tier_of_the_store(tmp_path) -> None:
 def test_every_file_has_one_name_inside_the_run() -> None:
     run = RunDir(Path("/srv/kv/_flows/r"))
     files = {run.mine, run.quarantine, run.forecast, run.total_forecast, run.window, run.plan, run.prefill, run.gc,
-             run.report, run.forecast_plot, run.offpeak_plot, run.replay_outcomes, run.hitrate_plot,
+             run.audit, run.report, run.forecast_plot, run.offpeak_plot, run.replay_outcomes, run.hitrate_plot,
              run.demand_meta, *(run.demand_table(t) for t in DEMAND_TABLES)}
-    assert len(files) == 14 + len(DEMAND_TABLES)  # no two share a path
+    assert len(files) == 15 + len(DEMAND_TABLES)  # no two share a path
     assert all(f.is_relative_to(run.path) for f in files)
     assert [run.result(s).name for s in RESULTS] == ["mine.json", "plan.json", "prefill.json", "gc.json",
-                                                     "report.json"]
+                                                     "audit.json", "report.json"]
     assert (run.plan, run.demand_table("series")) == (run.path / "plan.json", run.path / "demand" / "series.parquet")
-    with pytest.raises(ValueError, match="no stage 'window'.*mine, plan, prefill, gc, report"):
+    with pytest.raises(ValueError, match="no stage 'window'.*mine, plan, prefill, gc, audit, report"):
         run.result("window")
     with pytest.raises(ValueError, match="no demand table 'counts'"):
         run.demand_table("counts")

@@ -88,6 +88,7 @@ def test_recorded_error_equals_a_recomputation(tiny, store, config):
         cache = tiny.model(torch.tensor([ids]), use_cache=True).cache
     for b in block_chain(root, ids):
         snap = store.get(ACME, b, root)
+        assert snap.header.origin == "prefill"  # the header says where the KV was computed
         sl = slice(b.index * BLOCK, (b.index + 1) * BLOCK)
         for i, layer in enumerate(cache.layers):
             stored = snap.layer(i, torch.float32)  # FP8 dequantised, or the kept layer's bf16 (layer 0 by default)

@@ -98,7 +98,8 @@ def test_store_and_config_go_before_or_after_the_command_and_the_later_wins(popu
 
 
 def test_every_command_that_reads_a_store_shows_both_options_in_its_help(capsys) -> None:
-    for command in (["warm"], ["report"], ["demo"], *[["store", c] for c in ("ls", "stat", "verify", "gc", "rm")]):
+    stores = [["store", c] for c in ("ls", "stat", "verify", "gc", "rm", "audit")]
+    for command in (["warm"], ["report"], ["demo"], *stores):
         with pytest.raises(SystemExit) as done:
             main([*command, "-h"])
         text = capsys.readouterr().out

@@ -31,6 +31,7 @@ from store.engines.vllm.stats import Counters
 from store.engines.vllm.tenancy import TenantBook
 from store.errors import StoreError, StoreUnavailable
 from store.format.encode import build_snapshot
+from store.format.header import WRITE_BACK
 from store.format.precision import Precision
 from store.identity.fingerprint import ModelIdentity
 from store.identity.keys import block_chain
@@ -149,7 +150,7 @@ class WriteBack:
             part = slice(j * self.kv_block, (j + 1) * self.kv_block)
             snap = build_snapshot(root=root, block=block, tenant=spec.tenant,
                                   kv=[(k[:, part], v[:, part]) for k, v in kv], precision=self.precision,
-                                  created_at=self.clock(), ttl_s=self.ttl_s)
+                                  created_at=self.clock(), ttl_s=self.ttl_s, source=WRITE_BACK)
             try:
                 try:
                     wrote = store.put(tenant, snap)

@@ -95,7 +95,7 @@ def test_write_back_stores_what_the_engine_computed_and_skips_what_is_stored(tmp
     store = Store.open(f"file://{tmp_path}/nvme", c)
     for b in (1, 2):
         snap = store.get(tenant, block_chain(root, ids)[b], root)
-        assert snap is not None
+        assert snap is not None and snap.header.origin == "write-back"  # the header says where the KV was computed
         for layer in range(L):
             k, v = snap.layer(layer, torch.bfloat16)
             assert torch.equal(k, expected(b)[layer][0]) and torch.equal(v, expected(b)[layer][1])
