@@ -7,21 +7,32 @@ step, or the next), and compute a block of their own over them, which write-back
 The worker's reads fail at random (:mod:`tests.store.engines.vllm.faulty`: about one load in
 ten fails part-way, leaving noise in the blocks), with async scheduling off and on.
 
-Afterwards a new engine on that store (no faults) returns for every prompt the same greedy
-tokens as vLLM without kvwarm, loading the written-back blocks: KV computed over a failed
-load would have been stored under the right key and changed them.
+Afterwards ``prefill store audit --all`` recomputes every stored block with the model and finds
+none that differs, and a new engine on that store (no faults) returns for every prompt the
+same greedy tokens as vLLM without kvwarm, loading the written-back blocks: KV computed over
+a failed load would have been stored under the right key and changed them.
 """
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
 
 from bench.lib.vllm_engine import run_engine
-from tests.store.engines.vllm.harness import connector, count, engine_spec, entry, outcome, prefill_here, request, \
-    write_config
-from tests.store.engines.vllm.prompts import POISON_PREFIXES, POISON_ROUNDS, POISON_SHARERS, poison_ids, \
-    poison_prefix
+from prefill.cli import main
+from tests.store.engines.vllm.harness import (
+    connector,
+    count,
+    engine_spec,
+    entry,
+    outcome,
+    prefill_here,
+    request,
+    tiny_dir,
+    write_config,
+)
+from tests.store.engines.vllm.prompts import POISON_PREFIXES, POISON_ROUNDS, POISON_SHARERS, poison_ids, poison_prefix
 
 #: the engine: vLLM's prefix cache on (requests share blocks), chunked prefill, concurrency 8; a step's
 #: budget lets a prefix's sharers complete their own block in the step that loads it
@@ -49,7 +60,7 @@ def rounds(ids: dict[str, list[int]]) -> list[dict]:
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_no_kv_computed_over_a_failed_load_is_stored(engine, base_store, same_as_cold, tmp_path,
+def test_no_kv_computed_over_a_failed_load_is_stored(engine, base_store, same_as_cold, tmp_path, capsys,
                                                      async_scheduling) -> None:
     shutil.copytree(base_store, tmp_path / "store")
     cfg = write_config(tmp_path / "kvwarm.yaml", store_url=f"file://{tmp_path}/store", compression="bf16")
@@ -65,6 +76,12 @@ def test_no_kv_computed_over_a_failed_load_is_stored(engine, base_store, same_as
         for call, name in zip(faulty.calls(f"round_{r}"), (f"poison_{r}_{i}_{j}" for i in range(POISON_PREFIXES)
                                                             for j in range(POISON_SHARERS))):
             same_as_cold(name, call["tokens"])
+
+    # the audit recomputes every stored block with the model: none differs from its recorded error
+    code = main(["store", "audit", "--config", str(cfg), "--model", str(tiny_dir()), "--all", "--json"])
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and report["differed"] == 0, report["differences"][:5]
+    assert report["by_source"]["write-back"]["checked"] == count(worker, "written_back_blocks")
 
     # a new engine on what the faulty one stored: the written-back blocks load, and answer as vLLM does alone
     names = sorted(ids)
