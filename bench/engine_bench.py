@@ -250,6 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         out["ttft_s"].update(cold=statistics.median(cold), vllm_hit=statistics.median(hit))
         out["each_s"] = {"cold": rounded(cold), "vllm_hit": rounded(hit)}
         out["startup_s"]["no_connector"] = base.result["startup_s"]
+        out["scheduler"] = base.result.get("scheduler")  # AsyncScheduler where vLLM's async scheduling is on
         out["import_s"]["vllm"] = base.result["import_s"]
         print(f"no connector: cold {statistics.median(cold):.3f} s, vLLM's own hit {statistics.median(hit):.3f} s",
               flush=True)

@@ -8,6 +8,11 @@
 #    tokens, beside vLLM's own persistent offloading (OffloadingConnector + TieringOffloadingSpec,
 #    a filesystem tier, restarted on the same path). It needs $KVWARM_ENGINE_PYTHON: a venv with
 #    `pip install vllm` (CUDA) and kvwarm's core (`pip install -e .`, no [pipeline]); skipped without.
+#    vLLM's async scheduling is on by default on CUDA: the record's "scheduler" says AsyncScheduler.
+#  - engine trust issue (24), done-when 5: the connector's CUDA paths (layer by layer on a side
+#    stream with events, bounded pinned staging, write-back through pinned memory), then the
+#    no-poison engine test on CUDA (loads failing at random, async scheduling off and on) and
+#    the same-tokens test, in the engine venv named by $KVWARM_ENGINE_PYTHON.
 # Needs a CUDA build of torch in $PY's environment. Logs go to $LOGS (default bench/out).
 # Each bench writes its record to $RESULTS (default bench/results) as <bench>-<gpu>.json
 # (prefill-h200.json, loader-h200.json on an H200): commit those, then run bench/report.py.
@@ -32,7 +37,11 @@ timeout "${LOADER_LIMIT:-200}" "$PY" bench/loader_bench.py --shape 8b --device c
 if [ -n "${KVWARM_ENGINE_PYTHON:-}" ]; then
   timeout "${ENGINE_LIMIT:-900}" "$PY" bench/engine_bench.py --device cuda --shape 8b --prefix 8192 --reps 3 \
     --offloading-baseline 2>&1 | tee "$LOGS/gpu_engine.log" || rc=1
+  timeout "${PATHS_LIMIT:-120}" "$PY" -m pytest -q -p no:cacheprovider tests/store/engines/vllm/test_gpu_paths.py \
+    2>&1 | tee "$LOGS/gpu_paths.log" || rc=1
+  timeout "${POISON_LIMIT:-600}" "$PY" -m pytest -q -p no:cacheprovider tests/store/engines/vllm/test_e2e_poison.py \
+    tests/store/engines/vllm/test_e2e_tokens.py 2>&1 | tee "$LOGS/gpu_engine_tests.log" || rc=1
 else
-  echo "engine bench skipped: set KVWARM_ENGINE_PYTHON to a venv with CUDA vllm and kvwarm's core"
+  echo "engine bench and engine tests skipped: set KVWARM_ENGINE_PYTHON to a venv with CUDA vllm and kvwarm's core"
 fi
 exit $rc
