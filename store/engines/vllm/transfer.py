@@ -1,10 +1,11 @@
 """A step's loads, layer by layer, beside the forward: the loader thread and the per-layer signals.
 
 vLLM calls the connector's ``start_load_kv`` before the forward and ``wait_for_layer_load``
-before each attention layer reads its KV. :class:`LoadThread` runs a step's loads on a thread
-of the worker's own (on the CPU backend vLLM keeps a core free for a KV connector; on a GPU
-the thread issues copies and kernels on a side stream), and :class:`StepLoad` tells the
-forward when each layer is written:
+before each attention layer reads its KV. The worker looks a step's loads up there (Python
+work: beside the forward it would take the GIL from it), then :class:`LoadThread` dequantises
+and writes them on a thread of the worker's own (on the CPU backend vLLM keeps a core free for
+a KV connector; on a GPU the thread issues copies and kernels on a side stream), and
+:class:`StepLoad` tells the forward when each layer is written:
 
 - the loader marks a layer :meth:`StepLoad.ready` once every load's writes into it are issued
   (on a GPU it records a CUDA event on the side stream there);
@@ -156,26 +157,19 @@ class OpenLoad:
     fail_from: int | None = None
 
 
-def run_loads(specs: Sequence[LoadSpec], job: StepLoad, *, open_load: Callable[[LoadSpec], OpenLoad | LoadResult],
+def run_loads(opened: Sequence[OpenLoad | LoadResult], job: StepLoad, *,
               write_layer: Callable[[OpenLoad, int], None],
               close_load: Callable[[OpenLoad], LoadResult]) -> list[LoadResult]:
-    """A step's loads: every lookup, then layer by layer every load's writes, each layer marked ready.
+    """A step's opened loads (a :class:`LoadResult` for one whose lookup failed), written layer by layer,
+    each layer marked ready once every load's writes into it are issued.
 
-    ``open_load`` never raises (a failure is a :class:`LoadResult`); a ``write_layer`` that raises
-    fails its load from its first block. Every layer is marked ready, and every hit closed, whatever
-    happens. Returns one result per spec.
+    A ``write_layer`` that raises fails its load from its first block. Every layer is marked
+    ready, and every hit closed, whatever happens. Returns one result per load, in order.
     """
-    results: dict[int, LoadResult] = {}
-    opened: list[tuple[int, OpenLoad]] = []
+    live = [op for op in opened if isinstance(op, OpenLoad)]
     try:
-        for i, spec in enumerate(specs):
-            got = open_load(spec)
-            if isinstance(got, LoadResult):
-                results[i] = got
-            else:
-                opened.append((i, got))
         for layer in range(job.layers):
-            for _, op in opened:
+            for op in live:
                 if op.fail_from == 0:
                     continue
                 try:
@@ -187,6 +181,5 @@ def run_loads(specs: Sequence[LoadSpec], job: StepLoad, *, open_load: Callable[[
             job.ready(layer)
     finally:
         job.finish()
-        for i, op in opened:
-            results[i] = close_load(op)
-    return [results[i] for i in range(len(specs))]
+        results = {id(op): close_load(op) for op in live}
+    return [results[id(op)] if isinstance(op, OpenLoad) else op for op in opened]

@@ -178,10 +178,13 @@ class WorkerRole:
         pending = _Pending(plan.loads, job)
         self._pending = pending
 
+        # the lookups here, before the forward starts: they are Python (mapping, checks), and beside the
+        # forward they would take the GIL from it; dequantising and writing release it, so they go beside it
+        opened = [self._open(spec) for spec in plan.loads]
+
         def work() -> None:
             try:
-                pending.results = run_loads(plan.loads, job, open_load=self._open, write_layer=self._write_layer,
-                                            close_load=self._close)
+                pending.results = run_loads(opened, job, write_layer=self._write_layer, close_load=self._close)
             finally:
                 job.complete()
 
@@ -226,7 +229,7 @@ class WorkerRole:
             self._report.loads.append(result)
 
     def _open(self, spec: LoadSpec) -> OpenLoad | LoadResult:
-        """Look the load's chain up (mapped, checked, pinned); on the CPU, dequantise every layer now."""
+        """Look the load's chain up (mapped, checked, pinned): what it can give, or why nothing."""
         planned = spec.end - spec.start
         hit = None
         try:
@@ -242,11 +245,8 @@ class WorkerRole:
                 hit.release()
                 return LoadResult(spec.req_id, 0, planned, reason=reason or "absent", tier=tier)
             first = spec.start // self.kv_block
-            op = OpenLoad(spec, hit, end, first, spec.start - first * self.kv_block,
-                          spec.block_ids[: (end - spec.start) // self.engine_block], reason, t0)
-            if self.caches[0].device.type == "cpu":  # one gather for every layer: the CPU's fastest path
-                op.kv = hit.dequantized(self.layout.dtype, first_block=first, tokens=end - first * self.kv_block)
-            return op
+            return OpenLoad(spec, hit, end, first, spec.start - first * self.kv_block,
+                            spec.block_ids[: (end - spec.start) // self.engine_block], reason, t0)
         except Exception:  # noqa: BLE001 - a request never fails because of kvwarm
             log.exception("kvwarm load for request %s failed; vLLM recomputes it", spec.req_id)
             if hit is not None:
@@ -256,6 +256,8 @@ class WorkerRole:
     def _write_layer(self, op: OpenLoad, index: int) -> None:
         """Write one layer of an open load into its engine blocks (on a GPU: its bytes moved and dequantised there)."""
         assert self.layout is not None
+        if op.kv is None and self.caches[index].device.type == "cpu":  # one gather for every layer: the CPU's fastest
+            op.kv = op.hit.dequantized(self.layout.dtype, first_block=op.first, tokens=op.end - op.first * self.kv_block)
         if op.kv is not None:
             k, v = op.kv[2 * index], op.kv[2 * index + 1]
         else:

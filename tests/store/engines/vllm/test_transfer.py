@@ -33,8 +33,8 @@ def test_every_layer_is_made_ready_and_every_hit_closed_whatever_fails() -> None
         closed.append(op.spec.req_id)
         return LoadResult(op.spec.req_id, 0 if op.fail_from == 0 else op.end, op.end)
 
-    results = run_loads([spec("ok"), spec("absent"), spec("breaks")], job, open_load=open_load, write_layer=write,
-                        close_load=close)
+    opened = [open_load(s) for s in (spec("ok"), spec("absent"), spec("breaks"))]
+    results = run_loads(opened, job, write_layer=write, close_load=close)
     assert [r.req_id for r in results] == ["ok", "absent", "breaks"]
     assert [r.loaded for r in results] == [2 * KB, 0, 0] and sorted(closed) == ["breaks", "ok"]
     assert written == [("ok", 0), ("breaks", 0), ("ok", 1), ("ok", 2)]  # layer by layer; the broken load stops
