@@ -5,8 +5,10 @@ It runs in vLLM's worker, beside the model, and only moves bytes the scheduler p
 - :meth:`WorkerRole.start_load`: for each :class:`store.engines.vllm.metadata.LoadSpec`, the tenant's
   :class:`store.serving.loader.KVLoader` maps the chain's snapshots from the node's shared pool
   (verified on first entry into the pool, pinned while used), :meth:`store.serving.hit.LoaderHit.dequantized`
-  dequantises the needed blocks into the engine's KV dtype (the native FP8 table gather where built), and
-  :func:`store.engines.vllm.paging.write_layer` writes each layer into the engine blocks vLLM assigned.
+  dequantises the needed blocks of this worker's share into the engine's KV dtype (its layers, by their
+  global numbers, under pipeline parallel; its KV heads under tensor parallel; the native FP8 table
+  gather where built), and :func:`store.engines.vllm.paging.write_layer` writes each layer into the
+  engine blocks vLLM assigned.
   Synchronous: vLLM runs the forward after it (docs/guides/engines.md says why). Whatever was not loaded
   (a snapshot gone, corrupt, expired) is reported by engine block id, and vLLM recomputes it.
 - :meth:`WorkerRole.after_forward`: copies the blocks of each save out of the cache and hands them to
@@ -31,6 +33,7 @@ import torch
 from store.engines.vllm.layout import EngineLayout
 from store.engines.vllm.metadata import LoadResult, LoadSpec, SaveSpec, StepPlan, WorkerReport
 from store.engines.vllm.paging import take_blocks, write_layer
+from store.engines.vllm.parallel import head_range
 from store.engines.vllm.settings import ConnectorSettings, check_block_sizes
 from store.engines.vllm.stats import Counters
 from store.engines.vllm.tenancy import TenantBook
@@ -92,28 +95,39 @@ class WorkerRole:
 
     # -- setup ---------------------------------------------------------------
     def register(self, caches: Sequence[torch.Tensor], layout: EngineLayout, *, total_kv_heads: int,
-                 writer: BlockWriter | None = None) -> None:
+                 writer: BlockWriter | None = None, layers: Sequence[int] | None = None,
+                 total_layers: int | None = None) -> None:
         """The engine's per-layer KV tensors (in layer order) and their layout.
 
-        ``writer(cache, block_ids, k, v)`` writes a load into one layer's blocks (the engine's own
-        cache kernel, where the connector has one); by default
+        ``layers[i]`` is the model's (global) layer number of ``caches[i]``: the snapshot layer it
+        loads (a pipeline stage holds some of the model's ``total_layers``; by default
+        ``0..len(caches)-1``, every layer). Write-back runs only where this worker holds every layer
+        and head. ``writer(cache, block_ids, k, v)`` writes a load into one layer's blocks (the
+        engine's own cache kernel, where the connector has one); by default
         :func:`store.engines.vllm.paging.write_layer`.
 
         Raises:
-            ValueError: this worker's heads are not an equal share of the model's.
+            ValueError: this worker's heads are not an equal share of the model's, or ``layers`` are
+                not one distinct layer per cache.
         """
         if layout.num_kv_heads * self.tp_size != total_kv_heads:
             raise ValueError(f"kvwarm connector: the engine holds {layout.num_kv_heads} KV heads per worker over "
-                             f"{self.tp_size} workers; the model has {total_kv_heads} (replicated heads are not "
-                             "supported)")
+                             f"{self.tp_size} workers (--tensor-parallel-size); the model has {total_kv_heads} "
+                             "(replicated heads are not supported)")
+        held = tuple(range(len(caches))) if layers is None else tuple(int(i) for i in layers)
+        if len(held) != len(caches) or len(set(held)) != len(held):
+            raise ValueError(f"kvwarm connector: layers {list(held)} are not one distinct layer for each of the "
+                             f"{len(caches)} KV caches")
         self.caches = list(caches)
         self.layout = layout
+        self._layers = held
         self._write: BlockWriter = writer or (lambda cache, ids, k, v: write_layer(cache, layout, ids, k, v))
-        self._heads = slice(self.tp_rank * layout.num_kv_heads, (self.tp_rank + 1) * layout.num_kv_heads)
+        self._heads = head_range(self.tp_rank, layout.num_kv_heads)
         cfg = self.settings.config
         for chat in (False, True) if self.identities[1] is not None else (False,):
             self.loader(self.tenants.default, chat)  # made now, not in the first request's load
-        if self.settings.write_back and self.tp_size == 1:
+        every_layer = held == tuple(range(len(caches) if total_layers is None else total_layers))
+        if self.settings.write_back and self.tp_size == 1 and every_layer:
             self.writer = WriteBack(Store(tiers_from_url(self.settings.store_url, cfg.store)), self.tenants,
                                     self.identities, cfg.kv_cache.precision(), kv_block=self.kv_block,
                                     ttl_s=cfg.kv_cache.ttl_seconds(), layout=layout, counters=self.counters,
@@ -191,13 +205,12 @@ class WorkerRole:
                 return LoadResult(spec.req_id, 0, planned, reason=reason or "absent", tier=hit.tier)
             first = spec.start // self.kv_block
             offset = spec.start - first * self.kv_block
+            # this worker's share only: its layers (a pipeline stage's), its heads (a tensor-parallel rank's)
             kv = hit.dequantized(self.layout.dtype, first_block=first, tokens=end - first * self.kv_block,
-                                 device=self.caches[0].device)
+                                 device=self.caches[0].device, layers=self._layers, heads=self._heads)
             ids = spec.block_ids[: (end - spec.start) // self.engine_block]
-            for layer, cache in enumerate(self.caches):
-                k = kv[2 * layer][self._heads, offset:]
-                v = kv[2 * layer + 1][self._heads, offset:]
-                self._write(cache, ids, k, v)
+            for i, cache in enumerate(self.caches):
+                self._write(cache, ids, kv[2 * i][:, offset:], kv[2 * i + 1][:, offset:])
             span = range(first, -(-end // self.kv_block))
             nbytes = sum(hit.snapshots[b].nbytes for b in span)
         finally:

@@ -83,3 +83,30 @@ def test_the_kernel_writer_writes_what_the_probed_order_says_for_a_slice_of_head
     assert torch.equal(rk, k) and torch.equal(rv, v)
     with pytest.raises(ValueError, match="do not fill"):
         cpu_block_writer(isa)(by_kernel, [1], k, v)
+
+
+def test_a_caches_layer_number_is_vllms_and_a_name_without_one_is_refused_naming_it():
+    from store.engines.vllm.connector import layer_index
+    from store.engines.vllm.settings import ConnectorConfigError
+
+    assert layer_index("model.layers.16.self_attn.attn") == 16
+    assert layer_index("language_model.model.layers.3.self_attn.attn") == 3
+    for name in ("model.norm.attn", "model.encoder.layers.0.sub.1"):  # none, or two
+        with pytest.raises(ConnectorConfigError, match=f"the KV cache '{name}' names no single layer number"):
+            layer_index(name)
+
+
+@pytest.mark.parametrize("method, draft_kv", [
+    *[(m, False) for m in ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")],
+    *[(m, True) for m in ("eagle", "eagle3", "mtp", "draft_model", "dflash", "extract_hidden_states")],
+])
+def test_the_speculative_methods_refused_are_those_whose_draft_keeps_kv_in_vllm(method, draft_kv):
+    # vLLM's own predicate (what the connector asks) on its config class; the docs and NO_DRAFT_KV list these
+    from vllm.config import SpeculativeConfig
+
+    from store.engines.vllm.parallel import NO_DRAFT_KV
+
+    cfg = object.__new__(SpeculativeConfig)  # only `method` is read: no draft model to load
+    object.__setattr__(cfg, "method", method)
+    assert cfg.uses_draft_kv_cache() is draft_kv
+    assert (method in NO_DRAFT_KV) is not draft_kv
