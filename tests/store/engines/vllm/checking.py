@@ -5,7 +5,7 @@ Start vLLM with ``kv_connector="CheckingKvwarmConnector"``, ``kv_connector_modul
 "tests.store.engines.vllm.checking"``. Each load is the real one; then the worker reads back the
 loaded blocks of every cache vLLM registered, by the name vLLM gave it, and compares them with
 the stored snapshot layer whose number that name carries (read here from the name, apart from the
-connector's own mapping), dequantised again. It counts ``layers_checked`` and ``layers_wrong``
+connector's own mapping), dequantised again, heads of this tensor-parallel rank only (vLLM's rank). It counts ``layers_checked`` and ``layers_wrong``
 (the scheduler's ``stats()`` sums them over every worker). Greedy tokens alone cannot tell: on
 the tiny model, a second stage loaded with snapshot layers 0-1 instead of 2-3 gave the same 16
 tokens.

