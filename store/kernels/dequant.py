@@ -32,6 +32,7 @@ import torch
 from store.format.precision import dequantize
 from store.format.runs import NP_SAME_SIZE, PayloadPlan, payload_plan
 from store.kernels import memory
+from store.kernels.plain import copy_plain
 from store.kernels.staging import STAGING_BYTES, Staging, gather_to_device
 from store.kernels.table import bits_dtype, gather_parts, gather_payloads, native_isa
 
@@ -86,6 +87,12 @@ def _fp8_layers(stored: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -
 
 
 DequantMode = Literal["auto", "table", "compiled"]
+
+
+def _is_share(plan: PayloadPlan, layers: Sequence[int] | None, heads: tuple[int, int] | None) -> bool:
+    """Whether ``layers`` and ``heads`` ask for less than every layer and head, in stored order."""
+    whole_layers = layers is None or tuple(layers) == tuple(range(plan.m // 2))
+    return not (whole_layers and (heads is None or tuple(heads) == (0, plan.shape[0])))
 
 
 class Dequantizer:
@@ -186,7 +193,8 @@ class Dequantizer:
         return ready
 
     def payload_layers(self, payloads: Sequence[tuple[np.ndarray, "PayloadLayout"]], tokens: int,
-                       dtype: torch.dtype) -> list[torch.Tensor] | None:
+                       dtype: torch.dtype, *, layers: Sequence[int] | None = None,
+                       heads: tuple[int, int] | None = None) -> list[torch.Tensor] | None:
         """On the CPU, K and V of every layer from whole snapshot payloads, one operation per group per snapshot.
 
         ``payloads`` are :attr:`store.format.snapshot.Snapshot.payload` of consecutive blocks.
@@ -213,6 +221,12 @@ class Dequantizer:
           reused staging buffer laid out so that every FP8 part and its scales are at
           regular steps, and one compiled pass of the reference arithmetic reads them
           there as strided views and writes the final layout.
+
+        ``layers`` (distinct indices) and ``heads`` (``(start, stop)``) ask for a share: K and V
+        of those layers, in that order, each ``[stop - start, tokens, dim]``. Only the native
+        gather reads a share without reading the rest (:func:`store.kernels.table.gather_payloads`);
+        where it does not apply to the whole share this returns ``None``, and :meth:`layers` reads
+        the share's parts as views.
         """
         if not payloads or tokens < 1:
             return None
@@ -223,13 +237,15 @@ class Dequantizer:
         if plan is None:
             return None
         n = len(payloads)
-        heads, bs, dim = plan.shape
+        _, bs, _ = plan.shape
         if tokens > n * bs or any(a.shape != (layout.nbytes,) for a, _ in payloads):
             return None
         group = plan.fp8
         if group is None and plan.plain_dtype != dtype:
             return None
         arrays = [a for a, _ in payloads]
+        if _is_share(plan, layers, heads):
+            return self._share(arrays, plan, tokens, dtype, layers, heads)
         out: list[torch.Tensor] = [None] * plan.m  # type: ignore[list-item]
         y = gather_payloads(arrays, plan, tokens, dtype) if self._native() else None
         if y is not None:
@@ -237,7 +253,7 @@ class Dequantizer:
         elif group is not None and (self.mode == "table" or n < 2):
             return None
         if plan.plain and (y is None or plan.plain_dtype != dtype):  # not copied natively: converted here
-            kept = self._copy_plain(arrays, plan, tokens, dtype)
+            kept = copy_plain(arrays, plan, tokens, dtype)
             for p, layer in enumerate(plan.plain_layers):
                 out[2 * layer], out[2 * layer + 1] = kept[p, 0], kept[p, 1]
         if group is not None and y is None:
@@ -252,39 +268,24 @@ class Dequantizer:
                 out[2 * layer], out[2 * layer + 1] = fp8[2 * j], fp8[2 * j + 1]
         return out
 
-    @staticmethod
-    def _copy_plain(payloads: Sequence[np.ndarray], plan: PayloadPlan, tokens: int,
-                    dtype: torch.dtype) -> torch.Tensor:
-        """The unquantised layers to ``[layers, 2 (K, V), heads, tokens, dim]`` in ``dtype``."""
-        heads, bs, dim = plan.shape
-        stored = plan.plain_dtype
-        assert stored is not None
-        esize = stored.itemsize
-        out = memory.empty((len(plan.plain_layers), 2, heads, tokens, dim), dtype)
-        # numpy, one pass and no OpenMP team: the stored bits, or bf16 -> fp32 as the bits moved
-        # up 16 places (exactly what Tensor.to does); any other conversion through Tensor.copy_
-        widen = stored == torch.bfloat16 and dtype == torch.float32
-        dst = out.view(bits_dtype(dtype)).numpy() if stored == dtype or widen else None
-        t = 0
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)  # read-only mappings: torch cannot write to them
-            for arr in payloads:
-                nt = min(bs, tokens - t)
-                if nt <= 0:
-                    break
-                for run in plan.plain:
-                    src = np.ndarray((run.count, 2, heads, nt, dim), dtype=NP_SAME_SIZE[esize], buffer=arr,
-                                     offset=run.base, strides=(run.layer_step, run.kv_step, bs * dim * esize,
-                                                               dim * esize, esize))
-                    rows = slice(run.first, run.first + run.count)
-                    if widen:
-                        wide = dst[rows, :, :, t : t + nt].view(np.uint32)  # type: ignore[index]
-                        np.left_shift(src.view(np.uint16), 16, out=wide, dtype=np.uint32)
-                    elif dst is not None:
-                        np.copyto(dst[rows, :, :, t : t + nt], src)
-                    else:  # the conversion dequantize() makes (Tensor.to)
-                        out[rows, :, :, t : t + nt].copy_(torch.from_numpy(src).view(stored))
-                t += nt
+    def _share(self, arrays: Sequence[np.ndarray], plan: PayloadPlan, tokens: int, dtype: torch.dtype,
+               layers: Sequence[int] | None, heads: tuple[int, int] | None) -> list[torch.Tensor] | None:
+        """:meth:`payload_layers` of a share: the native gather of its jobs, and its unquantised layers
+        converted here where they are stored in another dtype (``None`` without the native gather)."""
+        if not self._native():
+            return None  # the caller reads the share's parts (views of its heads)
+        y = gather_payloads(arrays, plan, tokens, dtype, layers=layers, heads=heads)
+        if y is None:
+            return None
+        out = list(y)
+        order = tuple(range(plan.m // 2)) if layers is None else tuple(int(i) for i in layers)
+        convert = {i for i in order if i in plan.plain_layers} if plan.plain_dtype != dtype else set()
+        if convert:  # left unwritten by the gather: converted here, the share's heads only
+            kept = copy_plain(arrays, plan, tokens, dtype, heads=heads, wanted=convert)
+            for at, layer in enumerate(order):
+                if layer in convert:
+                    p = plan.plain_layers.index(layer)
+                    out[2 * at], out[2 * at + 1] = kept[p, 0], kept[p, 1]
         return out
 
     def _table_from_payloads(self, payloads: Sequence[np.ndarray], plan: PayloadPlan, tokens: int,

@@ -10,7 +10,9 @@ The gather itself is the native module ``store.kernels._fp8gather`` (built from
 stores into new memory) when it is there, numpy's ``take`` otherwise. :func:`gather_parts` runs every
 head of one stored part; :func:`gather_payloads` every part of whole snapshot payloads
 straight from their mappings into the final ``[parts, heads, tokens, dim]`` layout: one
-native call for the FP8 layers, one for the layers kept unquantised (plain copies).
+native call for the FP8 layers, one for the layers kept unquantised (plain copies), over
+every layer and head or over a share of them (a pipeline stage's layers, a tensor-parallel
+rank's heads: the other bytes are not read).
 """
 from __future__ import annotations
 
@@ -150,8 +152,46 @@ def _jobs(plan: "PayloadPlan") -> _Jobs:
     return jobs
 
 
-def gather_payloads(payloads: Sequence[np.ndarray], plan: "PayloadPlan", tokens: int,
-                    dtype: torch.dtype) -> torch.Tensor | None:
+def _selected(plan: "PayloadPlan", layers: tuple[int, ...] | None, heads: tuple[int, int] | None) -> _Jobs:
+    """The jobs of :func:`_jobs` that read ``layers`` (in this order) and heads ``[start, stop)``, their
+    output rows renumbered ``(2 * position of the layer + K|V) * (stop - start) + head - start``.
+
+    A job is one head of one part of one block: a job not selected is never run, so the bytes
+    of the other layers and heads are not read at all (a tensor-parallel rank reads its share).
+    """
+    full = _jobs(plan)
+    if layers is None and heads is None:
+        return full
+    cache = plan.__dict__.get("_selected")
+    if cache is None:
+        cache = {}
+        object.__setattr__(plan, "_selected", cache)  # a cache on the (frozen) plan, as _jobs is
+    key = (layers, heads)
+    got = cache.get(key)
+    if got is not None:
+        return got
+    count = plan.m // 2
+    h0, h1 = heads if heads is not None else (0, plan.shape[0])
+    order = layers if layers is not None else tuple(range(count))
+    position = np.full(count, -1, dtype=np.int64)
+    position[list(order)] = np.arange(len(order))
+
+    def pick(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        part, head = np.divmod(rows.astype(np.int64), plan.shape[0])
+        at = position[part // 2]
+        keep = (at >= 0) & (head >= h0) & (head < h1)
+        return keep, ((2 * at + part % 2) * (h1 - h0) + head - h0)[keep].astype(np.uint64)
+
+    keep, rows = pick(full.rows)
+    ckeep, crows = pick(full.copy_rows)
+    got = _Jobs(full.src[keep], full.scale[keep], rows, full.copy_src[ckeep], crows, full.end)
+    if len(cache) < 64:  # a worker asks for one selection; bounded whatever callers do
+        cache[key] = got
+    return got
+
+
+def gather_payloads(payloads: Sequence[np.ndarray], plan: "PayloadPlan", tokens: int, dtype: torch.dtype, *,
+                    layers: Sequence[int] | None = None, heads: tuple[int, int] | None = None) -> torch.Tensor | None:
     """Every K/V part of consecutive snapshot payloads, as ``[parts, heads, tokens, dim]`` in ``dtype``.
 
     ``payloads`` are whole payloads (``uint8`` arrays of the plan's layout, e.g. the
@@ -162,21 +202,33 @@ def gather_payloads(payloads: Sequence[np.ndarray], plan: "PayloadPlan", tokens:
     left unwritten, for the caller to convert). Returns ``None`` without the native module,
     for output dtypes other than 2 or 4 bytes, or when there is nothing to do natively.
 
+    ``layers`` (distinct layer indices) and ``heads`` (``(start, stop)``) select a share: the
+    result is then ``[2 * len(layers), stop - start, tokens, dim]``, K and V of each selected
+    layer in the order given, and only the selected heads' bytes are read (a pipeline stage
+    reads its layers, a tensor-parallel rank its heads).
+
     Raises:
-        ValueError: the payloads are not of the plan's layout, or ``tokens`` is out of range.
+        ValueError: the payloads are not of the plan's layout, ``tokens`` is out of range, or
+            the selection is not layers and heads of the plan.
     """
     esize = dtype.itemsize
     copies = plan.plain_dtype == dtype
     if _native is None or esize not in NP_SAME_SIZE or not payloads or (plan.fp8 is None and not copies):
         return None
-    heads, bs, dim = plan.shape
+    heads_all, bs, dim = plan.shape
     n = len(payloads)
     nbytes = payloads[0].shape[0]
-    jobs = _jobs(plan)
+    sel = tuple(int(i) for i in layers) if layers is not None else None
+    if sel is not None and (len(set(sel)) != len(sel) or any(not 0 <= i < plan.m // 2 for i in sel) or not sel):
+        raise ValueError(f"layers {list(sel)} are not distinct layers of the payload's {plan.m // 2}")
+    if heads is not None and not 0 <= heads[0] < heads[1] <= heads_all:
+        raise ValueError(f"heads {heads} are not a range of the payload's {heads_all}")
+    jobs = _selected(plan, sel, None if heads == (0, heads_all) else heads)
     if (tokens < 1 or tokens > n * bs or jobs.end > nbytes
             or any(a.dtype != np.uint8 or a.shape != (nbytes,) or not a.flags.c_contiguous for a in payloads)):
         raise ValueError(f"payloads do not match the plan: {n} payloads of {nbytes} bytes for {tokens} tokens")
-    out = memory.empty((plan.m, heads, tokens, dim), dtype)
+    parts = 2 * len(sel) if sel is not None else plan.m
+    out = memory.empty((parts, heads[1] - heads[0] if heads is not None else heads_all, tokens, dim), dtype)
     base = np.fromiter((_address(a) for a in payloads), dtype=np.uint64, count=n)
     if len(jobs.src) and dtype in _TABLES_IN_C:
         # each head's table is made in C from its scale, with the reference rounding

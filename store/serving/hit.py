@@ -104,14 +104,31 @@ class LoaderHit:
         if self.released:
             raise RuntimeError("this hit was released; build caches before release() (or lookup again)")
 
-    def _parts(self, layer: int, name: str,
-               blocks: slice = slice(None)) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    def _parts(self, layer: int, name: str, blocks: slice = slice(None),
+               heads: slice = slice(None)) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Each block's stored part and its scales (per head, or per head and group): views of the
+        mapping, of ``heads`` only (a part is ``[heads, tokens, dim]``, so a head range is one run)."""
         self._check_live()
         out = []
         for snap in self.snapshots[blocks]:
             parts = _tensors(snap)
-            out.append((parts[f"{name}.{layer}"], parts.get(f"{name}_scale.{layer}")))
+            scale = parts.get(f"{name}_scale.{layer}")
+            out.append((parts[f"{name}.{layer}"][heads], None if scale is None else scale[heads]))
         return out
+
+    def _share(self, layers: Sequence[int] | None, heads: slice | None) -> tuple[tuple[int, ...], slice]:
+        """``layers`` and ``heads`` of :meth:`dequantized`, checked against the snapshots' layout."""
+        lay = self.layout
+        chosen = tuple(range(lay.num_layers)) if layers is None else tuple(int(i) for i in layers)
+        if not chosen or len(set(chosen)) != len(chosen) or any(not 0 <= i < lay.num_layers for i in chosen):
+            raise ValueError(f"layers {list(chosen)} are not distinct layers of these snapshots' "
+                             f"{lay.num_layers}")
+        if heads is None:
+            return chosen, slice(0, lay.num_kv_heads)
+        start, stop, step = heads.indices(lay.num_kv_heads)
+        if step != 1 or start >= stop or (heads.stop is not None and heads.stop > lay.num_kv_heads):
+            raise ValueError(f"heads {heads} are not a range of these snapshots' {lay.num_kv_heads} KV heads")
+        return chosen, slice(start, stop)
 
     # -- handing KV to engines -----------------------------------------------
     def to_dynamic_cache(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16, *,
@@ -148,19 +165,27 @@ class LoaderHit:
         return cache
 
     def dequantized(self, dtype: torch.dtype, *, first_block: int = 0, tokens: int | None = None,
-                    device: str | torch.device = "cpu", layers: Sequence[int] | None = None) -> list[torch.Tensor]:
+                    device: str | torch.device = "cpu", layers: Sequence[int] | None = None,
+                    heads: slice | None = None) -> list[torch.Tensor]:
         """K and V of every layer, ``[K.0, V.0, K.1, ...]``, each ``[kv_heads, tokens, head_dim]`` in ``dtype``.
 
         They start at block ``first_block`` of the hit and hold ``tokens`` tokens (default: up to
-        :attr:`usable_tokens`): what an engine copies into its own cache layout. With ``layers``,
-        only those layers' K and V, in that order (an engine that loads layer by layer: on a GPU
-        only one layer's bytes are on the device at a time).
+        :attr:`usable_tokens`): what an engine copies into its own cache layout.
+
+        Args:
+            layers: only these snapshot layers (distinct), in this order: ``[K.a, V.a, K.b, ...]``
+                for ``layers=[a, b]`` (a pipeline stage's layers).
+            heads: only these KV heads (a range, step 1): each tensor is then
+                ``[heads.stop - heads.start, tokens, head_dim]`` (a tensor-parallel rank's heads).
+                The other layers' and heads' stored bytes are not read: on the CPU the native gather
+                runs only the selected heads' jobs; elsewhere each part is a view of its heads.
 
         Raises:
-            ValueError: the range is outside the hit.
+            ValueError: the range is outside the hit, or ``layers``/``heads`` are not the snapshots'.
             RuntimeError: the hit was released.
         """
         self._check_live()
+        chosen, share = self._share(layers, heads)
         if tokens is None:
             tokens = self.usable_tokens - first_block * self.block_size
         blocks = slice(first_block, first_block + -(-tokens // self.block_size))
@@ -170,17 +195,14 @@ class LoaderHit:
                              f"{len(self.snapshots)} blocks")
         g = snaps[0].header.precision.group_tokens
         dq = self._loader.dequantizer
-        if torch.device(device).type == "cpu" and layers is None:  # whole payloads at once where the layout allows
+        if torch.device(device).type == "cpu":  # whole payloads at once where the layout allows
             payloads = [s.payload for s in snaps]
             if all(p is not None for p in payloads):
-                kv = dq.payload_layers(payloads, tokens, dtype)  # type: ignore[arg-type]
+                kv = dq.payload_layers(payloads, tokens, dtype, layers=chosen,  # type: ignore[arg-type]
+                                       heads=(share.start, share.stop))
                 if kv is not None:
                     return kv
-        lay = self.layout
-        wanted = range(lay.num_layers) if layers is None else layers
-        if any(not 0 <= i < lay.num_layers for i in wanted):
-            raise ValueError(f"layers {list(wanted)} are outside the snapshots' {lay.num_layers}")
-        runs = [self._parts(i, name, blocks) for i in wanted for name in ("k", "v")]
+        runs = [self._parts(i, name, blocks, share) for i in chosen for name in ("k", "v")]
         return dq.layers(runs, tokens, dtype, device, g)
 
     def copy_into_paged(self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], *,

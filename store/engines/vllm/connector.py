@@ -11,10 +11,9 @@ stops vLLM's start with a message naming what to change.
 from __future__ import annotations
 
 import logging
-import re
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -23,18 +22,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorWorkerMetadata,
 )
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.kv_cache_interface import MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from store.engines.vllm.layout import (
-    CPU_BACKEND,
-    VEC_ISAS,
-    UnsupportedLayout,
-    detect_layout,
-    index_from_probe,
-    probe_inputs,
-    vec_index,
-)
+from store.engines.vllm.cpu_backend import cpu_block_order, cpu_block_writer
+from store.engines.vllm.layout import CPU_BACKEND, detect_layout
 from store.engines.vllm.metadata import StepPlan, WorkerReport
+from store.engines.vllm.parallel import check_model, order_layers, write_back_refusal
 from store.engines.vllm.prom import KvwarmPromMetrics, KvwarmStats
 from store.engines.vllm.scheduler import SchedulerRole
 from store.engines.vllm.settings import ConnectorConfigError, model_identities, parse_settings
@@ -82,42 +77,28 @@ def _log_where_vllm_logs() -> None:
         ours.propagate = False
 
 
-def _layer_index(name: str) -> int:
-    found = re.findall(r"\.(\d+)\.", f".{name}.")
-    return int(found[-1]) if found else 0
+def layer_index(name: str) -> int:
+    """A registered KV cache's global layer number by vLLM's rule (its runner's): ``model.layers.16.self_attn.attn``
+    -> 16. Raises ``ConnectorConfigError`` for a name with no single layer number."""
+    try:
+        return extract_layer_index(name)
+    except (AssertionError, IndexError, ValueError):
+        raise ConnectorConfigError(f"kvwarm connector: the KV cache {name!r} names no single layer number; kvwarm "
+                                   "loads snapshot layer N into the cache of layer N and cannot place this one") from None
 
 
-def _cpu_order(isa: str, heads: int, block: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
-    """The in-block order of vLLM's CPU cache kernel for ``isa``, read off the kernel itself."""
-    from vllm import _custom_ops as ops
-
-    blocks = []
-    slots = torch.arange(block, dtype=torch.int64)
-    for key, value in probe_inputs(heads, block, dim, dtype):
-        scratch = torch.zeros(1, heads, block, 2 * dim, dtype=dtype)
-        kc, vc = scratch.view(1, heads, 2 * block, dim).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(key, value, kc, vc, slots, isa, 1.0, 1.0, "auto")
-        blocks.append(scratch[0])
-    return index_from_probe(blocks, heads, block, dim)
-
-
-def cpu_block_writer(isa: str) -> Callable[[torch.Tensor, Sequence[int], torch.Tensor, torch.Tensor], None]:
-    """Write ``k`` and ``v`` (``[kv_heads, n * block_size, head_dim]``) into engine blocks with vLLM's own
-    CPU cache kernel for ``isa`` (the one its attention writes with): a strided pass at memory speed,
-    whatever the ISA's in-block order (measured: 2 ms for 24 MiB on AMX, against 145 ms for the
-    permutation in numpy)."""
-    from vllm import _custom_ops as ops
-
-    def write(cache: torch.Tensor, block_ids: Sequence[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        nb, heads, block, width = cache.shape
-        kc, vc = cache.view(nb, heads, 2 * block, width // 2).chunk(2, dim=2)
-        ids = torch.as_tensor(block_ids, dtype=torch.int64)
-        slots = (ids[:, None] * block + torch.arange(block, dtype=torch.int64)).reshape(-1)
-        if k.shape[1] != slots.numel():
-            raise ValueError(f"K/V of {k.shape[1]} tokens do not fill {len(block_ids)} engine blocks of {block}")
-        ops.cpu_attn_reshape_and_cache(k.transpose(0, 1), v.transpose(0, 1), kc, vc, slots, isa, 1.0, 1.0, "auto")
-
-    return write
+def _spec_facts(vllm_config: "VllmConfig", kv_cache_config: "KVCacheConfig | None") -> dict[str, Any]:
+    """What :func:`store.engines.vllm.parallel.check_model` needs, read off vLLM's config objects."""
+    groups = list(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else []
+    spec, mc = vllm_config.speculative_config, vllm_config.model_config
+    return dict(mla=bool(mc.use_mla) or any(isinstance(g.kv_cache_spec, MLAAttentionSpec) for g in groups),
+                groups=len(groups) if kv_cache_config is not None else 1,
+                group_kinds=[type(g.kv_cache_spec).__name__ for g in groups],
+                window=next((w for g in groups for w in (getattr(g.kv_cache_spec, "sliding_window", None),
+                                                         getattr(g.kv_cache_spec, "attention_chunk_size", None))
+                             if w is not None), None),
+                speculative=getattr(spec, "method", None), draft_kv=spec is not None and spec.uses_draft_kv_cache(),
+                kv_heads=mc.get_total_num_kv_heads(), tp_size=vllm_config.parallel_config.tensor_parallel_size)
 
 
 class KvwarmConnector(KVConnectorBase_V1):
@@ -149,10 +130,14 @@ class KvwarmConnector(KVConnectorBase_V1):
         if cache_dtype.startswith("fp8"):
             raise ConnectorConfigError(f"kvwarm connector: the engine's KV cache is {cache_dtype}; kvwarm fills "
                                        "bf16/fp16 caches: start vLLM with --kv-cache-dtype auto")
-        groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
-        if groups != 1:
-            raise ConnectorConfigError(f"kvwarm connector: the model has {groups} KV cache groups (a hybrid model); "
-                                       "kvwarm supports models whose layers share one (full attention)")
+        check_model(mc.model, **_spec_facts(vllm_config, kv_cache_config))
+        pc = vllm_config.parallel_config
+        tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+        why = write_back_refusal(tp, pp) if settings.write_back else None
+        if why is not None:
+            if role == KVConnectorRole.SCHEDULER:
+                log.warning("kvwarm write-back is off: %s", why)
+            settings = replace(settings, write_back=False)
         self._identities = model_identities(settings.model_dir)
         fingerprint_s = time.perf_counter() - t0
         self._engine_block = vllm_config.cache_config.block_size
@@ -173,14 +158,16 @@ class KvwarmConnector(KVConnectorBase_V1):
             text = hf.get("text_config", hf) if isinstance(hf, dict) else None
             self._scheduler = SchedulerRole(
                 settings, identities=self._identities, engine_block=self._engine_block,
-                layers=mc.get_num_layers(vllm_config.parallel_config), kv_heads=self._total_kv_heads,
+                layers=mc.get_total_num_hidden_layers(), kv_heads=self._total_kv_heads,
                 head_dim=mc.get_head_size(), hf_config=text, cpu=vllm_config.device_config.device_type == "cpu",
-                tp_size=vllm_config.parallel_config.tensor_parallel_size,
-                async_loads=settings.async_loads(bool(vllm_config.scheduler_config.async_scheduling)))
+                tp_size=tp, async_loads=settings.async_loads(bool(vllm_config.scheduler_config.async_scheduling)))
         else:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+            from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+            from vllm.distributed.utils import get_pp_indices
 
-            tp = vllm_config.parallel_config.tensor_parallel_size
+            # the layers of this worker's stage, as the model's make_layers splits them
+            self._stage = get_pp_indices(mc.get_total_num_hidden_layers(), get_pp_group().rank_in_group if pp > 1
+                                         else 0, pp)
             self._worker = self.worker_class(settings, identities=self._identities, engine_block=self._engine_block,
                                              tp_rank=get_tensor_model_parallel_rank() if tp > 1 else 0, tp_size=tp)
         log.info("kvwarm connector (%s role) ready in %.3f s (model identity %.3f s; store %s, tenant %r, "
@@ -219,10 +206,14 @@ class KvwarmConnector(KVConnectorBase_V1):
         worker = self._worker
         assert worker is not None
         t0 = time.perf_counter()
-        names = sorted(kv_caches, key=_layer_index)
+        model = self._vllm_config.model_config
+        group = self._kv_cache_config.kv_cache_groups[0]
+        names, layers = order_layers({n: layer_index(n) for n in kv_caches}, model=model.model,
+                                     total_layers=model.get_total_num_hidden_layers(), stage=self._stage,
+                                     group_layers=group.layer_names)
         tensors = [kv_caches[n] for n in names]
         self._layer_of = {n: i for i, n in enumerate(names)}
-        spec = self._kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        spec = group.kv_cache_spec
         layer = self._vllm_config.compilation_config.static_forward_context.get(names[0])
         backend = layer.attn_backend.get_name() if layer is not None else "unknown"
         isa = getattr(layer, "isa", None)
@@ -230,25 +221,14 @@ class KvwarmConnector(KVConnectorBase_V1):
         index = None
         writer = cpu_block_writer(isa) if backend == CPU_BACKEND and isinstance(isa, str) else None
         if backend == CPU_BACKEND:
-            try:
-                index = _cpu_order(isa, heads, block, dim, tensors[0].dtype)
-            except UnsupportedLayout:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the kernel could not be asked: trust the known order
-                if isa not in VEC_ISAS:
-                    raise UnsupportedLayout(f"kvwarm could not read the CPU backend's block order for ISA {isa!r} "
-                                            f"({exc})") from None
-                log.warning("kvwarm: could not probe the CPU cache kernel (%s); using the known %s order", exc, isa)
-            if index is not None and torch.equal(index, vec_index(heads, block, dim)):
-                isa, index = "vec", None  # the known order: its faster path
-            elif index is not None:
-                isa = "probed"
+            isa, index = cpu_block_order(isa, heads, block, dim, tensors[0].dtype)
         layout = detect_layout(tensors, backend=backend, isa=isa, num_kv_heads=heads, head_dim=dim,
                                block_size=block, index=index)
-        worker.register(tensors, layout, total_kv_heads=self._total_kv_heads, writer=writer)
-        log.info("kvwarm: %d layers of KV, %s layout (backend %s, %s), %d blocks of %d tokens; registered in %.3f s",
-                 len(tensors), layout.kind, backend, getattr(layer, "isa", None), layout.num_blocks, block,
-                 time.perf_counter() - t0)
+        worker.register(tensors, layout, total_kv_heads=self._total_kv_heads, writer=writer, layers=layers,
+                        total_layers=model.get_total_num_hidden_layers())
+        log.info("kvwarm: %d layers of KV (model layers %d-%d), %s layout (backend %s, %s), %d blocks of %d tokens; "
+                 "registered in %.3f s", len(tensors), layers[0], layers[-1], layout.kind, backend,
+                 getattr(layer, "isa", None), layout.num_blocks, block, time.perf_counter() - t0)
         if self._settings.plan is not None:
             self._prefetch(worker)
 

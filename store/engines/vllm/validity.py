@@ -169,6 +169,18 @@ class BlockLedger:
             n += 1
         return n
 
+    def vouched(self, req_id: str, first: int, block_ids: Sequence[int], ratio: int) -> int:
+        """How far a save of the request's kvwarm blocks from ``first`` (engine blocks ``block_ids``, ``ratio``
+        per kvwarm block) holds valid KV: the first kvwarm block not vouched for (its end when all are).
+
+        A plan whose blocks are not the request's as the ledger knows them is vouched for nowhere (0).
+        """
+        end = first + len(block_ids) // ratio
+        table = self.tables.get(req_id)
+        if table is None or tuple(table[first * ratio : end * ratio]) != tuple(block_ids):
+            return 0
+        return min(end, self.valid_prefix(req_id, end * ratio) // ratio)
+
     def table(self, req_id: str) -> list[int] | None:
         """The request's engine blocks as the worker knows them (``None``: never seen)."""
         return self.tables.get(req_id)

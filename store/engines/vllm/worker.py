@@ -5,8 +5,10 @@ It runs in vLLM's worker, beside the model, and only moves bytes the scheduler p
 - :meth:`WorkerRole.start_load`: for each :class:`store.engines.vllm.metadata.LoadSpec`, the tenant's
   :class:`store.serving.loader.KVLoader` maps the chain's snapshots from the node's shared pool
   (verified on first entry into the pool, pinned while used), :meth:`store.serving.hit.LoaderHit.dequantized`
-  dequantises the needed blocks into the engine's KV dtype (the native FP8 table gather where built), and
-  :func:`store.engines.vllm.paging.write_layer` writes each layer into the engine blocks vLLM assigned.
+  dequantises the needed blocks of this worker's share into the engine's KV dtype (its layers, by their
+  global numbers, under pipeline parallel; its KV heads under tensor parallel; the native FP8 table
+  gather where built), and :func:`store.engines.vllm.paging.write_layer` writes each layer into the
+  engine blocks vLLM assigned.
   Synchronous: vLLM runs the forward after it (docs/guides/engines.md says why). Whatever was not loaded
   (a snapshot gone, corrupt, expired) is reported by engine block id, and vLLM recomputes it.
 - :meth:`WorkerRole.after_forward`: copies the blocks of each save out of the cache and hands them to
@@ -30,7 +32,8 @@ import torch
 
 from store.engines.vllm.layout import EngineLayout
 from store.engines.vllm.metadata import LoadResult, LoadSpec, SaveSpec, StepPlan, WorkerReport
-from store.engines.vllm.paging import take_blocks, write_layer
+from store.engines.vllm.paging import write_layer
+from store.engines.vllm.parallel import head_range
 from store.engines.vllm.settings import ConnectorSettings, check_block_sizes
 from store.engines.vllm.stats import Counters
 from store.engines.vllm.tenancy import TenantBook
@@ -104,30 +107,41 @@ class WorkerRole:
 
     # -- setup ---------------------------------------------------------------
     def register(self, caches: Sequence[torch.Tensor], layout: EngineLayout, *, total_kv_heads: int,
-                 writer: BlockWriter | None = None) -> None:
+                 writer: BlockWriter | None = None, layers: Sequence[int] | None = None,
+                 total_layers: int | None = None) -> None:
         """The engine's per-layer KV tensors (in layer order) and their layout.
 
-        ``writer(cache, block_ids, k, v)`` writes a load into one layer's blocks (the engine's own
-        cache kernel, where the connector has one); by default
+        ``layers[i]`` is the model's (global) layer number of ``caches[i]``: the snapshot layer it
+        loads (a pipeline stage holds some of the model's ``total_layers``; by default
+        ``0..len(caches)-1``, every layer). Write-back runs only where this worker holds every layer
+        and head. ``writer(cache, block_ids, k, v)`` writes a load into one layer's blocks (the
+        engine's own cache kernel, where the connector has one); by default
         :func:`store.engines.vllm.paging.write_layer`.
 
         Raises:
-            ValueError: this worker's heads are not an equal share of the model's.
+            ValueError: this worker's heads are not an equal share of the model's, or ``layers`` are
+                not one distinct layer per cache.
         """
         if layout.num_kv_heads * self.tp_size != total_kv_heads:
             raise ValueError(f"kvwarm connector: the engine holds {layout.num_kv_heads} KV heads per worker over "
-                             f"{self.tp_size} workers; the model has {total_kv_heads} (replicated heads are not "
-                             "supported)")
+                             f"{self.tp_size} workers (--tensor-parallel-size); the model has {total_kv_heads} "
+                             "(replicated heads are not supported)")
+        held = tuple(range(len(caches))) if layers is None else tuple(int(i) for i in layers)
+        if len(held) != len(caches) or len(set(held)) != len(held):
+            raise ValueError(f"kvwarm connector: layers {list(held)} are not one distinct layer for each of the "
+                             f"{len(caches)} KV caches")
         self.caches = list(caches)
         self.layout = layout
+        self._layers = held
         self._write: BlockWriter = writer or (lambda cache, ids, k, v: write_layer(cache, layout, ids, k, v))
         if self._thread is None and self.caches:
             self._thread = LoadThread(self.caches[0].device)
-        self._heads = slice(self.tp_rank * layout.num_kv_heads, (self.tp_rank + 1) * layout.num_kv_heads)
+        self._heads = head_range(self.tp_rank, layout.num_kv_heads)
         cfg = self.settings.config
         for chat in (False, True) if self.identities[1] is not None else (False,):
             self.loader(self.tenants.default, chat)  # made now, not in the first request's load
-        if self.settings.write_back and self.tp_size == 1:
+        every_layer = held == tuple(range(len(caches) if total_layers is None else total_layers))
+        if self.settings.write_back and self.tp_size == 1 and every_layer:
             self.writer = WriteBack(Store(tiers_from_url(self.settings.store_url, cfg.store)), self.tenants,
                                     self.identities, cfg.kv_cache.precision(), kv_block=self.kv_block,
                                     ttl_s=cfg.kv_cache.ttl_seconds(), layout=layout, counters=self.counters,
@@ -256,15 +270,17 @@ class WorkerRole:
     def _write_layer(self, op: OpenLoad, index: int) -> None:
         """Write one layer of an open load into its engine blocks (on a GPU: its bytes moved and dequantised there)."""
         assert self.layout is not None
-        if op.kv is None and self.caches[index].device.type == "cpu":  # one gather for every layer: the CPU's fastest
-            op.kv = op.hit.dequantized(self.layout.dtype, first_block=op.first, tokens=op.end - op.first * self.kv_block)
+        tokens = op.end - op.first * self.kv_block
+        # this worker's share only: its layers (a pipeline stage's), its heads (a tensor-parallel rank's)
+        if op.kv is None and self.caches[index].device.type == "cpu":  # one gather for all its layers: the CPU's fastest
+            op.kv = op.hit.dequantized(self.layout.dtype, first_block=op.first, tokens=tokens, layers=self._layers,
+                                       heads=self._heads)
         if op.kv is not None:
             k, v = op.kv[2 * index], op.kv[2 * index + 1]
         else:
-            k, v = op.hit.dequantized(self.layout.dtype, first_block=op.first,
-                                      tokens=op.end - op.first * self.kv_block, device=self.caches[index].device,
-                                      layers=[index])
-        self._write(self.caches[index], op.ids, k[self._heads, op.offset:], v[self._heads, op.offset:])
+            k, v = op.hit.dequantized(self.layout.dtype, first_block=op.first, tokens=tokens,
+                                      device=self.caches[index].device, layers=[self._layers[index]], heads=self._heads)
+        self._write(self.caches[index], op.ids, k[:, op.offset:], v[:, op.offset:])
 
     def _close(self, op: OpenLoad) -> LoadResult:
         """Release an open load's hit; what it loaded."""
@@ -293,18 +309,7 @@ class WorkerRole:
                 spec = self._valid_part(planned)
                 if spec is None:
                     continue
-                nbytes = len(self.caches) * len(spec.block_ids) * self.layout.block_bytes
-                if not self.writer.room(nbytes):
-                    self.counters.add("write_back_dropped", len(spec.block_ids) * self.engine_block // self.kv_block,
-                                      reason="queue_full")
-                    continue
-                device = self.caches[0].device
-                layers = [take_blocks(c, self.layout, spec.block_ids, host=True) for c in self.caches]
-                ready = None
-                if device.type == "cuda":  # the copies run on the forward's stream, after it: wait for them there
-                    ready = torch.cuda.Event()
-                    ready.record(torch.cuda.current_stream(device))
-                self.writer.submit(spec, layers, ready=ready)
+                self.writer.copy_out(spec, self.caches)
         tokens = plan.prompt_tokens + plan.other_tokens
         if plan.prompt_tokens >= PREFILL_MIN_TOKENS and plan.prompt_tokens >= PREFILL_SHARE * tokens:
             self._report.forward_tokens = tokens
@@ -319,11 +324,7 @@ class WorkerRole:
         """
         ratio = self.kv_block // self.engine_block
         end = spec.first + len(spec.block_ids) // ratio
-        table = self.ledger.table(spec.req_id)
-        if table is None or tuple(table[spec.first * ratio : end * ratio]) != spec.block_ids:
-            ok = 0  # the plan and the ledger disagree about the request's blocks: none of it is vouched for
-        else:
-            ok = min(end, self.ledger.valid_prefix(spec.req_id, end * ratio) // ratio)
+        ok = self.ledger.vouched(spec.req_id, spec.first, spec.block_ids, ratio)
         if ok >= end:
             return spec
         self.counters.add("write_back_dropped", end - max(ok, spec.first), reason="invalid")

@@ -26,7 +26,7 @@ import torch
 
 from store.engines.vllm.layout import EngineLayout
 from store.engines.vllm.metadata import SaveSpec
-from store.engines.vllm.paging import unpack_blocks
+from store.engines.vllm.paging import take_blocks, unpack_blocks
 from store.engines.vllm.stats import Counters
 from store.engines.vllm.tenancy import TenantBook
 from store.errors import StoreError, StoreUnavailable
@@ -99,6 +99,25 @@ class WriteBack:
         """Whether ``nbytes`` more copied blocks may wait now."""
         with self._lock:
             return self._queued + nbytes <= self.max_bytes
+
+    def copy_out(self, spec: SaveSpec, caches: Sequence[torch.Tensor]) -> bool:
+        """Copy the save's engine blocks out of every layer's cache (into host memory) and queue them;
+        ``False`` (counted ``queue_full``) when they do not fit. Call after the step's forward.
+
+        From a GPU the copies run on the current (the forward's) stream, after it; the writer waits
+        for an event recorded after them.
+        """
+        nbytes = len(caches) * len(spec.block_ids) * self.layout.block_bytes
+        if not self.room(nbytes):
+            self.counters.add("write_back_dropped", len(spec.block_ids) * self.layout.block_size // self.kv_block,
+                              reason="queue_full")
+            return False
+        layers = [take_blocks(c, self.layout, spec.block_ids, host=True) for c in caches]
+        ready = None
+        if caches and caches[0].device.type == "cuda":
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(caches[0].device))
+        return self.submit(spec, layers, ready=ready)
 
     def submit(self, spec: SaveSpec, layers: Sequence[torch.Tensor], ready: Any = None) -> bool:
         """Queue copied blocks for writing; ``False`` (counted) when the queue is full.

@@ -311,3 +311,28 @@ def test_dequantized_gives_any_block_range_as_to_dynamic_cache_does(tmp_path, bf
         hit.dequantized(torch.bfloat16, first_block=3, tokens=2 * BS)
     hit.release()
     loader.close()
+
+
+@pytest.mark.parametrize("compression", ["bf16", "fp8"])
+@pytest.mark.parametrize("native", [True, False])
+def test_a_share_of_layers_and_heads_is_that_slice_of_the_whole(tmp_path, bf16_model, compression, native,
+                                                                monkeypatch):
+    import store.kernels.table
+
+    if not native:  # the per-part path: views of the share's heads (what a GPU-bound hit stages)
+        monkeypatch.setattr(store.kernels.table, "_native", None)
+    model, _ = bf16_model
+    ids = prompt(3 * BS + 2, seed=6)
+    loader = loader_for(tmp_path, compression, model, ids[: 3 * BS])
+    hit = loader.lookup(ids)
+    whole = hit.dequantized(torch.bfloat16, first_block=1, tokens=BS + 3)
+    share = hit.dequantized(torch.bfloat16, first_block=1, tokens=BS + 3, layers=[1], heads=slice(1, 2))
+    assert [tuple(t.shape) for t in share] == [(1, BS + 3, whole[0].shape[2])] * 2
+    assert torch.equal(share[0], whole[2][1:2]) and torch.equal(share[1], whole[3][1:2])
+    backwards = hit.dequantized(torch.bfloat16, layers=[1, 0])
+    assert torch.equal(backwards[0], hit.dequantized(torch.bfloat16)[2])
+    for bad in (dict(layers=[0, 0]), dict(layers=[2]), dict(heads=slice(0, 3)), dict(heads=slice(0, 2, 2))):
+        with pytest.raises(ValueError, match="not (distinct layers|a range)"):
+            hit.dequantized(torch.bfloat16, **bad)
+    hit.release()
+    loader.close()

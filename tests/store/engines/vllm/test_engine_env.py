@@ -66,12 +66,12 @@ def _isas() -> list[str]:
 def test_the_kernel_writer_writes_what_the_probed_order_says_for_a_slice_of_heads(isa):
     import torch
 
-    from store.engines.vllm.connector import _cpu_order, cpu_block_writer
+    from store.engines.vllm.cpu_backend import cpu_block_writer, probe_order
     from store.engines.vllm.layout import EngineLayout
     from store.engines.vllm.paging import read_layer, write_layer
 
     H, B, D, NB = 4, 128, 32, 12
-    layout = EngineLayout("cpu_permuted", NB, 2, B, D, torch.bfloat16, index=_cpu_order(isa, 2, B, D, torch.bfloat16))
+    layout = EngineLayout("cpu_permuted", NB, 2, B, D, torch.bfloat16, index=probe_order(isa, 2, B, D, torch.bfloat16))
     g = torch.Generator().manual_seed(0)
     k = torch.randn(H, 3 * B, D, generator=g).to(torch.bfloat16)[1:3]  # heads 1-2 of 4: a view, as a TP rank reads
     v = torch.randn(H, 3 * B, D, generator=g).to(torch.bfloat16)[1:3]
@@ -98,3 +98,30 @@ def test_kvwarm_is_a_best_effort_cache_so_a_preemption_keeps_the_requests_output
                                                 kv_connector_module_path="store.engines.vllm")
     assert KVConnectorBase_V1.requires_kv_delivery.fget(conn) is True  # what kvwarm overrides
     assert conn.requires_kv_delivery is False
+
+
+def test_a_caches_layer_number_is_vllms_and_a_name_without_one_is_refused_naming_it():
+    from store.engines.vllm.connector import layer_index
+    from store.engines.vllm.settings import ConnectorConfigError
+
+    assert layer_index("model.layers.16.self_attn.attn") == 16
+    assert layer_index("language_model.model.layers.3.self_attn.attn") == 3
+    for name in ("model.norm.attn", "model.encoder.layers.0.sub.1"):  # none, or two
+        with pytest.raises(ConnectorConfigError, match=f"the KV cache '{name}' names no single layer number"):
+            layer_index(name)
+
+
+@pytest.mark.parametrize("method, draft_kv", [
+    *[(m, False) for m in ("ngram", "ngram_gpu", "suffix", "medusa", "mlp_speculator")],
+    *[(m, True) for m in ("eagle", "eagle3", "mtp", "draft_model", "dflash", "extract_hidden_states")],
+])
+def test_the_speculative_methods_refused_are_those_whose_draft_keeps_kv_in_vllm(method, draft_kv):
+    # vLLM's own predicate (what the connector asks) on its config class; the docs and NO_DRAFT_KV list these
+    from vllm.config import SpeculativeConfig
+
+    from store.engines.vllm.parallel import NO_DRAFT_KV
+
+    cfg = object.__new__(SpeculativeConfig)  # only `method` is read: no draft model to load
+    object.__setattr__(cfg, "method", method)
+    assert cfg.uses_draft_kv_cache() is draft_kv
+    assert (method in NO_DRAFT_KV) is not draft_kv
