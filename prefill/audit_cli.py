@@ -18,6 +18,7 @@ from prefill.agreement import TOLERANCE
 from prefill.audit import AuditOptions, AuditReport, audit, plan_audit
 from prefill.audit_catalogue import SOURCE_ORDER
 from prefill.models import load_model, pick_device, pick_dtype, resolve
+from prefill.warm import positive_int
 from store.cli import add_location_options, configured_tenants
 from store.config import load_config
 from store.identity.fingerprint import identity_from_dir
@@ -27,16 +28,6 @@ from store.tiers.store import Store
 SOURCES = ("write-back", "prefill", "unknown", "all")
 #: the tolerance scale must stay below this: the tolerance's cap times it stays below 1
 MAX_SCALE = 1.0 / TOLERANCE.cap
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
-    return value
 
 
 def _scale(text: str) -> float:
@@ -74,7 +65,7 @@ def add_audit_command(ss: Any) -> None:
     a.add_argument("--tenant", metavar="NAME",
                    help="only this tenant's namespace ('public' for the shared prefixes; default: every namespace)")
     how_many = a.add_mutually_exclusive_group()
-    how_many.add_argument("--sample", type=_positive_int, default=32, metavar="N",
+    how_many.add_argument("--sample", type=positive_int, default=32, metavar="N",
                           help="snapshots to audit, write-back first (default: 32)")
     how_many.add_argument("--all", action="store_true", help="audit every snapshot")
     a.add_argument("--source", choices=SOURCES, default="all",
@@ -86,7 +77,7 @@ def add_audit_command(ss: Any) -> None:
                    help="compute seconds after which no further forward starts (default: no limit)")
     a.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="model compute dtype (default: fp32)")
     a.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda when present, else cpu)")
-    a.add_argument("--max-batch-tokens", type=_positive_int, default=8192, metavar="TOKENS",
+    a.add_argument("--max-batch-tokens", type=positive_int, default=8192, metavar="TOKENS",
                    help="tokens per forward chunk; bounds activation memory (default: 8192)")
     a.add_argument("--seed", type=int, help="seed of the sampling order (default: a new order each run)")
     a.add_argument("--no-quarantine", action="store_true", help="report only; leave the copies that differ in place")

@@ -120,7 +120,8 @@ def _print_report(r: PrefillReport, loaded: LoadedModel) -> None:
           f"{r.seconds:.2f} s, {r.tokens_per_s:,.0f} tokens/s; max FP8 relative error {r.quant_error_max:.4f}")
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (``prefill warm``'s and ``prefill store audit``'s)."""
     try:
         value = int(text)
     except ValueError:
@@ -156,7 +157,7 @@ def add_warm_command(sub: Any) -> None:
                    help="storage precision (default: the config's kv_cache.compression, built in fp8)")
     p.add_argument("--block-size", type=int, metavar="TOKENS",
                    help="tokens per block (default: the config's kv_cache.block_size, built in 256)")
-    p.add_argument("--max-batch-tokens", type=_positive_int, default=8192, metavar="TOKENS",
+    p.add_argument("--max-batch-tokens", type=positive_int, default=8192, metavar="TOKENS",
                    help="padded tokens per forward batch; bounds activation memory (default: 8192)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON object")
     p.set_defaults(func=_cmd_warm)
