@@ -18,8 +18,9 @@ from typing import Any
 import torch
 
 from store.engines.vllm.connector import KvwarmConnector
-from store.engines.vllm.metadata import LoadResult, LoadSpec
+from store.engines.vllm.metadata import LoadResult
 from store.engines.vllm.paging import read_layer
+from store.engines.vllm.transfer import OpenLoad
 from store.engines.vllm.worker import WorkerRole
 
 
@@ -30,27 +31,23 @@ class CheckingWorker(WorkerRole):
         super().__init__(*args, **kwargs)
         self.named: dict[str, torch.Tensor] = {}  # vLLM's name -> cache (set by the connector)
 
-    def _load(self, spec: LoadSpec) -> LoadResult:
-        result = super()._load(spec)
-        if not result.loaded or self.layout is None:
-            return result
-        hit = self.loader(spec.tenant, spec.chat).lookup(list(spec.token_ids))
-        assert hit is not None
-        try:
-            kv = hit.dequantized(self.layout.dtype, tokens=spec.start + result.loaded)
-        finally:
-            hit.release()
-        heads = slice(self.tp_rank * self.layout.num_kv_heads, (self.tp_rank + 1) * self.layout.num_kv_heads)
-        ids = list(spec.block_ids[: result.loaded // self.engine_block])
-        for name, cache in self.named.items():
-            layer = int(re.search(r"layers\.(\d+)\.", name).group(1))  # type: ignore[union-attr]
-            k, v = read_layer(cache, self.layout, ids)
-            ok = (torch.equal(k, kv[2 * layer][heads, spec.start:]) and
-                  torch.equal(v, kv[2 * layer + 1][heads, spec.start:]))
-            self.counters.add("layers_checked")
-            if not ok:
-                self.counters.add("layers_wrong")
-        return result
+    def _close(self, op: OpenLoad) -> LoadResult:
+        # every layer of the load is written by now (the loader thread closes a load after its last layer)
+        spec = op.spec
+        loaded = (op.end if op.fail_from is None else spec.start + op.fail_from * self.engine_block) - spec.start
+        if loaded > 0 and self.layout is not None:
+            kv = op.hit.dequantized(self.layout.dtype, tokens=spec.start + loaded)  # every layer and head, again
+            heads = slice(self.tp_rank * self.layout.num_kv_heads, (self.tp_rank + 1) * self.layout.num_kv_heads)
+            ids = list(spec.block_ids[: loaded // self.engine_block])
+            for name, cache in self.named.items():
+                layer = int(re.search(r"layers\.(\d+)\.", name).group(1))  # type: ignore[union-attr]
+                k, v = read_layer(cache, self.layout, ids)
+                ok = (torch.equal(k, kv[2 * layer][heads, spec.start:]) and
+                      torch.equal(v, kv[2 * layer + 1][heads, spec.start:]))
+                self.counters.add("layers_checked")
+                if not ok:
+                    self.counters.add("layers_wrong")
+        return super()._close(op)
 
 
 class CheckingKvwarmConnector(KvwarmConnector):
