@@ -18,6 +18,7 @@ vllm = pytest.importorskip("vllm")
 from vllm.v1.request import RequestStatus  # noqa: E402
 
 from store.engines.vllm.worker import WorkerRole  # noqa: E402
+from store.identity.keys import block_chain  # noqa: E402
 from tests.store.engines.vllm.vllm_scheduler_setup import KB, PREFIX, Rig, tokens  # noqa: E402
 
 A_PROMPT = PREFIX + tokens(KB + 5, seed=1)  # 101 tokens: kvwarm blocks 0-2 full
@@ -158,3 +159,25 @@ def test_async_loads_wait_for_the_worker_share_no_loading_block_and_rewind_befor
     e.finish()
     assert e.written_back() == {("A", 2): True, ("B", 2): True, ("B", 3): True}
     assert "write_back_dropped:invalid" not in e.counters()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["Scheduler", "AsyncScheduler"])
+def test_an_async_load_that_gets_nothing_is_not_planned_again_and_the_request_is_computed(rig, async_scheduling):
+    """Block 0's snapshot is evicted between the scheduler's probe and the worker's load. vLLM frees the blocks of
+    a request whose async load got nothing and asks the connector again: answered the same, the same load
+    would fail at every step, and the request would never compute."""
+    e = rig(async_scheduling=async_scheduling, load_mode="async")
+    first = block_chain(e.root, PREFIX)[0].key
+    open_load = e.worker._open
+
+    def evicted(spec):
+        for path in e.store_path.rglob(f"{first}.kvw"):
+            path.unlink()
+        return open_load(spec)
+
+    e.worker._open = evicted
+    e.add("A", A_PROMPT)
+    e.finish()
+    assert e.answers["A"] == [(2 * KB, True), (0, False)]
+    assert [s for s in (e.started(i + 1) for i in range(len(e.outputs))) if s][0] == {"A": (0, len(A_PROMPT))}
+    assert e.counters()["load_failures:absent"] == 1

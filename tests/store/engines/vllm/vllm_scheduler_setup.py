@@ -165,7 +165,8 @@ class Rig:
 
     def __init__(self, tmp_path: Path, *, async_scheduling: bool, load_mode: str, budget: int) -> None:
         model = model_dir(tmp_path / "model")
-        self.store_url = f"file://{tmp_path}/store"
+        self.store_path = tmp_path / "store"
+        self.store_url = f"file://{self.store_path}"
         raw = {"kv_cache": {"block_size": KB, "compression": "bf16"}, "store": {"url": self.store_url},
                "loader": {"pool_dir": str(tmp_path / "pool"), "pool_bytes": "64MiB"}}
         (tmp_path / "kvwarm.yaml").write_text(yaml.safe_dump(raw))
