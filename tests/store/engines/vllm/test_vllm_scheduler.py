@@ -5,8 +5,8 @@ Engine venv only (``make test`` runs this file there). No model runs: the schedu
 is ``KvwarmConnector`` as vLLM loads it by name (scheduler role) and once more in the worker role over CPU
 KV tensors, each step goes through vLLM's own connector lifecycle, and a fake model writes the KV
 (:mod:`tests.store.engines.vllm.vllm_scheduler_setup`). The store holds a shared prefix of two kvwarm
-blocks (four engine blocks, tokens 0..64); each failed load fails from its third engine block (tokens
-32..64, kvwarm block 1), leaving garbage there. A written-back snapshot is checked byte for byte against
+blocks (four engine blocks, tokens 0..64); a failed read fails from the load's third engine block (tokens
+32..64, kvwarm block 1), leaving garbage there (the last test evicts block 0 instead). A written-back snapshot is checked byte for byte against
 the fake model's true KV (``written_back()``: ``False`` is a poisoned block in the store).
 """
 from __future__ import annotations
