@@ -45,7 +45,7 @@ demo: $(STAMP)
 # The whole suite in .venv (its engine tests start vLLM from .venv-engine; KVWARM_ENGINE_PYTHON
 # makes a missing engine venv an error there, not a skip), then, in .venv-engine, the checks of
 # the connector's modules that import vLLM (.venv cannot import them).
-ENGINE_ENV_TESTS := tests/store/engines/vllm/test_engine_env.py
+ENGINE_ENV_TESTS := tests/store/engines/vllm/test_engine_env.py tests/store/engines/vllm/test_vllm_scheduler.py
 test: $(STAMP) $(ENGINE_STAMP)
 	KVWARM_ENGINE_PYTHON=$(CURDIR)/$(ENGINE_PY) $(PY) -m pytest -q
 	$(ENGINE_PY) -m pytest -q -p no:cacheprovider $(ENGINE_ENV_TESTS)

@@ -186,6 +186,10 @@ class SchedulerRole:
             # vLLM overrides any answer with 0 for it (prompt logprobs...): nothing is probed or counted as a hit
             self._miss(st, "skip_reading_prefix_cache")
             return 0, False
+        if st.load_failed:
+            # vLLM frees the blocks of a request whose async load got nothing and asks again: the same answer
+            # would plan the same load, which fails the same way at every step, and the request never computes
+            return 0, False
         if st.hit is None or st.pending is not None:
             if self._look(st) is None:
                 return None, False
@@ -328,6 +332,7 @@ class SchedulerRole:
                 self._miss(st, r.reason or "error")
             if r.reason is not None:
                 st.reason = client_reason(r.reason)
+                st.load_failed = True
                 self.saves.load_failed(st, r.loaded)
         for req_id, first in report.refused.items():
             st = self.tracker.get(req_id)

@@ -40,6 +40,9 @@ class RequestState:
         loaded: tokens the worker reported loaded.
         planned: tokens of every load planned.
         reason: why it loaded nothing, or less than planned (the last such reason), as the client is told.
+        load_failed: a load of it got less than planned: it is not loaded again (answered 0), since the
+            same chain may fail the same way (evicted, expired, corrupt), and vLLM asks again about a
+            request whose async load got nothing.
     """
 
     req_id: str
@@ -62,6 +65,7 @@ class RequestState:
     loaded: int = 0
     planned: int = 0
     reason: str | None = None
+    load_failed: bool = False
 
     def outcome(self) -> dict[str, object]:
         """What kvwarm did for the request (returned to the client in ``kv_transfer_params``).

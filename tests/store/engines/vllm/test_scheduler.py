@@ -207,6 +207,22 @@ def test_a_failed_load_is_reported_and_its_recomputed_blocks_are_written_back(tm
     assert r.request_finished(req)["kvwarm"] == {"loaded_tokens": KB, "reason": "corrupt"}
 
 
+def test_a_request_whose_load_failed_is_not_loaded_again(tmp_path) -> None:
+    ids = tokens(2 * KB + 1)
+    store_prefix(tmp_path, ids)
+    r = role(tmp_path, async_loads=True)
+    req = Req("r", ids)
+    assert ask(r, req) == (2 * KB, True)
+    r.update_state_after_alloc(req, [1, 2, 3, 4], 2 * KB)
+    r.build_plan(Out())
+    # its snapshots were evicted before the worker read them: vLLM frees the request's blocks and asks again
+    r.update_output(WorkerReport([LoadResult("r", loaded=0, planned=2 * KB, reason="absent")]), None)
+    assert ask(r, req) == (0, False)
+    assert r.build_plan(Out()).loads == ()
+    totals = r.stats()
+    assert totals["lookups"] == 1 and totals["misses:absent"] == 1
+
+
 def test_a_load_unreported_when_the_request_finishes_worked(tmp_path) -> None:
     ids = tokens(2 * KB + 1)
     store_prefix(tmp_path, ids)
