@@ -2,10 +2,10 @@
 
 vLLM calls the connector's ``start_load_kv`` before the forward and ``wait_for_layer_load``
 before each attention layer reads its KV. The worker looks a step's loads up there (Python
-work: beside the forward it would take the GIL from it), then :class:`LoadThread` dequantises
-and writes them on a thread of the worker's own (on the CPU backend vLLM keeps a core free for
-a KV connector; on a GPU the thread issues copies and kernels on a side stream), and
-:class:`StepLoad` tells the forward when each layer is written:
+work: beside the forward it would take the GIL from it), then, on a GPU, :class:`LoadThread`
+moves, dequantises and writes them on a thread of the worker's own, issuing on a side stream
+(a CPU worker runs the same job in ``start_load_kv``: beside the forward it only slowed both),
+and :class:`StepLoad` tells the forward when each layer is written:
 
 - the loader marks a layer :meth:`StepLoad.ready` once every load's writes into it are issued
   (on a GPU it records a CUDA event on the side stream there);
