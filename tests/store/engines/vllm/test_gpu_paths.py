@@ -15,7 +15,7 @@ from store.engines.vllm.metadata import LoadSpec, SaveSpec, StepPlan
 from store.engines.vllm.paging import read_layer, take_blocks
 from store.kernels.staging import SLOTS, Staging, gather_to_device
 from tests.hang_guard import HANG_S
-from tests.store.engines.vllm.worker_setup import D, EB, H, KB, L, NB, expected, new, store_blocks, tokens
+from tests.store.engines.vllm.worker_setup import EB, KB, NB, D, H, L, expected, new, store_blocks, tokens
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu_check.sh)")
 
