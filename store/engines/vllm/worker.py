@@ -135,9 +135,7 @@ class WorkerRole:
         self._layers = held
         self._write: BlockWriter = writer or (lambda cache, ids, k, v: write_layer(cache, layout, ids, k, v))
         if self._thread is None and self.caches and self.caches[0].device.type != "cpu":
-            # on a GPU the loader thread issues on a side stream while the forward runs; on the CPU the load
-            # runs in start_load_kv: beside the forward it only made both slower (measured on the engine
-            # bench: an OpenMP team of its own spinning on vLLM's cores, and the two sharing the GIL)
+            # a GPU worker loads beside the forward; a CPU worker in start_load_kv (beside, both were slower)
             self._thread = LoadThread(self.caches[0].device)
         self._heads = head_range(self.tp_rank, layout.num_kv_heads)
         cfg = self.settings.config
