@@ -315,7 +315,7 @@ class Dequantizer:
         heads, bs, dim = plan.shape
         row = group.row
         with self._staging.lock:  # held until the kernel has read the staging buffer
-            host = self._staging.buffer(n * row, pin=False).view(n, row)
+            host = self._staging.buffer(n * row).view(n, row)
             hnp = host.numpy()
             for i, arr in enumerate(payloads):
                 for lo, hi, at in group.segments:

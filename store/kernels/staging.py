@@ -90,10 +90,8 @@ class Staging:
         """Host bytes the slots hold now (at most ``max_bytes``)."""
         return sum(s.buf.numel() for s in self._slots if s.buf is not None)
 
-    def buffer(self, nbytes: int, *, pin: bool) -> torch.Tensor:
-        """A ``uint8`` buffer of ``nbytes``: the kept one when it is large enough (the CPU's, or a slot)."""
-        if pin:
-            return self.acquire(nbytes, pin=True)[0]
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        """A plain ``uint8`` host buffer of ``nbytes`` (the CPU's): the kept one when it is large enough."""
         if self.host is not None and self.host.numel() >= nbytes:
             return self.host[:nbytes]
         buf = torch.empty(nbytes, dtype=torch.uint8)

@@ -288,23 +288,15 @@ class SchedulerRole:
         saves: list[SaveSpec] = []
         prompt_tokens = 0
         try:
-            scheduled = scheduler_output.num_scheduled_tokens
-            for nr in scheduler_output.scheduled_new_reqs:
-                st = self.tracker.get(nr.req_id)
-                if st is not None:
-                    st.block_table = list(nr.block_ids[0])
-                    prompt_tokens += self.saves.step(st, nr.num_computed_tokens, scheduled.get(nr.req_id, 0), saves)
-            cached = scheduler_output.scheduled_cached_reqs
-            for i, req_id in enumerate(cached.req_ids):
-                st = self.tracker.get(req_id)
+            for c in computes:  # every scheduled request, new and resumed first (their whole tables)
+                st = self.tracker.get(c.req_id)
                 if st is None:
                     continue
-                new = cached.new_block_ids[i]
-                if req_id in cached.resumed_req_ids:
-                    st.block_table = list(new[0]) if new else []
-                elif new:
-                    st.block_table.extend(new[0])
-                prompt_tokens += self.saves.step(st, cached.num_computed_tokens[i], scheduled.get(req_id, 0), saves)
+                if c.replace:
+                    st.block_table = list(c.new_blocks)
+                elif c.new_blocks:
+                    st.block_table.extend(c.new_blocks)
+                prompt_tokens += self.saves.step(st, c.start, c.tokens, saves)
             other = max(0, int(scheduler_output.total_num_scheduled_tokens) - prompt_tokens)
         except Exception:  # noqa: BLE001 - saves are best effort; the loads above are always sent
             log.exception("kvwarm could not plan this step's write-back")

@@ -53,7 +53,7 @@ def test_a_part_larger_than_a_slot_gets_a_buffer_of_its_own_not_kept() -> None:
 def test_trim_gives_everything_back_and_a_bound_too_small_is_refused() -> None:
     staging = Staging(max_bytes=SLOTS * 4096)
     gather_to_device(parts(4), torch.device("cpu"), staging)
-    staging.buffer(1000, pin=False)
+    staging.buffer(1000)
     staging.trim()
     assert staging.pinned_bytes == 0 and staging.host is None
     with pytest.raises(ValueError, match="at least"):
