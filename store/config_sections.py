@@ -184,6 +184,23 @@ class LoaderConfig(_Section):
             raise ConfigError(_format_errors(exc, "KVLoader keywords").replace("\n  ", "\n  loader.")) from None
 
 
+class AgentConfig(_Section):
+    """The serving node's agent (``store.serving.agent``): it follows the published plan for the
+    node's life and warms a new node from the fleet's memory."""
+
+    poll_s: float = Field(30.0, gt=0, description="How often the node checks the published plan's version (a few "
+                          "bytes); the plan is read only when it changed. The pipeline publishes every 5 minutes.")
+    fleet_warmup: bool = Field(True, description="Warm from the fleet's memory: the blocks the fleet's nodes served "
+                               "recently (fleet_memory), ranked with the plan's forecast.")
+    fleet_window_s: float = Field(3600.0, gt=0, description="How far back the fleet's records count.")
+    min_value: float = Field(0.02, ge=0, lt=1, description="The least chance of use a copy must keep once it "
+                             "lands (after the copies queued before it) to be queued at all.")
+    link_bytes_per_s: float = Field(
+        7.0e8, gt=0, description="The node's read rate from the shared (S3) tier, which sizes the warm-up to what "
+        "can land before it is needed. Default: AWS's guidance of 85-90 MB/s per S3 connection, times the 8 "
+        "prefetch_streams.")
+
+
 class MonitoringConfig(_Section):
     """Prices for the economics family of ``prefill report`` and the flows' report."""
 

@@ -26,6 +26,7 @@ prefetch every entry in order. Readers accept versions 1 and 2.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -46,6 +47,8 @@ READABLE_VERSIONS = (1, 2)
 ACTIONS = ("prefill", "retain")
 #: Where :func:`publish_plan` puts the latest plan in each tier's metadata area.
 LATEST_PLAN = "plans/latest.json"
+#: Beside it, the latest plan's version (a digest of its bytes): what a node agent polls.
+LATEST_VERSION = "plans/latest.version"
 
 
 class PlanError(ConfigError):
@@ -248,16 +251,42 @@ def publish_plan(plan: Plan, tiers: Sequence["Tier"]) -> int:
         StoreUnavailable: no tier could be written.
     """
     data = json.dumps(plan.to_json()).encode("utf-8")
+    version = plan_version(data).encode("ascii")
     written, error = 0, None
     for tier in tiers:
         try:
+            # the plan first: a node that sees the new version finds the plan it names
             tier.put_meta(LATEST_PLAN, data)
+            tier.put_meta(LATEST_VERSION, version)
             written += 1
         except (StoreUnavailable, OSError) as exc:
             error = exc
     if not written:
         raise StoreUnavailable(f"no tier took the plan: {error}")
     return written
+
+
+def plan_version(data: bytes) -> str:
+    """A published plan's version: the first 16 hex digits of the SHA-256 of its bytes."""
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def latest_plan_version(tiers: Sequence["Tier"]) -> str | None:
+    """The version of the plan last published to these tiers (a few bytes read), or ``None``
+    when none is published. A plan published without a version file (by an older kvwarm)
+    is read whole and its digest returned."""
+    for tier in tiers:
+        try:
+            raw = tier.get_meta(LATEST_VERSION)
+            if raw is None:
+                raw = tier.get_meta(LATEST_PLAN)
+                if raw is not None:
+                    return plan_version(raw)
+        except (StoreUnavailable, OSError):
+            continue
+        if raw is not None:
+            return raw.decode("ascii", "replace").strip()
+    return None
 
 
 def latest_plan(tiers: Sequence["Tier"]) -> Plan | None:

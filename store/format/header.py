@@ -212,9 +212,19 @@ class SnapshotHeader:
         Compares the stored token ids with the request's, so a hash collision can never
         serve KV computed for different tokens.
         """
+        self.check_identity(block.key, root, location=location)
+        if self.parent_key != block.parent:
+            raise SnapshotMismatch(f"parent_key is {self.parent_key!r}, asked for {block.parent!r}", location=location)
+        if self.token_ids != tuple(block.tokens):
+            raise SnapshotMismatch("stored token ids differ from the request's (hash collision?)", location=location)
+
+    def check_identity(self, key: str, root: KeyRoot, *, location: str = "") -> None:
+        """Refuse (with :class:`SnapshotMismatch`) unless this is block ``key`` under ``root``
+        (its key, model, tokenizer, salt, precision, format and block size), without its
+        tokens: a copy by key (a node warming from the fleet's memory) checks this, and the
+        lookup that later maps the block checks the tokens (:meth:`check_matches`)."""
         expected = {
-            "key": block.key,
-            "parent_key": block.parent,
+            "key": key,
             "root_key": root_key(root),
             "salt_id": root.salt_id,
             "model_fingerprint": root.model_fingerprint,
@@ -233,8 +243,6 @@ class SnapshotHeader:
             raise SnapshotMismatch(
                 f"block_size is {self.layout.block_size}, asked for {root.block_size}", location=location
             )
-        if self.token_ids != tuple(block.tokens):
-            raise SnapshotMismatch("stored token ids differ from the request's (hash collision?)", location=location)
 
     def expired(self, now: float) -> bool:
         """True when ``now`` is at or past ``expires_at``: an expired snapshot is a miss."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from store.errors import StoreError, StoreUnavailable, TenantAccessDenied
-from store.identity.keys import Block, KeyRoot
+from store.identity.keys import Block, BlockKey, KeyRoot
 from store.identity.tenant import Tenant
 from store.miss import MissReason
 from store.serving.metrics import LoaderMetrics
@@ -40,9 +40,9 @@ class Scope:
     root: KeyRoot
     ns: str
 
-    def names(self, blocks: Sequence[Block]) -> list[str]:
-        """The tier object names of ``blocks`` in this namespace."""
-        return [object_name(self.ns, b.key) for b in blocks]
+    def names(self, blocks: Sequence[Block | BlockKey]) -> list[str]:
+        """The tier object names of ``blocks`` (or bare keys) in this namespace."""
+        return [object_name(self.ns, b if isinstance(b, str) else b.key) for b in blocks]
 
 
 @dataclass(frozen=True)
@@ -127,11 +127,13 @@ class RemoteFetcher:
         done = self.copy_chain(blocks, scope)
         return done.count, done.reason
 
-    def copy_chain(self, blocks: Sequence[Block], scope: Scope, *, start: int = 0,
+    def copy_chain(self, blocks: Sequence[Block | BlockKey], scope: Scope, *, start: int = 0,
                    stopped: Callable[[], bool] | None = None) -> Fetched:
         """Copy ``blocks[start:]`` into NVMe in prefix order, up to the first block no tier serves.
 
         Args:
+            blocks: the chain's blocks, or bare keys (copied by key: their tokens are checked
+                by the lookup that maps them).
             start: how many leading blocks are known to be in NVMe (a probe's count).
             stopped: asked before each block; ``True`` ends the copy there (the loader is closing).
 
@@ -163,7 +165,7 @@ class RemoteFetcher:
             log.exception("fetch failed: %s", exc)
             return Fetched(i, fetched, present, MissReason.ERROR)
 
-    def _copy(self, block: Block, scope: Scope) -> str | MissReason:
+    def _copy(self, block: Block | BlockKey, scope: Scope) -> str | MissReason:
         """``"present"`` (in NVMe), ``"fetched"`` (copied now from S3) or why neither.
 
         Raises:

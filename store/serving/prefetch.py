@@ -24,16 +24,17 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 from store.errors import TenantAccessDenied
-from store.identity.keys import Block, block_chain
+from store.identity.keys import Block, BlockKey, block_chain
 from store.miss import MissReason
-from store.plan import Plan, read_plan
+from store.plan import Plan, PlanEntry, read_plan
 from store.serving.fetch import ERRORS, RemoteFetcher, Scope
 from store.serving.metrics import LoaderMetrics
 
 log = logging.getLogger("kvwarm.loader")
 
-#: a prefix's blocks, its plan score (``None`` for bare token ids) and where it lives
-PrefixChain = tuple[list[Block], float | None, Scope]
+#: a prefix's blocks (or bare keys, copied by key and never mapped ahead), its plan score
+#: (``None`` for bare token ids) and where it lives
+PrefixChain = tuple[list[Block] | list[BlockKey], float | None, Scope]
 
 
 @dataclass
@@ -46,6 +47,7 @@ class PrefetchResult:
     mapped: int = 0  # mapped into this process and admitted to the pool
     skipped: int = 0  # plan entries for other tenants, or text without a tokenizer
     failed: dict[str, int] = field(default_factory=dict)  # by miss reason (its label value)
+    superseded: int = 0  # chains never started because a newer prefetch replaced this one
 
     def fail(self, reason: MissReason) -> None:
         self.failed[reason.value] = self.failed.get(reason.value, 0) + 1
@@ -71,19 +73,28 @@ def plan_chains(items: Plan | str | os.PathLike[str] | Iterable[Sequence[int]], 
     """
     if isinstance(items, (str, os.PathLike)):
         items = read_plan(items)
-    prefixes: list[tuple[np.ndarray, float | None, Scope]] = []
-    skipped = 0
     if isinstance(items, Plan):
-        for e in items.entries:
-            # A loader keys token ids: an entry named by hash ids only (logs in the Mooncake format) is skipped.
-            if e.tenant not in scopes or (e.token_ids is None and (e.text is None or tokenizer is None)):
-                skipped += 1
-                continue
-            ids = e.token_ids if e.token_ids is not None else tokenizer(e.text or "")  # type: ignore[misc]
-            prefixes.append((np.asarray(ids), float(e.score), scopes[e.tenant]))
-    else:
-        prefixes = [(np.asarray(p), None, own) for p in items]
-    return [(block_chain(scope.root, ids), score, scope) for ids, score, scope in prefixes], skipped
+        found, skipped = plan_prefixes(items, scopes, tokenizer)
+        return [(chain, float(e.score), scope) for e, chain, scope in found], skipped
+    return [(block_chain(own.root, np.asarray(p)), None, own) for p in items], 0
+
+
+def plan_prefixes(plan: Plan, scopes: dict[str, Scope], tokenizer: Callable[[str], Sequence[int]] | None
+                  ) -> tuple[list[tuple[PlanEntry, list[Block], Scope]], int]:
+    """A plan's entries for the tenants in ``scopes``, each with its block chain and scope, in
+    the plan's order; and how many entries were skipped (another tenant's, ``hash_ids`` only,
+    or ``text`` without a ``tokenizer``)."""
+    out: list[tuple[PlanEntry, list[Block], Scope]] = []
+    skipped = 0
+    for e in plan.entries:
+        # A loader keys token ids: an entry named by hash ids only (logs in the Mooncake format) is skipped.
+        if e.tenant not in scopes or (e.token_ids is None and (e.text is None or tokenizer is None)):
+            skipped += 1
+            continue
+        ids = e.token_ids if e.token_ids is not None else tokenizer(e.text or "")  # type: ignore[misc]
+        scope = scopes[e.tenant]
+        out.append((e, block_chain(scope.root, np.asarray(ids)), scope))
+    return out, skipped
 
 
 class Prefetcher:
@@ -111,12 +122,18 @@ class Prefetcher:
         self._threads: set[int] = set()  # the streams' thread ids (close from one of them must not join it)
 
     def run(self, chains: list[PrefixChain], skipped: int, *,
-            map_ahead: Callable[[list[Block], Scope], int] | None) -> "cf.Future[PrefetchResult]":
+            map_ahead: Callable[[list[Block], Scope], int] | None,
+            replace: bool = False) -> "cf.Future[PrefetchResult]":
         """Start prefetching ``chains`` (in their order); a future of the whole plan's result.
 
         For each chain: count what NVMe has (``probe``), copy the rest from S3 where it is
-        usable, then (``map_ahead``, which returns the blocks it mapped) map what NVMe has.
+        usable, then (``map_ahead``, which returns the blocks it mapped) map what NVMe has
+        (chains of bare keys are copied only). With ``replace``, every prefetch still
+        running is superseded first: each stops after the block its streams are copying, and
+        its result counts the chains it never started (``superseded``).
         """
+        if replace:
+            self.supersede()
         run = _Run(self, chains, skipped, map_ahead)
         n = min(self.streams, sum(1 for c, _, _ in chains if c))
         if n == 0:
@@ -157,7 +174,7 @@ class Prefetcher:
             have = max(have, done.count)
             if done.reason:
                 res.fail(done.reason)
-        if run.map_ahead is not None and have and not run.stopped.is_set():
+        if run.map_ahead is not None and have and not run.stopped.is_set() and not isinstance(chain[0], str):
             try:
                 mapped = run.map_ahead(chain[:have], scope)
             except ERRORS as exc:
@@ -167,6 +184,20 @@ class Prefetcher:
                 res.mapped += mapped
                 self.metrics.prefetched("mapped", mapped)
         return res
+
+    def supersede(self) -> int:
+        """Stop every prefetch still running (a newer one replaces them); returns how many were stopped.
+        Their futures resolve with what was done, once their streams end."""
+        with self._lock:
+            runs = list(self._runs)
+        for run in runs:
+            run.stop(superseded=True)
+        return len(runs)
+
+    def running(self) -> int:
+        """Prefetches not yet finished."""
+        with self._lock:
+            return len(self._runs)
 
     def ended(self, run: "_Run") -> None:
         with self._lock:
@@ -202,6 +233,18 @@ class _Run:
         """The next chain to copy, in the plan's order; ``None`` when none is left or the run stopped."""
         with self._lock:
             return None if self.stopped.is_set() else next(self._chains, None)
+
+    def stop(self, *, superseded: bool = False) -> None:
+        """Hand out no more chains; with ``superseded``, count those never started."""
+        with self._lock:
+            if self.stopped.is_set():
+                return
+            self.stopped.set()
+            if superseded:
+                left = [len(c) for c, _, _ in self._chains]
+                self.result.superseded += len(left)
+                if left:
+                    self.owner.metrics.prefetched("superseded", sum(left))
 
     def add(self, res: PrefetchResult) -> None:
         with self._lock:

@@ -72,6 +72,10 @@ class TierIndex:
         """Bytes reserved: ready snapshots plus writes in flight."""
         return int(self.db().execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0])
 
+    def count(self) -> int:
+        """Snapshots in the index (ready ones and writes in flight)."""
+        return int(self.db().execute("SELECT COUNT(*) FROM entries").fetchone()[0])
+
     def note_access(self, name: str) -> None:
         """Record an access in memory; write the buffer if ``flush_s`` has passed."""
         now = self.clock()

@@ -33,7 +33,7 @@ from store.errors import (
 from store.format.encode import EncodedSnapshot, snapshot_bytes
 from store.format.header import SnapshotHeader
 from store.format.snapshot import Snapshot, read_header, read_snapshot
-from store.identity.keys import Block, KeyRoot, check_key
+from store.identity.keys import Block, BlockKey, KeyRoot, check_key
 from store.identity.tenant import PUBLIC, PUBLIC_TENANT, Tenant
 from store.miss import MissReason, reason_of
 from store.tiers.base import Tier, object_name
@@ -179,14 +179,15 @@ class Store:
             log.warning("%s", exc)
             return exc
 
-    def probe(self, tenant: Tenant, blocks: Sequence[Block], root: KeyRoot, *, local_only: bool = False) -> Probe:
-        """How many leading ``blocks`` exist in the longest-holding tier (existence only:
+    def probe(self, tenant: Tenant, blocks: Sequence[Block | BlockKey], root: KeyRoot, *,
+              local_only: bool = False) -> Probe:
+        """How many leading ``blocks`` (or bare keys) exist in the longest-holding tier (existence only:
         :meth:`read` validates each one). One round trip per tier at most; with
         ``local_only``, remote tiers are not asked (the serving hot path)."""
         if not blocks:
             return Probe(0, None)
         ns = self._namespace_of(tenant, root.salt_id, "probe")
-        names = [object_name(ns, b.key) for b in blocks]
+        names = [object_name(ns, b if isinstance(b, str) else b.key) for b in blocks]
         best = Probe(0, None)
         down: list[str] = []
         for i, tier in enumerate(self.tiers):
@@ -202,9 +203,13 @@ class Store:
                 break
         return Probe(best.count, best.tier, tuple(down)) if down else best
 
-    def read(self, tenant: Tenant, block: Block, root: KeyRoot, *, now: float | None = None, verify: bool = True,
-             local_only: bool = False, readahead: bool = False) -> Read:
+    def read(self, tenant: Tenant, block: Block | BlockKey, root: KeyRoot, *, now: float | None = None,
+             verify: bool = True, local_only: bool = False, readahead: bool = False) -> Read:
         """The snapshot of exactly ``block`` under ``root``, or why there is none.
+
+        ``block`` may be a bare key (a copy by key, as a node warming from the fleet's
+        memory makes): its snapshot's identity is checked, not its tokens, which the lookup
+        that maps it checks (:meth:`store.format.header.SnapshotHeader.check_identity`).
 
         Tiers are asked fastest first (only local ones with ``local_only``). An expired
         snapshot is a miss. A corrupt or mismatched one is quarantined, counted, and the
@@ -224,7 +229,7 @@ class Store:
                 owner holds another secret (counted).
         """
         ns = self._namespace_of(tenant, root.salt_id, "read")
-        name = object_name(ns, block.key)
+        name = object_name(ns, block if isinstance(block, str) else block.key)
         now = self.clock() if now is None else now
         failed: Read | None = None
         expired = False
@@ -241,7 +246,10 @@ class Store:
             try:
                 src = self._plaintext(tenant, ns, name, src, location)
                 snap = read_snapshot(src, location=location, verify_payload=verify)
-                snap.header.check_matches(block, root, location=location)
+                if isinstance(block, str):
+                    snap.header.check_identity(block, root, location=location)
+                else:
+                    snap.header.check_matches(block, root, location=location)
             except SnapshotError as exc:
                 src = None  # the mapping of a file we refuse must not outlive the refusal
                 failed = Read(None, self._bad(tier, name, exc), error=exc)  # every bad copy is counted

@@ -1,0 +1,306 @@
+"""The node agent: a serving node follows the pipeline's plan for its whole life, and a new
+node warms from what the fleet was serving.
+
+The agent is the same code wherever a node runs: the KV connector and ``KVLoader`` users
+drive a real node (:class:`store.serving.loader_node.LoaderNode`), and the what-if replay
+drives a simulated one (``forecasting/simulate``) on a simulated clock. It asks its node only
+through :class:`NodeHands`, and its plans only through a :class:`PlanSource`:
+
+- at :meth:`NodeAgent.start` it reads the latest plan (if any) and the fleet's memory of the
+  last ``fleet_window_s`` (:mod:`store.serving.fleet`), ranks every block either names
+  (:func:`store.serving.urgency.rank`: soonest needed first, sized to the node's tier and
+  to what its link can copy in time), makes that the node's retention priorities and
+  queues the copies;
+- at each :meth:`NodeAgent.tick` at least ``poll_s`` after the last check, it asks the
+  source for the plan's version (a few bytes), and only when the version changed reads
+  the plan and ranks again: the new plan's priorities replace the old ones, and its copies
+  replace the old queue (copies the new plan no longer wants are cancelled). On a running
+  node the fleet's memory counts other nodes' records only: its own are what it holds.
+
+The plan's cadence stays the pipeline's (a plan every 5 minutes); the agent only notices.
+Its state is one plan version, one ranking and a few counters: bounded whatever runs.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Generic, Hashable, Protocol, Sequence, TypeVar
+
+from store.errors import ConfigError, StoreError
+from store.plan import Plan, PlanError, latest_plan, latest_plan_version, read_plan
+from store.serving.urgency import DEFAULT_HORIZON_S, PlanChain, ReuseCurve, UseLike, Warmup, rank
+
+log = logging.getLogger("kvwarm.agent")
+K = TypeVar("K", bound=Hashable)
+
+
+class PlanSource(Protocol):
+    """Where the agent's plans come from: a cheap version, and the plan it names."""
+
+    def version(self) -> str | None:
+        """The current plan's version (``None``: no plan); cheap: polled every ``poll_s``."""
+
+    def read(self) -> Plan | None:
+        """The current plan (``None``: none)."""
+
+
+class NodeHands(Protocol[K]):
+    """What the agent drives on a node: a real loader's (``LoaderNode``) or the replay's."""
+
+    def plan_chains(self, plan: Plan) -> list[PlanChain[K]]:
+        """The plan's entries this node serves, as chains of its block names, in the plan's order."""
+
+    def fleet(self, since: float, *, others_only: bool) -> Sequence[UseLike[K]]:
+        """The fleet's records since ``since`` (with ``others_only``, not this node's own)."""
+
+    def held(self) -> set[K] | dict[K, Any]:
+        """The blocks the node's tier holds now."""
+
+    def capacity(self) -> int:
+        """Blocks the node's tier holds at most."""
+
+    def copy_s(self) -> float:
+        """Seconds of the node's link per block copied from the shared tier."""
+
+    def retain(self, priority: dict[K, float]) -> None:
+        """Make ``priority`` the tier's retention priorities (unnamed blocks: 0), replacing the last."""
+
+    def prefetch(self, order: list[K]) -> None:
+        """Copy ``order``'s blocks, in order, in place of the last prefetch (cancel what it superseded)."""
+
+
+@dataclass(frozen=True)
+class AgentSettings:
+    """The node agent's knobs (the config's ``agent`` section; docs/reference/config.md).
+
+    Attributes:
+        poll_s: how often the plan's version is checked (the plan itself is read only when
+            it changed).
+        fleet_memory: warm from the fleet's memory (``fleet_memory.enabled`` turns the
+            recording off; this turns the reading off).
+        fleet_window_s: how far back the fleet's records count.
+        min_value: the least expected use a copy must keep to be queued
+            (:func:`store.serving.urgency.rank`).
+    """
+
+    poll_s: float = 30.0
+    fleet_memory: bool = True
+    fleet_window_s: float = 3600.0
+    min_value: float = 0.02
+
+    @classmethod
+    def of(cls, config: Any) -> "AgentSettings":
+        """The config's ``agent`` section (a :class:`store.config.KvwarmConfig`)."""
+        a = config.agent
+        return cls(poll_s=a.poll_s, fleet_memory=a.fleet_warmup, fleet_window_s=a.fleet_window_s,
+                   min_value=a.min_value)
+
+    def __post_init__(self) -> None:
+        for name in ("poll_s", "fleet_window_s"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0 and v < float("inf")):
+                raise ConfigError(f"agent.{name} must be a positive number of seconds, got {v!r}")
+        if not (isinstance(self.min_value, (int, float)) and 0 <= self.min_value < 1):
+            raise ConfigError(f"agent.min_value must be in [0, 1), got {self.min_value!r}")
+
+
+@dataclass
+class AgentFigures:
+    """What the agent did since it started (``kvwarm_agent_*`` in the connector's figures)."""
+
+    polls: int = 0
+    plans_applied: int = 0
+    plan_errors: int = 0
+    copies_queued: int = 0
+    last_version: str | None = None
+    last: dict[str, int] = field(default_factory=dict)  # the last ranking's sources and sizes
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"agent_polls": self.polls, "agent_plans_applied": self.plans_applied,
+                "agent_plan_errors": self.plan_errors, "agent_copies_queued": self.copies_queued,
+                **{f"agent_last_{k}": v for k, v in self.last.items()}}
+
+
+class NodeAgent(Generic[K]):
+    """Follows ``plans`` on ``hands``'s node (see the module docstring).
+
+    Args:
+        hands: the node.
+        plans: where plans come from (``None``: the fleet's memory only).
+        settings: see :class:`AgentSettings`.
+        clock: seconds (the replay passes its simulated clock).
+    """
+
+    def __init__(self, hands: NodeHands[K], plans: PlanSource | None, settings: AgentSettings = AgentSettings(),
+                 clock: Callable[[], float] = time.time) -> None:
+        self.hands = hands
+        self.plans = plans
+        self.settings = settings
+        self.clock = clock
+        self.figures = AgentFigures()
+        self.plan: Plan | None = None
+        self._version: str | None = None
+        self._next_poll = -float("inf")
+        self._started = False
+
+    def start(self, now: float | None = None) -> Warmup[K]:
+        """The node starts: rank the latest plan with the fleet's memory, retain and copy."""
+        now = self.clock() if now is None else now
+        self._started = True
+        self._next_poll = now + self.settings.poll_s
+        version = self._poll()
+        if version is not None:
+            self._read(version)
+        return self._apply(now, others_only=False)
+
+    def tick(self, now: float | None = None) -> Warmup[K] | None:
+        """Check for a new plan if ``poll_s`` has passed; apply it if there is one.
+
+        Returns the new ranking, or ``None`` when nothing changed (or it is not time yet).
+        """
+        now = self.clock() if now is None else now
+        if not self._started:
+            return self.start(now)
+        if now < self._next_poll:
+            return None
+        self._next_poll = now + self.settings.poll_s
+        version = self._poll()
+        if version is None or version == self._version or not self._read(version):
+            return None
+        return self._apply(now, others_only=True)
+
+    def next_poll(self) -> float:
+        """When :meth:`tick` next asks for the plan's version."""
+        return self._next_poll
+
+    # -- the steps -----------------------------------------------------------
+    def _poll(self) -> str | None:
+        if self.plans is None:
+            return None
+        self.figures.polls += 1
+        try:
+            return self.plans.version()
+        except (StoreError, OSError) as exc:
+            log.warning("kvwarm agent: the plan's version could not be read (%s); the node keeps its plan", exc)
+            return None
+
+    def _read(self, version: str) -> bool:
+        assert self.plans is not None
+        try:
+            plan = self.plans.read()
+        except (PlanError, StoreError, OSError) as exc:
+            self.figures.plan_errors += 1
+            self._version = version  # not read again until a newer one is published
+            log.error("kvwarm agent: the published plan (version %s) is not usable: %s; the node keeps its plan",
+                      version, exc)
+            return False
+        self._version = version
+        self.figures.last_version = version
+        if plan is None:
+            return False
+        self.plan = plan
+        return True
+
+    def _apply(self, now: float, *, others_only: bool) -> Warmup[K]:
+        plan = self.plan
+        chains = self.hands.plan_chains(plan) if plan is not None else []
+        uses: Sequence[UseLike[K]] = ()
+        if self.settings.fleet_memory:
+            uses = self.hands.fleet(now - self.settings.fleet_window_s, others_only=others_only)
+        curve = curve_of(plan)
+        warm = rank(chains, uses, curve=curve, held=self.hands.held(), capacity=self.hands.capacity(),
+                    copy_s=self.hands.copy_s(), min_value=self.settings.min_value,
+                    horizon_s=horizon_of(plan, curve))
+        self.hands.retain(warm.priority)
+        self.hands.prefetch(warm.order)
+        if plan is not None:
+            self.figures.plans_applied += 1
+        self.figures.copies_queued += len(warm.order)
+        self.figures.last = {**warm.sources(), "copies": len(warm.order), "dropped": warm.dropped}
+        log.info("kvwarm agent: plan %s: %d blocks wanted (%s), %d to copy, %d left out",
+                 self._version or "none", len(warm.wanted), warm.sources(), len(warm.order), warm.dropped)
+        return warm
+
+
+def curve_of(plan: Plan | None) -> ReuseCurve:
+    """The fleet reuse curve the plan carries (``extra["fleet_reuse"]``), else the default prior."""
+    doc = plan.extra.get("fleet_reuse") if plan is not None else None
+    if doc is None:
+        return ReuseCurve()
+    try:
+        return ReuseCurve.from_json(doc)
+    except ConfigError as exc:
+        log.warning("kvwarm agent: the plan's fleet_reuse is not usable (%s); the default prior is used", exc)
+        return ReuseCurve()
+
+
+def horizon_of(plan: Plan | None, curve: ReuseCurve) -> float:
+    """The horizon of the plan's ``expected_hits`` (``extra["horizon_s"]``), else the curve's."""
+    h = plan.extra.get("horizon_s") if plan is not None else None
+    return float(h) if isinstance(h, (int, float)) and not isinstance(h, bool) and h > 0 else (
+        curve.horizon_s or DEFAULT_HORIZON_S)
+
+
+class StorePlans:
+    """The plan last published to a store's tiers (:func:`store.plan.publish_plan`)."""
+
+    def __init__(self, tiers: Sequence[Any]) -> None:
+        self.tiers = list(tiers)
+
+    def version(self) -> str | None:
+        return latest_plan_version(self.tiers)
+
+    def read(self) -> Plan | None:
+        return latest_plan(self.tiers)
+
+
+class FilePlan:
+    """A plan file; its version is its modification time and size (a file replaced atomically
+    by ``write_plan`` gets a new one)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def version(self) -> str | None:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return None
+        return f"{st.st_mtime_ns}:{st.st_size}"
+
+    def read(self) -> Plan | None:
+        return read_plan(self.path)
+
+
+class AgentThread:
+    """Runs an agent on one thread of its own for a node's life: :meth:`NodeAgent.start`, then
+    :meth:`NodeAgent.tick` every ``poll_s``. It never raises into the serving path: an error
+    in a step is logged and the next step tried."""
+
+    def __init__(self, agent: NodeAgent[Any], *, name: str = "kvwarm-agent") -> None:
+        self.agent = agent
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> "AgentThread":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        step: Callable[[], object] = self.agent.start
+        while not self._stop.is_set():
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - the node serves on without the agent's step
+                log.exception("kvwarm agent: a step failed; the node keeps what it has")
+            step = self.agent.tick
+            self._stop.wait(max(0.05, self.agent.next_poll() - self.agent.clock()))
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop after the current step (idempotent)."""
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)

@@ -1,0 +1,165 @@
+"""The node agent's hands on a real node: one :class:`store.serving.loader.KVLoader`.
+
+:class:`LoaderNode` is what :class:`store.serving.agent.NodeAgent` drives on a serving node
+(the vLLM connector makes one per loader; ``KVLoader.start_agent`` for loader users):
+
+- a plan's entries become the loader's block chains (this tenant's, and ``public``'s where
+  this loader serves them), named as the tiers name them (``<namespace>/<key>``);
+- the fleet's memory is read for the loader's namespaces only (:func:`store.serving.fleet.read_fleet`);
+- retention priorities go to the loader's pool (its eviction order: lowest first, then LRU);
+- copies go to the loader's prefetch streams, replacing the last prefetch: a plan's chains
+  are copied block by block in prefix order and mapped into the pool ahead of need; blocks
+  known only from the fleet's memory are copied by key into NVMe (their tokens are checked
+  by the lookup that maps them).
+"""
+from __future__ import annotations
+
+import logging
+import sqlite3
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from store.identity.keys import Block, BlockKey
+from store.identity.tenant import PUBLIC
+from store.plan import Plan
+from store.serving.fetch import ERRORS, Scope
+from store.serving.prefetch import PrefixChain, plan_prefixes
+from store.serving.urgency import PlanChain, UseLike
+from store.tiers.base import parse_object_name
+
+if TYPE_CHECKING:
+    from store.serving.loader import KVLoader
+
+log = logging.getLogger("kvwarm.agent")
+
+
+class _Held:
+    """The NVMe tier as a container of object names (asked name by name, as the ranking needs)."""
+
+    def __init__(self, tier: Any) -> None:
+        self.tier = tier
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            return isinstance(name, str) and self.tier.exists(name)
+        except OSError:
+            return False
+
+
+class LoaderNode:
+    """A :class:`KVLoader` as a node the agent drives.
+
+    Args:
+        loader: the node's loader.
+        chat: take the plan's chat entries (a chat-keyed loader) rather than its plain ones.
+        public: also take ``public``'s entries (one loader per engine should: the default
+            tenant's).
+        tokenizer: turns an entry's ``text`` into token ids (entries with text are skipped without).
+        link_bytes_per_s: the node's read rate from S3 (the config's ``agent.link_bytes_per_s``).
+        node_id: this node's name in the fleet's memory (default the loader's).
+    """
+
+    def __init__(self, loader: "KVLoader", *, chat: bool = False, public: bool = True,
+                 tokenizer: Callable[[str], Sequence[int]] | None = None, link_bytes_per_s: float | None = None,
+                 node_id: str | None = None) -> None:
+        self.loader = loader
+        self.chat = chat
+        self.tokenizer = tokenizer
+        self.scopes: dict[str, Scope] = {loader.tenant.name: loader._own}
+        if public and loader._public is not None:
+            self.scopes[PUBLIC] = loader._public
+        self.link = float(link_bytes_per_s or loader.config.agent.link_bytes_per_s)
+        self.node_id = node_id or getattr(loader, "node_id", None)
+        self._refs: dict[str, tuple[list[Block], int, Scope]] = {}
+
+    # -- what the agent reads --------------------------------------------------
+    def plan_chains(self, plan: Plan) -> list[PlanChain[str]]:
+        entries = [e for e in plan.entries if e.chat == self.chat]
+        found, _ = plan_prefixes(Plan(entries=tuple(entries)), self.scopes, self.tokenizer)
+        refs: dict[str, tuple[list[Block], int, Scope]] = {}
+        out = []
+        for e, chain, scope in found:
+            if not chain:
+                continue
+            names = scope.names(chain)
+            for i, name in enumerate(names):
+                refs.setdefault(name, (chain, i, scope))
+            out.append(PlanChain(tuple(names), float(e.expected_hits), float(e.score)))
+        self._refs = refs
+        return out
+
+    def fleet(self, since: float, *, others_only: bool) -> Sequence[UseLike[str]]:
+        from store.serving.fleet import read_fleet
+
+        try:
+            return read_fleet(self.loader.store.tiers, [s.ns for s in self.scopes.values()], since=since,
+                              exclude_node=self.node_id if others_only else None)
+        except ERRORS as exc:
+            log.warning("kvwarm agent: the fleet's memory could not be read (%s); warming from the plan only", exc)
+            return []
+
+    def held(self) -> _Held:
+        return _Held(self.loader.local)
+
+    def _block_bytes(self) -> float:
+        """The mean stored block's size in the NVMe tier (0: nothing stored yet, size unknown)."""
+        try:
+            n = self.loader.local.index.count()
+            return self.loader.local.usage() / n if n else 0.0
+        except (AttributeError, sqlite3.Error, OSError):
+            return 0.0
+
+    def capacity(self) -> int:
+        size = self._block_bytes()
+        cap = getattr(self.loader.local, "cap_bytes", 0)
+        return int(cap // size) if size and cap else 1 << 40
+
+    def copy_s(self) -> float:
+        return self._block_bytes() / self.link
+
+    # -- what the agent does ---------------------------------------------------
+    def retain(self, priority: dict[str, float]) -> None:
+        self.loader.mapper.priority = dict(priority)
+
+    def prefetch(self, order: list[str]) -> None:
+        chains = self.chains(order)
+        fut = self.loader.prefetcher.run(chains, 0, map_ahead=self.loader._map_ahead, replace=True)
+        fut.add_done_callback(_log_result)
+
+    def chains(self, order: Sequence[str]) -> list[PrefixChain]:
+        """``order`` as the prefetcher's items: runs of one plan chain's blocks in prefix order
+        become that chain up to the run's last block; a name only the fleet knows is a
+        one-key item (names of namespaces this loader does not serve are left out)."""
+        out: list[PrefixChain] = []
+        i = 0
+        while i < len(order):
+            ref = self._refs.get(order[i])
+            if ref is not None:
+                chain, last, scope = ref
+                while i + 1 < len(order):
+                    nxt = self._refs.get(order[i + 1])
+                    if nxt is None or nxt[0] is not chain or nxt[1] != last + 1:
+                        break
+                    last = nxt[1]
+                    i += 1
+                out.append((chain[:last + 1], None, scope))
+            else:
+                try:
+                    ns, key = parse_object_name(order[i])
+                except ValueError:
+                    ns, key = "", ""
+                scope = self.scopes.get(ns)
+                if scope is not None:
+                    keys: list[BlockKey] = [BlockKey(key)]
+                    out.append((keys, None, scope))
+            i += 1
+        return out
+
+
+def _log_result(fut: Any) -> None:
+    try:
+        r = fut.result()
+    except Exception:  # noqa: BLE001 - prefetch is best effort
+        log.exception("kvwarm agent: a prefetch failed")
+        return
+    log.info("kvwarm agent: prefetch done: %d chains, %d blocks copied, %d present, %d mapped, %d superseded, "
+             "failures %s", r.prefixes, r.fetched, r.present, r.mapped, r.superseded, r.failed or "none")
