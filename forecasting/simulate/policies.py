@@ -27,6 +27,7 @@ import pandas as pd
 from forecasting.mining.prefix_tree import PrefixTree
 from forecasting.planning.cadence import CadenceSpec, plan_now
 from forecasting.planning.planner import PlanCosts
+from forecasting.simulate.live_node import AgentRun, SimFleet
 from forecasting.simulate.prewarm import oracle_prewarm, plan_priorities, tree_blocks
 from forecasting.simulate.replay import BlockIndex, next_use
 from forecasting.simulate.tiers import Node, NodeShape, Served, TierCosts
@@ -161,34 +162,39 @@ class NodeRun:
 
 
 def make_node(policy: str, index: BlockIndex, shape: NodeShape, costs: TierCosts, stored: np.ndarray,
-              rows: np.ndarray, ticks: Sequence[PlanTick]) -> NodeRun:
-    """A fresh node running ``policy`` for ``rows`` (Belady needs to know which rows it serves)."""
+              rows: np.ndarray, ticks: Sequence[PlanTick], fleet: np.ndarray | None = None) -> NodeRun | AgentRun:
+    """A fresh node running ``policy`` for ``rows`` (Belady needs to know which rows it serves).
+
+    kvwarm's node is the shipped node agent (:class:`forecasting.simulate.live_node.AgentRun`);
+    ``fleet`` are the rows the fleet's other nodes serve (their records are its fleet memory).
+    """
     if policy not in POLICIES:
         raise BadInputError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
     if policy == "vllm":
         return NodeRun(Node(index, NodeShape(shape.gpu_blocks, 0, store=False), costs, stored))
+    if policy == "kvwarm":
+        others = np.zeros(0, dtype=np.int64) if fleet is None else fleet
+        return AgentRun(Node(index, shape, costs, stored), ticks, SimFleet(index, others))
     nxt = next_use(index, rows) if policy == "belady" else None
-    return NodeRun(Node(index, shape, costs, stored, nxt), ticks if policy == "kvwarm" else ())
+    return NodeRun(Node(index, shape, costs, stored, nxt))
 
 
-def start(policy: str, run: NodeRun, served: np.ndarray, at_s: float) -> tuple[set[int] | None, PlanTick | None]:
+def start(policy: str, run: NodeRun | AgentRun, served: np.ndarray, at_s: float) -> tuple[set[int] | None, Plan | None]:
     """What a node does when it starts (or restarts) at ``at_s`` before serving ``served``:
-    kvwarm prefetches the latest plan, the oracle its ceiling. Returns the warm-up set (the
-    blocks held or queued) and the plan used."""
+    kvwarm's agent warms it (the latest plan with the fleet's memory), the oracle prefetches
+    its ceiling. Returns the warm-up set (the blocks held or queued) and kvwarm's plan."""
     node = run.node
     if not len(served) or policy == "vllm":
         return None, None
     row = int(served[0])
-    tick = None
-    if policy == "kvwarm":
-        tick = run.latest(at_s) or run.current
-        if tick is not None:
-            node.apply_plan(tick.priority, tick.order, at_s, row)
-    elif policy == "oracle":
+    if isinstance(run, AgentRun):
+        warm = run.start(at_s, row)
+        return warm, run.agent.plan
+    if policy == "oracle":
         held = set(node.tier.blocks())
         node.prefetch(oracle_prewarm(node.index, row, served, node.stored, capacity=node.shape.node_blocks,
                                      fetch_s=node.costs.prefetch_s, skip=held).tolist(), at_s, row)
-    return set(node.tier.blocks()) | node.prefetcher.pending, tick
+    return set(node.tier.blocks()) | node.prefetcher.pending, None
 
 
 def prefill_blocks(index: BlockIndex, base: Plan | None, origin: pd.Timestamp) -> tuple[np.ndarray, float]:

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from forecasting.simulate.live_node import AgentRun
 from forecasting.simulate.metrics import PolicyResult, measure
 from forecasting.simulate.policies import (
     POLICIES,
@@ -245,7 +246,7 @@ def _run_policy(policy: str, index: BlockIndex, shape: NodeShape, costs: TierCos
     n = len(ts)
     need_main = [k for k, sc in enumerate(scenarios)
                  if sc.kind in ("steady", "restart") or (references and sc.kind == "replacement")]
-    forks: dict[int, NodeRun] = {}
+    forks: dict[int, NodeRun | AgentRun] = {}
     main_rows = np.arange(n, dtype=np.int64)
     main_served: list = []
     main_prefetched = 0
@@ -279,7 +280,12 @@ def _run_policy(policy: str, index: BlockIndex, shape: NodeShape, costs: TierCos
             run = forks[int(rows[0])]
             run.node.restart()
         else:  # a new node: a replacement, or one that takes a share of the traffic
-            run = make_node(policy, index, shape, costs, stored, rows, ticks)
+            # the fleet's other nodes: the replaced node served every row before the event; a
+            # scale-out joins a fleet that served everything before it, and the rest after
+            end = int(rows[-1]) + 1 if len(rows) else 0
+            fleet = np.arange(int(rows[0]) if len(rows) else 0, dtype=np.int64) if sc.kind == "replacement" else \
+                np.setdiff1d(np.arange(end, dtype=np.int64), rows)
+            run = make_node(policy, index, shape, costs, stored, rows, ticks, fleet)
         before = run.node.prefetcher.copied
         warm, _ = start(policy, run, rows, sc.at_s)
         served = run.serve(rows)

@@ -8,7 +8,8 @@ Two sources tell a node which blocks it will need (docs/guides/loader.md, "The n
   recently, how often, and how much traffic the node that served them has seen since.
 
 Both become one figure per block, the probability ``p`` that it is used within the horizon:
-``1 - exp(-expected_hits)`` for a plan entry (at least one use of a Poisson count), and
+``1 - exp(-expected_hits)`` for a plan entry (at least one use of a Poisson count; an entry
+without ``expected_hits``, as a hand-written plan has, counts as an even bet), and
 :meth:`ReuseCurve.prob` of its uses and traffic age for a fleet record; a block named by both
 gets ``1 - (1 - p_plan)(1 - p_fleet)``. Its rate of use is ``λ = -ln(1 - p) / horizon``, so
 the block with the highest ``p`` is the one needed soonest: copies go in that order.
@@ -17,7 +18,9 @@ The set is sized to what the node can use: at most its tier's capacity in blocks
 holds count), and a copy only while it is still worth its link time. The ``k``-th copy lands
 after ``k`` copy times; it helps only if its block is not needed before then (a request that
 comes first computes the block, and write-back keeps it): its value is
-``p · exp(-λ · t_k)``, and copies stop below ``min_value``. Nothing here does I/O; the agent
+``p · exp(-λ · t_k)``, and copies stop below ``min_value``. The plan's blocks are retained at
+their ``p``; blocks only the fleet names are copied and age in the tier's LRU like any block
+the node used. Nothing here does I/O; the agent
 (:mod:`store.serving.agent`) feeds it and applies what it returns.
 """
 from __future__ import annotations
@@ -32,6 +35,9 @@ K = TypeVar("K", bound=Hashable)
 
 #: the planner's horizon when a plan does not say (the reuse model's default)
 DEFAULT_HORIZON_S = 300.0
+#: the odds given to a plan entry with no ``expected_hits`` (hand-written plans): an even bet,
+#: taken in the plan's order
+UNFORECAST_P = 0.5
 
 
 class UseLike(Protocol[K]):
@@ -139,7 +145,8 @@ class Warmup(Generic[K]):
     """What the agent asks of a node: retention priorities, and the copies to make in order.
 
     Attributes:
-        priority: per wanted block, its retention priority (its ``p``; blocks not named keep 0).
+        priority: per block the plan wants, its retention priority (its ``p``; every other block
+            keeps 0, and the tier's LRU orders those).
         order: the blocks to copy, soonest needed first (those the node holds are left out).
         wanted: every block kept, in rank order (held or copied).
         dropped: wanted blocks left out: past the tier's capacity, or not worth their link time.
@@ -180,22 +187,13 @@ def rank(plan: Sequence[PlanChain[K]], uses: Iterable[UseLike[K]], *, curve: Reu
     horizon = float(horizon_s or curve.horizon_s)
     p_plan: dict[K, float] = {}
     order_of: dict[K, int] = {}
-    # A plan whose entries carry no expected uses (older plans) is taken in its order, as the
-    # least-wanted blocks: every fleet record with any odds comes first.
-    if plan and all(c.expected_hits <= 0 for c in plan):
-        n = sum(len(c.names) for c in plan)
-        for c in plan:
-            for b in c.names:
-                if b not in p_plan:
-                    p_plan[b] = 1e-6 * (1.0 - len(order_of) / (n + 1))
-                    order_of[b] = len(order_of)
-    else:
-        for c in plan:
-            p = plan_p(c.expected_hits)
-            for b in c.names:
-                if p > p_plan.get(b, 0.0):
-                    p_plan[b] = p
-                order_of.setdefault(b, len(order_of))
+    for c in plan:
+        # an entry without a forecast (a hand-written plan, an older planner) is wanted as an even bet
+        p = plan_p(c.expected_hits) if c.expected_hits > 0 else UNFORECAST_P
+        for b in c.names:
+            if p > p_plan.get(b, 0.0):
+                p_plan[b] = p
+            order_of.setdefault(b, len(order_of))
     p_fleet: dict[K, float] = {}
     recency: dict[K, float] = {}
     for u in uses:
@@ -229,4 +227,6 @@ def rank(plan: Sequence[PlanChain[K]], uses: Iterable[UseLike[K]], *, curve: Reu
             continue
         kept.append(w)
         order.append(w.name)
-    return Warmup({w.name: w.p for w in kept}, order, kept, dropped)
+    # The plan's blocks are retained at their odds, above every block no plan names; a block only
+    # the fleet's memory names is copied, not pinned: it lands as the tier's most recently used.
+    return Warmup({w.name: w.p for w in kept if w.source != "fleet"}, order, kept, dropped)

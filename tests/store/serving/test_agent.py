@@ -101,7 +101,7 @@ def test_start_applies_the_latest_plan_and_the_fleet():
     plans.publish(1, 2)
     a, _ = agent(node, plans)
     warm = a.start()
-    assert set(node.queue) == {"t:1", "t:2", "f1"} and node.priority.keys() == {"t:1", "t:2", "f1"}
+    assert set(node.queue) == {"t:1", "t:2", "f1"} and node.priority.keys() == {"t:1", "t:2"}
     assert warm.sources()["fleet"] == 1 and node.fleet_asks == [(1000.0 - 3600.0, False)]
     assert a.figures.plans_applied == 1
 

@@ -62,17 +62,20 @@ def test_fleet_records_rank_by_uses_and_traffic_age_not_wall_clock():
 def test_a_block_named_by_both_sources_combines_their_odds():
     plan = [PlanChain(("s",), expected_hits=plan_p(0.0) + math.log(2))]  # p 0.5
     uses = [U("s", at=1.0, uses=1, traffic_age=0)]
-    warm = rank(plan, uses, curve=CURVE, held=set(), capacity=10, copy_s=0.0)
+    warm = rank(plan, uses + [U("f", at=1.0, uses=1, traffic_age=0)], curve=CURVE, held=set(), capacity=10,
+                copy_s=0.0)
+    assert "f" in warm.order and "f" not in warm.priority  # copied, not pinned
     p_fleet = CURVE.prob(1, 0)
     assert warm.priority["s"] == pytest.approx(1 - 0.5 * (1 - p_fleet))
     assert warm.wanted[0].source == "both"
 
 
-def test_an_old_plan_without_expected_uses_keeps_its_order_after_the_fleet():
+def test_entries_without_a_forecast_are_an_even_bet_in_the_plans_order():
     plan = [PlanChain(("p0", "p1"), expected_hits=0.0), PlanChain(("q0",), expected_hits=0.0)]
-    uses = [U("f", at=1.0, uses=1, traffic_age=20000)]
+    uses = [U("f", at=1.0, uses=1, traffic_age=20000), U("g", at=1.0, uses=3, traffic_age=0)]
     warm = rank(plan, uses, curve=CURVE, held=set(), capacity=10, copy_s=0.0, min_value=0.0)
-    assert warm.order == ["f", "p0", "p1", "q0"]
+    assert warm.order == ["g", "p0", "p1", "q0", "f"]  # g: 0.7 > 0.5 > f: 0.02
+    assert warm.priority["p0"] == 0.5
 
 
 def test_ties_go_to_the_most_recently_used():
