@@ -56,6 +56,8 @@ class CadenceSpec:
         min_value: a retained block must be worth more than this (GPU-seconds).
         lookback_requests: when the lookback holds fewer requests than this, the plan learns
             from the last this many before ``as_of`` instead, however old (0: never).
+        urgent_first: give the ``retain`` entries' places to them by urgency (step 4);
+            ``False``: by value, as the loader's retention ranks them.
     """
 
     budget: RetainBudget
@@ -63,6 +65,7 @@ class CadenceSpec:
     lookback_s: float = 3600.0
     min_value: float = 0.0
     lookback_requests: int = 2000
+    urgent_first: bool = True
 
     def __post_init__(self) -> None:
         if not (self.lookback_s > 0 and math.isfinite(self.lookback_s)):
@@ -130,7 +133,8 @@ def plan_now(requests: pd.DataFrame, as_of: Any, *, cost: PlanCosts, spec: Caden
     prefill = [e for e in (base.prefill_entries() if base is not None else []) if e.prefix_id not in kept]
     merged = sorted(prefill + entries, key=lambda e: -e.score)
     urgent = iter(sorted(entries, key=lambda e: (-(e.urgency or 0.0), -e.score)))
-    merged = [next(urgent) if e.action == "retain" else e for e in merged]
+    if spec.urgent_first:
+        merged = [next(urgent) if e.action == "retain" else e for e in merged]
     return Plan(entries=tuple(merged), created_at=time.time() if created_at is None else created_at,
                 block_size=block_size, model=model,
                 window_start=None if base is None else base.window_start,

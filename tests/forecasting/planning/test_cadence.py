@@ -75,8 +75,10 @@ def test_retain_entries_are_copied_most_urgent_first(requests: pd.DataFrame) -> 
     assert all(u is not None and 0 <= u <= 1 for u in urgency)
     assert urgency == sorted(urgency, reverse=True)
     assert [e.score for e in plan.entries] != sorted((e.score for e in plan.entries), reverse=True)  # it differs
-    by_value = sorted(plan.entries, key=lambda e: -e.score)
-    assert set(by_value) == set(plan.entries)  # the same set, the budget's: only the order changed
+    by_value = plan_now(requests, as_of, cost=COST, spec=CadenceSpec(SPEC.budget, SPEC.reuse, urgent_first=False),
+                        block_size=512, created_at=0.0)
+    assert [e.score for e in by_value.entries] == sorted((e.score for e in plan.entries), reverse=True)
+    assert set(by_value.entries) == set(plan.entries)  # the same set, the budget's: only the order changed
 
 
 def test_after_an_idle_gap_a_plan_keeps_what_it_held_when_traffic_stopped(requests: pd.DataFrame) -> None:
