@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         tuned = tune(index, requests, deployment, cadence_s=args.cadence, window_s=args.window, share=args.share)
         for s in tuned["grid"]:
             closed = ", ".join(f"{k} {fmt(v)} %" for k, v in s["gap_closed"].items())
-            print(f"retain {s['retain_fraction']:<5g} tau {s['tau_s']:<6g} TTFT saved {s['ttft_saved_ms']:+7.2f} ms "
+            print(f"retain {s['retain_fraction']:<5g} urgent {s['urgent_s']:<6g} TTFT saved {s['ttft_saved_ms']:+7.2f} ms "
                   f"(each {', '.join(f'{v:+.1f}' for v in s['each_ms'])}); gap closed {closed}; {s['seconds']} s")
         print(f"chosen: {tuned['chosen']} (current defaults {tuned['current']})")
         doc = {"bench": "replay", "mode": "tune", "trace": str(path), "window_s": args.window,
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                                                      "fetch_streams": deployment.costs.fetch_streams,
                                                      "s3_gbps": round(deployment.costs.s3_bytes_per_s * 8 / 1e9, 3)},
            "kvwarm": {"plans": len(ticks), "fallback_plans": fallbacks, "retain_fraction": RETAIN_FRACTION,
-                      "tau_s": spec.reuse.tau_s, "horizon_s": spec.reuse.horizon_s,
+                      "urgent_s": spec.reuse.urgent_s, "horizon_s": spec.reuse.horizon_s,
                       "tuned_on": "restarts, replacements and scale-outs at 20/40/60/80 % (--tune)"},
            "events": events, "summary": {k: v for k, v in summary.items() if k != "targets"},
            "targets": summary["targets"], "s3_link_sensitivity": links,

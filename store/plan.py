@@ -22,7 +22,9 @@ window (the default, and every entry of a version-1 plan), or ``retain`` it, a p
 already stored that serving nodes prefetch and keep. Entries are in priority order
 (one value model ranks both kinds): the prefill job computes the ``prefill`` entries in
 order and stops at its deadline, so the most valuable prefixes are done first; loaders
-prefetch every entry in order. Readers accept versions 1 and 2.
+prefetch every entry in order. A ``retain`` entry may carry an ``urgency`` (its expected
+uses in the next minute or so): the planner orders the ``retain`` entries' places by it,
+so the copies needed soonest come first. Readers accept versions 1 and 2.
 """
 from __future__ import annotations
 
@@ -70,6 +72,7 @@ class PlanEntry:
     prefix_id: str | None = None
     action: str = "prefill"
     hash_ids: tuple[int, ...] | None = None
+    urgency: float | None = None
 
     def __post_init__(self) -> None:
         where = f"plan entry for tenant {self.tenant!r}"
@@ -95,6 +98,9 @@ class PlanEntry:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise PlanError(f"{where}: {name!r} must be a finite number, got {v!r}")
+        u = self.urgency
+        if u is not None and (not isinstance(u, (int, float)) or isinstance(u, bool) or not math.isfinite(u) or u < 0):
+            raise PlanError(f"{where}: 'urgency' must be a number >= 0 (expected uses soon), got {u!r}")
 
     @property
     def prefillable(self) -> bool:

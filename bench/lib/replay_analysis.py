@@ -23,8 +23,8 @@ from forecasting.simulate.simulation import Deployment, Scenario, SimResult, sim
 EVAL_FRACTIONS = (0.3, 0.5, 0.7)  # the evaluation: never used to choose a setting
 TUNE_FRACTIONS = (0.2, 0.4, 0.6, 0.8)  # --tune: other event times
 EVENTS = ("restart", "replacement", "scale-out")
-#: --tune: (share of the node tier a plan may retain, the reuse model's recency scale in s)
-TUNE_GRID = tuple((f, tau) for f in (0.1, 0.25, 0.5) for tau in (300.0, 900.0, 1800.0))
+#: --tune: (share of the node tier a plan may retain, the reuse model's urgent window in s, which orders the copies)
+TUNE_GRID = tuple((f, urgent) for f in (0.1, 0.25, 0.5) for urgent in (30.0, 60.0, 120.0))
 TARGETS = {"replacement_gap_closed": 0.50, "first_minute_vs_no_event": 0.95}
 
 
@@ -128,21 +128,21 @@ def tune(index: BlockIndex, requests: Any, deployment: Deployment, *, cadence_s:
     ttft = {(k, r.policy): r.ttft_mean_s for k, res in enumerate(base) for r in res.rows}
     last = max(sc.at_s + sc.window_s for sc in scs)
     scores = []
-    for fraction, tau in grid:
+    for fraction, urgent in grid:
         t0 = time.perf_counter()
-        spec = retain_spec(deployment, fraction=fraction, reuse=ReuseConfig(tau_s=tau))
+        spec = retain_spec(deployment, fraction=fraction, reuse=ReuseConfig(urgent_s=urgent))
         planner = planner_for(trace, requests, spec, deployment, cadence_s=cadence_s)
         ticks = kvwarm_plans(index, planner, written_back(index), last)
         got = simulate(index, deployment, scs, ("kvwarm",), planner=planner, references=False, ticks=ticks)
         kv = [res.row("kvwarm").ttft_mean_s for res in got]
         saved = [1e3 * (ttft[(k, "reactive-store")] - v) for k, v in enumerate(kv)]
         closed = [gap(v, ttft[(k, "reactive-store")], ttft[(k, "oracle")]) for k, v in enumerate(kv)]
-        scores.append({"retain_fraction": fraction, "tau_s": tau, "ttft_saved_ms": rounded(mean_of(saved), 2),
+        scores.append({"retain_fraction": fraction, "urgent_s": urgent, "ttft_saved_ms": rounded(mean_of(saved), 2),
                        "each_ms": [rounded(v, 2) for v in saved],
                        "gap_closed": {kind: rounded(mean_of([c for c, sc in zip(closed, scs) if sc.kind == kind]))
                                       for kind in EVENTS},
                        "seconds": round(time.perf_counter() - t0, 1)})
     best = max(scores, key=lambda s: s["ttft_saved_ms"])
     return {"fractions": list(fractions), "events": [sc.kind for sc in scs[:len(EVENTS)]], "grid": scores,
-            "chosen": {"retain_fraction": best["retain_fraction"], "tau_s": best["tau_s"]},
-            "current": {"retain_fraction": RETAIN_FRACTION, "tau_s": ReuseConfig().tau_s}}
+            "chosen": {"retain_fraction": best["retain_fraction"], "urgent_s": best["urgent_s"]},
+            "current": {"retain_fraction": RETAIN_FRACTION, "urgent_s": ReuseConfig().urgent_s}}

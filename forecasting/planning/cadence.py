@@ -2,7 +2,9 @@
 
 :func:`plan_now` makes the whole decision from the logs before a time ``as_of``:
 
-1. the logs of the ``lookback_s`` before ``as_of`` are mined
+1. the logs of the ``lookback_s`` before ``as_of`` are mined, or the last
+   ``lookback_requests`` before it when the lookback holds fewer (after an idle night the
+   plan still learns from the traffic before it)
    (:func:`forecasting.mining.request_tree.mine_requests`; nothing at or after ``as_of``);
 2. the reuse model is fitted on them (:class:`forecasting.planning.reuse.ReuseModel`):
    each stored prefix's expected uses in the coming horizon;
@@ -11,7 +13,10 @@
 4. they join the prefill entries of the latest off-peak plan (``base``: what
    :func:`forecasting.planning.planner.make_plan` chose from the demand forecasts) in one
    plan, most valuable first: one value model ranks both
-   (:func:`forecasting.planning.planner.prefix_value`).
+   (:func:`forecasting.planning.planner.prefix_value`); then the places the ``retain``
+   entries hold in that order are given to them by urgency, most urgent first (the
+   expected uses in the reuse model's ``urgent_s``; ties by value), so a loader copies
+   what is needed soonest first. The prefill entries keep their places and order.
 
 The cadence flow (``flows/cadence.py``) calls it every ``cadence_minutes`` and on demand;
 ``prefill simulate`` and ``bench/replay_bench.py`` call it at the same cadence, each time
@@ -49,16 +54,24 @@ class CadenceSpec:
         reuse: the reuse model's knobs.
         lookback_s: the logs before ``as_of`` it learns from.
         min_value: a retained block must be worth more than this (GPU-seconds).
+        lookback_requests: when the lookback holds fewer requests than this, the plan learns
+            from the last this many before ``as_of`` instead, however old (0: never).
+        urgent_first: give the ``retain`` entries' places to them by urgency (step 4);
+            ``False``: by value, as the loader's retention ranks them.
     """
 
     budget: RetainBudget
     reuse: ReuseConfig = field(default_factory=ReuseConfig)
     lookback_s: float = 3600.0
     min_value: float = 0.0
+    lookback_requests: int = 2000
+    urgent_first: bool = True
 
     def __post_init__(self) -> None:
         if not (self.lookback_s > 0 and math.isfinite(self.lookback_s)):
             raise BadInputError(f"CadenceSpec.lookback_s must be a positive number of seconds, got {self.lookback_s!r}")
+        if not (isinstance(self.lookback_requests, int) and self.lookback_requests >= 0):
+            raise BadInputError(f"CadenceSpec.lookback_requests must be an integer >= 0, got {self.lookback_requests!r}")
 
 
 def unix_s(when: Any) -> float:
@@ -87,15 +100,24 @@ def plan_now(requests: pd.DataFrame, as_of: Any, *, cost: PlanCosts, spec: Caden
         base: the latest off-peak plan, whose prefill entries this plan keeps.
 
     Returns:
-        A version-2 plan: ``retain`` entries and ``base``'s prefill entries by score,
-        ``as_of`` set; ``extra`` says what the reuse model learned from.
+        A version-2 plan: ``retain`` entries and ``base``'s prefill entries by score, the
+        ``retain`` entries' places then by urgency, ``as_of`` set; ``extra`` says what the
+        reuse model learned from (``read_s``: the seconds of logs it read, when more than the lookback).
     """
     t = unix_s(as_of)
     secs = pd.to_datetime(requests["timestamp"]).to_numpy(dtype="datetime64[us]").astype(np.int64) / 1e6
-    keep = (secs < t) & (secs >= t - spec.lookback_s)
+    before = secs < t
+    since = t - spec.lookback_s
+    if int((before & (secs >= since)).sum()) < spec.lookback_requests:
+        past = np.sort(secs[before])
+        if len(past):
+            since = min(since, float(past[max(len(past) - spec.lookback_requests, 0)]))
+    keep = before & (secs >= since)
     rows = requests[keep].iloc[np.argsort(secs[keep], kind="stable")]
     entries: list[Any] = []
     extra: dict[str, Any] = {"requests": int(len(rows)), "lookback_s": spec.lookback_s}
+    if since < t - spec.lookback_s:
+        extra["read_s"] = round(t - since, 3)
     if len(rows):
         tree = mine_requests(rows, block_size=block_size, tokenizer=tokenizer, roots=roots, model=model)
         occ = Occurrences.of(tree)
@@ -104,12 +126,15 @@ def plan_now(requests: pd.DataFrame, as_of: Any, *, cost: PlanCosts, spec: Caden
         held = None if present is None else present(tree, np.arange(tree.n_nodes))
         chosen, rank = retain_nodes(tree, uses, cost, spec.budget, horizon_s=spec.reuse.horizon_s, present=held,
                                     min_value=spec.min_value)
-        entries = retain_entries(tree, uses, chosen, rank)
+        entries = retain_entries(tree, uses, chosen, rank, reuse.urgency(occ))
         extra.update(reuse={"fallback": reuse.fallback, "closed_outcomes": reuse.closed},
                      retain_blocks=int(len(chosen)), retain_bytes=float(len(chosen) * cost.bytes(block_size)))
     kept = {e.prefix_id for e in entries}
     prefill = [e for e in (base.prefill_entries() if base is not None else []) if e.prefix_id not in kept]
     merged = sorted(prefill + entries, key=lambda e: -e.score)
+    urgent = iter(sorted(entries, key=lambda e: (-(e.urgency or 0.0), -e.score)))
+    if spec.urgent_first:
+        merged = [next(urgent) if e.action == "retain" else e for e in merged]
     return Plan(entries=tuple(merged), created_at=time.time() if created_at is None else created_at,
                 block_size=block_size, model=model,
                 window_start=None if base is None else base.window_start,

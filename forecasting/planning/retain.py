@@ -106,11 +106,14 @@ def retain_nodes(tree: PrefixTree, uses: np.ndarray, cost: PlanCosts, budget: Re
     return chosen, rank[chosen]
 
 
-def retain_entries(tree: PrefixTree, uses: np.ndarray, chosen: np.ndarray, rank: np.ndarray) -> list[PlanEntry]:
+def retain_entries(tree: PrefixTree, uses: np.ndarray, chosen: np.ndarray, rank: np.ndarray,
+                   urgency: np.ndarray | None = None) -> list[PlanEntry]:
     """One ``retain`` entry per chosen branch (its deepest chosen node), most valuable first.
 
     An entry names its prefix by token ids (a tree of tokens) or by hash ids, with its
-    rank as ``score``, its expected uses and the node's key as ``prefix_id``.
+    rank as ``score``, its expected uses, its node's ``urgency`` (per node, expected uses
+    in the reuse model's short window; omitted when not given) and the node's key as
+    ``prefix_id``.
     """
     if not len(chosen):
         return []
@@ -122,5 +125,6 @@ def retain_entries(tree: PrefixTree, uses: np.ndarray, chosen: np.ndarray, rank:
     field = "token_ids" if tree.unit == "tokens" else "hash_ids"
     return [PlanEntry(tenant=tree.tenants[int(tree.node_tenant[n])], action="retain", score=round(r, 9),
                       expected_hits=round(float(uses[n]), 6), prefix_id=key,
+                      urgency=None if urgency is None else round(float(urgency[n]), 6),
                       **{field: tuple(int(v) for v in tree.prefix_values(n))})
             for (n, r), key in zip(leaves, keys)]

@@ -9,16 +9,25 @@ A block occurrence's *class* is known when its request arrives: how often the bl
 used before (1, 2, 3+), whether it is the chain's last block (a partial tail is almost
 never reused), the request's chain length (short conversations come back more often)
 and the time since the conversation's previous turn (none, < 30 s, < 2 min, < 10 min,
-longer). The model estimates ``p(class) = P(block used again within horizon | class)``,
-shrunk towards the overall rate, from **closed outcomes only**: an occurrence at ``t0``
-counts at the plan's time ``t`` only when ``t0 + horizon < t``. It is given the logs
-before ``t`` only (:func:`forecasting.planning.cadence.plan_now` cuts them), so a plan never
-depends on what comes after its time.
+longer). A block's *age* is the traffic since its last use: the requests of its tenant
+that came after it (bins of two per doubling), not the seconds. After an idle night no
+request has come, so the blocks last used keep the probability they had when traffic
+stopped; in steady traffic the two ages agree up to the rate.
 
-Each prefix seen gets the expected uses within the horizon after ``t``:
-``p(class of its last use) * exp(-(t - t_last) / tau)``. With fewer than
-``min_outcomes`` closed outcomes (too little history to learn a class table from) the
-model falls back to recency and frequency: ``p = 1 - (1 - prior_rate) ** uses``.
+The model estimates ``p(class, age) = P(block used within horizon_s | class of its last
+use, age)`` from **closed outcomes only**. Each past occurrence is looked at as of the
+requests after it (checkpoints at ages 0, 1, 2, 3, 4, 6, 8, 11, 16, ... requests, while the
+block is still unused), and a checkpoint counts at the plan's time ``t`` only when its
+outcome is closed: checkpoint time ``+ horizon_s < t``. It is given the logs before ``t``
+only (:func:`forecasting.planning.cadence.plan_now` cuts them), so a plan never depends on
+what comes after its time. Sparse cells are shrunk towards the class's rate one age bin
+younger, scaled by how the overall rate falls between the two bins.
+
+Each prefix seen gets its expected uses within the horizon after ``t``,
+``p(class of its last use, its age now)``, and an *urgency*: the same probability for
+the shorter ``urgent_s``, which orders the copies (soonest needed first). With fewer than
+``min_outcomes`` closed outcomes the model falls back to recency and frequency, aged by
+traffic too: ``p = (1 - (1 - prior_rate) ** uses) * exp(-age / tau_requests)``.
 """
 from __future__ import annotations
 
@@ -35,6 +44,14 @@ NEVER = np.iinfo(np.int64).max
 _LEN_EDGES = np.array([4, 8, 16, 32, 64])
 _GAP_EDGES = np.array([30.0, 120.0, 600.0])
 N_CLASSES = 3 * 2 * (len(_LEN_EDGES) + 1) * (len(_GAP_EDGES) + 2)
+#: lower edges of the age bins after 0, in requests since the last use (two per doubling, to 2**22)
+AGE_EDGES = np.unique(np.r_[[1, 2, 3], np.round(2.0 ** np.arange(2, 22.5, 0.5))]).astype(np.int64)
+N_AGES = len(AGE_EDGES) + 1
+
+
+def age_bin(age: np.ndarray) -> np.ndarray:
+    """The age bin of ages in requests since the last use (0: none since)."""
+    return np.searchsorted(AGE_EDGES, np.asarray(age, dtype=np.int64), side="right")
 
 
 @dataclass(frozen=True)
@@ -42,24 +59,28 @@ class ReuseConfig:
     """Knobs of the reuse model.
 
     Attributes:
-        horizon_s: an occurrence counts as reused when its block is used again within this.
-        tau_s: recency scale: the expected uses of a prefix last used ``a`` seconds ago
-            are ``p * exp(-a / tau_s)`` (1,800 s: chosen by ``bench/replay_bench.py --tune``
-            on Mooncake events that are never evaluated; docs/guides/simulate.md).
-        prior_weight: pseudo-count pulling a class towards the overall reuse rate.
+        horizon_s: an occurrence counts as reused when its block is used again within this
+            (seconds after a moment its tenant had traffic).
+        urgent_s: the shorter window of the urgency that orders the copies (60 s: the first
+            minute after a node starts, which its prefetch must serve first; at most the horizon).
+        tau_requests: the fallback's recency scale, in requests of the tenant since the last
+            use: ``p * exp(-age / tau_requests)`` (6,000: the 1,800 s the recency scale had when
+            it was wall-clock time, at the Mooncake trace's 3.4 requests a second).
+        prior_weight: pseudo-count pulling a cell towards its prior.
         prior_rate: reuse probability assumed before any outcome is known (and the
             fallback's per-use rate).
         min_outcomes: fewer closed outcomes than this: fall back to recency and frequency.
     """
 
     horizon_s: float = 300.0
-    tau_s: float = 1800.0
+    urgent_s: float = 60.0
+    tau_requests: float = 6000.0
     prior_weight: float = 20.0
     prior_rate: float = 0.3
     min_outcomes: int = 1000
 
     def __post_init__(self) -> None:
-        for name in ("horizon_s", "tau_s", "prior_weight"):
+        for name in ("horizon_s", "urgent_s", "tau_requests", "prior_weight"):
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0 and math.isfinite(value)):
                 raise BadInputError(f"ReuseConfig.{name} must be a positive number, got {value!r}")
@@ -106,6 +127,7 @@ class Occurrences:
         request, position, prev, next: per occurrence.
         lead_seen: per request, leading blocks seen before.
         n_nodes: tree nodes.
+        tenant: per request, its tenant's code (traffic is counted per tenant).
     """
 
     times_s: np.ndarray
@@ -117,6 +139,7 @@ class Occurrences:
     next: np.ndarray
     lead_seen: np.ndarray
     n_nodes: int
+    tenant: np.ndarray | None = None
 
     @classmethod
     def of(cls, tree: PrefixTree) -> Occurrences:
@@ -124,7 +147,24 @@ class Occurrences:
         nodes = np.asarray(tree.path_nodes, dtype=np.int64)
         offsets = np.asarray(tree.offsets, dtype=np.int64)
         links = chain_links(offsets, nodes, tree.n_nodes)
-        return cls(tree.times_us / 1e6, offsets, nodes, *links, tree.n_nodes)
+        return cls(tree.times_us / 1e6, offsets, nodes, *links, tree.n_nodes,
+                   np.asarray(tree.tenant_codes, dtype=np.int64))
+
+    def traffic(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """How traffic is counted: ``(by_tenant, position, end)``: the requests in (tenant, time)
+        order; each request's index in it; and per request, where its tenant's run ends. The
+        request ``a`` after request ``i`` in its tenant is ``by_tenant[position[i] + a]`` while
+        ``position[i] + a < end[i]``; its age at the end of the logs is ``end[i] - 1 - position[i]``."""
+        n = len(self.times_s)
+        tenant = np.zeros(n, dtype=np.int64) if self.tenant is None else self.tenant
+        by_tenant = np.lexsort((np.arange(n), self.times_s, tenant))
+        position = np.empty(n, dtype=np.int64)
+        position[by_tenant] = np.arange(n)
+        sorted_t = tenant[by_tenant]
+        ends = np.searchsorted(sorted_t, sorted_t, side="right")
+        end = np.empty(n, dtype=np.int64)
+        end[by_tenant] = ends
+        return by_tenant, position, end
 
     def classes(self) -> np.ndarray:
         """The reuse class of each occurrence (see the module docstring), in ``0 .. N_CLASSES - 1``."""
@@ -159,19 +199,22 @@ class Occurrences:
 
 @dataclass(frozen=True)
 class ReuseModel:
-    """A fitted class table (or the fallback), as of a plan's time.
+    """A fitted table (or the fallback), as of a plan's time.
 
     Attributes:
         config: the knobs it was fitted with.
         as_of_s: the plan's time (same clock as :attr:`Occurrences.times_s`).
-        p: per class, P(used again within the horizon); ``None`` when the model fell back.
-        closed: closed outcomes it learned from.
+        p: per class and age bin (``N_CLASSES x N_AGES``), P(used within the horizon);
+            ``None`` when the model fell back.
+        p_urgent: the same for ``urgent_s`` (``None`` when it fell back).
+        closed: closed outcomes it learned from (occurrences with a closed checkpoint at age 0).
     """
 
     config: ReuseConfig
     as_of_s: float
     p: np.ndarray | None
     closed: int
+    p_urgent: np.ndarray | None = None
 
     @property
     def fallback(self) -> bool:
@@ -180,7 +223,7 @@ class ReuseModel:
 
     @classmethod
     def fit(cls, occ: Occurrences, as_of_s: float, config: ReuseConfig = ReuseConfig()) -> ReuseModel:
-        """Learn ``p(class)`` from the outcomes closed before ``as_of_s``.
+        """Learn ``p(class, age)`` from the outcomes closed before ``as_of_s``.
 
         Raises:
             BadInputError: an occurrence at or after ``as_of_s`` (the plan would see its own future).
@@ -189,30 +232,85 @@ class ReuseModel:
             raise BadInputError(f"the reuse model got logs up to {float(occ.times_s.max()):.3f} s, not before the "
                                 f"plan's time {as_of_s:.3f} s: cut the logs at the plan's time")
         occ_t = occ.times_s[occ.request]
-        closed = occ_t + config.horizon_s < as_of_s
-        n_closed = int(closed.sum())
+        n_closed = int((occ_t + config.horizon_s < as_of_s).sum())
         if n_closed < config.min_outcomes:
             return cls(config, float(as_of_s), None, n_closed)
-        nxt = occ.next[closed]
-        reuse_t = np.where(nxt == NEVER, np.inf, occ.times_s[np.minimum(nxt, len(occ.times_s) - 1)])
-        reused = (reuse_t - occ_t[closed]) <= config.horizon_s
-        c = occ.classes()[closed]
-        n = np.bincount(c, minlength=N_CLASSES).astype(np.float64)
-        r = np.bincount(c, weights=reused, minlength=N_CLASSES)
-        base = (r.sum() + config.prior_rate) / (n.sum() + 1.0)
-        w = config.prior_weight
-        return cls(config, float(as_of_s), np.clip((r + w * base) / (n + w), 1e-4, 1.0), n_closed)
+        n, r, u = _checkpoints(occ, as_of_s, config)
+        return cls(config, float(as_of_s), _shrunk(n, r, config), n_closed, _shrunk(n, u, config))
+
+    def _now(self, occ: Occurrences) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per node seen: which nodes, their last occurrence, and their age in requests now."""
+        last = occ.last_use()
+        seen = np.flatnonzero(last >= 0)
+        at = last[seen]
+        _, position, end = occ.traffic()
+        req = occ.request[at]
+        return seen, at, end[req] - 1 - position[req]
 
     def expected_uses(self, occ: Occurrences) -> np.ndarray:
         """Per node, its expected uses within the horizon after the plan's time (0: never seen)."""
-        last = occ.last_use()
-        seen = last >= 0
+        return self._forecast(occ, self.p, 1.0)
+
+    def urgency(self, occ: Occurrences) -> np.ndarray:
+        """Per node, its expected uses within ``urgent_s`` (the fallback: the horizon's, scaled by
+        ``urgent_s / horizon_s``, so it orders as the value does)."""
+        return self._forecast(occ, self.p_urgent, min(self.config.urgent_s / self.config.horizon_s, 1.0))
+
+    def _forecast(self, occ: Occurrences, table: np.ndarray | None, scale: float) -> np.ndarray:
         out = np.zeros(occ.n_nodes)
-        at = last[seen]
-        if self.p is None:
+        seen, at, age = self._now(occ)
+        if table is None:
             p = 1.0 - (1.0 - self.config.prior_rate) ** occ.uses()[seen]
+            out[seen] = scale * p * np.exp(-age / self.config.tau_requests)
         else:
-            p = self.p[occ.classes()[at]]
-        age = self.as_of_s - occ.times_s[occ.request[at]]
-        out[seen] = p * np.exp(-age / self.config.tau_s)
+            out[seen] = table[occ.classes()[at], np.minimum(age_bin(age), N_AGES - 1)]
         return out
+
+
+def _checkpoints(occ: Occurrences, as_of_s: float, config: ReuseConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per class and age bin: closed checkpoints, and how many saw a use within the horizon
+    and within ``urgent_s``. A checkpoint of an occurrence at age ``a`` is at the ``a``-th
+    request of its tenant after it, while its block is unused; it is closed when that
+    request's time ``+ horizon_s`` is before the plan's time."""
+    by_tenant, position, end = occ.traffic()
+    times = occ.times_s
+    cls = occ.classes()
+    nxt_t = np.where(occ.next == NEVER, np.inf, times[np.minimum(occ.next, max(len(times) - 1, 0))])
+    live = np.arange(len(occ.nodes))
+    pos, stop = position[occ.request], end[occ.request]
+    n = np.zeros((N_CLASSES, N_AGES))
+    r = np.zeros((N_CLASSES, N_AGES))
+    u = np.zeros((N_CLASSES, N_AGES))
+    for k, a in enumerate(np.r_[0, AGE_EDGES]):
+        live = live[pos[live] + a < stop[live]]
+        c = by_tenant[pos[live] + a]
+        unused = occ.next[live] > c  # still unused at the checkpoint
+        live, c = live[unused], c[unused]
+        if not live.size:
+            break
+        tau = times[c]
+        closed = tau + config.horizon_s < as_of_s
+        wait = nxt_t[live[closed]] - tau[closed]
+        c_cls = cls[live[closed]]
+        n[:, k] = np.bincount(c_cls, minlength=N_CLASSES)
+        r[:, k] = np.bincount(c_cls, weights=wait <= config.horizon_s, minlength=N_CLASSES)
+        u[:, k] = np.bincount(c_cls, weights=wait <= min(config.urgent_s, config.horizon_s), minlength=N_CLASSES)
+    return n, r, u
+
+
+def _shrunk(n: np.ndarray, r: np.ndarray, config: ReuseConfig) -> np.ndarray:
+    """Rates per class and age bin, each shrunk towards its class's rate one bin younger
+    scaled by the overall rate's fall between the bins (age 0: towards the overall rate)."""
+    w = config.prior_weight
+    total_n, total_r = n.sum(axis=0), r.sum(axis=0)
+    overall = np.empty(N_AGES)
+    overall[0] = (total_r[0] + w * (total_r.sum() + config.prior_rate) / (total_n.sum() + 1.0)) / (total_n[0] + w)
+    for k in range(1, N_AGES):
+        overall[k] = (total_r[k] + w * overall[k - 1]) / (total_n[k] + w)
+    overall = np.clip(overall, 1e-6, 1.0)
+    p = np.empty_like(n)
+    p[:, 0] = (r[:, 0] + w * overall[0]) / (n[:, 0] + w)
+    for k in range(1, N_AGES):
+        prior = np.minimum(p[:, k - 1] * overall[k] / overall[k - 1], 1.0)
+        p[:, k] = (r[:, k] + w * prior) / (n[:, k] + w)
+    return np.clip(p, 1e-6, 1.0)

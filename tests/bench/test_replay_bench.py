@@ -50,8 +50,8 @@ def test_tuning_never_uses_the_evaluation_points(tmp_path: Path, capsys: pytest.
     assert not set(doc["fractions"]) & set(replay_analysis.EVAL_FRACTIONS)
     assert len(doc["grid"]) == 2 and all(len(s["each_ms"]) == 3 * len(doc["fractions"]) for s in doc["grid"])
     best = max(s["ttft_saved_ms"] for s in doc["grid"])
-    assert {"retain_fraction": doc["chosen"]["retain_fraction"], "tau_s": doc["chosen"]["tau_s"]} in [
-        {"retain_fraction": s["retain_fraction"], "tau_s": s["tau_s"]} for s in doc["grid"]
+    assert {"retain_fraction": doc["chosen"]["retain_fraction"], "urgent_s": doc["chosen"]["urgent_s"]} in [
+        {"retain_fraction": s["retain_fraction"], "urgent_s": s["urgent_s"]} for s in doc["grid"]
         if s["ttft_saved_ms"] == best]
 
 

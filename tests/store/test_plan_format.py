@@ -12,7 +12,7 @@ from store.plan import PLAN_VERSION, Plan, PlanEntry, PlanError, parse_plan, rea
 def _plan() -> Plan:
     return Plan(entries=(PlanEntry("acme", token_ids=(1, 2, 3), score=2.0, expected_hits=4.0),
                          PlanEntry("acme", token_ids=(1, 2, 3, 4), action="retain", score=1.0, prefix_id="ab"),
-                         PlanEntry("mooncake", hash_ids=(0, 14, 15), action="retain", score=0.5)),
+                         PlanEntry("mooncake", hash_ids=(0, 14, 15), action="retain", score=0.5, urgency=0.25)),
                 created_at=10.0, as_of=9.5, block_size=16)
 
 
@@ -22,6 +22,7 @@ def test_a_version_2_plan_round_trips_with_its_actions_hash_ids_and_as_of(tmp_pa
     again = read_plan(write_plan(plan, tmp_path / f"plan{suffix}"))
     assert again.entries == plan.entries and again.as_of == 9.5
     assert [e.action for e in again.entries] == ["prefill", "retain", "retain"]
+    assert [e.urgency for e in again.entries] == [None, None, 0.25]  # optional: absent reads as None
 
 
 def test_the_file_says_version_2_and_leaves_the_default_action_out(tmp_path: Path) -> None:
@@ -46,6 +47,7 @@ def test_only_prefill_entries_with_tokens_or_text_go_to_the_prefill_job() -> Non
     ({"tenant": "a", "token_ids": [1], "hash_ids": [1]}, "exactly one of 'token_ids', 'text' or 'hash_ids'"),
     ({"tenant": "a", "hash_ids": [1, -2]}, "'hash_ids' must be a non-empty list of non-negative integers"),
     ({"tenant": "a", "text": "x", "action": "keep"}, "'action' must be one of prefill, retain"),
+    ({"tenant": "a", "hash_ids": [1], "action": "retain", "urgency": -0.5}, "'urgency' must be a number >= 0"),
 ])
 def test_bad_entries_name_the_field(entry: dict, message: str) -> None:
     with pytest.raises(PlanError, match="entry 0") as info:

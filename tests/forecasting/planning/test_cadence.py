@@ -53,15 +53,49 @@ def test_perturbing_the_logs_after_a_plans_time_changes_nothing_in_it(requests: 
     assert early.entries != plan.entries
 
 
-def test_a_plan_learns_from_its_lookback_only_and_orders_entries_by_value(requests: pd.DataFrame) -> None:
+def test_a_plan_learns_from_its_lookback_only_and_orders_entries_by_urgency(requests: pd.DataFrame) -> None:
     as_of = pd.Timestamp("2026-03-02") + pd.Timedelta(minutes=6)
-    short = CadenceSpec(SPEC.budget, SPEC.reuse, lookback_s=60.0)
+    short = CadenceSpec(SPEC.budget, SPEC.reuse, lookback_s=60.0, lookback_requests=0)
     plan = plan_now(requests, as_of, cost=COST, spec=short, block_size=512, created_at=0.0)
     seen = requests[(requests["timestamp"] < as_of) & (requests["timestamp"] >= as_of - pd.Timedelta(seconds=60))]
     assert plan.extra["requests"] == len(seen) and plan.extra["reuse"]["fallback"]  # 60 s: no outcome closed yet
-    scores = [e.score for e in plan.entries]
-    assert scores == sorted(scores, reverse=True)
-    assert plan.extra["retain_blocks"] <= 2000
+    assert "read_s" not in plan.extra and plan.extra["retain_blocks"] <= 2000
+    # the fallback's urgency is its recency and frequency, scaled to the short window
+    urgency = [e.urgency for e in plan.entries]
+    assert urgency == sorted(urgency, reverse=True)
+    assert all(u <= e.expected_hits * SPEC.reuse.urgent_s / SPEC.reuse.horizon_s + 1e-6
+               for u, e in zip(urgency, plan.entries))
+
+
+def test_retain_entries_are_copied_most_urgent_first(requests: pd.DataFrame) -> None:
+    as_of = pd.Timestamp("2026-03-02") + pd.Timedelta(minutes=6)
+    plan = plan_now(requests, as_of, cost=COST, spec=SPEC, block_size=512, created_at=0.0)
+    assert not plan.extra["reuse"]["fallback"]
+    urgency = [e.urgency for e in plan.entries]
+    assert all(u is not None and 0 <= u <= 1 for u in urgency)
+    assert urgency == sorted(urgency, reverse=True)
+    assert [e.score for e in plan.entries] != sorted((e.score for e in plan.entries), reverse=True)  # it differs
+    by_value = plan_now(requests, as_of, cost=COST, spec=CadenceSpec(SPEC.budget, SPEC.reuse, urgent_first=False),
+                        block_size=512, created_at=0.0)
+    assert [e.score for e in by_value.entries] == sorted((e.score for e in plan.entries), reverse=True)
+    assert set(by_value.entries) == set(plan.entries)  # the same set, the budget's: only the order changed
+
+
+def test_after_an_idle_gap_a_plan_keeps_what_it_held_when_traffic_stopped(requests: pd.DataFrame) -> None:
+    stop = pd.Timestamp("2026-03-02") + pd.Timedelta(minutes=6)
+    before = requests[requests["timestamp"] < stop]
+    # once every outcome is closed (a horizon after the last request), waiting changes nothing
+    closed = stop + pd.Timedelta(seconds=SPEC.reuse.horizon_s + 1)
+    right_after = plan_now(before, closed, cost=COST, spec=SPEC, block_size=512, created_at=0.0)
+    hours_later = stop + pd.Timedelta(hours=9)
+    late = plan_now(before, hours_later, cost=COST, spec=SPEC, block_size=512, created_at=0.0)
+    assert late.extra["requests"] == len(before) and late.extra["read_s"] > 9 * 3600
+    assert right_after.entries and [e.hash_ids for e in late.entries] == [e.hash_ids for e in right_after.entries]
+    assert [e.expected_hits for e in late.entries] == [e.expected_hits for e in right_after.entries]
+    # the lookback in requests is what reaches back: without it, nothing is left to plan from
+    none = plan_now(before, hours_later, cost=COST, spec=CadenceSpec(SPEC.budget, SPEC.reuse, lookback_requests=0),
+                    block_size=512, created_at=0.0)
+    assert none.extra["requests"] == 0 and not none.entries
 
 
 def test_the_latest_off_peak_plans_prefill_entries_stay_in_the_plan(requests: pd.DataFrame) -> None:

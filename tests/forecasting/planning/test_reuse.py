@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from forecasting.mining.prefix_tree import PrefixTree, mine_hash_ids
-from forecasting.planning.reuse import N_CLASSES, NEVER, Occurrences, ReuseConfig, ReuseModel, chain_links
+from forecasting.planning.reuse import (N_AGES, N_CLASSES, NEVER, Occurrences, ReuseConfig, ReuseModel, age_bin,
+                                       chain_links)
 from store.errors import BadInputError
 
 
@@ -57,18 +58,18 @@ def test_expected_uses_follow_the_class_table_and_fall_with_age() -> None:
         chains += [[100 + k, 200 + k], [100 + k, 200 + k, 300 + k],
                    list(range(10_000 + 100 * k, 10_000 + 100 * k + 70))]
         times += [20.0 * k, 20.0 * k + 5.0, 20.0 * k + 6.0]
-    # Then, with no outcome known yet: a short first turn 200 s and 10 s before the plan, and a long one.
-    chains += [[800, 801], [900, 901], list(range(50_000, 50_070))]
-    times += [1000.0, 1190.0, 1190.0]
+    # Then, with no outcome known yet: a short first turn two requests and none before the plan, and a long one.
+    chains += [[800, 801], list(range(50_000, 50_070)), [900, 901]]
+    times += [1000.0, 1189.0, 1190.0]
     tree = _tree(chains, times)
     occ = Occurrences.of(tree)
-    model = ReuseModel.fit(occ, 1200.0, ReuseConfig(horizon_s=30.0, tau_s=300.0, min_outcomes=10))
+    model = ReuseModel.fit(occ, 1200.0, ReuseConfig(horizon_s=30.0, min_outcomes=10))
     assert not model.fallback and model.closed > 0
     uses = model.expected_uses(occ)
     first = {int(tree.prefix_values(n)[-1]): n for n in np.flatnonzero(tree.depth <= 2)}
-    long_new = occ.nodes[occ.offsets[-2]:occ.offsets[-1]]
+    long_new = occ.nodes[occ.offsets[-3]:occ.offsets[-2]]
     assert uses[first[900]] > 5 * uses[long_new].max()  # the table: short first turns come back
-    assert uses[first[900]] > uses[first[800]] > 0  # the same class, older: less expected
+    assert uses[first[900]] > uses[first[800]] > 0  # the same class, older in requests: less expected
 
 
 def test_too_little_history_falls_back_to_recency_and_frequency() -> None:
@@ -82,7 +83,48 @@ def test_too_little_history_falls_back_to_recency_and_frequency() -> None:
 
 
 def test_bad_settings_name_the_field() -> None:
-    with pytest.raises(BadInputError, match="ReuseConfig.tau_s"):
-        ReuseConfig(tau_s=0)
+    with pytest.raises(BadInputError, match="ReuseConfig.tau_requests"):
+        ReuseConfig(tau_requests=0)
+    with pytest.raises(BadInputError, match="ReuseConfig.urgent_s"):
+        ReuseConfig(urgent_s=-1.0)
     with pytest.raises(BadInputError, match="prior_rate"):
         ReuseConfig(prior_rate=1.0)
+
+
+def _conversations(n: int, start_s: float = 0.0) -> tuple[list[list[int]], list[float]]:
+    """``n`` two-turn conversations 5 s apart each, and one-off long prompts between them."""
+    chains, times = [], []
+    for k in range(n):
+        chains += [[100 + k, 200 + k], [100 + k, 200 + k, 300 + k], list(range(10_000 + 100 * k, 10_000 + 100 * k + 8))]
+        times += [start_s + 20.0 * k, start_s + 20.0 * k + 5.0, start_s + 20.0 * k + 6.0]
+    return chains, times
+
+
+def test_age_is_traffic_so_an_idle_gap_changes_no_forecast() -> None:
+    chains, times = _conversations(40)
+    chains, times = chains + [[5000, 5001]], times + [times[-1] + 14.0]  # a first turn, the last request
+    occ = Occurrences.of(_tree(chains, times))
+    config = ReuseConfig(horizon_s=30.0, min_outcomes=10)
+    settled = ReuseModel.fit(occ, times[-1] + 31.0, config)  # every outcome closed
+    nine_hours = ReuseModel.fit(occ, times[-1] + 9 * 3600.0, config)
+    assert not settled.fallback and np.array_equal(settled.p, nine_hours.p)
+    uses = settled.expected_uses(occ)
+    assert uses.max() > 0.5 and np.array_equal(uses, nine_hours.expected_uses(occ))
+    assert np.array_equal(settled.urgency(occ), nine_hours.urgency(occ))
+    # the fallback too ages by requests, not seconds
+    few = ReuseConfig(horizon_s=30.0, min_outcomes=10**6)
+    assert np.array_equal(ReuseModel.fit(occ, times[-1] + 31.0, few).expected_uses(occ),
+                          ReuseModel.fit(occ, times[-1] + 9 * 3600.0, few).expected_uses(occ))
+
+
+def test_traffic_since_the_last_use_lowers_the_forecast_and_urgency_is_the_short_window() -> None:
+    chains, times = _conversations(40)
+    config = ReuseConfig(horizon_s=30.0, urgent_s=3.0, min_outcomes=10)
+    model = ReuseModel.fit(Occurrences.of(_tree(chains, times)), times[-1] + 31.0, config)
+    # the table: a first turn is used again (5 s later) when nothing came in between; after
+    # other traffic without its continuation it rarely is
+    assert model.p.shape == (N_CLASSES, N_AGES)
+    first_turn = Occurrences.of(_tree(chains, times)).classes()[0]
+    assert model.p[first_turn, 0] > 0.6 > 0.2 > model.p[first_turn, age_bin(np.array([5]))[0]]  # (shrunk: 40 cases)
+    # 5 s is beyond the 3 s urgent window: urgency is low where the horizon's p is high
+    assert model.p_urgent[first_turn, 0] < 0.2
