@@ -220,7 +220,7 @@ def forecast(r: dict) -> list[Table]:
 
 
 # -- replay ---------------------------------------------------------------------
-REPLAY_POLICIES = ("vllm", "reactive-store", "kvwarm", "oracle", "belady")
+REPLAY_POLICIES = ("vllm", "reactive-store", "kvwarm", "restore", "oracle", "belady")
 REPLAY_EVENTS = ("restart", "replacement", "scale-out")
 
 
@@ -229,7 +229,8 @@ def replay(r: dict) -> list[Table]:
     points = sorted({int(k.split(e)[1]) for k in ev for e in REPLAY_EVENTS if k.startswith(e) and k[len(e):].isdigit()})
     head = ("mean TTFT, ms", *(f"{e} {p} %" for e in REPLAY_EVENTS for p in points), "steady")
     cols = [f"{e}{p}" for e in REPLAY_EVENTS for p in points] + ["steady"]
-    rows = [(pol, *(f"{ev[c]['ttft_mean_ms'][pol]:.1f}" for c in cols)) for pol in REPLAY_POLICIES]
+    rows = [(pol, *(f"{ev[c]['ttft_mean_ms'][pol]:.1f}" for c in cols)) for pol in REPLAY_POLICIES
+            if pol in ev[cols[0]]["ttft_mean_ms"]]
     saved = [(e, f"{summary[e]['ttft_saved_vs_reactive_ms']:+.1f} ms (each {', '.join(f'{v:+.1f}' for v in summary[e]['ttft_saved_vs_reactive_ms_each'])})",
               pct(summary[e]["gap_closed"]), pct(summary[e]["first_minute_vs_no_event"]),
               f"{summary[e]['prefill_gpu_s']:.1f} GPU-s, {summary[e]['prefetched_blocks']:.0f} blocks")
@@ -241,12 +242,18 @@ def replay(r: dict) -> list[Table]:
                 f"≥ {t['first_minute_vs_no_event']['target'] * 100:.0f} %", verdict(t["first_minute_vs_no_event"]["met"])),
                ("TTFT saved over reactive-store, lowest of every event", f"{t['ttft_saved_positive_everywhere']['value']:+.2f} ms",
                 "> 0", verdict(t["ttft_saved_positive_everywhere"]["met"]))]
+    sv = lambda x, e: f"{x[e]['ttft_saved_vs_reactive_ms']:+.1f} / {x[e]['restore']['ttft_saved_vs_reactive_ms']:+.1f} ms"  # noqa: E731
+    links = [(f"{x['s3_gbps']:g} Gb/s", *(f(x["summary"], e) for e in ("replacement", "scale-out")
+                                          for f in (sv, lambda y, e: f"{pct(y[e]['gap_closed'])} / {pct(y[e]['restore']['gap_closed'])}")))
+             for x in r.get("per_link", []) if "restore" in x["summary"]["replacement"]]
     k = r["kvwarm"]
+    per_link = [Table(("S3 link (kvwarm / restore)", "replacement: saved", "gap closed", "scale-out: saved",
+                       "gap closed"), links)] if links else []
     return [Table(head, rows, note=f"kvwarm: {k['plans']} plans at a {r['cadence_s']:g} s cadence "
                   f"({k['fallback_plans']} fell back to recency and frequency), retain share {k['retain_fraction']:g}."),
             Table(("kvwarm against reactive-store (mean of the points)", "TTFT saved per request", "gap closed",
                    "first minute / no event", "spent"), saved),
-            Table(("target", "result", "target", ""), targets)]
+            Table(("target", "result", "target", ""), targets), *per_link]
 
 
 # -- engine ---------------------------------------------------------------------

@@ -70,34 +70,43 @@ def event_figures(result: SimResult) -> dict[str, Any]:
         "no_event_first_minute_pct": {p: round(100 * r.first_minute_hit_rate_excl_root, 2)
                                       for p, r in result.reference.items()},
     }
-    kv, rs = rows.get("kvwarm"), rows.get("reactive-store")
-    if kv is None or rs is None:
+    rs, oracle = rows.get("reactive-store"), rows.get("oracle")
+    if rs is None:
         return out
-    oracle = rows.get("oracle")
-    ref = result.reference.get("kvwarm")
+    for name in ("kvwarm", "restore"):
+        if rows.get(name) is not None:
+            out[name] = against_reactive(rows[name], rs, oracle, result.reference.get(name))
+    return out
+
+
+def against_reactive(kv: Any, rs: Any, oracle: Any, ref: Any) -> dict[str, Any]:
+    """One policy's row against reactive-store and the oracle: TTFT saved, gap closed, first minute."""
     saved_s = (rs.ttft_mean_s - kv.ttft_mean_s) * kv.requests
-    out["kvwarm"] = {
+    return {
         "ttft_saved_vs_reactive_ms": round(1e3 * (rs.ttft_mean_s - kv.ttft_mean_s), 2),
         "ttft_saved_vs_reactive_s_total": round(saved_s, 2),
         "gap_closed": rounded(gap(kv.ttft_mean_s, rs.ttft_mean_s, oracle.ttft_mean_s) if oracle else None),
         "first_minute_vs_no_event": rounded(ratio(kv.first_minute_hit_rate_excl_root,
                                                   ref.first_minute_hit_rate_excl_root) if ref else None),
+        "first_minute_vs_oracle": rounded(ratio(kv.first_minute_hit_rate_excl_root,
+                                                oracle.first_minute_hit_rate_excl_root) if oracle else None),
         "prefill_gpu_s": round(kv.prefill_gpu_s, 2),
         "prefetched_blocks": kv.prefetched_blocks,
         "warmup_precision": rounded(kv.warmup_precision), "warmup_recall": rounded(kv.warmup_recall),
     }
-    return out
 
 
 def summarise(events: dict[str, dict[str, Any]], fractions: Sequence[float]) -> dict[str, Any]:
     """Means over the fractions per event kind, and the targets (kvwarm against reactive-store)."""
     out: dict[str, Any] = {}
+    keys = ("ttft_saved_vs_reactive_ms", "ttft_saved_vs_reactive_s_total", "gap_closed", "first_minute_vs_no_event",
+            "first_minute_vs_oracle", "prefill_gpu_s", "prefetched_blocks")
     for kind in EVENTS:
         got = [events[f"{kind}{int(100 * f)}"].get("kvwarm", {}) for f in fractions]
-        out[kind] = {k: rounded(mean_of([g.get(k) for g in got])) for k in
-                     ("ttft_saved_vs_reactive_ms", "ttft_saved_vs_reactive_s_total", "gap_closed",
-                      "first_minute_vs_no_event", "prefill_gpu_s", "prefetched_blocks")}
+        out[kind] = {k: rounded(mean_of([g.get(k) for g in got])) for k in keys}
         out[kind]["ttft_saved_vs_reactive_ms_each"] = [g.get("ttft_saved_vs_reactive_ms") for g in got]
+        rst = [events[f"{kind}{int(100 * f)}"].get("restore", {}) for f in fractions]
+        out[kind]["restore"] = {k: rounded(mean_of([g.get(k) for g in rst])) for k in keys}
     targets = {
         "replacement_gap_closed": out["replacement"]["gap_closed"],
         "first_minute_vs_no_event": out["replacement"]["first_minute_vs_no_event"],

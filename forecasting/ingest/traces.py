@@ -30,18 +30,15 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from store.errors import BadInputError
+from forecasting.ingest.block_size import MOONCAKE_BLOCK_TOKENS, TraceError, mooncake_block_tokens
 from store.format.precision import Precision
 from store.identity.keys import KeyRoot, block_keys, check_key
 from store.identity.tenant import Tenant
 
-#: Tokens per block in the Mooncake traces.
-MOONCAKE_BLOCK_TOKENS = 512
+__all__ = ["FORMATS", "MOONCAKE_BLOCK_TOKENS", "Request", "Trace", "TraceError", "assemble", "from_chains",
+           "mooncake_block_tokens", "read_kvwarm", "read_mooncake", "read_trace", "simulation_root"]
+
 FORMATS = ("mooncake", "kvwarm")
-
-
-class TraceError(BadInputError):
-    """A trace file is missing, unreadable or has a malformed row (the message names it)."""
 
 
 @dataclass(frozen=True)
@@ -235,22 +232,29 @@ def assemble(ts: Sequence[float], inp: Sequence[int], out: Sequence[int], chains
                  offsets, ids, tenant_col, block_tokens, start, key_names)
 
 
-def read_mooncake(path: str | Path, *, tenant: str = "mooncake") -> Trace:
+def read_mooncake(path: str | Path, *, tenant: str = "mooncake", block_tokens: int | None = None) -> Trace:
     """Read a Mooncake trace (JSONL: ``timestamp`` ms, ``input_length``, ``output_length``, ``hash_ids``).
+
+    Each hash id stands for one block of the trace's block size: every row has
+    ``ceil(input_length / block) == len(hash_ids)``. Without ``block_tokens`` the size is
+    inferred (:func:`mooncake_block_tokens`): Mooncake's 512 when every row fits it.
 
     Args:
         path: the ``.jsonl`` file.
         tenant: the tenant name given to every request.
+        block_tokens: tokens per hash id (default: inferred).
 
     Raises:
-        TraceError: unreadable file, invalid JSON, or a row whose field is missing or has
-            the wrong type (the message gives ``path:line`` and the field).
+        TraceError: unreadable file, invalid JSON, a row whose field is missing or has
+            the wrong type (the message gives ``path:line`` and the field), or lengths that
+            contradict ``block_tokens`` (or fit no block size).
     """
     path = Path(path)
     ts: list[float] = []
     inp: list[int] = []
     out: list[int] = []
     chains: list[list[int]] = []
+    wheres: list[str] = []
     for where, row in _json_lines(path):
         ts.append(_number(row, "timestamp", where) / 1000.0)
         inp.append(_int(row, "input_length", where))
@@ -259,7 +263,11 @@ def read_mooncake(path: str | Path, *, tenant: str = "mooncake") -> Trace:
         if not isinstance(ids, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in ids):
             raise TraceError(f"{where}: field 'hash_ids' must be a list of integers, got {str(ids)[:60]!r}")
         chains.append(ids)
-    return assemble(ts, inp, out, chains, [tenant] * len(ts), MOONCAKE_BLOCK_TOKENS, None, path)
+        wheres.append(where)
+    lengths = np.array(inp, dtype=np.int64)
+    counts = np.array([len(c) for c in chains], dtype=np.int64)
+    size = mooncake_block_tokens(lengths, counts, path=path, wheres=wheres, block_tokens=block_tokens)
+    return assemble(ts, inp, out, chains, [tenant] * len(ts), size, None, path)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -360,9 +368,10 @@ def read_kvwarm(path: str | Path, *, block_size: int | None = None, model: str =
 
 def read_trace(path: str | Path, fmt: str = "mooncake", *, block_size: int | None = None,
                tenant: str = "mooncake", model: str = "simulate") -> Trace:
-    """Read a trace in ``fmt`` (one of :data:`FORMATS`); see :func:`read_mooncake` and :func:`read_kvwarm`."""
+    """Read a trace in ``fmt`` (one of :data:`FORMATS`); see :func:`read_mooncake` (``block_size``: its
+    ``block_tokens``, default inferred) and :func:`read_kvwarm`."""
     if fmt == "mooncake":
-        return read_mooncake(path, tenant=tenant)
+        return read_mooncake(path, tenant=tenant, block_tokens=block_size)
     if fmt == "kvwarm":
         return read_kvwarm(path, block_size=block_size, model=model)
     raise ValueError(f"unknown trace format {fmt!r}; choose one of {', '.join(FORMATS)}")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Container, Iterable
+from typing import Container, Iterable, Sequence
 
 
 class S3Link:
@@ -70,26 +70,33 @@ class FetchChannel:
                 n += 1
         return n
 
+    def head(self, present: Container[int]) -> tuple[float, float, int] | None:
+        """The next copy, ``(done, start, block)``, at the link's state now (``None``: nothing queued);
+        queued blocks in ``present`` are dropped first, at no cost."""
+        q = self._queue
+        while q and q[0][1] in present:
+            self.pending.discard(q.popleft()[1])
+        if not q:
+            return None
+        submitted, b = q[0]
+        start = max(self._busy_until, submitted)
+        return max(start + self.fetch_s, self.link.ends(start)), start, b
+
+    def take(self, head: tuple[float, float, int]) -> int:
+        """Carry out the copy :meth:`head` returned (its link time is reserved); returns its block."""
+        done, start, b = head
+        self.link.take(start)
+        self._queue.popleft()
+        self.pending.discard(b)
+        self._busy_until = done
+        self.copied += 1
+        return b
+
     def landed(self, now: float, present: Container[int]) -> list[int]:
         """The blocks whose copy has finished by ``now``, in landing order (``present``'s are skipped)."""
         out = []
-        q = self._queue
-        while q:
-            submitted, b = q[0]
-            if b in present:
-                q.popleft()
-                self.pending.discard(b)
-                continue
-            start = max(self._busy_until, submitted)
-            done = max(start + self.fetch_s, self.link.ends(start))
-            if done > now:
-                break
-            self.link.take(start)
-            q.popleft()
-            self.pending.discard(b)
-            self._busy_until = done
-            out.append(b)
-        self.copied += len(out)
+        while (h := self.head(present)) is not None and h[0] <= now:
+            out.append(self.take(h))
         return out
 
     def copy(self, link: S3Link | None = None) -> FetchChannel:
@@ -104,3 +111,20 @@ class FetchChannel:
         self._queue.clear()
         self.pending.clear()
         self._busy_until = -math.inf
+
+
+def drain(channels: Sequence, now: float, present: Container[int]) -> list[tuple[int, int, float]]:
+    """Carry out every copy of ``channels`` (sharing one link) that finishes by ``now``, in the
+    order they finish: ``(channel index, block, time landed)`` each. A copy takes its link time
+    when it is carried out, so the channels share the link in the order their copies end."""
+    out = []
+    while True:
+        best = None
+        for k, ch in enumerate(channels):
+            h = ch.head(present)
+            if h is not None and h[0] <= now and (best is None or h[0] < best[1][0]):
+                best = (k, h)
+        if best is None:
+            return out
+        k, h = best
+        out.append((k, channels[k].take(h), h[0]))

@@ -20,7 +20,7 @@ from forecasting.simulate.kvwarm_policy import planner_for, retain_spec
 from forecasting.simulate.policies import POLICIES
 from forecasting.simulate.replay import BlockIndex
 from forecasting.simulate.simulation import GPU_KV_BYTES, NODE_BYTES, SCENARIOS, Deployment, Scenario, plot, simulate
-from forecasting.simulate.tiers import S3_LINK_BYTES_PER_S
+from forecasting.simulate.tiers import HOST_S3_LINK_BYTES_PER_S, HOST_S3_STREAM, S3_LINK_BYTES_PER_S, S3_STREAM
 from store.config import KvCacheConfig, LoaderConfig
 from store.cost import PrefillCost
 from store.errors import BadInputError
@@ -28,9 +28,10 @@ from store.plan import read_plan
 
 DESCRIPTION = """\
 Replay a request trace through vLLM's prefix cache over kvwarm's node tier over S3, under
-each policy side by side: vllm (the engine alone), reactive-store (write-back and lazy
-loads, LRU), kvwarm (the pipeline's plans at its cadence, each from the trace before it),
-and the ceilings oracle (the best prefetch) and belady:
+each policy side by side: vllm (the engine alone), reactive-store (LMCache's: write-back,
+S3 hits waited for when that beats recomputing, LRU), kvwarm (the pipeline's plans at its
+cadence, each from the trace before it), restore (the last hour's access log prefetched
+at the event), and the ceilings oracle (a per-request bound no policy beats) and belady:
 
     prefill simulate --trace conversation_trace.jsonl --scenario replacement --at 50% [--json]
     prefill simulate --trace logs/ --format logs --model kvwarm-tiny --block-size 16 \\
@@ -61,8 +62,11 @@ def add_simulate_command(sub: Any, load_tokenizer: Callable[[str], Tokenizer] | 
                    help="mooncake; kvwarm (timestamp s, tenant, block_keys or token_ids); or logs: the request "
                         "logs the pipeline mines (docs/reference/logs.md) (default: mooncake)")
     p.add_argument("--block-size", type=int, metavar="TOKENS",
-                   help=f"tokens per block for kvwarm traces and logs; Mooncake traces fix their own (default: "
-                        f"{DEFAULTS.block_size}, the config's default)")
+                   help=f"tokens per block for kvwarm traces and logs (default: {DEFAULTS.block_size}, the config's "
+                        "default)")
+    p.add_argument("--block-tokens", type=int, metavar="TOKENS",
+                   help="tokens per hash id of a Mooncake trace, checked against every row (default: inferred from "
+                        "the rows' input_length and hash_ids; Mooncake's own is 512)")
     p.add_argument("--model", metavar="NAME", help="--format logs: the model whose rows to replay and whose tokenizer "
                                                    "reads prompt text (default: the logs' only model)")
     p.add_argument("--tenant", default="mooncake", metavar="NAME",
@@ -91,12 +95,20 @@ def add_simulate_command(sub: Any, load_tokenizer: Callable[[str], Tokenizer] | 
     p.add_argument("--prefetch-streams", type=int, default=loader.prefetch_streams, metavar="N",
                    help="S3 copies a plan's prefetch runs at once (default: %(default)s, the config's)")
     p.add_argument("--s3-gbps", type=float, default=None, metavar="GBPS",
-                   help="the node's S3 read bandwidth in gigabits a second, shared by every stream (default: the "
-                        f"measured {S3_LINK_BYTES_PER_S * 8 / 1e9:.2f}: SeaweedFS on a 2-core host; "
-                        "docs/guides/simulate.md, 'Costs')")
+                   help="the node's S3 bandwidth in gigabits a second, shared by every stream and the write-back "
+                        f"uploads (default: the --s3-profile's; aws: {S3_LINK_BYTES_PER_S * 8 / 1e9:.2f}, 8 requests "
+                        "at AWS's 87.5 MB/s each; docs/guides/simulate.md, 'Costs')")
+    p.add_argument("--s3-profile", choices=("aws", "host"), default="aws",
+                   help="one S3 stream's cost and the default link: aws (87.5 MB/s a request, AWS's guidance) or host "
+                        f"(SeaweedFS on the 2-core host the benches ran on: 273 MB/s a stream, "
+                        f"{HOST_S3_LINK_BYTES_PER_S * 8 / 1e9:.2f} Gb/s link) (default: %(default)s)")
+    p.add_argument("--write-back-queue-bytes", type=float, default=None, metavar="BYTES",
+                   help="the most write-back copies (the engine's bf16 KV) that wait for upload; a save that does not "
+                        f"fit is dropped (default: the config's {int(loader.write_back_queue_bytes)})")
     p.add_argument("--fetch-mode", choices=("background", "sync"), default=loader.fetch_mode,
-                   help="an S3-only hit: miss now and copy for next time, or wait when that beats recomputing "
-                        "(default: %(default)s, the config's)")
+                   help="kvwarm's loader on an S3-only hit: miss now and copy for next time, or wait when that beats "
+                        "recomputing (default: %(default)s, the config's); reactive-store, restore and belady "
+                        "always wait when it beats recomputing, as LMCache does")
     p.add_argument("--no-write-back", action="store_true", help="engines do not write their KV to the tiers")
     p.add_argument("--cadence", type=float, default=60.0 * CADENCE_MINUTES, metavar="S",
                    help="seconds between kvwarm's plans (default: %(default)s)")
@@ -132,7 +144,7 @@ def _event_time(text: str, duration_s: float) -> float:
 
 def _policies(args: argparse.Namespace) -> list[str]:
     if not args.policy:
-        return [p for p in POLICIES if not (p == "oracle" and args.scenario == "steady")]
+        return [p for p in POLICIES if not (p == "restore" and args.scenario == "steady")]
     names = [p.strip() for group in args.policy for p in group.split(",") if p.strip()]
     for name in names:
         if name not in POLICIES:
@@ -143,7 +155,8 @@ def _policies(args: argparse.Namespace) -> list[str]:
 def _read(args: argparse.Namespace) -> tuple[Trace, pd.DataFrame, dict[str, Any] | None, str]:
     """The trace, the log rows the planner mines (with their key roots), and for logs the read's summary."""
     if args.format != "logs":
-        trace = read_trace(args.trace, args.format, block_size=args.block_size, tenant=args.tenant)
+        size = args.block_tokens if args.format == "mooncake" else args.block_size
+        trace = read_trace(args.trace, args.format, block_size=size, tenant=args.tenant)
         return trace, requests_from_trace(trace), None, ""
     requests, report = read_log_requests(args.trace, load_tokenizer=args.load_tokenizer, model=args.model)
     size = args.block_size or DEFAULTS.block_size
@@ -209,14 +222,19 @@ def run_simulate(args: argparse.Namespace) -> int:
                             f"{args.fetch_workers} and {args.prefetch_streams}")
     if args.s3_gbps is not None and not (args.s3_gbps > 0 and math.isfinite(args.s3_gbps)):
         raise BadInputError(f"--s3-gbps must be a positive number of gigabits a second, got {args.s3_gbps}")
-    link = S3_LINK_BYTES_PER_S if args.s3_gbps is None else args.s3_gbps * 1e9 / 8
+    host = args.s3_profile == "host"
+    link = (HOST_S3_LINK_BYTES_PER_S if host else S3_LINK_BYTES_PER_S) if args.s3_gbps is None else args.s3_gbps * 1e9 / 8
+    queue = args.write_back_queue_bytes
+    if queue is not None and not (queue >= 0 and math.isfinite(queue)):
+        raise BadInputError(f"--write-back-queue-bytes must be a number of bytes >= 0, got {queue}")
     loader = LoaderConfig().with_overrides(fetch_workers=args.fetch_workers, fetch_mode=args.fetch_mode,
-                                           prefetch_streams=args.prefetch_streams)
+                                           prefetch_streams=args.prefetch_streams,
+                                           write_back_queue_bytes=None if queue is None else int(queue))
     base = read_plan(args.plan) if args.plan else None
     trace, requests, roots, read_note = _read(args)
     deployment = Deployment.default(trace.block_tokens, gpu_kv_bytes=args.gpu_kv_bytes, node_bytes=args.node_bytes,
                                     write_back=not args.no_write_back, loader=loader, prefill=cost,
-                                    s3_bytes_per_s=link)
+                                    s3_bytes_per_s=link, s3_stream=HOST_S3_STREAM if host else S3_STREAM)
     spec = retain_spec(deployment, fraction=args.retain_fraction)
     planner = planner_for(trace, requests, spec, deployment, cadence_s=args.cadence, roots=roots, base=base)
     scenario = Scenario(args.scenario, _event_time(args.at, trace.duration_s), args.window, args.share, args.seed)
@@ -233,7 +251,8 @@ def run_simulate(args: argparse.Namespace) -> int:
                          "block_bytes": deployment.costs.block_bytes, "fetch_mode": shape.fetch_mode,
                          "write_back": shape.write_back, "cadence_s": args.cadence,
                          "prefetch_streams": deployment.costs.prefetch_streams,
-                         "fetch_streams": deployment.costs.fetch_streams, "s3_bytes_per_s": link}
+                         "fetch_streams": deployment.costs.fetch_streams, "s3_bytes_per_s": link,
+                         "s3_profile": args.s3_profile, "write_back_queue_bytes": shape.write_back_queue_bytes}
     if plot_path is not None:
         out["plot"] = str(plot_path)
     if args.json:

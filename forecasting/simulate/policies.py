@@ -1,15 +1,20 @@
 """The policies the replay runs side by side, each as a deployment runs it (docs/guides/simulate.md).
 
 - ``vllm``: the engine alone: its prefix cache (LRU), no kvwarm.
-- ``reactive-store``: kvwarm's tiers with write-back and lazy loads, LRU, no prediction:
-  what LMCache and Dynamo's KVBM offer, the baseline kvwarm must beat.
-- ``kvwarm``: the same tiers, run by the pipeline's plans. At each cadence tick the plan
-  :func:`forecasting.planning.cadence.plan_now` makes from the trace before the tick becomes
-  the node's retention priorities and is prefetched (it replaces the last one); a node
-  that starts (a restart, a replacement, a scale-out) prefetches the latest plan, at most
-  one cadence old, as the connector's ``plan: latest`` does.
-- ``oracle``: reactive-store, plus at the event the best possible prefetch
-  (:func:`forecasting.simulate.prewarm.oracle_prewarm`): the ceiling of prewarming.
+- ``reactive-store``: the tiers as LMCache runs them, no prediction: write-back, an S3 hit
+  served synchronously when waiting for it (behind the fetch queue, over the shared link)
+  beats recomputing, and copied to the node tier for next time either way. The baseline
+  kvwarm must beat.
+- ``kvwarm``: the same tiers as kvwarm's loader runs them by default (``fetch_mode:
+  background``: an S3-only hit is a miss now, copied for next time), run by the pipeline's
+  plans. At each cadence tick the plan :func:`forecasting.planning.cadence.plan_now` makes
+  from the trace before the tick becomes the node's retention priorities and is prefetched
+  (it replaces the last one); a node that starts (a restart, a replacement, a scale-out)
+  prefetches the latest plan, at most one cadence old, as the connector's ``plan: latest`` does.
+- ``restore``: reactive-store, plus at the event the new node replays the last hour's
+  access log of the node(s) it follows (:func:`restore_order`) through the prefetch
+  channel: what an operator can script today with LMCache's prefetch API.
+- ``oracle``: a bound, not a node (:mod:`forecasting.simulate.oracle`).
 - ``belady``: reactive-store's levels, both evicting by Belady's rule: the ceiling of eviction.
 
 The oracle and Belady read the future; they live here, in the simulator, and policy code
@@ -18,7 +23,7 @@ The oracle and Belady read the future; they live here, in the simulator, and pol
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -28,7 +33,7 @@ from forecasting.mining.prefix_tree import PrefixTree
 from forecasting.planning.cadence import CadenceSpec, plan_now
 from forecasting.planning.planner import PlanCosts
 from forecasting.simulate.live_node import AgentRun, SimFleet
-from forecasting.simulate.prewarm import oracle_prewarm, plan_priorities, tree_blocks
+from forecasting.simulate.prewarm import plan_priorities, tree_blocks
 from forecasting.simulate.replay import BlockIndex, next_use
 from forecasting.simulate.tiers import Node, NodeShape, Served, TierCosts
 from store.cost import PrefillCost
@@ -36,7 +41,11 @@ from store.errors import BadInputError
 from store.identity.keys import KeyRoot
 from store.plan import Plan
 
-POLICIES = ("vllm", "reactive-store", "kvwarm", "oracle", "belady")
+POLICIES = ("vllm", "reactive-store", "kvwarm", "restore", "oracle", "belady")
+#: the policies whose S3 hits wait when waiting beats recomputing (LMCache's synchronous remote hit)
+SYNC_POLICIES = ("reactive-store", "restore", "belady")
+#: how far back ``restore`` replays the access log
+RESTORE_LOOKBACK_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -81,13 +90,33 @@ class Planner:
             raise BadInputError(f"the plan cadence must be a positive number of seconds, got {self.cadence_s!r}")
 
 
-def written_back(index: BlockIndex) -> np.ndarray:
-    """Per block, the first request that finds it in S3 with write-back: the one after its first
-    full use anywhere in the fleet (partial tail blocks are never written)."""
+def written_back(index: BlockIndex, rows: np.ndarray | None = None) -> np.ndarray:
+    """Per block, the first request that finds it in S3 when the nodes serving ``rows`` (default:
+    every request) write back at once: the one after its first full use among them (partial
+    tail blocks are never written). The replay's node uploads through its queue instead
+    (:mod:`forecasting.simulate.uploads`); this is the other nodes of a fleet, and the earliest
+    any node's S3 can have a block (the oracle's)."""
     stored = np.full(index.n_unique, len(index.trace) + 1, dtype=np.int64)
     full = index.tokens >= index.trace.block_tokens
+    if rows is not None:
+        keep = np.zeros(len(index.trace), dtype=bool)
+        keep[np.asarray(rows, dtype=np.int64)] = True
+        full &= keep[index.request]
     np.minimum.at(stored, index.ids[full], index.request[full] + 1)
     return stored
+
+
+def restore_order(index: BlockIndex, at_s: float, lookback_s: float = RESTORE_LOOKBACK_S) -> np.ndarray:
+    """The blocks the requests of ``[at_s - lookback_s, at_s)`` used (served from any level), most
+    recent request first, each request root first, each block once: the access log ``restore`` replays."""
+    ts = index.trace.timestamps_s
+    lo, hi = int(np.searchsorted(ts, at_s - lookback_s, side="left")), int(np.searchsorted(ts, at_s, side="left"))
+    offsets = index.trace.offsets
+    seen: dict[int, None] = {}
+    for i in range(hi - 1, lo - 1, -1):
+        for b in index.ids[offsets[i]:offsets[i + 1]].tolist():
+            seen.setdefault(b, None)
+    return np.fromiter(seen, dtype=np.int64, count=len(seen))
 
 
 def kvwarm_plans(index: BlockIndex, planner: Planner, stored: np.ndarray, until_s: float) -> list[PlanTick]:
@@ -170,19 +199,24 @@ def make_node(policy: str, index: BlockIndex, shape: NodeShape, costs: TierCosts
     """
     if policy not in POLICIES:
         raise BadInputError(f"unknown policy {policy!r}; choose one of {', '.join(POLICIES)}")
+    if policy == "oracle":
+        raise BadInputError("the oracle is a bound, not a node: forecasting.simulate.oracle.oracle_served")
     if policy == "vllm":
         return NodeRun(Node(index, NodeShape(shape.gpu_blocks, 0, store=False), costs, stored))
     if policy == "kvwarm":
         others = np.zeros(0, dtype=np.int64) if fleet is None else fleet
         return AgentRun(Node(index, shape, costs, stored), ticks, SimFleet(index, others))
+    if policy in SYNC_POLICIES:
+        shape = replace(shape, fetch_mode="sync")
     nxt = next_use(index, rows) if policy == "belady" else None
     return NodeRun(Node(index, shape, costs, stored, nxt))
 
 
 def start(policy: str, run: NodeRun | AgentRun, served: np.ndarray, at_s: float) -> tuple[set[int] | None, Plan | None]:
     """What a node does when it starts (or restarts) at ``at_s`` before serving ``served``:
-    kvwarm's agent warms it (the latest plan with the fleet's memory), the oracle prefetches
-    its ceiling. Returns the warm-up set (the blocks held or queued) and kvwarm's plan."""
+    kvwarm's agent warms it (the latest plan with the fleet's memory), restore replays the
+    last hour's access log (at most the node tier's capacity, most recent first). Returns the
+    warm-up set (the blocks held or queued) and kvwarm's plan."""
     node = run.node
     if not len(served) or policy == "vllm":
         return None, None
@@ -190,10 +224,9 @@ def start(policy: str, run: NodeRun | AgentRun, served: np.ndarray, at_s: float)
     if isinstance(run, AgentRun):
         warm = run.start(at_s, row)
         return warm, run.agent.plan
-    if policy == "oracle":
-        held = set(node.tier.blocks())
-        node.prefetch(oracle_prewarm(node.index, row, served, node.stored, capacity=node.shape.node_blocks,
-                                     fetch_s=node.costs.prefetch_s, skip=held).tolist(), at_s, row)
+    if policy == "restore":
+        order = restore_order(node.index, at_s)
+        node.prefetch(order[: node.shape.node_blocks].tolist(), at_s, row)
     return set(node.tier.blocks()) | node.prefetcher.pending, None
 
 

@@ -16,71 +16,32 @@ the node that kept running, or for a scale-out a node that had its share from th
 """
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 
-from forecasting.simulate.live_node import AgentRun
-from forecasting.simulate.metrics import PolicyResult, measure
+from forecasting.simulate.metrics import PolicyResult
 from forecasting.simulate.policies import (
     POLICIES,
-    NodeRun,
     Planner,
     PlanTick,
     kvwarm_plans,
-    make_node,
     prefill_blocks,
     prefill_gpu_s,
-    start,
     stored_with_prefill,
     written_back,
 )
 from forecasting.simulate.replay import BlockIndex
+from forecasting.simulate.runs import SCENARIOS, Scenario, run_oracle, run_policy, window_rows
 from forecasting.simulate.tiers import NODE_TIER, S3_LINK_BYTES_PER_S, S3_STREAM, NodeShape, TierCosts
 from store.config import KvCacheConfig, LoaderConfig
-from store.cost import PrefillCost
+from store.cost import LoadCost, PrefillCost
 from store.errors import BadInputError
 from store.format.header import Layout
 from store.format.payload import kv_bytes_per_token
 from store.format.precision import Precision
-
-SCENARIOS = ("steady", "restart", "replacement", "scale-out")
-
-
-@dataclass(frozen=True)
-class Scenario:
-    """An event and its evaluation window (see the module docstring).
-
-    Attributes:
-        kind: one of :data:`SCENARIOS`.
-        at_s: the event time, seconds from the trace start (ignored for steady).
-        window_s: evaluation window after the event; steady evaluates the whole trace.
-        share: the new node's traffic share (scale-out), routed at random with ``seed``.
-        bucket_s: width of the per-minute series (and of the "first minute").
-    """
-
-    kind: str = "steady"
-    at_s: float = 0.0
-    window_s: float = 600.0
-    share: float = 0.25
-    seed: int = 0
-    bucket_s: float = 60.0
-
-    def __post_init__(self) -> None:
-        if self.kind not in SCENARIOS:
-            raise BadInputError(f"unknown scenario {self.kind!r}; choose one of {', '.join(SCENARIOS)}")
-        if not 0 < self.share <= 1:
-            raise BadInputError(f"share must be in (0, 1], got {self.share}")
-        if self.window_s <= 0 or self.bucket_s <= 0:
-            raise BadInputError("window_s and bucket_s must be positive")
-
-    @property
-    def name(self) -> str:
-        return self.kind if self.kind == "steady" else f"{self.kind}@{self.at_s:g}s"
-
 
 #: the engine the defaults describe: an 8B GQA model (Llama 3 8B: 32 layers, 8 KV heads of 128) on one H200
 EIGHT_B = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128}
@@ -108,7 +69,8 @@ class Deployment:
     @classmethod
     def default(cls, block_tokens: int, *, gpu_kv_bytes: float = GPU_KV_BYTES, node_bytes: float = NODE_BYTES,
                 write_back: bool = True, loader: LoaderConfig | None = None, prefill: PrefillCost | None = None,
-                stored_per_token: float | None = None, s3_bytes_per_s: float = S3_LINK_BYTES_PER_S) -> Deployment:
+                stored_per_token: float | None = None, s3_bytes_per_s: float = S3_LINK_BYTES_PER_S,
+                s3_stream: LoadCost = S3_STREAM) -> Deployment:
         """The 8B model on an H200 with kvwarm's node tier and S3, at the calibrated costs.
 
         vLLM's cache holds ``gpu_kv_bytes`` of bf16 KV, the node tier ``node_bytes`` of
@@ -116,7 +78,13 @@ class Deployment:
         kvwarm's precision). The loader's settings (default: the config's ``loader``
         section) give the fetch mode, the plan prefetch's streams (``prefetch_streams``) and
         the background fetches' (``fetch_workers``); both share the node's S3 link of
-        ``s3_bytes_per_s`` (default: the measured one, :data:`~forecasting.simulate.tiers.S3_LINK_BYTES_PER_S`).
+        ``s3_bytes_per_s`` (default :data:`~forecasting.simulate.tiers.S3_LINK_BYTES_PER_S`: AWS's
+        per-request rate at the 8 prefetch streams), each stream copying at ``s3_stream``'s
+        rate (default :data:`~forecasting.simulate.tiers.S3_STREAM`, AWS's; this host's
+        SeaweedFS: :data:`~forecasting.simulate.tiers.HOST_S3_STREAM`). Write-back uploads
+        share the link; their queue holds the loader's ``write_back_queue_bytes`` of the
+        engine's bf16 copies (a block of ``block_tokens`` takes ``block_tokens *``
+        :data:`ENGINE_KV_BYTES_PER_TOKEN`).
 
         Raises:
             BadInputError: a capacity that holds no block.
@@ -130,10 +98,11 @@ class Deployment:
             raise BadInputError(f"the engine's cache ({gpu_kv_bytes:g} bytes) and the node tier ({node_bytes:g} bytes) "
                                 f"must each hold at least one block of {block_tokens} tokens")
         shape = NodeShape(gpu, node, write_back=write_back, fetch_mode=loader.fetch_mode,
-                          sync_timeout_s=loader.sync_fetch_timeout_s)
-        costs = TierCosts(prefill or PrefillCost(), NODE_TIER, S3_STREAM, block_bytes,
+                          sync_timeout_s=loader.sync_fetch_timeout_s,
+                          write_back_queue_bytes=float(loader.write_back_queue_bytes))
+        costs = TierCosts(prefill or PrefillCost(), NODE_TIER, s3_stream, block_bytes,
                           prefetch_streams=loader.prefetch_streams, fetch_streams=loader.fetch_workers,
-                          s3_bytes_per_s=s3_bytes_per_s)
+                          s3_bytes_per_s=s3_bytes_per_s, save_block_bytes=block_tokens * ENGINE_KV_BYTES_PER_TOKEN)
         return cls(shape, costs)
 
 
@@ -174,34 +143,17 @@ class SimResult:
         return "\n".join(lines)
 
 
-def _window(index: BlockIndex, sc: Scenario) -> tuple[np.ndarray, np.ndarray | None]:
-    """The rows the node under test serves in the window, and (scale-out) the rows it would
-    have served with its share from the start."""
-    ts = index.trace.timestamps_s
-    n = len(ts)
-    if sc.kind == "steady":
-        return np.arange(n, dtype=np.int64), None
-    if not 0 <= sc.at_s <= (ts[-1] if n else 0):
-        raise BadInputError(f"event time {sc.at_s:g} s is outside the trace (0 to {ts[-1] if n else 0:g} s)")
-    a = int(np.searchsorted(ts, sc.at_s, side="left"))
-    z = int(np.searchsorted(ts, sc.at_s + sc.window_s, side="left"))
-    if sc.kind != "scale-out":
-        return np.arange(a, z, dtype=np.int64), None
-    routed = np.flatnonzero(np.random.default_rng(sc.seed).random(n) < sc.share)
-    routed = routed[routed < z]
-    return routed[routed >= a], routed
-
-
 def simulate(index: BlockIndex, deployment: Deployment, scenarios: Sequence[Scenario],
              policies: Sequence[str] = POLICIES, *, planner: Planner | None = None, references: bool = True,
              ticks: Sequence[PlanTick] | None = None) -> list[SimResult]:
     """Run every policy through every scenario (see the module docstring).
 
-    The node that serves the whole trace is run once per policy: it is the steady run
-    and the no-event reference of restarts and replacements, and each restart forks it.
-    ``references=False`` skips the no-event runs a replacement or scale-out does not need
-    otherwise (tuning); ``ticks`` are kvwarm's plans when already made (:func:`kvwarm_plans`
-    with the same planner), so several deployments can share them.
+    The node that serves the whole trace is run once per policy: it is the steady run,
+    the no-event reference of restarts and replacements, the node a replacement follows
+    (whose uploads are what S3 holds at the event), and each restart forks it.
+    ``references=False`` skips the no-event runs (tuning); ``ticks`` are kvwarm's plans when
+    already made (:func:`kvwarm_plans` with the same planner), so several deployments can
+    share them.
 
     Raises:
         BadInputError: an unknown policy or scenario, an event outside the trace, or
@@ -214,98 +166,35 @@ def simulate(index: BlockIndex, deployment: Deployment, scenarios: Sequence[Scen
         raise BadInputError("the kvwarm policy needs the pipeline's planner (its plans at its cadence)")
     shape, costs = deployment.shape, deployment.costs
     ts = index.trace.timestamps_s
-    windows = [_window(index, sc) for sc in scenarios]
+    windows = [window_rows(index, sc) for sc in scenarios]
     last = max((float(ts[int(w[-1])]) for w, _ in windows if len(w)), default=0.0)
-    base = written_back(index) if shape.write_back else np.full(index.n_unique, len(ts) + 1, dtype=np.int64)
-    stored, prefilled, done_s = base, np.zeros(0, dtype=np.int64), float("inf")
+    fleet = written_back(index) if shape.write_back else np.full(index.n_unique, len(ts) + 1, dtype=np.int64)
+    prefilled, done_s = np.zeros(0, dtype=np.int64), float("inf")
     plans: list[PlanTick] = []
     if "kvwarm" in policies:
         assert planner is not None
         prefilled, done_s = prefill_blocks(index, planner.base, planner.origin)
-        stored_kv = stored_with_prefill(index, base, prefilled, done_s)
-        plans = list(ticks) if ticks is not None else kvwarm_plans(index, planner, stored_kv, last)
-    gpu_s = prefill_gpu_s(index, prefilled, base, done_s, planner.cost.prefill) if len(prefilled) else 0.0
+        plans = list(ticks) if ticks is not None else kvwarm_plans(
+            index, planner, stored_with_prefill(index, fleet, prefilled, done_s), last)
+    gpu_s = prefill_gpu_s(index, prefilled, fleet, done_s, planner.cost.prefill) if len(prefilled) else 0.0
+    never = np.full(index.n_unique, len(ts) + 1, dtype=np.int64)
     results: dict[tuple[int, str], PolicyResult] = {}
     refs: dict[tuple[int, str], PolicyResult] = {}
     for policy in policies:
-        st = stored_with_prefill(index, base, prefilled, done_s) if policy == "kvwarm" else stored
-        _run_policy(policy, index, shape, costs, st, plans, scenarios, windows, gpu_s if policy == "kvwarm" else 0.0,
-                    results, refs, references)
+        if policy == "oracle":  # the bound knows the earliest S3 of any policy: the fleet's, and the prefill job's
+            run_oracle(index, shape, costs, stored_with_prefill(index, fleet, prefilled, done_s), scenarios, windows,
+                       results, refs, references)
+            continue
+        kv = policy == "kvwarm"
+        own = stored_with_prefill(index, never, prefilled, done_s) if kv else never
+        run_policy(policy, index, shape, costs, own, plans, scenarios, windows, gpu_s if kv else 0.0, results, refs,
+                   references)
     out = []
     for k, sc in enumerate(scenarios):
         window = (0.0, float(ts[-1])) if sc.kind == "steady" else (sc.at_s, sc.at_s + sc.window_s)
         out.append(SimResult(sc, window, tuple(results[(k, p)] for p in policies),
                              {p: refs[(k, p)] for p in policies if (k, p) in refs}))
     return out
-
-
-def _run_policy(policy: str, index: BlockIndex, shape: NodeShape, costs: TierCosts, stored: np.ndarray,
-                ticks: list[PlanTick], scenarios: Sequence[Scenario], windows: list, gpu_s: float,
-                results: dict, refs: dict, references: bool) -> None:
-    ts = index.trace.timestamps_s
-    n = len(ts)
-    need_main = [k for k, sc in enumerate(scenarios)
-                 if sc.kind in ("steady", "restart") or (references and sc.kind == "replacement")]
-    forks: dict[int, NodeRun | AgentRun] = {}
-    main_rows = np.arange(n, dtype=np.int64)
-    main_served: list = []
-    main_prefetched = 0
-    if need_main:
-        t0 = time.perf_counter()
-        ends = [int(windows[k][0][-1]) + 1 if len(windows[k][0]) else 0 for k in need_main]
-        upto = max(ends)
-        main_rows = np.arange(upto, dtype=np.int64)
-        run = make_node("reactive-store" if policy == "oracle" else policy, index, shape, costs, stored, main_rows,
-                        ticks)
-        cuts = sorted({int(windows[k][0][0]) for k, sc in enumerate(scenarios) if sc.kind == "restart"
-                       and len(windows[k][0])})
-        at = 0
-        for cut in cuts + [upto]:
-            main_served += run.serve(main_rows[at:cut])
-            at = cut
-            if cut in cuts:
-                forks[cut] = run.fork()
-        main_s = time.perf_counter() - t0
-        main_prefetched = run.node.prefetcher.copied
-    for k, sc in enumerate(scenarios):
-        rows, routed = windows[k]
-        t0 = time.perf_counter()
-        spent = gpu_s  # the base plan's prefill job, run once before its window ends
-        if sc.kind == "steady":
-            results[(k, policy)] = measure(policy, index, rows, main_served[: len(rows)], start_s=0.0,
-                                           bucket_s=sc.bucket_s, prefill_gpu_s=spent, seconds=main_s,
-                                           prefetched_blocks=main_prefetched)
-            continue
-        if sc.kind == "restart":
-            run = forks[int(rows[0])]
-            run.node.restart()
-        else:  # a new node: a replacement, or one that takes a share of the traffic
-            # the fleet's other nodes: the replaced node served every row before the event; a
-            # scale-out joins a fleet that served everything before it, and the rest after
-            end = int(rows[-1]) + 1 if len(rows) else 0
-            fleet = np.arange(int(rows[0]) if len(rows) else 0, dtype=np.int64) if sc.kind == "replacement" else \
-                np.setdiff1d(np.arange(end, dtype=np.int64), rows)
-            run = make_node(policy, index, shape, costs, stored, rows, ticks, fleet)
-        before = run.node.prefetcher.copied
-        warm, _ = start(policy, run, rows, sc.at_s)
-        served = run.serve(rows)
-        results[(k, policy)] = measure(policy, index, rows, served, start_s=sc.at_s, bucket_s=sc.bucket_s,
-                                       warm=warm, stored_by=int(rows[0]) if len(rows) else None,
-                                       prefill_gpu_s=spent, seconds=time.perf_counter() - t0,
-                                       prefetched_blocks=run.node.prefetcher.copied - before)
-        if not references:
-            continue
-        if sc.kind == "scale-out":
-            ref_run = make_node("reactive-store" if policy == "oracle" else policy, index, shape, costs, stored,
-                                routed, ticks)
-            ref_served = ref_run.serve(routed)
-            keep = routed >= (rows[0] if len(rows) else n)
-            refs[(k, policy)] = measure(policy, index, routed[keep], [s for s, q in zip(ref_served, keep) if q],
-                                        start_s=sc.at_s, bucket_s=sc.bucket_s)
-        else:
-            lo = int(rows[0]) if len(rows) else 0
-            refs[(k, policy)] = measure(policy, index, rows, main_served[lo: lo + len(rows)], start_s=sc.at_s,
-                                        bucket_s=sc.bucket_s)
 
 
 def plot(result: SimResult, path: str | Path, *, title: str | None = None) -> Path:

@@ -23,29 +23,43 @@ streams (``prefetch_streams``) and background fetches on the fetch workers
 from __future__ import annotations
 
 import copy
-import heapq
 import math
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from forecasting.simulate.channels import FetchChannel, S3Link
+from forecasting.simulate.channels import FetchChannel, S3Link, drain
+from forecasting.simulate.node_tier import NodeTier
 from forecasting.simulate.replay import BeladyCache, BlockIndex, LRUCache, prefix_hits
+from forecasting.simulate.uploads import UploadQueue
 from store.cost import LoadCost, PrefillCost, load_beats_prefill
 from store.errors import BadInputError
+
+__all__ = ["NODE_TIER", "S3_STREAM", "S3_LINK_BYTES_PER_S", "HOST_S3_STREAM", "HOST_S3_LINK_BYTES_PER_S", "S3_SOURCE",
+           "TierCosts", "NodeShape", "NodeTier", "Served", "Node"]
 
 FETCH_MODES = ("background", "sync")
 #: loading from the node tier: the H200 loader bench's FP8 load, 538.5 MB in 72.1 ms
 #: (``store.cost.LoadCost.fit`` of bench/calibration/load-tiers.json's ``node_tier``)
 NODE_TIER = LoadCost(bytes_per_s=7.4689e9, s_per_file=0.0)
-#: one S3 read stream: store_bench's GETs, 1 to 256 MiB (the same file's ``s3_stream``)
-S3_STREAM = LoadCost(bytes_per_s=2.72834e8, s_per_file=6.7806e-3)
-#: the node's S3 link, however many streams: one stream's rate times the speedup the prefetch bench
-#: measured at its most streams (1.68 at 8; the same file's ``s3_node_link``)
-S3_LINK_BYTES_PER_S = 2.72834e8 * 131.5 / 78.2
-
+#: AWS's guidance for one S3 request (connection) from an EC2 instance in the bucket's region: about 85-90 MB/s
+#: each, so "one concurrent request for each 85-90 MB/s of desired network throughput" (Amazon S3 user guide,
+#: "Performance design patterns for Amazon S3", :data:`S3_SOURCE`); 87.5 MB/s, the middle of that range
+CLOUD_S3_STREAM_BYTES_PER_S = 87.5e6
+S3_SOURCE = "https://docs.aws.amazon.com/AmazonS3/latest/userguide/optimizing-performance-design-patterns.html"
+#: the default deployment's S3 read stream: one request at AWS's per-request rate (first-byte latency, 100-200 ms
+#: for small objects on the same guide's pages, is inside that throughput figure for blocks of tens of MB)
+S3_STREAM = LoadCost(bytes_per_s=CLOUD_S3_STREAM_BYTES_PER_S, s_per_file=0.0)
+#: the default node's S3 link: the loader's ``prefetch_streams`` (8) requests at AWS's per-request rate, 700 MB/s
+#: (5.6 Gb/s); the background fetches (``fetch_workers``) and write-back uploads share it
+S3_LINK_BYTES_PER_S = 8 * CLOUD_S3_STREAM_BYTES_PER_S
+#: this host's S3 stream: store_bench's GETs against SeaweedFS on the 2-core host, 1 to 256 MiB (the same file's
+#: ``s3_stream``); what ``prefill simulate --s3-profile host`` replays
+HOST_S3_STREAM = LoadCost(bytes_per_s=2.72834e8, s_per_file=6.7806e-3)
+#: this host's S3 link: one stream's rate times the speedup the prefetch bench measured at its most streams
+#: (1.68 at 8; the same file's ``s3_node_link``): 459 MB/s, bound by the host's CPU and disk
+HOST_S3_LINK_BYTES_PER_S = 2.72834e8 * 131.5 / 78.2
 
 @dataclass(frozen=True)
 class TierCosts:
@@ -60,8 +74,11 @@ class TierCosts:
             ``prefetch_streams``).
         fetch_streams: S3 copies background fetches run at once (the loader's
             ``fetch_workers``).
-        s3_bytes_per_s: the most the node reads from S3 however many streams run (the
-            prefetch and the fetches share it); ``inf``: each stream at ``remote``'s rate.
+        s3_bytes_per_s: the most the node moves to and from S3 however many streams run (the
+            prefetch, the fetches and the write-back uploads share it); ``inf``: each stream at
+            ``remote``'s rate.
+        save_block_bytes: bytes one block's write-back copy takes in the upload queue (the
+            engine's KV of a block; default ``block_bytes``).
     """
 
     prefill: PrefillCost
@@ -71,6 +88,7 @@ class TierCosts:
     prefetch_streams: int = 1
     fetch_streams: int = 1
     s3_bytes_per_s: float = math.inf
+    save_block_bytes: float | None = None
 
     def __post_init__(self) -> None:
         if not (self.block_bytes > 0 and math.isfinite(self.block_bytes)):
@@ -103,6 +121,11 @@ class TierCosts:
         """Seconds per block of the background-fetch channel alone."""
         return max(self.copy_s / self.fetch_streams, self.link_s)
 
+    @property
+    def save_bytes(self) -> float:
+        """Bytes a block's write-back copy holds in the upload queue."""
+        return self.block_bytes if self.save_block_bytes is None else float(self.save_block_bytes)
+
 
 @dataclass(frozen=True)
 class NodeShape:
@@ -115,6 +138,8 @@ class NodeShape:
         write_back: computed full blocks go to the node tier and S3.
         fetch_mode: ``background`` or ``sync`` (see the module docstring).
         sync_timeout_s: the longest a request waits for S3 in sync mode.
+        write_back_queue_bytes: the most write-back copies that wait for the node's writer
+            (:mod:`forecasting.simulate.uploads`); ``inf``: no bound.
     """
 
     gpu_blocks: int
@@ -123,90 +148,17 @@ class NodeShape:
     write_back: bool = True
     fetch_mode: str = "background"
     sync_timeout_s: float = 2.0
+    write_back_queue_bytes: float = math.inf
 
     def __post_init__(self) -> None:
+        if not self.write_back_queue_bytes >= 0:
+            raise BadInputError(f"the write-back queue must hold 0 or more bytes, got {self.write_back_queue_bytes!r}")
         if self.gpu_blocks < 1:
             raise BadInputError(f"the engine's cache must hold at least one block, got {self.gpu_blocks}")
         if self.store and self.node_blocks < 1:
             raise BadInputError(f"the node tier must hold at least one block, got {self.node_blocks}")
         if self.fetch_mode not in FETCH_MODES:
             raise BadInputError(f"unknown fetch mode {self.fetch_mode!r}; choose one of {', '.join(FETCH_MODES)}")
-
-
-class NodeTier:
-    """Full blocks up to ``capacity``, evicting the lowest key ``(priority, order)`` first.
-
-    :meth:`put` gives each block its key. The replay's keys are ``(plan priority, access
-    order)``, what the node's pool does (plan priority, then least recently used; blocks no
-    plan names have priority 0), or, for the ceiling, ``(-next use, -depth)`` (Belady).
-    Priority-0 blocks sit in access order (an ordered dict: plain LRU); the others in a
-    heap with lazy deletion.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._lru: OrderedDict[int, float] = OrderedDict()
-        self._key: dict[int, tuple[float, float]] = {}
-        self._heap: list[tuple[float, float, int]] = []
-
-    def __len__(self) -> int:
-        return len(self._lru) + len(self._key)
-
-    def __contains__(self, block: int) -> bool:
-        return block in self._lru or block in self._key
-
-    def blocks(self) -> list[int]:
-        """Held blocks, next to be evicted first."""
-        keyed = sorted((k[0], k[1], b) for b, k in self._key.items())
-        low = [b for p, _, b in keyed if p < 0]
-        return low + list(self._lru) + [b for p, _, b in keyed if p >= 0]
-
-    def clear(self) -> None:
-        self._lru.clear()
-        self._key.clear()
-        self._heap.clear()
-
-    def copy(self) -> NodeTier:
-        out = NodeTier(self.capacity)
-        out._lru, out._key, out._heap = self._lru.copy(), dict(self._key), list(self._heap)
-        return out
-
-    def put(self, blocks: Iterable[int], keys: Iterable[tuple[float, float]]) -> None:
-        lru, key, heap = self._lru, self._key, self._heap
-        for b, k in zip(blocks, keys):
-            if k[0] == 0.0:
-                key.pop(b, None)
-                lru[b] = k[1]
-                lru.move_to_end(b)
-            else:
-                lru.pop(b, None)
-                key[b] = k
-                heapq.heappush(heap, (k[0], k[1], b))
-        while len(lru) + len(key) > self.capacity:
-            if heap and heap[0][0] < 0:  # below priority 0: Belady's keys, or a landed copy it does not want
-                self._pop_heap()
-            elif lru:
-                lru.popitem(last=False)
-            else:
-                self._pop_heap()
-        if len(heap) > 4 * self.capacity + 1024:
-            self.rekey(lambda b, k: k)
-
-    def _pop_heap(self) -> None:
-        while self._heap:
-            p, s, b = heapq.heappop(self._heap)
-            if self._key.get(b) == (p, s):
-                del self._key[b]
-                return
-
-    def rekey(self, new_key) -> None:  # noqa: ANN001 - (block, old key) -> new key
-        """Give every held block ``new_key(block, old_key)`` (a new plan's priorities)."""
-        old = [(b, (0.0, s)) for b, s in self._lru.items()] + list(self._key.items())
-        self.clear()
-        keys = sorted(((new_key(b, k), b) for b, k in old), key=lambda kb: kb[0][1])
-        cap, self.capacity = self.capacity, len(keys) + 1
-        self.put([b for _, b in keys], [k for k, _ in keys])
-        self.capacity = cap
 
 
 @dataclass(frozen=True)
@@ -226,8 +178,9 @@ class Node:
     Args:
         index: the trace's block index.
         shape, costs: see :class:`NodeShape`, :class:`TierCosts`.
-        stored: per dense block id, the first request index that finds it in S3
-            (``len(trace)`` or more: never).
+        stored: per dense block id, the first request index that finds it in S3 without this
+            node (other nodes' write-back, the prefill job; ``len(trace)`` or more: never). The
+            node keeps its own copy, :attr:`stored`, and lowers it as its uploads land.
         next_use: per block occurrence, the next request of this node using the block
             (:func:`forecasting.simulate.replay.next_use`): given, both levels evict by
             Belady's rule (the ceiling); ``None``: vLLM's LRU and the plan's priorities.
@@ -236,7 +189,7 @@ class Node:
     def __init__(self, index: BlockIndex, shape: NodeShape, costs: TierCosts, stored: np.ndarray,
                  next_use: np.ndarray | None = None) -> None:
         self.index, self.shape, self.costs = index, shape, costs
-        self.stored = stored
+        self.stored = np.array(stored, dtype=np.int64, copy=True)
         self._next = next_use
         self.gpu: LRUCache | BeladyCache = (LRUCache(shape.gpu_blocks) if next_use is None
                                             else BeladyCache(shape.gpu_blocks, next_use))
@@ -244,6 +197,8 @@ class Node:
         link = S3Link(costs.link_s)
         self.fetch = FetchChannel(costs.fetch_s, link)
         self.prefetcher = FetchChannel(costs.prefetch_s, link)
+        self.uploads = UploadQueue(costs.copy_s, link, max_bytes=shape.write_back_queue_bytes,
+                                   save_bytes=costs.save_bytes)
         self.priority: dict[int, float] = {}
         self._seq = 0
         self._cum = np.concatenate([[0], np.cumsum(index.tokens)])
@@ -260,7 +215,9 @@ class Node:
             out.gpu._pri, out.gpu._heap = dict(self.gpu._pri), list(self.gpu._heap)
         link = self.fetch.link.copy()
         out.tier, out.fetch, out.prefetcher = self.tier.copy(), self.fetch.copy(link), self.prefetcher.copy(link)
+        out.uploads = self.uploads.copy(link)
         out.priority = dict(self.priority)
+        out.stored = self.stored.copy()
         return out
 
     # ------------------------------------------------------------------ plan and events
@@ -281,10 +238,12 @@ class Node:
         return self.prefetcher.submit(todo, now)
 
     def restart(self) -> None:
-        """The engine restarts: its cache and the copies in flight are gone; the node tier stays."""
+        """The engine restarts: its cache, the copies in flight and the write-back queue are gone;
+        the node tier stays."""
         self.gpu.clear()
         self.fetch.clear()
         self.prefetcher.clear()
+        self.uploads.clear()
         self.fetch.link.clear()
 
     # ------------------------------------------------------------------ serving
@@ -299,12 +258,32 @@ class Node:
         return out
 
     def land(self, now: float) -> None:
-        """Put the copies finished by ``now`` into the node tier."""
-        done = self.prefetcher.landed(now, self.tier) + self.fetch.landed(now, self.tier)
+        """Carry out the copies and uploads finished by ``now``: copies go into the node tier,
+        uploads into S3 (found from the first request at or after their landing on)."""
+        done, ts = [], self.index.trace.timestamps_s
+        for k, b, t in drain((self.prefetcher, self.fetch, self.uploads), now, self.tier):
+            if k == 2:
+                self.stored[b] = min(int(self.stored[b]), int(np.searchsorted(ts, t, side="left")))
+            else:
+                done.append(b)
         if done:
             self._seq += 1
             self.tier.put(done, [(self.priority.get(b, 0.0), float(self._seq)) for b in done]
                           if self._next is None else [(-math.inf, 0.0)] * len(done))
+
+    def sync_wait(self, blocks: Sequence[int], now: float, limit: float) -> float | None:
+        """Seconds until ``blocks``, queued now on the fetch workers behind what waits there and
+        sharing the link with the prefetch and the uploads, have all landed; ``None``: not within
+        ``limit`` seconds. Nothing of the node changes."""
+        link = self.fetch.link.copy()
+        chans = (self.prefetcher.copy(link), self.fetch.copy(link), self.uploads.copy(link))
+        chans[1].submit(blocks, now)
+        want = set(blocks)
+        for _, b, t in drain(chans, now + limit, self.tier):
+            want.discard(b)
+            if not want:
+                return t - now
+        return None
 
     def serve(self, i: int) -> Served:
         """Serve request ``i`` (after :meth:`land`); the levels are updated in place."""
@@ -312,6 +291,7 @@ class Node:
         a, z = int(index.trace.offsets[i]), int(index.trace.offsets[i + 1])
         ids = index.ids[a:z]
         cum = self._cum[a:z + 1] - self._cum[a]
+        now = float(index.trace.timestamps_s[i])
         g = prefix_hits(self.gpu, index, i)
         n = s = 0
         load_s = 0.0
@@ -328,27 +308,41 @@ class Node:
             while k + s < len(ids) and self._in_s3(int(ids[k + s]), i):
                 s += 1
             if s:
-                wait = s * costs.fetch_s + float(costs.local.seconds(s * bb, s))
+                blocks = ids[k:k + s].tolist()
+                load = float(costs.local.seconds(s * bb, s))
                 saved = float(costs.prefill.seconds(int(cum[k + s]), int(cum[k])))
-                if shape.fetch_mode == "sync" and wait <= shape.sync_timeout_s and wait < saved:
-                    load_s += wait
+                wait = None
+                if shape.fetch_mode == "sync" and load < saved:
+                    wait = self.sync_wait(blocks, now, min(shape.sync_timeout_s, saved - load))
+                self.fetch.submit(blocks, now)  # waited for or not, the copies go on (for next time)
+                if wait is not None and wait + load < saved:
+                    load_s += wait + load
                 else:
-                    self.fetch.submit(ids[k:k + s].tolist(), float(index.trace.timestamps_s[i]))
                     s = 0
         cached = g + n + s
         ttft = load_s + float(costs.prefill.seconds(int(index.trace.input_tokens[i]), int(cum[cached])))
         self.gpu.admit(index, i)
         if shape.store:
-            self._admit_tier(a, ids, g, cached)
+            self._admit_tier(a, ids, g, g + n, cached, now)
         return Served(g, n, s, load_s, ttft)
 
     def _in_s3(self, block: int, i: int) -> bool:
         return block not in self.tier and self.stored[block] <= i
 
-    def _admit_tier(self, a: int, ids: np.ndarray, g: int, cached: int) -> None:
-        """Loaded blocks are touched; computed full blocks are written back (root most recent)."""
-        upto = len(ids) if self.shape.write_back else cached
-        occ = [o for o in range(a + upto - 1, a + g - 1, -1) if self._full[o]]
+    def _admit_tier(self, a: int, ids: np.ndarray, g: int, loaded: int, cached: int, now: float) -> None:
+        """Blocks loaded from the tier (``g`` to ``loaded``) are touched; those waited for from S3
+        land through the fetch channel. With write-back the computed full blocks are one save,
+        queued for upload (root first, the ones the tier lacks) and kept in the tier, or dropped
+        whole when the queue is full (the product's ``queue_full``: they reach no tier). Root
+        most recent."""
+        occ = []
+        if self.shape.write_back:
+            computed = [o for o in range(a + len(ids) - 1, a + cached - 1, -1) if self._full[o]]
+            if computed:
+                blocks = ids[np.asarray(computed) - a].tolist()
+                if self.uploads.submit(len(blocks), [b for b in blocks[::-1] if b not in self.tier], now):
+                    occ = computed
+        occ += [o for o in range(a + loaded - 1, a + g - 1, -1) if self._full[o]]
         if occ:
             blocks = ids[np.asarray(occ) - a].tolist()
             self.tier.put(blocks, self._keys(occ, blocks))

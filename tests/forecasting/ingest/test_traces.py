@@ -151,3 +151,48 @@ def test_trace_checks_its_arrays() -> None:
     z = np.zeros(1, dtype=np.int64)
     with pytest.raises(ValueError, match="offsets"):
         Trace(np.zeros(1), z, z, np.array([0, 2]), np.zeros(1, dtype=np.int64))
+
+
+def _mooncake_rows(tmp_path, rows, name="t.jsonl"):  # noqa: ANN001, ANN202
+    import json as _json
+
+    p = tmp_path / name
+    p.write_text("".join(_json.dumps({"timestamp": 1000 * k, "input_length": n, "output_length": 1, "hash_ids": ids})
+                         + "\n" for k, (n, ids) in enumerate(rows)))
+    return p
+
+
+def test_a_mooncake_trace_of_32_token_blocks_is_read_at_32(tmp_path) -> None:  # noqa: ANN001
+    from forecasting.ingest.traces import read_mooncake
+
+    # 70 tokens in 3 ids, 64 in 2, 100 in 4: only blocks of 32 (of the candidates) fit all three
+    p = _mooncake_rows(tmp_path, [(70, [1, 2, 3]), (64, [1, 2]), (100, [1, 2, 7, 8])])
+    trace = read_mooncake(p)
+    assert trace.block_tokens == 32
+    assert trace.block_token_counts().tolist() == [32, 32, 6, 32, 32, 32, 32, 32, 4]
+    assert read_mooncake(p, block_tokens=32).block_tokens == 32
+
+
+def test_a_mooncake_trace_whose_lengths_contradict_the_block_size_is_refused(tmp_path) -> None:  # noqa: ANN001
+    from forecasting.ingest.traces import TraceError, read_mooncake
+
+    p = _mooncake_rows(tmp_path, [(70, [1, 2, 3]), (64, [1, 2]), (100, [1, 2, 7, 8])])
+    with pytest.raises(TraceError, match=r"t\.jsonl:1: input_length 70 needs ceil\(70 / 512\) = 1 hash ids of 512 "
+                                         r"tokens, the row has 3"):
+        read_mooncake(p, block_tokens=512)
+    bad = _mooncake_rows(tmp_path, [(1024, [1, 2]), (1024, [1, 2, 3, 4, 5])], "bad.jsonl")
+    with pytest.raises(TraceError, match=r"no block size fits.*bad\.jsonl:2: input_length 1024 needs .* = 2 hash "
+                                         r"ids of 512 tokens, the row has 5"):
+        read_mooncake(bad)
+    # a size no power of two fits, but every row agrees on: 48 tokens a hash id
+    odd = _mooncake_rows(tmp_path, [(96, [1, 2]), (100, [1, 2, 3]), (40, [9])], "odd.jsonl")
+    assert read_mooncake(odd).block_tokens == 48
+
+
+def test_the_bundled_mooncake_head_is_512_tokens_a_hash_id() -> None:
+    from pathlib import Path
+
+    from forecasting.ingest.traces import read_mooncake
+
+    head = Path(__file__).resolve().parents[2] / "data" / "mooncake" / "conversation_head.jsonl"
+    assert read_mooncake(head).block_tokens == 512

@@ -135,21 +135,31 @@ def test_the_prefetch_and_the_fetches_of_a_node_share_its_s3_link() -> None:
     assert len(node.tier) == 4
 
 
-def test_the_default_level_costs_are_the_fit_of_the_calibration_file() -> None:
+def test_this_hosts_level_costs_are_the_fit_of_the_calibration_file() -> None:
     import json
     from pathlib import Path
 
-    from forecasting.simulate.tiers import NODE_TIER, S3_LINK_BYTES_PER_S, S3_STREAM
+    from forecasting.simulate.tiers import HOST_S3_LINK_BYTES_PER_S, HOST_S3_STREAM, NODE_TIER
 
     doc = json.loads((Path(__file__).resolve().parents[3] / "bench" / "calibration" / "load-tiers.json").read_text())
-    for constant, key in ((NODE_TIER, "node_tier"), (S3_STREAM, "s3_stream")):
+    for constant, key in ((NODE_TIER, "node_tier"), (HOST_S3_STREAM, "s3_stream")):
         fitted = LoadCost.fit(doc[key]["points"])
         assert constant.bytes_per_s == pytest.approx(fitted.bytes_per_s, rel=1e-4)
         assert constant.s_per_file == pytest.approx(fitted.s_per_file, rel=1e-4, abs=1e-9)
-    # the node's S3 link: one stream's rate times the speedup measured at the most streams
+    # this host's S3 link: one stream's rate times the speedup measured at the most streams
     streams = doc["s3_node_link"]["streams_mb_per_s"]
     speedup = max(streams)[1] / min(streams)[1]
-    assert S3_LINK_BYTES_PER_S == pytest.approx(S3_STREAM.bytes_per_s * speedup, rel=1e-4)
-    # a Mooncake block (512 tokens of an 8B model, FP8): about 4.6 ms from the node tier, 0.13 s from S3
+    assert HOST_S3_LINK_BYTES_PER_S == pytest.approx(HOST_S3_STREAM.bytes_per_s * speedup, rel=1e-4)
+    # a Mooncake block (512 tokens of an 8B model, FP8): about 4.6 ms from the node tier, 0.13 s from this host's S3
     block = 67587.875 * 512
-    assert 0.004 < NODE_TIER.seconds(block) < 0.005 and 0.12 < S3_STREAM.seconds(block) < 0.14
+    assert 0.004 < NODE_TIER.seconds(block) < 0.005 and 0.12 < HOST_S3_STREAM.seconds(block) < 0.14
+
+
+def test_the_default_s3_is_awss_per_request_rate_at_the_loaders_streams() -> None:
+    from forecasting.simulate.tiers import S3_LINK_BYTES_PER_S, S3_STREAM
+    from store.config import LoaderConfig
+
+    # 85-90 MB/s a request (AWS's guidance), times the loader's prefetch streams: 700 MB/s, 5.6 Gb/s
+    assert 85e6 <= S3_STREAM.bytes_per_s <= 90e6
+    assert S3_LINK_BYTES_PER_S == pytest.approx(LoaderConfig().prefetch_streams * S3_STREAM.bytes_per_s) == 700e6
+    assert 0.39 < S3_STREAM.seconds(67587.875 * 512) < 0.4  # a Mooncake block, one stream
