@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from store.config_sections import (
+    FleetMemoryConfig,
     KvCacheConfig,
     LoaderConfig,
     MonitoringConfig,
@@ -36,7 +37,7 @@ from store.config_sections import (
 from store.errors import ConfigError
 from store.identity.tenant import PUBLIC, Tenant, check_tenant_name
 
-__all__ = ["CONFIG_ENV", "KvCacheConfig", "KvwarmConfig", "LoaderConfig", "MonitoringConfig", "S3Config", "StoreConfig",
+__all__ = ["CONFIG_ENV", "FleetMemoryConfig", "KvCacheConfig", "KvwarmConfig", "LoaderConfig", "MonitoringConfig", "S3Config", "StoreConfig",
            "TenantConfig", "load_config", "parse_config", "with_values"]
 
 #: environment variable naming the config file when none is passed
@@ -51,6 +52,9 @@ class KvwarmConfig(_Section):
     kv_cache: KvCacheConfig = Field(KvCacheConfig(), description="What is cached and how.")
     store: StoreConfig = Field(StoreConfig(), description="Where snapshots live.")
     loader: LoaderConfig = Field(LoaderConfig(), description="Serving-side loader defaults.")
+    fleet_memory: FleetMemoryConfig = Field(
+        FleetMemoryConfig(), description="What serving nodes record of the blocks they serve, for nodes that start "
+        "later (docs/reference/fleet.md).")
     monitoring: MonitoringConfig = Field(MonitoringConfig(), description="Prices for the reports' economics.")
     tenants: dict[str, TenantConfig] = Field(
         {}, description="One entry per tenant name (1-63 characters of a-z 0-9 _ . -); 'public' is the shared "
