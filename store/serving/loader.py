@@ -94,6 +94,8 @@ class KVLoader:
         node_id: this node's name in the fleet's records (default: ``$KVWARM_NODE_ID``, the config's
             ``fleet_memory.node_id``, the host name); with ``fleet_memory.enabled``, :meth:`record_use`
             records what this node serves (docs/reference/fleet.md).
+        fleet: a recorder shared by the process's loaders (one per tenant and chat keying: they must
+            share one, or their files of a namespace overwrite each other); its owner closes it.
         clock: time source (TTL, LRU).
     """
 
@@ -105,7 +107,7 @@ class KVLoader:
                  verify_payload: bool | None = None, registry: CollectorRegistry | None = None,
                  fetch_workers: int | None = None, prefetch_streams: int | None = None,
                  dequant: DequantMode | Dequantizer | None = None, node_id: str | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 fleet: FleetRecorder | None = None, clock: Callable[[], float] = time.time) -> None:
         self.config = config if isinstance(config, KvwarmConfig) else load_config(config)
         # keywords left as None take the config's loader section; the rest are checked as it is
         d = self.config.loader.with_overrides(
@@ -142,7 +144,8 @@ class KVLoader:
         self.local = tiers[0]
         self.metrics = LoaderMetrics(registry, tenant=self.tenant.name, store=self.store.stats)
         fm = self.config.fleet_memory
-        self.fleet = FleetRecorder.from_config(tiers, fm, node_id=node_id, clock=clock) if fm.enabled else None
+        self._own_fleet = fleet is None and fm.enabled
+        self.fleet = FleetRecorder.from_config(tiers, fm, node_id=node_id, clock=clock) if self._own_fleet else fleet
         self._fleet_flush: cf.Future[int] | None = None
 
         self.pool = SnapshotPool(d.pool_dir or default_pool_dir(self.local.url), budget_bytes=int(d.pool_bytes),
@@ -381,7 +384,7 @@ class KVLoader:
         # writes to the store once it is closed; their futures resolve with what was done
         self.prefetcher.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
-        if self.fleet is not None:
+        if self.fleet is not None and self._own_fleet:
             self.fleet.close()  # best effort: what this node served since the last flush
         self.mapper.clear()
         self.pool.close()

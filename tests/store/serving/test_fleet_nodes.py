@@ -141,3 +141,27 @@ def test_a_loader_flushes_in_the_background_every_flush_s(tmp_path):
         assert {u.name for u in node.fleet_uses(since=0)} == {object_name("acme", k * 64) for k in "ab"}
     finally:
         node.close()
+
+
+def test_loaders_of_one_process_share_one_recorder(tmp_path):
+    from tests.store.factories import BOLT
+
+    cfg = config(16)
+    shared = FleetRecorder([local(tmp_path, "nvme")], "node-1")
+    acme = loader(tmp_path, cfg, fleet=shared)
+    bolt = KVLoader(f"file://{tmp_path}/nvme", tenant=BOLT, model=TINY, config=cfg, pool_bytes=1 << 30,
+                    pool_dir=tmp_path / "pool", fleet=shared)
+    try:
+        common = [object_name("public", "c" * 64)]  # a public prefix both tenants served
+        acme.record_use(common + [object_name("acme", "a" * 64)])
+        bolt.record_use(common + [object_name("bolt", "b" * 64)])
+    finally:
+        acme.close()
+        bolt.close()
+    assert shared.stats["files_written"] == 0  # its owner flushes it, not the loaders
+    shared.close()
+
+    # the public block was used last (and most): first
+    assert [(u.name, u.uses) for u in acme.fleet_uses(since=0)] == [(common[0], 2),
+                                                                     (object_name("acme", "a" * 64), 1)]
+    assert {u.name for u in bolt.fleet_uses(since=0)} == {object_name("bolt", "b" * 64), common[0]}
