@@ -26,6 +26,7 @@ from pydantic import (
 
 from store.config_sections import (
     AgentConfig,
+    FleetMemoryConfig,
     KvCacheConfig,
     LoaderConfig,
     MonitoringConfig,
@@ -37,7 +38,8 @@ from store.config_sections import (
 from store.errors import ConfigError
 from store.identity.tenant import PUBLIC, Tenant, check_tenant_name
 
-__all__ = ["AgentConfig", "CONFIG_ENV", "KvCacheConfig", "KvwarmConfig", "LoaderConfig", "MonitoringConfig", "S3Config", "StoreConfig",
+__all__ = ["AgentConfig", "CONFIG_ENV", "FleetMemoryConfig", "KvCacheConfig", "KvwarmConfig", "LoaderConfig",
+           "MonitoringConfig", "S3Config", "StoreConfig",
            "TenantConfig", "load_config", "parse_config", "with_values"]
 
 #: environment variable naming the config file when none is passed
@@ -52,6 +54,9 @@ class KvwarmConfig(_Section):
     kv_cache: KvCacheConfig = Field(KvCacheConfig(), description="What is cached and how.")
     store: StoreConfig = Field(StoreConfig(), description="Where snapshots live.")
     loader: LoaderConfig = Field(LoaderConfig(), description="Serving-side loader defaults.")
+    fleet_memory: FleetMemoryConfig = Field(
+        FleetMemoryConfig(), description="What serving nodes record of the blocks they serve, for nodes that start "
+        "later (docs/reference/fleet.md).")
     agent: AgentConfig = Field(AgentConfig(), description="The serving node's agent: the plan and the fleet's memory.")
     monitoring: MonitoringConfig = Field(MonitoringConfig(), description="Prices for the reports' economics.")
     tenants: dict[str, TenantConfig] = Field(

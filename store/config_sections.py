@@ -1,5 +1,5 @@
-"""The sections of kvwarm's configuration file (``kv_cache``, ``store``, ``loader``, ``monitoring``,
-``tenants.<name>``): one frozen pydantic model each, checked field by field.
+"""The sections of kvwarm's configuration file (``kv_cache``, ``store``, ``loader``, ``fleet_memory``,
+``monitoring``, ``tenants.<name>``): one frozen pydantic model each, checked field by field.
 
 :mod:`store.config` puts them together into :class:`store.config.KvwarmConfig` and reads files;
 the field descriptions are the configuration reference (``docs/generate.py``).
@@ -7,9 +7,10 @@ the field descriptions are the configuration reference (``docs/generate.py``).
 from __future__ import annotations
 
 import os
+import re
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from store.errors import ConfigError
 from store.format.precision import Precision
@@ -182,6 +183,40 @@ class LoaderConfig(_Section):
             return LoaderConfig.model_validate({**self.model_dump(), **update})
         except ValidationError as exc:
             raise ConfigError(_format_errors(exc, "KVLoader keywords").replace("\n  ", "\n  loader.")) from None
+
+
+#: what a node id may be: it names a file in every tier (a hostname or a pod name fits)
+NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+class FleetMemoryConfig(_Section):
+    """What a serving node records of the blocks it serves, for nodes that start later (fleet memory)."""
+
+    enabled: bool = Field(
+        True, description="Record which blocks this node served and when, and write it to every tier's metadata "
+        "area (fleet/<namespace>/<node_id>.json), so that a new or replaced node can warm from what the fleet "
+        "was serving. Only salted block names are written, never prompts or token ids.")
+    node_id: Optional[str] = Field(
+        None, description="This node's name in the fleet's records (1-128 characters of A-Z a-z 0-9 _ . -). "
+        "$KVWARM_NODE_ID, when set, comes first; with neither, the host name. Keep it stable across restarts of the "
+        "same node (a restart continues its own record) and give each engine process on a host its own.")
+    window_s: float = Field(
+        3600.0, gt=0, description="How far back a node's record reaches: a block unused for longer is dropped "
+        "at the next flush.")
+    flush_s: float = Field(
+        30.0, gt=0, description="A node writes its record at most this often (one write per namespace and tier).")
+    max_names: int = Field(
+        50_000, ge=1, le=10_000_000, description="Most blocks a node remembers per namespace; past it the least "
+        "recently used are dropped. Each name costs about 270 bytes of memory and 80 bytes of file: 50,000 "
+        "names are about 14 MB and a 4 MB file per namespace, more blocks than a 64 GiB local tier holds "
+        "for any model of 0.5B parameters or more at block_size 256 (docs/reference/fleet.md).")
+
+    @field_validator("node_id")
+    @classmethod
+    def _check_node_id(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not NODE_ID.fullmatch(value):
+            raise ValueError("use 1-128 characters of A-Z a-z 0-9 _ . -, starting with a letter or digit")
+        return value
 
 
 class AgentConfig(_Section):

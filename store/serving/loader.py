@@ -39,11 +39,13 @@ from store.kernels.dequant import Dequantizer, DequantMode
 from store.miss import MissReason
 from store.plan import Plan
 from store.serving.fetch import ERRORS, RemoteFetcher, Scope
+from store.serving.fleet import FleetRecorder, Use, read_fleet
 from store.serving.hit import LoaderHit
 from store.serving.mapper import PoolMapper
 from store.serving.metrics import LoaderMetrics
 from store.serving.pool import PoolAttachRefused, SnapshotPool, default_pool_dir, readahead
 from store.serving.prefetch import Prefetcher, PrefetchResult, plan_chains
+from store.tiers.base import object_name
 from store.tiers.registry import tiers_from_url
 from store.tiers.store import Store
 
@@ -89,6 +91,11 @@ class KVLoader:
             first use of a block shape: seconds of compiling), or ``auto`` (the native table
             where it is built, otherwise the numpy table until the kernel is built in the
             background); or a :class:`store.kernels.dequant.Dequantizer` shared by several loaders.
+        node_id: this node's name in the fleet's records (default: ``$KVWARM_NODE_ID``, the config's
+            ``fleet_memory.node_id``, the host name); with ``fleet_memory.enabled``, :meth:`record_use`
+            records what this node serves (docs/reference/fleet.md).
+        fleet: a recorder shared by the process's loaders (one per tenant and chat keying: they must
+            share one, or their files of a namespace overwrite each other); its owner closes it.
         clock: time source (TTL, LRU).
     """
 
@@ -99,8 +106,8 @@ class KVLoader:
                  pool_dir: str | os.PathLike[str] | None = None,
                  verify_payload: bool | None = None, registry: CollectorRegistry | None = None,
                  fetch_workers: int | None = None, prefetch_streams: int | None = None,
-                 dequant: DequantMode | Dequantizer | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 dequant: DequantMode | Dequantizer | None = None, node_id: str | None = None,
+                 fleet: FleetRecorder | None = None, clock: Callable[[], float] = time.time) -> None:
         self.config = config if isinstance(config, KvwarmConfig) else load_config(config)
         # keywords left as None take the config's loader section; the rest are checked as it is
         d = self.config.loader.with_overrides(
@@ -136,6 +143,10 @@ class KVLoader:
         self.store = Store(tiers, clock=clock)
         self.local = tiers[0]
         self.metrics = LoaderMetrics(registry, tenant=self.tenant.name, store=self.store.stats)
+        fm = self.config.fleet_memory
+        self._own_fleet = fleet is None and fm.enabled
+        self.fleet = FleetRecorder.from_config(tiers, fm, node_id=node_id, clock=clock) if self._own_fleet else fleet
+        self._fleet_flush: cf.Future[int] | None = None
 
         self.pool = SnapshotPool(d.pool_dir or default_pool_dir(self.local.url), budget_bytes=int(d.pool_bytes),
                                  max_instances=self.config.kv_cache.max_shared_instances, clock=clock)
@@ -308,15 +319,7 @@ class KVLoader:
         scopes = {self.tenant.name: self._own, **({PUBLIC: self._public} if self._public else {})}
         chains, skipped = plan_chains(items, self._own, scopes, tokenizer)
         if isinstance(items, (Plan, str, os.PathLike)):
-            # The latest plan's scores replace the last plan's: a node re-prefetching a plan every
-            # few minutes keeps one plan's priorities, not every entry it was ever given.
-            priority: dict[str, float] = {}
-            for chain, score, scope in chains:
-                if score is None:
-                    continue
-                for name in scope.names(chain):
-                    priority[name] = max(score, priority.get(name, score))
-            self.mapper.priority = priority
+            self.mapper.prioritise(chains)  # the latest plan's scores replace the last plan's
         return self.prefetcher.run(chains, skipped, map_ahead=self._map_ahead if map_ahead else None)
 
     def _probe_local(self, chain: list[Block], scope: Scope) -> int:
@@ -337,6 +340,27 @@ class KVLoader:
         hit.release()
         return mapped
 
+    # -- fleet memory --------------------------------------------------------
+    def record_use(self, blocks: Sequence[Block] | Sequence[str], scope: Scope | None = None) -> None:
+        """Record that one served request used ``blocks``, its full-block chain (fleet memory).
+
+        ``blocks`` are keyed under ``scope`` (default: the tenant's own), or are their tier object
+        names. In memory; the record is written every ``fleet_memory.flush_s`` on a background
+        thread. A no-op with ``fleet_memory.enabled`` off. Raises ``ValueError`` for a bad name.
+        """
+        if self.fleet is None or self._closed:
+            return
+        scope = scope or self._own
+        self.fleet.record([b if isinstance(b, str) else object_name(scope.ns, b.key) for b in blocks])
+        if self.fleet.due() and (self._fleet_flush is None or self._fleet_flush.done()):
+            self._fleet_flush = self._executor.submit(self.fleet.maybe_flush)
+
+    def fleet_uses(self, since: float) -> list[Use]:
+        """What every node recorded since ``since`` (unix s) of the tenant's namespace and
+        ``public``: :func:`store.serving.fleet.read_fleet`, newest first; never raises for store trouble."""
+        namespaces = [self.tenant.name] + ([PUBLIC] if self._public is not None else [])
+        return read_fleet(self.store.tiers, namespaces, since=since, stats=self.fleet.stats if self.fleet else None)
+
     # -- reporting and shutdown ----------------------------------------------
     def stats(self) -> dict[str, Any]:
         """The loader's figures as a dict (the same as its Prometheus metrics, plus pool state)."""
@@ -348,7 +372,7 @@ class KVLoader:
             log.warning("pool state unavailable: %s", exc)
         out.update(attached=self.pool.attached, fetch_mode=self.fetch_mode,
                    s3_backoff=self.fetcher.has_remote and not self.fetcher.usable(), mapped_here=len(self.mapper),
-                   store=self.store.stats.as_dict())
+                   store=self.store.stats.as_dict(), fleet=self.fleet.stats.as_dict() if self.fleet else {})
         return out
 
     def close(self) -> None:
@@ -360,6 +384,8 @@ class KVLoader:
         # writes to the store once it is closed; their futures resolve with what was done
         self.prefetcher.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        if self.fleet is not None and self._own_fleet:
+            self.fleet.close()  # best effort: what this node served since the last flush
         self.mapper.clear()
         self.pool.close()
         self.store.close()

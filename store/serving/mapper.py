@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from store.format.snapshot import Snapshot
 from store.identity.keys import Block
@@ -60,6 +60,18 @@ class PoolMapper:
         self._lock = threading.Lock()
         self._mapped: dict[str, tuple[int, Snapshot, int]] = {}  # name -> (admission id, mapping, file bytes)
         self._epoch = -1
+
+    def prioritise(self, chains: Iterable[tuple[Sequence[Block], float | None, Scope]]) -> None:
+        """A plan's ``(chain, score, scope)``: each score becomes its blocks' retention priority, in
+        place of the last plan's (a node re-prefetching a plan every few minutes keeps one plan's
+        priorities, not every entry it was ever given); a block in several chains takes the highest."""
+        priority: dict[str, float] = {}
+        for chain, score, scope in chains:
+            if score is None:
+                continue
+            for name in scope.names(chain):
+                priority[name] = max(score, priority.get(name, score))
+        self.priority = priority
 
     def __len__(self) -> int:
         """Snapshots this process keeps mapped."""

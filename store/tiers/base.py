@@ -4,7 +4,7 @@ Tiers store opaque snapshot files under names ``<tenant>/<key[:2]>/<key>.kvw``. 
 know nothing of headers or tenants' secrets: the :class:`store.tiers.store.Store` checks
 those. Every tier has the same small surface (after SGLang's HiCache storage):
 read, write, exists, a batch probe answering "how many leading names exist", delete,
-list, quarantine; the same constructor, :meth:`Tier.from_url`; and says what else it
+list, quarantine, and a small metadata area (get, put, list); the same constructor, :meth:`Tier.from_url`; and says what else it
 can do by its capabilities (``remote``, ``stores_encoded``, ``mappable``, ``capped``),
 never by its class. A new tier is one module and one line in
 :data:`store.tiers.registry.TIERS`.
@@ -145,6 +145,12 @@ class Tier(ABC):
     @abstractmethod
     def put_meta(self, name: str, data: bytes) -> None:
         """Write a small metadata object atomically (it is not counted against caps)."""
+
+    @abstractmethod
+    def list_meta(self, prefix: str) -> list[str]:
+        """Names of the metadata objects whose names start with ``prefix`` (``"fleet/acme/"``),
+        sorted; writes in progress are not listed. Raises :class:`store.errors.StoreUnavailable`
+        when the tier cannot be reached."""
 
     def quarantined(self) -> list[Entry]:
         """Objects in quarantine."""

@@ -273,6 +273,9 @@ class LocalTier(Tier):
     def put_meta(self, name: str, data: bytes) -> None:
         self.meta.put(name, data)
 
+    def list_meta(self, prefix: str) -> list[str]:
+        return self.meta.names(prefix)
+
     # -- listing, quarantine, housekeeping -----------------------------------
     def entries(self, prefix: str = "") -> Iterator[Entry]:
         top = prefix.split("/")[0] if prefix else ""

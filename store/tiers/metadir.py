@@ -52,6 +52,22 @@ class MetaDir:
         os.replace(tmp, path)
         _fsync_dir(path.parent)
 
+    def names(self, prefix: str) -> list[str]:
+        """Names (relative, ``/``-separated) of the files whose names start with ``prefix``, sorted;
+        temp files of writes in progress are left out."""
+        head, _, _ = prefix.rpartition("/")
+        base = self._path(head) if head else self.root
+        if not base.is_dir():
+            return []
+        found = []
+        for path in base.rglob("*"):
+            if (path.name.startswith(".") and path.name.endswith(".tmp")) or not path.is_file():
+                continue
+            name = path.relative_to(self.root).as_posix()
+            if name.startswith(prefix):
+                found.append(name)
+        return sorted(found)
+
     def temp_files(self) -> Iterator[Path]:
         """Temp files of writes in progress (or of writers that died)."""
         return self.root.rglob(".*.tmp")

@@ -175,6 +175,17 @@ class S3Tier(Tier):
     def put_meta(self, name: str, data: bytes) -> None:
         self._call(self.fs._pipe_file(f"{self.base}/{META}/{name}", data), f"PUT meta {name}")
 
+    def list_meta(self, prefix: str) -> list[str]:
+        root = f"{self.base}/{META}"
+        head = prefix.rpartition("/")[0]
+        try:
+            found = self._call(self.fs._find(f"{root}/{head}" if head else root, detail=True), f"LIST meta {prefix}")
+        except FileNotFoundError:
+            return []
+        cut = len(root) + 1
+        return sorted(p[cut:] for p, info in found.items()
+                      if info.get("type", "file") == "file" and p[cut:].startswith(prefix))
+
     def quarantine(self, name: str, reason: str) -> str | None:
         # Named like the local tier's (time and a random part), so a later quarantine of
         # the same name (a rewritten object gone bad again) never overwrites the evidence.

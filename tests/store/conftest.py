@@ -1,9 +1,25 @@
 """Fixtures shared by the store tests."""
 from __future__ import annotations
 
+from typing import Iterator
+
 import pytest
 
-from tests.seaweedfs import SeaweedFS
+from tests.seaweedfs import SeaweedFS, free_port
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    """A moto S3 server in a thread of this process (started once, stopped at the end)."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.stop()
 
 
 @pytest.fixture

@@ -21,6 +21,12 @@ def test_defaults_match_the_documented_policy() -> None:
     assert c.kv_cache.precision() == Precision(keep_layers=(0,))  # mixed precision by default
 
 
+def test_fleet_memory_defaults() -> None:
+    fm = parse_config({}).fleet_memory
+    assert (fm.enabled, fm.node_id, fm.window_s, fm.flush_s, fm.max_names) == (True, None, 3600.0, 30.0, 50_000)
+    assert parse_config({"fleet_memory": {"node_id": "ip-10-0-0-7.ec2.internal"}}).fleet_memory.node_id
+
+
 def test_accepts_the_sagemaker_inference_config_keys(tmp_path: Path) -> None:
     f = tmp_path / "inference-config.json"
     f.write_text(json.dumps({"kv_cache": {"reuse_strategy": "similarity", "similarity_threshold": 0.9,
@@ -51,6 +57,12 @@ def test_yaml_and_toml_files(tmp_path: Path) -> None:
         ({"kv_cache": {"compresion": "fp8"}}, ["kv_cache.compresion", "unknown key", "compression"]),
         ({"store": {"nvme_cap": "lots"}}, ["store.nvme_cap", "'lots'"]),
         ({"tenants": {"Bad Name": {}}}, ["'Bad Name'", "a-z, 0-9"]),
+        ({"fleet_memory": {"window_s": 0}}, ["fleet_memory.window_s", "0", "greater than 0"]),
+        ({"fleet_memory": {"flush_s": -1}}, ["fleet_memory.flush_s", "-1", "greater than 0"]),
+        ({"fleet_memory": {"max_names": 0}}, ["fleet_memory.max_names", "0", "greater than or equal to 1"]),
+        ({"fleet_memory": {"enabled": "maybe"}}, ["fleet_memory.enabled", "'maybe'", "boolean"]),
+        ({"fleet_memory": {"node_id": "gpu node/1"}}, ["fleet_memory.node_id", "'gpu node/1'", "A-Z a-z 0-9 _ . -"]),
+        ({"fleet_memory": {"window": 60}}, ["fleet_memory.window", "unknown key", "window_s"]),
     ],
 )
 def test_bad_values_name_key_value_and_what_is_allowed(data: dict, must_say: list[str]) -> None:

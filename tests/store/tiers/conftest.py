@@ -2,7 +2,7 @@
 
 ``tier_case`` is parametrized over the local tier, the toy in-memory tier
 (:mod:`tests.store.tiers.mem_tier`, registered for the test with one line), the S3
-tier against moto (fast, in-process) and the S3 tier against the session's real
+tier against moto (fast, in-process; ``moto_endpoint`` in tests/store/conftest.py) and the S3 tier against the session's real
 SeaweedFS server (marked ``s3``). Tests that take it run once per tier.
 """
 from __future__ import annotations
@@ -18,7 +18,6 @@ from store.config import S3Config, StoreConfig
 from store.tiers import registry
 from store.tiers.base import Tier
 from store.tiers.registry import tier_class, tiers_from_url
-from tests.seaweedfs import free_port
 
 MEM_TIER = "tests.store.tiers.mem_tier:MemTier"
 MOTO_BUCKET = "kvwarm-contract"
@@ -36,20 +35,6 @@ class TierCase:
 def mem_registered(monkeypatch) -> None:
     """The toy tier's one registry line."""
     monkeypatch.setitem(registry.TIERS, "mem", MEM_TIER)
-
-
-@pytest.fixture(scope="session")
-def moto_endpoint() -> Iterator[str]:
-    """A moto S3 server in a thread of this process (started once, stopped at the end)."""
-    from moto.server import ThreadedMotoServer
-
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
 
 
 def _s3fs(endpoint: str):

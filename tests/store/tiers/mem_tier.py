@@ -96,3 +96,7 @@ class MemTier(Tier):
     def put_meta(self, name: str, data: bytes) -> None:
         with self._lock:
             self._meta[name] = bytes(data)
+
+    def list_meta(self, prefix: str) -> list[str]:
+        with self._lock:
+            return sorted(n for n in self._meta if n.startswith(prefix))

@@ -143,6 +143,23 @@ def test_meta_round_trip(tier):
     assert tier.get_meta("tenants/bolt.json") is None
 
 
+def test_list_meta_names_what_a_prefix_holds(tier):
+    assert tier.list_meta("fleet/") == []
+    for name in ("fleet/acme/node-b.json", "fleet/acme/node-a.json", "fleet/acme-2/node-a.json",
+                 "fleet/bolt/node-a.json", "tenants/acme.json"):
+        tier.put_meta(name, b"{}")
+
+    assert tier.list_meta("fleet/acme/") == ["fleet/acme/node-a.json", "fleet/acme/node-b.json"]
+    # a prefix is a string prefix, not only a folder
+    assert tier.list_meta("fleet/acme") == ["fleet/acme-2/node-a.json", "fleet/acme/node-a.json",
+                                            "fleet/acme/node-b.json"]
+    assert tier.list_meta("fleet/acme/node-b") == ["fleet/acme/node-b.json"]
+    assert tier.list_meta("fleet/nobody/") == []
+    assert set(tier.list_meta("")) >= {"fleet/bolt/node-a.json", "tenants/acme.json"}
+    tier.put_meta("fleet/acme/node-a.json", b'{"again": 1}')
+    assert tier.list_meta("fleet/acme/") == ["fleet/acme/node-a.json", "fleet/acme/node-b.json"]
+
+
 def test_quarantine_moves_the_object_aside(tier_case):
     tier = tier_case.tier
     root, chain, names = acme_chain(2)
