@@ -132,11 +132,14 @@ class NodeAgent(Generic[K]):
         plans: where plans come from (``None``: the fleet's memory only).
         settings: see :class:`AgentSettings`.
         clock: seconds (the replay passes its simulated clock).
+        listener: told each ranking applied (the connector counts them).
     """
 
     def __init__(self, hands: NodeHands[K], plans: PlanSource | None, settings: AgentSettings = AgentSettings(),
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 listener: Callable[[Warmup[K]], None] | None = None) -> None:
         self.hands = hands
+        self.listener = listener
         self.plans = plans
         self.settings = settings
         self.clock = clock
@@ -222,6 +225,8 @@ class NodeAgent(Generic[K]):
         self.figures.last = {**warm.sources(), "copies": len(warm.order), "dropped": warm.dropped}
         log.info("kvwarm agent: plan %s: %d blocks wanted (%s), %d to copy, %d left out",
                  self._version or "none", len(warm.wanted), warm.sources(), len(warm.order), warm.dropped)
+        if self.listener is not None:
+            self.listener(warm)
         return warm
 
 
@@ -276,12 +281,12 @@ class FilePlan:
 
 
 class AgentThread:
-    """Runs an agent on one thread of its own for a node's life: :meth:`NodeAgent.start`, then
-    :meth:`NodeAgent.tick` every ``poll_s``. It never raises into the serving path: an error
-    in a step is logged and the next step tried."""
+    """Runs agents (one per loader of an engine) on one thread of their own for a node's life:
+    each :meth:`NodeAgent.start`, then :meth:`NodeAgent.tick` when its next poll is due. It
+    never raises into the serving path: an error in a step is logged and the next step tried."""
 
-    def __init__(self, agent: NodeAgent[Any], *, name: str = "kvwarm-agent") -> None:
-        self.agent = agent
+    def __init__(self, agents: Sequence[NodeAgent[Any]], *, name: str = "kvwarm-agent") -> None:
+        self.agents = list(agents)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -290,14 +295,18 @@ class AgentThread:
         return self
 
     def _run(self) -> None:
-        step: Callable[[], object] = self.agent.start
+        started = False
         while not self._stop.is_set():
-            try:
-                step()
-            except Exception:  # noqa: BLE001 - the node serves on without the agent's step
-                log.exception("kvwarm agent: a step failed; the node keeps what it has")
-            step = self.agent.tick
-            self._stop.wait(max(0.05, self.agent.next_poll() - self.agent.clock()))
+            for agent in self.agents:
+                if self._stop.is_set():
+                    return
+                try:
+                    agent.tick() if started else agent.start()
+                except Exception:  # noqa: BLE001 - the node serves on without the agent's step
+                    log.exception("kvwarm agent: a step failed; the node keeps what it has")
+            started = True
+            due = min((a.next_poll() - a.clock() for a in self.agents), default=1.0)
+            self._stop.wait(max(0.05, due))
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop after the current step (idempotent)."""

@@ -1,20 +1,21 @@
 """The node agent's hands on a real node: one :class:`store.serving.loader.KVLoader`.
 
 :class:`LoaderNode` is what :class:`store.serving.agent.NodeAgent` drives on a serving node
-(the vLLM connector makes one per loader; ``KVLoader.start_agent`` for loader users):
+(the vLLM connector makes one per loader; :func:`start_agent` for loader users):
 
 - a plan's entries become the loader's block chains (this tenant's, and ``public``'s where
   this loader serves them), named as the tiers name them (``<namespace>/<key>``);
 - the fleet's memory is read for the loader's namespaces only (:func:`store.serving.fleet.read_fleet`);
 - retention priorities go to the loader's pool (its eviction order: lowest first, then LRU);
 - copies go to the loader's prefetch streams, replacing the last prefetch: a plan's chains
-  are copied block by block in prefix order and mapped into the pool ahead of need; blocks
-  known only from the fleet's memory are copied by key into NVMe (their tokens are checked
-  by the lookup that maps them).
+  are copied block by block in prefix order and mapped into the pool ahead of need (those
+  NVMe already holds are mapped after the copies); blocks known only from the fleet's memory
+  are copied by key into NVMe (their tokens are checked by the lookup that maps them).
 """
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -27,7 +28,9 @@ from store.serving.urgency import PlanChain, UseLike
 from store.tiers.base import parse_object_name
 
 if TYPE_CHECKING:
+    from store.serving.agent import AgentThread
     from store.serving.loader import KVLoader
+    from store.serving.prefetch import PrefetchResult
 
 log = logging.getLogger("kvwarm.agent")
 
@@ -56,11 +59,12 @@ class LoaderNode:
         tokenizer: turns an entry's ``text`` into token ids (entries with text are skipped without).
         link_bytes_per_s: the node's read rate from S3 (the config's ``agent.link_bytes_per_s``).
         node_id: this node's name in the fleet's memory (default the loader's).
+        on_result: told each prefetch's result when it ends (superseded ones too).
     """
 
     def __init__(self, loader: "KVLoader", *, chat: bool = False, public: bool = True,
                  tokenizer: Callable[[str], Sequence[int]] | None = None, link_bytes_per_s: float | None = None,
-                 node_id: str | None = None) -> None:
+                 node_id: str | None = None, on_result: Callable[["PrefetchResult"], None] | None = None) -> None:
         self.loader = loader
         self.chat = chat
         self.tokenizer = tokenizer
@@ -68,8 +72,15 @@ class LoaderNode:
         if public and loader._public is not None:
             self.scopes[PUBLIC] = loader._public
         self.link = float(link_bytes_per_s or loader.config.agent.link_bytes_per_s)
-        self.node_id = node_id or getattr(loader, "node_id", None)
+        if node_id is None:
+            from store.serving.fleet import resolve_node_id
+
+            node_id = loader.fleet.node_id if loader.fleet is not None else resolve_node_id(
+                None, loader.config.fleet_memory.node_id)
+        self.node_id = node_id
         self._refs: dict[str, tuple[list[Block], int, Scope]] = {}
+        self._plan: list[tuple[list[Block], Scope]] = []  # the last plan's chains, in its order
+        self.on_result = on_result
 
     # -- what the agent reads --------------------------------------------------
     def plan_chains(self, plan: Plan) -> list[PlanChain[str]]:
@@ -85,6 +96,7 @@ class LoaderNode:
                 refs.setdefault(name, (chain, i, scope))
             out.append(PlanChain(tuple(names), float(e.expected_hits), float(e.score)))
         self._refs = refs
+        self._plan = [(chain, scope) for _, chain, scope in found if chain]
         return out
 
     def fleet(self, since: float, *, others_only: bool) -> Sequence[UseLike[str]]:
@@ -121,9 +133,23 @@ class LoaderNode:
         self.loader.mapper.priority = dict(priority)
 
     def prefetch(self, order: list[str]) -> None:
-        chains = self.chains(order)
+        # the copies first; then the plan's chains NVMe holds whole, mapped into the pool ahead of need
+        copying = set(order)
+        chains = self.chains(order) + [(chain, None, scope) for chain, scope in self._plan
+                                       if not copying.intersection(scope.names(chain))]
         fut = self.loader.prefetcher.run(chains, 0, map_ahead=self.loader._map_ahead, replace=True)
-        fut.add_done_callback(_log_result)
+        fut.add_done_callback(self._done)
+
+    def _done(self, fut: Any) -> None:
+        try:
+            r = fut.result()
+        except Exception:  # noqa: BLE001 - prefetch is best effort
+            log.exception("kvwarm agent: a prefetch failed")
+            return
+        log.info("kvwarm agent: prefetch done: %d chains, %d blocks copied, %d present, %d mapped, %d superseded, "
+                 "failures %s", r.prefixes, r.fetched, r.present, r.mapped, r.superseded, r.failed or "none")
+        if self.on_result is not None:
+            self.on_result(r)
 
     def chains(self, order: Sequence[str]) -> list[PrefixChain]:
         """``order`` as the prefetcher's items: runs of one plan chain's blocks in prefix order
@@ -155,11 +181,21 @@ class LoaderNode:
         return out
 
 
-def _log_result(fut: Any) -> None:
-    try:
-        r = fut.result()
-    except Exception:  # noqa: BLE001 - prefetch is best effort
-        log.exception("kvwarm agent: a prefetch failed")
-        return
-    log.info("kvwarm agent: prefetch done: %d chains, %d blocks copied, %d present, %d mapped, %d superseded, "
-             "failures %s", r.prefixes, r.fetched, r.present, r.mapped, r.superseded, r.failed or "none")
+
+def start_agent(loader: "KVLoader", plan: "str | os.PathLike[str] | None" = "latest", *,
+                tokenizer: Callable[[str], Sequence[int]] | None = None, chat: bool = False) -> "AgentThread":
+    """Start a node agent for ``loader`` on a thread of its own; ``close()`` it before the loader.
+
+    Args:
+        plan: ``"latest"`` (the plan the pipeline publishes to the loader's store), a plan file
+            (followed as it is replaced), or ``None`` (the fleet's memory only).
+        tokenizer: turns plan entries given as text into token ids.
+        chat: the loader keys chat-templated prompts (its plan entries with ``chat``).
+
+    The agent's knobs are the loader's config ``agent`` section (docs/reference/config.md).
+    """
+    from store.serving.agent import AgentSettings, AgentThread, FilePlan, NodeAgent, StorePlans
+
+    source = None if plan is None else StorePlans(loader.store.tiers) if plan == "latest" else FilePlan(plan)
+    node = LoaderNode(loader, chat=chat, tokenizer=tokenizer)
+    return AgentThread([NodeAgent(node, source, AgentSettings.of(loader.config))]).start()

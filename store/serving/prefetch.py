@@ -118,6 +118,7 @@ class Prefetcher:
         self.metrics = metrics
         self._executor = cf.ThreadPoolExecutor(max_workers=streams, thread_name_prefix="kvwarm-prefetch")
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
         self._runs: set[_Run] = set()
         self._threads: set[int] = set()  # the streams' thread ids (close from one of them must not join it)
 
@@ -199,9 +200,15 @@ class Prefetcher:
         with self._lock:
             return len(self._runs)
 
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no prefetch is running (at most ``timeout`` seconds); whether none is."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._runs, timeout)
+
     def ended(self, run: "_Run") -> None:
-        with self._lock:
+        with self._idle:
             self._runs.discard(run)
+            self._idle.notify_all()
 
     def close(self) -> None:
         """Stop every prefetch after the block each stream is copying; their futures resolve

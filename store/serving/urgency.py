@@ -83,7 +83,8 @@ class ReuseCurve:
     def __post_init__(self) -> None:
         edges = tuple(int(e) for e in self.traffic_edges)
         if any(b <= a for a, b in zip(edges, edges[1:])) or any(e < 0 for e in edges):
-            raise ConfigError(f"fleet_reuse.traffic_edges must be ascending non-negative counts, got {self.traffic_edges!r}")
+            raise ConfigError("fleet_reuse.traffic_edges must be ascending non-negative counts, got "
+                              f"{self.traffic_edges!r}")
         rows = tuple(tuple(float(x) for x in row) for row in self.p)
         if not rows or any(len(r) != len(edges) + 1 for r in rows):
             raise ConfigError(f"fleet_reuse.p must hold rows of {len(edges) + 1} probabilities (one per traffic "

@@ -26,6 +26,7 @@ from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import MLAAttentionSpec
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from store.engines.vllm.agents import start_agents
 from store.engines.vllm.cpu_backend import cpu_block_order, cpu_block_writer
 from store.engines.vllm.layout import CPU_BACKEND, detect_layout
 from store.engines.vllm.metadata import StepPlan, WorkerReport
@@ -34,6 +35,7 @@ from store.engines.vllm.prom import KvwarmPromMetrics, KvwarmStats
 from store.engines.vllm.scheduler import SchedulerRole
 from store.engines.vllm.settings import ConnectorConfigError, model_identities, parse_settings
 from store.engines.vllm.worker import WorkerRole
+from store.serving.agent import AgentThread
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -144,6 +146,7 @@ class KvwarmConnector(KVConnectorBase_V1):
         self._total_kv_heads = mc.get_total_num_kv_heads()
         self._settings = settings
         self._tokenizer: Any = None  # for a plan's text entries, loaded on first use
+        self._agents: AgentThread | None = None
         self._scheduler: SchedulerRole | None = None
         self._worker: WorkerRole | None = None
         self._layer_of: dict[str, int] = {}  # registered layer name -> the worker's index of its cache
@@ -229,29 +232,8 @@ class KvwarmConnector(KVConnectorBase_V1):
         log.info("kvwarm: %d layers of KV (model layers %d-%d), %s layout (backend %s, %s), %d blocks of %d tokens; "
                  "registered in %.3f s", len(tensors), layers[0], layers[-1], layout.kind, backend,
                  getattr(layer, "isa", None), layout.num_blocks, block, time.perf_counter() - t0)
-        if self._settings.plan is not None:
-            self._prefetch(worker)
-
-    def _prefetch(self, worker: WorkerRole) -> None:
-        """The start-up prefetch of the configured plan (best effort: a failure is logged, never raised)."""
-        from store.plan import latest_plan, read_plan
-        from store.tiers.store import Store
-
-        try:
-            if self._settings.plan == "latest":
-                store = Store.open(self._settings.store_url, self._settings.config)
-                try:
-                    plan = latest_plan(store.tiers)
-                finally:
-                    store.close()
-                if plan is None:
-                    log.info("kvwarm: no plan published in %s yet; nothing prefetched", self._settings.store_url)
-                    return
-            else:
-                plan = read_plan(self._settings.plan)
-            worker.prefetch(plan, self._tokenize if any(e.text is not None for e in plan.entries) else None)
-        except Exception:  # noqa: BLE001 - the engine serves cold rather than not at all
-            log.exception("kvwarm: the start-up prefetch failed; serving without it")
+        # the node agents: the plan (and the fleet's memory) followed for the engine's life
+        self._agents = start_agents(worker, self._settings, self._tokenize)
 
     def _tokenize(self, text: str, chat: bool) -> list[int]:
         """A plan entry's text as ``prefill warm`` tokenised it (through the chat template when ``chat``)."""
@@ -353,6 +335,8 @@ class KvwarmConnector(KVConnectorBase_V1):
 
     # -- shutdown ------------------------------------------------------------
     def shutdown(self) -> None:
+        if self._agents is not None:
+            self._agents.close()
         for role in (self._worker, self._scheduler):
             if role is not None:
                 try:

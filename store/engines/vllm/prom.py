@@ -34,7 +34,11 @@ COUNTERS = {
     "bytes_loaded": "Stored bytes read by loads.",
     "written_back_blocks": "Blocks the engine computed, written to the store (write-back, not prefill).",
     "written_back_bytes": "Bytes of written-back snapshots.",
-    "prefetched_blocks": "Blocks mapped into the node's pool by the start-up prefetch.",
+    "prefetched_blocks": "Blocks the node agent's prefetches mapped into the node's pool.",
+    "prefetch_copied_blocks": "Blocks the node agent's prefetches copied from S3 into NVMe.",
+    "prefetch_superseded": "Prefixes a prefetch never started because a newer plan replaced it.",
+    "agent_rankings": "Rankings the node agents applied (at start, and for each new plan).",
+    "agent_copies_queued": "Blocks the node agents queued for copying.",
 }
 #: ``kvwarm_connector_<name>_total{reason=...}``, and the reasons created at start.
 LABELLED = {

@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping, Sequence
 from store.engines.vllm.audit import Check, CrossTenantAudit
 from store.engines.vllm.costs import CostModel, default_prefill
 from store.engines.vllm.fetches import RemoteFetches
+from store.engines.vllm.memory import EngineMemory
 from store.engines.vllm.metadata import LoadSpec, SaveSpec, StepPlan, WorkerReport
 from store.engines.vllm.planning import (
     computes_of,
@@ -86,6 +87,7 @@ class SchedulerRole:
         precision = cfg.kv_cache.precision()
         self.probe = StoreProbe(Store(tiers[:1]), identities, precision, self.kv_block, self.tenants,
                                 public_prefixes=cfg.loader.public_prefixes)
+        self.memory = EngineMemory.open(settings, tiers, self.probe)
         self.fetches = RemoteFetches(Store(tiers), self.tenants, mode=cfg.loader.fetch_mode,
                                      timeout_s=cfg.loader.sync_fetch_timeout_s, backoff_s=cfg.loader.s3_backoff_s,
                                      workers=cfg.loader.fetch_workers, clock=clock)
@@ -338,6 +340,8 @@ class SchedulerRole:
         st = self.tracker.drop(request.request_id)
         if st is None:
             return {}
+        if self.memory is not None:
+            self.memory.served(st)
         if st.pending is not None:
             st.pending.future.cancel()
         if not st.counted and st.in_flight > 0:
@@ -372,4 +376,6 @@ class SchedulerRole:
         """Stop the S3 copy threads and the cross-tenant checks, and release the store."""
         self.fetches.close()
         self.audit.close()
+        if self.memory is not None:
+            self.memory.close()
         self.probe.local.close()

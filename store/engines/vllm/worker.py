@@ -26,7 +26,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -41,9 +41,7 @@ from store.engines.vllm.transfer import LoadThread, OpenLoad, StepLoad, run_load
 from store.engines.vllm.validity import BlockLedger
 from store.engines.vllm.writeback import WriteBack
 from store.identity.fingerprint import ModelIdentity
-from store.identity.tenant import PUBLIC
 from store.kernels.dequant import Dequantizer
-from store.plan import Plan
 from store.serving.loader import KVLoader
 from store.tiers.registry import tiers_from_url
 from store.tiers.store import Store
@@ -354,38 +352,6 @@ class WorkerRole:
         return report if report.loads or report.forward_tokens or report.refused else None
 
     # -- start-up and shutdown -----------------------------------------------
-    def prefetch(self, plan: Plan, tokenizer: Callable[[str, bool], Sequence[int]] | None = None) -> list[Any]:
-        """Prefetch ``plan`` (a :class:`store.plan.Plan`) into the node's pool; returns the futures.
-
-        Each tenant's entries go through that tenant's loader (plain or chat-keyed as the entry
-        says), ``public``'s through the default tenant's; tenants this engine does not serve are
-        skipped. ``tokenizer(text, chat)`` turns entries given as text into token ids.
-        """
-        groups: dict[tuple[str, bool], list[Any]] = {}
-        for e in plan.entries:
-            if e.tenant not in self.tenants.known or (e.chat and self.identities[1] is None):
-                self.counters.add("prefetch_skipped")
-                continue
-            owner = self.tenants.default if e.tenant == PUBLIC else e.tenant
-            groups.setdefault((owner, e.chat), []).append(e)
-        futures = []
-        for (tenant, chat), entries in groups.items():
-            encode = (lambda text, chat=chat: tokenizer(text, chat)) if tokenizer is not None else None
-            fut = self.loader(tenant, chat).prefetch(Plan(entries=tuple(entries)), tokenizer=encode)
-            fut.add_done_callback(self._prefetched)
-            futures.append(fut)
-        return futures
-
-    def _prefetched(self, fut: Any) -> None:
-        try:
-            result = fut.result()
-        except Exception:  # noqa: BLE001 - prefetch is best effort
-            log.exception("kvwarm start-up prefetch failed")
-            return
-        self.counters.add("prefetched_blocks", result.mapped)
-        log.info("kvwarm prefetched %d prefixes: %d blocks mapped, %d fetched from S3, %d skipped, failures %s",
-                 result.prefixes, result.mapped, result.fetched, result.skipped, result.failed or "none")
-
     def close(self) -> None:
         """Finish the loads in flight, write what is queued, then release the loaders (their pins and pool slot)."""
         self._finish_loads()

@@ -1,4 +1,6 @@
-"""The oracle is an upper bound: no policy beats its mean TTFT after any event, at any S3 link."""
+"""The oracle is an upper bound: no deployable policy beats its mean TTFT after any event, at any S3 link.
+
+``belady`` changes vLLM's own eviction (no store can): it is a ceiling of eviction, outside the bound."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -52,10 +54,11 @@ def test_no_policy_beats_the_oracle_on_any_event(trace_index: BlockIndex, link: 
                  for kind in ("restart", "replacement", "scale-out")] + [Scenario("steady")]
     for res in simulate(trace_index, deployment, scenarios, POLICIES, planner=planner):
         oracle = res.row("oracle").ttft_mean_s
-        for r in res.rows:
+        rows = [r for r in res.rows if r.policy != "belady"]
+        for r in rows:
             assert oracle <= r.ttft_mean_s + 1e-12, (res.scenario.name, r.policy, oracle, r.ttft_mean_s)
         # the bound holds per request for the window's first minute too
-        assert res.row("oracle").first_minute_ttft_mean_s <= min(r.first_minute_ttft_mean_s for r in res.rows) + 1e-12
+        assert res.row("oracle").first_minute_ttft_mean_s <= min(r.first_minute_ttft_mean_s for r in rows) + 1e-12
 
 
 def test_the_bound_charges_what_the_link_cannot_have_carried() -> None:

@@ -208,7 +208,7 @@ def test_the_thread_starts_polls_and_stops():
     node, plans = Node(), Plans()
     plans.publish(1)
     a = NodeAgent(node, plans, AgentSettings(poll_s=0.05))
-    t = AgentThread(a).start()
+    t = AgentThread([a]).start()
     deadline = time.monotonic() + 10
     while node.prefetches < 1 and time.monotonic() < deadline:
         time.sleep(0.01)

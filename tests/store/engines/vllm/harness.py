@@ -38,6 +38,8 @@ NEAR_TIE = 0.13
 #: a low prefill rate pinned for the tiny model, so that every stored hit "beats recomputing" whatever
 #: the machine's load does to the measured rates (the cost decision is unit-tested on its own)
 SLOW_PREFILL = 100.0
+#: the SeaweedFS credentials the S3 engine tests give the engine and the store
+S3_ENV = {"KVWARM_TEST_KEY": "test", "KVWARM_TEST_SECRET": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 def tiny_dir() -> Path:
@@ -265,3 +267,15 @@ def reasons(stats: dict[str, Any], name: str) -> dict[str, float]:
 def outcome(call: dict[str, Any]) -> dict[str, Any]:
     """What kvwarm reported for one request (its ``kv_transfer_params["kvwarm"]``)."""
     return (call.get("kv_transfer_params") or {}).get("kvwarm") or {}
+
+
+def names_of(config: Path, tenant: str, ids: Sequence[int]) -> list[str]:
+    """Object names of ``ids``'s full kvwarm blocks under ``tenant``'s plain root (the tiny model)."""
+    from store.config import load_config
+    from store.identity.fingerprint import identity_from_dir
+    from store.identity.keys import block_chain
+    from store.tiers.base import object_name
+
+    cfg = load_config(config)
+    root = identity_from_dir(tiny_dir()).key_root(cfg.kv_cache.precision(), KVWARM_BLOCK, cfg.tenant(tenant).salt)
+    return [object_name(tenant, b.key) for b in block_chain(root, ids)]

@@ -26,29 +26,28 @@ import pytest
 
 from bench.lib.vllm_engine import start_engine
 from store.config import load_config
-from store.identity.fingerprint import identity_from_dir
 from store.identity.keys import block_chain
 from store.tiers.base import object_name
 from store.tiers.store import Store
 from tests.seaweedfs import SeaweedFS
 from tests.store.engines.vllm.harness import (
+    S3_ENV,
     SALTS,
     TENANT,
     connector,
     count,
     engine_spec,
     entry,
+    names_of,
     outcome,
     prefill_here,
     request,
-    tiny_dir,
     write_config,
 )
 from tests.store.engines.vllm.prompts import PROMPTS, all_ids
 from tests.store.pool_workers import TINY as ANOTHER_MODEL
 from tests.store.pool_workers import synthetic_prefix
 
-S3_ENV = {"KVWARM_TEST_KEY": "test", "KVWARM_TEST_SECRET": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 SYNC_FETCH_TIMEOUT_S = 5.0
 #: what each request of the "local" step is, and what the client must be told:
 #: (prompt, salt, kvwarm_tenant, loads?, reason); refusals are told "absent", like a prompt nobody stores
@@ -73,12 +72,6 @@ LOCAL = [
 def local_call(calls, name: str, salt: str | None = None, tenant: str | None = None) -> dict:
     (i,) = [i for i, (n, s, t, _, _) in enumerate(LOCAL) if (n, s, t) == (name, salt, tenant)]
     return calls[i]
-
-
-def names_of(config, tenant: str, ids) -> list[str]:
-    cfg = load_config(config)
-    root = identity_from_dir(tiny_dir()).key_root(cfg.kv_cache.precision(), 256, cfg.tenant(tenant).salt)
-    return [object_name(tenant, b.key) for b in block_chain(root, ids)]
 
 
 def flip_a_payload_byte(path) -> None:

@@ -5,7 +5,7 @@ tests drive, in this process, the objects the connector serves through: its sche
 role (:class:`store.engines.vllm.scheduler.SchedulerRole`, fed vLLM-shaped requests and
 steps from ``scheduler_fakes``: every call vLLM makes for a request, from its arrival to
 its end), and the :class:`KVLoader` its worker role holds (the lookup each load makes,
-and the prefetch that runs at start-up and whenever a new plan is published). Memory is
+and the node agent that follows the published plan). Memory is
 Python's own allocations (``tracemalloc``), measured after a warm-up and again at the
 end: what the work keeps for ever grows with the number of prompts or plans, what it
 bounds does not. The bounds are a fraction of what one kept entry per prompt or plan
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import tracemalloc
 from pathlib import Path
 from typing import Callable
@@ -22,9 +23,12 @@ from typing import Callable
 import pytest
 
 import store
+from store.config import FleetMemoryConfig
 from store.engines.vllm.metadata import LoadResult, WorkerReport
-from store.plan import Plan, PlanEntry
+from store.plan import Plan, PlanEntry, publish_plan
+from store.serving.agent import AgentSettings, NodeAgent, StorePlans
 from store.serving.loader import KVLoader
+from store.serving.loader_node import LoaderNode
 from store.tiers.store import Store
 from tests.store.engines.vllm import scheduler_fakes as fakes
 from tests.store.pool_workers import ACME, TINY, config, prompt, synthetic_prefix
@@ -82,16 +86,31 @@ def a_plan(n: int, recurring: list[list[int]]) -> Plan:
     return Plan(entries=tuple(entries), created_at=1_000_000.0 + 300 * n)
 
 
-def test_a_day_of_plans_re_prefetched_every_five_minutes_keeps_memory_bounded(loader):
+def test_a_day_of_plans_followed_by_the_node_agent_keeps_memory_and_threads_bounded(loader):
+    """The node agent as the connector runs it, on a clock of its own: a plan published to the
+    store every five minutes, the agent polling every 30 s, each new plan applied (priorities,
+    copies, the last prefetch superseded), for a day."""
     ld, recurring = loader
+    clock = [1_000_000.0]
+    node = LoaderNode(ld, on_result=lambda r: results.append(r))
+    agent = NodeAgent(node, StorePlans(ld.store.tiers), AgentSettings(poll_s=30.0), clock=lambda: clock[0])
+    results: list = []
+    threads = []
 
-    def plan(n: int) -> None:
-        result = ld.prefetch(a_plan(n, recurring)).result(timeout=60)
-        assert result.present == 2 * len(recurring)  # the stored prefixes are found every time
+    def five_minutes(n: int) -> None:
+        publish_plan(a_plan(n, recurring), ld.store.tiers)
+        for _ in range(10):  # ten polls, one of which finds the new version
+            clock[0] += 30.0
+            agent.tick()
+        ld.prefetcher.wait_idle(60)
+        threads.append(threading.active_count())
 
-    grown = growth(plan, PLANS_PER_DAY, PLANS_PER_DAY // 6)
+    grown = growth(five_minutes, PLANS_PER_DAY, PLANS_PER_DAY // 6)
+    assert agent.figures.plans_applied == PLANS_PER_DAY and agent.figures.polls == 10 * PLANS_PER_DAY  # the first is the start
+    assert all(r.present >= 2 * len(recurring) for r in results)  # the stored prefixes are found every time
     # ~240 plans x 40 new entries x 2 blocks: one kept name per block would be > 2 MiB
     assert grown < 512 << 10, f"memory grew by {grown / 1024:.0f} KiB over {PLANS_PER_DAY} plans"
+    assert max(threads) - min(threads[PLANS_PER_DAY // 6:]) <= 1, "threads grew"
     hit = ld.lookup(recurring[0] + [1])
     assert hit is not None and hit.tokens == 2 * BS  # and the plans still serve
     hit.release()
@@ -121,7 +140,9 @@ def test_ten_thousand_requests_through_the_connectors_scheduler_role_keep_memory
     stored = [fakes.tokens(3 * fakes.KB, seed=s) for s in range(8)]
     for ids in stored:
         fakes.store_prefix(tmp_path, ids)
-    role = fakes.role(tmp_path, rate=100.0)
+    # the fleet's memory is bounded by fleet_memory.max_names: small here, so the soak passes the bound
+    cfg = fakes.config().model_copy(update={"fleet_memory": FleetMemoryConfig(max_names=500, flush_s=0.05)})
+    role = fakes.role(tmp_path, rate=100.0, cfg=cfg)
 
     def request(i: int) -> None:
         ids = fakes.tokens(2 * fakes.KB + 3, seed=1_000_000 + i)
@@ -141,6 +162,8 @@ def test_ten_thousand_requests_through_the_connectors_scheduler_role_keep_memory
 
     grown = growth(request, 10_000, 2_000)
     stats = role.stats()
+    kept = sum(len(d) for d in role.memory.recorder._names.values())
     role.close()
     assert stats["lookups"] == 10_000 and stats["hits"] == 1_000 and stats["requests_tracked"] == 0
+    assert kept <= 500 and role.memory.recorder.stats.as_dict().get("files_written", 0) > 0
     assert grown < 256 << 10, f"memory grew by {grown / 1024:.0f} KiB over 8,000 requests"

@@ -1,8 +1,12 @@
 """The worker role over a real local store and engine-shaped CPU caches: loads, failures, write-back, prefetch."""
 from __future__ import annotations
 
+import time
+from dataclasses import replace
+
 import torch
 
+from store.engines.vllm.agents import start_agents
 from store.engines.vllm.layout import EngineLayout
 from store.engines.vllm.metadata import LoadSpec, SaveSpec, StepPlan
 from store.engines.vllm.paging import read_layer, write_layer
@@ -11,7 +15,7 @@ from store.engines.vllm.validity import Compute
 from store.engines.vllm.worker import WorkerRole
 from store.identity.fingerprint import ModelIdentity
 from store.identity.keys import block_chain
-from store.plan import Plan, PlanEntry
+from store.plan import Plan, PlanEntry, write_plan
 from store.tiers.store import Store
 from tests.hang_guard import HANG_S
 from tests.store.engines.vllm.worker_setup import (
@@ -140,16 +144,22 @@ def test_steps_of_mostly_prefill_are_timed_for_the_scheduler(tmp_path, monkeypat
         worker.close()
 
 
-def test_the_start_up_prefetch_maps_the_plan_into_the_pool(tmp_path, worker) -> None:
+def test_the_node_agent_maps_the_plan_into_the_pool(tmp_path, worker) -> None:
     a, b = tokens(2 * KB, seed=6), tokens(2 * KB, seed=7)
     store_blocks(tmp_path, a)
     store_blocks(tmp_path, b)
-    plan = Plan(entries=(PlanEntry("acme", token_ids=tuple(a), score=2.0), PlanEntry("acme", text="b", score=1.0),
-                         PlanEntry("mallory", token_ids=tuple(b))))
-    futures = worker.prefetch(plan, tokenizer=lambda text, chat: b)
-    for f in futures:
-        f.result(timeout=HANG_S)  # a hang guard
-    assert worker.counters.totals()["prefetched_blocks"] == 4 and worker.counters.totals()["prefetch_skipped"] == 1
+    plan = write_plan(Plan(entries=(PlanEntry("acme", token_ids=tuple(a), score=2.0),
+                                    PlanEntry("acme", text="b", score=1.0), PlanEntry("mallory", token_ids=tuple(b)))),
+                      tmp_path / "plan.json")
+    agents = start_agents(worker, replace(worker.settings, plan=str(plan)), lambda text, chat: b)
+    try:
+        deadline = time.monotonic() + HANG_S
+        while worker.counters.totals().get("prefetched_blocks", 0) < 4 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        agents.close()
+    assert worker.counters.totals()["prefetched_blocks"] == 4  # acme's two prefixes; mallory's is not ours
+    assert worker.counters.totals()["agent_rankings"] == 1
     assert worker.loader("acme", False).pool.usage() > 0
 
 

@@ -1,0 +1,87 @@
+"""The engine's node agents: the worker's loaders follow the plan for the engine's life.
+
+With ``plan`` set (a plan file, or ``latest``: the plan the pipeline last published to the
+store), or the fleet's memory on (``fleet_memory.enabled`` and ``agent.fleet_warmup``), the
+worker role starts one :class:`store.serving.agent.NodeAgent` per loader it serves from
+(each tenant's, plain and chat-keyed), all on one thread (:class:`store.serving.agent.AgentThread`).
+At start each warms its loader from the latest plan and the fleet's memory; then each polls
+the plan's version every ``agent.poll_s`` and applies a new plan when one is published:
+new priorities, new copies, superseded copies cancelled. No restart is needed to take a plan.
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+from store.engines.vllm.settings import LATEST, ConnectorSettings
+from store.identity.tenant import PUBLIC
+from store.serving.agent import AgentSettings, AgentThread, FilePlan, NodeAgent, PlanSource, StorePlans
+from store.serving.loader_node import LoaderNode
+from store.tiers.registry import tiers_from_url
+
+if TYPE_CHECKING:
+    from store.engines.vllm.worker import WorkerRole
+    from store.serving.prefetch import PrefetchResult
+    from store.serving.urgency import Warmup
+
+log = logging.getLogger("kvwarm.connector")
+
+
+def plan_source(settings: ConnectorSettings) -> PlanSource | None:
+    """Where the engine's plans come from: the store's latest, a plan file, or nowhere."""
+    if settings.plan == LATEST:
+        return StorePlans(tiers_from_url(settings.store_url, settings.config.store))
+    if settings.plan:
+        return FilePlan(settings.plan)
+    return None
+
+
+def start_agents(worker: "WorkerRole", settings: ConnectorSettings,
+                 tokenize: Callable[[str, bool], Sequence[int]] | None) -> AgentThread | None:
+    """Start the worker's agents (see the module docstring); ``None`` when there is nothing to follow.
+
+    Never raises: a tenant whose loader cannot be made (a secret missing from the environment)
+    is logged and left out; the engine serves without its agent rather than not at all.
+    """
+    cfg = settings.config
+    fleet = cfg.agent.fleet_warmup and cfg.fleet_memory.enabled
+    source = plan_source(settings)
+    if source is None and not fleet:
+        return None
+    agent_settings = AgentSettings.of(cfg)
+    counters = worker.counters
+    agents: list[NodeAgent[Any]] = []
+    chats = (False, True) if worker.identities[1] is not None else (False,)
+    tenants = [worker.tenants.default] + sorted(t for t in worker.tenants.known if t not in (PUBLIC,
+                                                                                             worker.tenants.default))
+    for tenant in tenants:
+        if tenant == PUBLIC:
+            continue
+        for chat in chats:
+            try:
+                loader = worker.loader(tenant, chat)
+            except Exception:  # noqa: BLE001 - that tenant goes without its agent
+                log.exception("kvwarm: no agent for tenant %r (its loader could not be made)", tenant)
+                continue
+            encode = (lambda text, chat=chat: tokenize(text, chat)) if tokenize is not None else None
+            node = LoaderNode(loader, chat=chat, public=tenant == worker.tenants.default, tokenizer=encode,
+                              on_result=lambda r: _prefetched(counters, r))
+            agents.append(NodeAgent(node, source, agent_settings, listener=lambda w: _applied(counters, w)))
+    if not agents:
+        return None
+    log.info("kvwarm: %d node agent(s) follow %s%s", len(agents),
+             "the store's latest plan" if settings.plan == LATEST else (settings.plan or "no plan"),
+             " and the fleet's memory" if fleet else "")
+    return AgentThread(agents).start()
+
+
+def _prefetched(counters: Any, result: "PrefetchResult") -> None:
+    counters.add("prefetched_blocks", result.mapped)
+    counters.add("prefetch_copied_blocks", result.fetched)
+    if result.superseded:
+        counters.add("prefetch_superseded", result.superseded)
+
+
+def _applied(counters: Any, warm: "Warmup[Any]") -> None:
+    counters.add("agent_rankings")
+    counters.add("agent_copies_queued", len(warm.order))

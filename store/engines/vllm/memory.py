@@ -1,0 +1,76 @@
+"""The engine's part of the fleet's memory: every finished request's full blocks, recorded.
+
+The scheduler role tells :class:`EngineMemory` about each request it finishes; the names of
+the request's full kvwarm blocks (its tenant's chain, plain or chat-keyed as write-back keys
+it, and the ``public`` blocks it loaded) go to a :class:`store.serving.fleet.FleetRecorder`,
+in memory. The recorder's files are written off the engine's loop, on one thread of this
+module's, every ``fleet_memory.flush_s``, and once more at shutdown. A new or replaced node's
+agent reads them (:mod:`store.engines.vllm.agents`). Nothing here raises into the engine.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+from typing import Any, Sequence
+
+from store.engines.vllm.probe import StoreProbe
+from store.engines.vllm.tracker import RequestState
+from store.identity.tenant import PUBLIC
+
+log = logging.getLogger("kvwarm.connector")
+
+
+class EngineMemory:
+    """Records what an engine served (see the module docstring).
+
+    Args:
+        recorder: the node's :class:`store.serving.fleet.FleetRecorder`.
+        probe: keys prompts as the scheduler's lookups do.
+    """
+
+    def __init__(self, recorder: Any, probe: StoreProbe) -> None:
+        self.recorder = recorder
+        self.probe = probe
+        self._writer = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvwarm-fleet")
+        self._flushing: cf.Future[Any] | None = None
+
+    @classmethod
+    def open(cls, settings: Any, tiers: Sequence[Any], probe: StoreProbe) -> "EngineMemory | None":
+        """The engine's memory when ``fleet_memory.enabled``, else ``None``."""
+        cfg = settings.config.fleet_memory
+        if not cfg.enabled:
+            return None
+        from store.serving.fleet import FleetRecorder
+
+        return cls(FleetRecorder.from_config(tiers, cfg), probe)
+
+    def names(self, st: RequestState) -> list[str]:
+        """The object names of the request's full blocks (its chain, and the public ones it loaded)."""
+        if st.tenant is None or not st.prompt:
+            return []
+        chat = bool(st.save_chat)
+        out = self.probe.scope(st.tenant, chat).names(self.probe.chain(st.tenant, chat, st.prompt))
+        hit = st.hit
+        if hit is not None and hit.blocks and hit.namespace == PUBLIC and st.tenant != PUBLIC:
+            public = self.probe.chain(PUBLIC, hit.chat, st.prompt)[:hit.blocks]
+            out = self.probe.scope(PUBLIC, hit.chat).names(public) + out
+        return out
+
+    def served(self, st: RequestState) -> None:
+        """A request finished: record its blocks; start a flush in the background when one is due."""
+        try:
+            names = self.names(st)
+            if names:
+                self.recorder.record(names)
+            if self.recorder.due() and (self._flushing is None or self._flushing.done()):
+                self._flushing = self._writer.submit(self.recorder.maybe_flush)
+        except Exception:  # noqa: BLE001 - the fleet's memory is best effort
+            log.exception("kvwarm: could not record request %s in the fleet's memory", st.req_id)
+
+    def close(self) -> None:
+        """Write what is recorded, then stop the writer."""
+        self._writer.shutdown(wait=True)
+        try:
+            self.recorder.close()
+        except Exception:  # noqa: BLE001 - shutting down never fails because of kvwarm
+            log.exception("kvwarm: the fleet's memory could not be written at shutdown")
