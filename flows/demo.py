@@ -257,8 +257,13 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
     for kind in ("restart", "replacement"):
         got = what[kind]
         print(f"    {kind:<12}" + "; ".join(f"{p} {got[p]['hit_rate']:.1%} of tokens, TTFT {got[p]['ttft_mean_ms']:.1f} ms"
-                                          for p in ("vllm", "reactive-store", "kvwarm"))
+                                          for p in ("vllm", "reactive-store", "restore", "kvwarm"))
               + f" (no {kind}: {got['no-event']['hit_rate']:.1%})")
+    live, restore = what["replacement"]["kvwarm"], what["replacement"]["restore"]
+    print(f"    the live node after the replacement (the node agent, as the connector runs it): "
+          f"{live['warmup_blocks'] or 0} blocks wanted from the latest plan and the fleet's memory, "
+          f"{live['prefetched_blocks']} copied in the window, first-bucket hit rate "
+          f"{live['first_bucket_hit_rate']:.1%} (restore: {restore['first_bucket_hit_rate']:.1%})")
     print(f"    rerun: {what['command']}")
     plots = {**summary["plots"], "hitrate": str(hitrate_png)}
     print(f"  plots: {plots['forecast']}")

@@ -3,9 +3,10 @@
 The demo's own logs are replayed through the deployment-shaped replay
 (:mod:`forecasting.simulate.simulation`: vLLM's prefix cache over kvwarm's node tier over
 S3, at the calibrated costs) under ``vllm`` (the engine alone), ``reactive-store``
-(write-back and lazy loads) and ``kvwarm`` (the plans the cadence flow makes every
+(write-back and lazy loads), ``restore`` (the last hour's access log replayed at the event)
+and ``kvwarm`` (the shipped node agent following the plans the cadence flow makes every
 5 minutes from the logs before each plan's time, with the run's off-peak plan's prefill
-entries stored at its window's end). :func:`whatif` returns each policy's figures per
+entries stored at its window's end, and warming a new node from the fleet's memory). :func:`whatif` returns each policy's figures per
 event, writes one plot per event, and gives the ``prefill simulate`` command that reruns
 the replacement from the logs.
 """
@@ -21,7 +22,7 @@ WHATIF_BLOCKS = 256
 #: kvwarm's node tier in the what-if, in blocks
 WHATIF_NODE_BLOCKS = 1024
 #: the policies the demo shows
-WHATIF_POLICIES = ("vllm", "reactive-store", "kvwarm")
+WHATIF_POLICIES = ("vllm", "reactive-store", "restore", "kvwarm")
 #: the what-if's bucket (its "first minute"): the sample's traffic is tens of requests an hour
 WHATIF_BUCKET_S = 1800.0
 
@@ -68,7 +69,9 @@ def whatif(requests: pd.DataFrame, tokenizer: Any, plan_path: Path, *, logs: str
     for sc, res in zip(scenarios, results):
         out[sc.kind] = {r.policy: {"hit_rate": r.hit_rate, "ttft_mean_ms": 1e3 * r.ttft_mean_s,
                                    "first_bucket_hit_rate": r.first_minute_hit_rate_excl_root,
-                                   "prefetched_blocks": r.prefetched_blocks, "prefill_gpu_s": r.prefill_gpu_s}
+                                   "prefetched_blocks": r.prefetched_blocks, "prefill_gpu_s": r.prefill_gpu_s,
+                                   "warmup_blocks": r.warmup_blocks, "warmup_precision": r.warmup_precision,
+                                   "warmup_recall": r.warmup_recall}
                         for r in res.rows}
         out[sc.kind]["no-event"] = {"hit_rate": res.reference["kvwarm"].hit_rate,
                                     "ttft_mean_ms": 1e3 * res.reference["kvwarm"].ttft_mean_s}

@@ -7,45 +7,12 @@ raises ``KeyError``, which the report turns into a line saying what to rerun.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from bench.lib.replay_page import replay
+from bench.lib.tables import Page, Table, mib, ms, pct, verdict
+
+__all__ = ["PAGES", "Page", "Table", "generic", "generic_page", "mib", "ms", "pct", "verdict"]
 
 
-@dataclass(frozen=True)
-class Table:
-    """One markdown table: a header, rows of cells (already formatted), and a line under it."""
-    header: tuple[str, ...]
-    rows: list[tuple[str, ...]]
-    note: str = ""
-
-
-@dataclass(frozen=True)
-class Page:
-    """A bench's section: its title, what it measures (1-3 lines), and its tables."""
-    title: str
-    intro: str
-    tables: Callable[[dict], list[Table]]
-
-
-def verdict(met: bool | None) -> str:
-    """``met``, ``**not met**``, or nothing (no target, or not decided)."""
-    return "" if met is None else "met" if met else "**not met**"
-
-
-def ms(seconds: float) -> str:
-    return f"{seconds * 1e3:,.1f} ms"
-
-
-def mib(nbytes: int) -> str:
-    x = nbytes / 2**20
-    return f"{x:,.0f} MiB" if x >= 10 else f"{x:.1f} MiB"
-
-
-def pct(x: float, digits: int = 1) -> str:
-    return f"{100 * x:.{digits}f} %"
-
-
-# -- store ----------------------------------------------------------------------
 STORE_ROWS = {
     "nvme_write": "NVMe write (durable)",
     "nvme_read": "NVMe read (page cache, every byte verified)",
@@ -217,43 +184,6 @@ def forecast(r: dict) -> list[Table]:
     ]
     return [Table((f"{r['series_scored']} steady clients, days 12-14", "median MASE", "mean MASE", "time per fit"),
                   rows), Table(("figure", "result", "target", ""), targets)]
-
-
-# -- replay ---------------------------------------------------------------------
-REPLAY_POLICIES = ("vllm", "reactive-store", "kvwarm", "restore", "oracle", "belady")
-REPLAY_EVENTS = ("restart", "replacement", "scale-out")
-
-
-def replay(r: dict) -> list[Table]:
-    ev, summary = r["events"], r["summary"]
-    points = sorted({int(k.split(e)[1]) for k in ev for e in REPLAY_EVENTS if k.startswith(e) and k[len(e):].isdigit()})
-    head = ("mean TTFT, ms", *(f"{e} {p} %" for e in REPLAY_EVENTS for p in points), "steady")
-    cols = [f"{e}{p}" for e in REPLAY_EVENTS for p in points] + ["steady"]
-    rows = [(pol, *(f"{ev[c]['ttft_mean_ms'][pol]:.1f}" for c in cols)) for pol in REPLAY_POLICIES
-            if pol in ev[cols[0]]["ttft_mean_ms"]]
-    saved = [(e, f"{summary[e]['ttft_saved_vs_reactive_ms']:+.1f} ms (each {', '.join(f'{v:+.1f}' for v in summary[e]['ttft_saved_vs_reactive_ms_each'])})",
-              pct(summary[e]["gap_closed"]), pct(summary[e]["first_minute_vs_no_event"]),
-              f"{summary[e]['prefill_gpu_s']:.1f} GPU-s, {summary[e]['prefetched_blocks']:.0f} blocks")
-             for e in REPLAY_EVENTS]
-    t = r["targets"]
-    targets = [("after a replacement: gap from reactive-store to the oracle closed", pct(t["replacement_gap_closed"]["value"]),
-                f"≥ {t['replacement_gap_closed']['target'] * 100:.0f} %", verdict(t["replacement_gap_closed"]["met"])),
-               ("first minute after an event, against no event", pct(t["first_minute_vs_no_event"]["value"]),
-                f"≥ {t['first_minute_vs_no_event']['target'] * 100:.0f} %", verdict(t["first_minute_vs_no_event"]["met"])),
-               ("TTFT saved over reactive-store, lowest of every event", f"{t['ttft_saved_positive_everywhere']['value']:+.2f} ms",
-                "> 0", verdict(t["ttft_saved_positive_everywhere"]["met"]))]
-    sv = lambda x, e: f"{x[e]['ttft_saved_vs_reactive_ms']:+.1f} / {x[e]['restore']['ttft_saved_vs_reactive_ms']:+.1f} ms"  # noqa: E731
-    links = [(f"{x['s3_gbps']:g} Gb/s", *(f(x["summary"], e) for e in ("replacement", "scale-out")
-                                          for f in (sv, lambda y, e: f"{pct(y[e]['gap_closed'])} / {pct(y[e]['restore']['gap_closed'])}")))
-             for x in r.get("per_link", []) if "restore" in x["summary"]["replacement"]]
-    k = r["kvwarm"]
-    per_link = [Table(("S3 link (kvwarm / restore)", "replacement: saved", "gap closed", "scale-out: saved",
-                       "gap closed"), links)] if links else []
-    return [Table(head, rows, note=f"kvwarm: {k['plans']} plans at a {r['cadence_s']:g} s cadence "
-                  f"({k['fallback_plans']} fell back to recency and frequency), retain share {k['retain_fraction']:g}."),
-            Table(("kvwarm against reactive-store (mean of the points)", "TTFT saved per request", "gap closed",
-                   "first minute / no event", "spent"), saved),
-            Table(("target", "result", "target", ""), targets), *per_link]
 
 
 # -- engine ---------------------------------------------------------------------

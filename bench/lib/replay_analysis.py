@@ -25,7 +25,12 @@ TUNE_FRACTIONS = (0.2, 0.4, 0.6, 0.8)  # --tune: other event times
 EVENTS = ("restart", "replacement", "scale-out")
 #: --tune: (share of the node tier a plan may retain, the reuse model's urgent window in s, which orders the copies)
 TUNE_GRID = tuple((f, urgent) for f in (0.1, 0.25, 0.5) for urgent in (30.0, 60.0, 120.0))
-TARGETS = {"replacement_gap_closed": 0.50, "first_minute_vs_no_event": 0.95}
+#: issue 25's targets, kvwarm's mean over the evaluation points: after a replacement and after a
+#: scale-out it closes >= 50 % of the reactive-store -> oracle gap in mean TTFT and beats restore;
+#: its first minute beats restore's and reaches >= 60 % of the oracle's (token hit rate); in
+#: steady state it is no worse than reactive-store. (After an idle period: bench/lib/replay_suite.py.)
+GAP_TARGET, FIRST_MINUTE_TARGET = 0.50, 0.60
+NEW_NODE = ("replacement", "scale-out")
 
 
 def gap(value: float, low: float, high: float) -> float | None:
@@ -107,18 +112,45 @@ def summarise(events: dict[str, dict[str, Any]], fractions: Sequence[float]) -> 
         out[kind]["ttft_saved_vs_reactive_ms_each"] = [g.get("ttft_saved_vs_reactive_ms") for g in got]
         rst = [events[f"{kind}{int(100 * f)}"].get("restore", {}) for f in fractions]
         out[kind]["restore"] = {k: rounded(mean_of([g.get(k) for g in rst])) for k in keys}
-    targets = {
-        "replacement_gap_closed": out["replacement"]["gap_closed"],
-        "first_minute_vs_no_event": out["replacement"]["first_minute_vs_no_event"],
-    }
-    out["targets"] = {k: {"value": v, "target": TARGETS[k], "met": None if v is None else v >= TARGETS[k]}
-                      for k, v in targets.items()}
-    out["targets"]["ttft_saved_positive_everywhere"] = {
-        "value": min((v for kind in ("replacement", "scale-out")
-                      for v in out[kind]["ttft_saved_vs_reactive_ms_each"] if v is not None), default=None),
-        "target": 0.0}
-    t = out["targets"]["ttft_saved_positive_everywhere"]
-    t["met"] = None if t["value"] is None else t["value"] > 0
+    out["targets"] = targets(events, out, fractions)
+    return out
+
+
+def _mean_ttft(events: dict[str, dict[str, Any]], kind: str, fractions: Sequence[float], policy: str) -> float | None:
+    return mean_of([events[f"{kind}{int(100 * f)}"]["ttft_mean_ms"].get(policy) for f in fractions])
+
+
+def _mean_first(events: dict[str, dict[str, Any]], kind: str, fractions: Sequence[float], policy: str) -> float | None:
+    return mean_of([events[f"{kind}{int(100 * f)}"]["first_minute_pct"].get(policy) for f in fractions])
+
+
+def _target(value: float | None, target: float, met: bool | None) -> dict[str, Any]:
+    return {"value": rounded(value), "target": target, "met": met}
+
+
+def targets(events: dict[str, dict[str, Any]], summary: dict[str, Any], fractions: Sequence[float]) -> dict[str, Any]:
+    """Issue 25's targets (see :data:`GAP_TARGET`): each with its value, its target and whether it is met
+    (``None``: undefined on this trace, e.g. no hit in any first minute)."""
+    out: dict[str, Any] = {}
+    for kind in NEW_NODE:
+        if kind not in summary:  # no event of this kind had a request in its window
+            continue
+        key = kind.replace("-", "_")
+        closed = summary[kind]["gap_closed"]
+        out[f"{key}_gap_closed"] = _target(closed, GAP_TARGET, None if closed is None else closed >= GAP_TARGET)
+        kv, rst = _mean_ttft(events, kind, fractions, "kvwarm"), _mean_ttft(events, kind, fractions, "restore")
+        out[f"{key}_ttft_below_restore_ms"] = _target(None if kv is None or rst is None else rst - kv, 0.0,
+                                                      None if kv is None or rst is None else kv < rst)
+        kf, rf = _mean_first(events, kind, fractions, "kvwarm"), _mean_first(events, kind, fractions, "restore")
+        out[f"{key}_first_minute_above_restore_pct"] = _target(
+            None if kf is None or rf is None else kf - rf, 0.0, None if kf is None or rf is None else kf > rf)
+        vo = summary[kind]["first_minute_vs_oracle"]
+        out[f"{key}_first_minute_vs_oracle"] = _target(vo, FIRST_MINUTE_TARGET,
+                                                       None if vo is None else vo >= FIRST_MINUTE_TARGET)
+    steady = events.get("steady", {}).get("ttft_mean_ms", {})
+    if "kvwarm" in steady and "reactive-store" in steady:
+        worse = steady["kvwarm"] - steady["reactive-store"]
+        out["steady_ttft_above_reactive_ms"] = _target(worse, 0.0, worse <= 0.0)
     return out
 
 

@@ -102,7 +102,9 @@ def plan_now(requests: pd.DataFrame, as_of: Any, *, cost: PlanCosts, spec: Caden
     Returns:
         A version-2 plan: ``retain`` entries and ``base``'s prefill entries by score, the
         ``retain`` entries' places then by urgency, ``as_of`` set; ``extra`` says what the
-        reuse model learned from (``read_s``: the seconds of logs it read, when more than the lookback).
+        reuse model learned from (``read_s``: the seconds of logs it read, when more than the lookback),
+        its horizon (``horizon_s``) and, once it has learned, ``fleet_reuse``: the table a node
+        agent ranks the fleet's records with.
     """
     t = unix_s(as_of)
     secs = pd.to_datetime(requests["timestamp"]).to_numpy(dtype="datetime64[us]").astype(np.int64) / 1e6
@@ -128,7 +130,11 @@ def plan_now(requests: pd.DataFrame, as_of: Any, *, cost: PlanCosts, spec: Caden
                                     min_value=spec.min_value)
         entries = retain_entries(tree, uses, chosen, rank, reuse.urgency(occ))
         extra.update(reuse={"fallback": reuse.fallback, "closed_outcomes": reuse.closed},
-                     retain_blocks=int(len(chosen)), retain_bytes=float(len(chosen) * cost.bytes(block_size)))
+                     retain_blocks=int(len(chosen)), retain_bytes=float(len(chosen) * cost.bytes(block_size)),
+                     horizon_s=spec.reuse.horizon_s)
+        curve = reuse.fleet_curve()
+        if curve is not None:  # how a node agent ranks the fleet's records (docs/guides/loader.md)
+            extra["fleet_reuse"] = curve
     kept = {e.prefix_id for e in entries}
     prefill = [e for e in (base.prefill_entries() if base is not None else []) if e.prefix_id not in kept]
     merged = sorted(prefill + entries, key=lambda e: -e.score)

@@ -207,6 +207,8 @@ class ReuseModel:
         p: per class and age bin (``N_CLASSES x N_AGES``), P(used within the horizon);
             ``None`` when the model fell back.
         p_urgent: the same for ``urgent_s`` (``None`` when it fell back).
+        p_by_uses: P(used within the horizon) per uses class (1, 2, 3+) and age bin, the
+            other parts of the class pooled (:meth:`fleet_curve`; ``None`` when it fell back).
         closed: closed outcomes it learned from (occurrences with a closed checkpoint at age 0).
     """
 
@@ -215,6 +217,7 @@ class ReuseModel:
     p: np.ndarray | None
     closed: int
     p_urgent: np.ndarray | None = None
+    p_by_uses: np.ndarray | None = None
 
     @property
     def fallback(self) -> bool:
@@ -236,7 +239,20 @@ class ReuseModel:
         if n_closed < config.min_outcomes:
             return cls(config, float(as_of_s), None, n_closed)
         n, r, u = _checkpoints(occ, as_of_s, config)
-        return cls(config, float(as_of_s), _shrunk(n, r, config), n_closed, _shrunk(n, u, config))
+        level = np.arange(N_CLASSES) // (N_CLASSES // 3)  # the class's uses before it: 1, 2, 3+
+        by_uses = [np.stack([m[level == k].sum(axis=0) for k in range(3)]) for m in (n, r)]
+        return cls(config, float(as_of_s), _shrunk(n, r, config), n_closed, _shrunk(n, u, config),
+                   _shrunk(*by_uses, config))
+
+    def fleet_curve(self) -> dict | None:
+        """The table a node agent ranks the fleet's records with (a plan's ``extra["fleet_reuse"]``,
+        :class:`store.serving.urgency.ReuseCurve`): P(used within the horizon | uses 1, 2, 3+,
+        requests since the last use), the same checkpoints as :attr:`p` pooled over the other
+        parts of the class. ``None`` when the model fell back."""
+        if self.p_by_uses is None:
+            return None
+        return {"horizon_s": self.config.horizon_s, "traffic_edges": [int(e) for e in AGE_EDGES],
+                "p": [[round(float(x), 6) for x in np.minimum(row, 0.999)] for row in self.p_by_uses]}
 
     def _now(self, occ: Occurrences) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per node seen: which nodes, their last occurrence, and their age in requests now."""

@@ -26,14 +26,15 @@ import numpy as np
 from forecasting.simulate.prewarm import _dense_lookup, entry_blocks
 from forecasting.simulate.replay import BlockIndex
 from forecasting.simulate.tiers import Node, Served
+from store.config import FleetMemoryConfig
 from store.plan import Plan
 from store.serving.agent import AgentSettings, NodeAgent
 from store.serving.urgency import PlanChain
 
-#: the fleet recorder's default flush period (``fleet_memory.flush_s``): a use is readable this long after it
-FLUSH_S = 30.0
-#: the recorder's bound on the names it keeps (``fleet_memory.max_names``)
-MAX_NAMES = 200_000
+#: the fleet recorder's flush period (the config's ``fleet_memory.flush_s``): a use is readable this long after it
+FLUSH_S = FleetMemoryConfig().flush_s
+#: the recorder's bound on the names it keeps (the config's ``fleet_memory.max_names``)
+MAX_NAMES = FleetMemoryConfig().max_names
 
 
 class SimClock:

@@ -4,10 +4,11 @@ It is a bound computed request by request, not a node that runs. For request ``i
 node it assumes the best any policy could have had at that moment, at the same link and
 streams, and takes the cheapest way to serve the request from it:
 
-1. **Free blocks**: the longer of the prefixes that vLLM's cache holds under LRU (every
-   deployable policy runs the engine's own cache, and the engine admits every request
-   whole whatever the store did) and under Belady's rule (the ``belady`` row), replayed
-   over the requests the engine served since it (re)started.
+1. **Free blocks**: the prefix that vLLM's own cache holds (LRU), replayed over the requests
+   the engine served since it (re)started. Every deployable policy runs the engine's own
+   cache, and the engine admits every request whole whatever the store did, so that prefix
+   is the same for all of them. The ``belady`` row changes vLLM's eviction itself, which no
+   store can do: it is a ceiling of eviction and is not bounded here.
 2. **Blocks any policy could load from the node tier**, at the node tier's load cost: a
    block this node served before (its tier's lifetime: from the trace start, or from the
    event for a new node), or one that S3 could hold by then at the earliest (the request
@@ -23,7 +24,7 @@ streams, and takes the cheapest way to serve the request from it:
 
 The prefix served is the one of lowest cost (load plus the prefill of the rest,
 :class:`store.cost.PrefillCost`). Every policy's request takes a prefix of free blocks
-(its vLLM hit, at most the longer of the two), then node-tier loads and S3 waits whose
+(its vLLM hit), then node-tier loads and S3 waits whose
 costs are at least those charged here, so no policy's TTFT on any request is below the
 bound, and no mean over a window is either. It ignores the node tier's capacity, the
 uploads' share of the link and the fact that one copy serves one block, so it is not
@@ -37,17 +38,16 @@ import math
 import numpy as np
 
 from forecasting.simulate.prewarm import first_use
-from forecasting.simulate.replay import BeladyCache, BlockIndex, LRUCache, next_use, replay
+from forecasting.simulate.replay import BlockIndex, LRUCache, replay
 from forecasting.simulate.tiers import Served, TierCosts
 
 
 def engine_hits(index: BlockIndex, engine: np.ndarray, gpu_blocks: int) -> dict[int, int]:
-    """Per request of ``engine`` (served in order since the engine started), the longer of its
-    prefix hits in vLLM's cache under LRU and under Belady's rule."""
+    """Per request of ``engine`` (served in order since the engine started), its prefix hit in
+    vLLM's cache (LRU, as the engine runs it)."""
     engine = np.asarray(engine, dtype=np.int64)
     lru = replay(index, LRUCache(gpu_blocks), engine.tolist())
-    bel = replay(index, BeladyCache(gpu_blocks, next_use(index, engine)), engine.tolist())
-    return dict(zip(engine.tolist(), np.maximum(lru, bel).tolist()))
+    return dict(zip(engine.tolist(), np.asarray(lru).tolist()))
 
 
 def oracle_served(index: BlockIndex, costs: TierCosts, gpu_blocks: int, rows: np.ndarray, *, history: np.ndarray,

@@ -133,6 +133,7 @@ def test_the_demo_replays_the_planned_period_through_the_loader(prefect_harness,
         assert Path(what["plots"][kind]).exists()
     assert what["replacement"]["kvwarm"]["prefetched_blocks"] > 0  # a new node prefetches the latest plan
     assert "what-if at" in text and f"rerun: {what['command']}" in text
+    assert "the live node after the replacement" in text
     # The printed command reruns it from the logs themselves, to the same figures.
     from prefill.cli import main
 
