@@ -135,10 +135,15 @@ class Uploads:
                 self._cond.wait(timeout=min(left, 1.0))
         return True
 
-    def close(self, timeout_s: float = 5.0) -> None:
-        """Stop the threads once what is queued is sent (each waits at most ``timeout_s`` to be joined)."""
+    def stop(self) -> None:
+        """Take no more uploads (:meth:`put` refuses, a writer waiting for room goes on): the threads
+        send what is queued, then end."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """:meth:`stop`, then wait for each thread to end (at most ``timeout_s`` each)."""
+        self.stop()
         for t in self._threads:
             t.join(timeout=timeout_s)

@@ -216,9 +216,12 @@ class WriteBack:
         return False
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Write and upload what is queued (up to ``timeout_s``), then stop every thread and release the store."""
+        """Write and upload what is queued (up to ``timeout_s``; what is left then goes to NVMe only),
+        then stop every thread and release the store."""
         self.drain(timeout_s)
         self._queue.put(None)
+        if self.uploads is not None:
+            self.uploads.stop()  # a writer waiting for upload room goes on, NVMe only
         self._thread.join(timeout=5.0)
         if self.uploads is not None:
             self.uploads.close()

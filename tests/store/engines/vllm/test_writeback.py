@@ -188,3 +188,20 @@ def test_when_s3_fails_mid_run_write_back_goes_on_to_nvme_only(tmp_path) -> None
         assert "write_back_dropped:error" not in totals  # unreachable is not an error: S3 rests
     finally:
         writer.close()
+
+
+def test_close_writes_and_uploads_what_is_queued_then_stops_every_thread(tmp_path) -> None:
+    far = FarDir(tmp_path / "far")
+    far.held.clear()
+    caches, ids = _caches(3), tokens(3 * KB, seed=31)
+    writer = _writer(tmp_path, remote=far, max_bytes=1 << 20, streams=2)
+    assert writer.copy_out(_save("r", ids, 3), caches) is None
+    _wait(lambda: far.inflight == 2, "two uploads in flight")
+    closing = threading.Thread(target=writer.close, kwargs={"timeout_s": HANG_S})
+    closing.start()
+    far.held.set()
+    closing.join(HANG_S)
+    assert not closing.is_alive()
+    assert all(far.exists(n) for n in _names(ids, 3)) and writer.counters.totals()["written_back_uploads"] == 3
+    assert writer.uploads is not None and not any(t.is_alive() for t in writer.uploads._threads)
+    assert not writer._thread.is_alive()
