@@ -167,7 +167,12 @@ class LoaderConfig(_Section):
         "(two slots used in turn; a larger load goes through in pieces), e.g. '64MiB'.")
     write_back_queue_bytes: ByteSize = Field(
         ByteSize(256 << 20), description="Most bytes of blocks the vLLM connector has copied out for write-back and "
-        "not yet written (pinned host memory on a GPU); a save that does not fit is dropped and counted.")
+        "not yet encoded (pinned host memory on a GPU); a save that does not fit keeps its leading kvwarm blocks "
+        "that do, and the rest is dropped and counted. Encoded blocks waiting for their S3 upload are bounded "
+        "apart by the same number of bytes (so write-back holds at most twice this).")
+    write_back_streams: int = Field(
+        4, ge=1, le=64, description="Threads the vLLM connector's write-back uploads to S3 on (parallel PUTs); "
+        "blocks go to NVMe first, on the writer's own thread.")
 
     def with_overrides(self, **given: Any) -> "LoaderConfig":
         """This section with each keyword that is not ``None`` in place of its value, validated

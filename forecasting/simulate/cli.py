@@ -103,8 +103,11 @@ def add_simulate_command(sub: Any, load_tokenizer: Callable[[str], Tokenizer] | 
                         f"(SeaweedFS on the 2-core host the benches ran on: 273 MB/s a stream, "
                         f"{HOST_S3_LINK_BYTES_PER_S * 8 / 1e9:.2f} Gb/s link) (default: %(default)s)")
     p.add_argument("--write-back-queue-bytes", type=float, default=None, metavar="BYTES",
-                   help="the most write-back copies (the engine's bf16 KV) that wait for upload; a save that does not "
-                        f"fit is dropped (default: the config's {int(loader.write_back_queue_bytes)})")
+                   help="the most write-back copies (the engine's bf16 KV) that wait to be encoded, and the most "
+                        "stored bytes that wait for upload; a save keeps its leading blocks that fit, the tail is "
+                        f"dropped (default: the config's {int(loader.write_back_queue_bytes)})")
+    p.add_argument("--write-back-streams", type=int, default=loader.write_back_streams, metavar="N",
+                   help="write-back uploads to S3 at once (default: %(default)s, the config's)")
     p.add_argument("--fetch-mode", choices=("background", "sync"), default=loader.fetch_mode,
                    help="kvwarm's loader on an S3-only hit: miss now and copy for next time, or wait when that beats "
                         "recomputing (default: %(default)s, the config's); reactive-store, restore and belady "
@@ -217,9 +220,9 @@ def run_simulate(args: argparse.Namespace) -> int:
         _check_plotting()
     cost = _cost(args)
     policies = _policies(args)
-    if args.fetch_workers < 1 or args.prefetch_streams < 1:
-        raise BadInputError(f"--fetch-workers and --prefetch-streams must each be at least 1, got "
-                            f"{args.fetch_workers} and {args.prefetch_streams}")
+    if args.fetch_workers < 1 or args.prefetch_streams < 1 or args.write_back_streams < 1:
+        raise BadInputError(f"--fetch-workers, --prefetch-streams and --write-back-streams must each be at least 1, "
+                            f"got {args.fetch_workers}, {args.prefetch_streams} and {args.write_back_streams}")
     if args.s3_gbps is not None and not (args.s3_gbps > 0 and math.isfinite(args.s3_gbps)):
         raise BadInputError(f"--s3-gbps must be a positive number of gigabits a second, got {args.s3_gbps}")
     host = args.s3_profile == "host"
@@ -229,6 +232,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         raise BadInputError(f"--write-back-queue-bytes must be a number of bytes >= 0, got {queue}")
     loader = LoaderConfig().with_overrides(fetch_workers=args.fetch_workers, fetch_mode=args.fetch_mode,
                                            prefetch_streams=args.prefetch_streams,
+                                           write_back_streams=args.write_back_streams,
                                            write_back_queue_bytes=None if queue is None else int(queue))
     base = read_plan(args.plan) if args.plan else None
     trace, requests, roots, read_note = _read(args)
@@ -252,7 +256,8 @@ def run_simulate(args: argparse.Namespace) -> int:
                          "write_back": shape.write_back, "cadence_s": args.cadence,
                          "prefetch_streams": deployment.costs.prefetch_streams,
                          "fetch_streams": deployment.costs.fetch_streams, "s3_bytes_per_s": link,
-                         "s3_profile": args.s3_profile, "write_back_queue_bytes": shape.write_back_queue_bytes}
+                         "s3_profile": args.s3_profile, "write_back_queue_bytes": shape.write_back_queue_bytes,
+                         "write_back_streams": deployment.costs.upload_streams}
     if plot_path is not None:
         out["plot"] = str(plot_path)
     if args.json:

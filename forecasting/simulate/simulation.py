@@ -82,9 +82,10 @@ class Deployment:
         per-request rate at the 8 prefetch streams), each stream copying at ``s3_stream``'s
         rate (default :data:`~forecasting.simulate.tiers.S3_STREAM`, AWS's; this host's
         SeaweedFS: :data:`~forecasting.simulate.tiers.HOST_S3_STREAM`). Write-back uploads
-        share the link; their queue holds the loader's ``write_back_queue_bytes`` of the
-        engine's bf16 copies (a block of ``block_tokens`` takes ``block_tokens *``
-        :data:`ENGINE_KV_BYTES_PER_TOKEN`).
+        run on the loader's ``write_back_streams`` and share the link; their copy queue holds
+        the loader's ``write_back_queue_bytes`` of the engine's bf16 copies (a block of
+        ``block_tokens`` takes ``block_tokens *`` :data:`ENGINE_KV_BYTES_PER_TOKEN`), and as
+        many stored bytes again wait for upload.
 
         Raises:
             BadInputError: a capacity that holds no block.
@@ -102,7 +103,8 @@ class Deployment:
                           write_back_queue_bytes=float(loader.write_back_queue_bytes))
         costs = TierCosts(prefill or PrefillCost(), NODE_TIER, s3_stream, block_bytes,
                           prefetch_streams=loader.prefetch_streams, fetch_streams=loader.fetch_workers,
-                          s3_bytes_per_s=s3_bytes_per_s, save_block_bytes=block_tokens * ENGINE_KV_BYTES_PER_TOKEN)
+                          s3_bytes_per_s=s3_bytes_per_s, save_block_bytes=block_tokens * ENGINE_KV_BYTES_PER_TOKEN,
+                          upload_streams=loader.write_back_streams)
         return cls(shape, costs)
 
 

@@ -32,7 +32,7 @@ import numpy as np
 from forecasting.simulate.channels import FetchChannel, S3Link, drain
 from forecasting.simulate.node_tier import NodeTier
 from forecasting.simulate.replay import BeladyCache, BlockIndex, LRUCache, prefix_hits
-from forecasting.simulate.uploads import UploadQueue
+from forecasting.simulate.uploads import WRITE_BACK_STREAMS, UploadQueue
 from store.cost import LoadCost, PrefillCost, load_beats_prefill
 from store.errors import BadInputError
 
@@ -79,6 +79,7 @@ class TierCosts:
             ``remote``'s rate.
         save_block_bytes: bytes one block's write-back copy takes in the upload queue (the
             engine's KV of a block; default ``block_bytes``).
+        upload_streams: write-back uploads at once (the loader's ``write_back_streams``).
     """
 
     prefill: PrefillCost
@@ -89,6 +90,7 @@ class TierCosts:
     fetch_streams: int = 1
     s3_bytes_per_s: float = math.inf
     save_block_bytes: float | None = None
+    upload_streams: int = WRITE_BACK_STREAMS
 
     def __post_init__(self) -> None:
         if not (self.block_bytes > 0 and math.isfinite(self.block_bytes)):
@@ -96,7 +98,7 @@ class TierCosts:
         if not (isinstance(self.s3_bytes_per_s, (int, float)) and self.s3_bytes_per_s > 0):
             raise BadInputError(f"TierCosts.s3_bytes_per_s must be a positive number of bytes a second (inf: no "
                                 f"limit), got {self.s3_bytes_per_s!r}")
-        for name in ("prefetch_streams", "fetch_streams"):
+        for name in ("prefetch_streams", "fetch_streams", "upload_streams"):
             value = getattr(self, name)
             if not (isinstance(value, int) and value >= 1):
                 raise BadInputError(f"TierCosts.{name} must be a positive integer, got {value!r}")
@@ -198,7 +200,8 @@ class Node:
         self.fetch = FetchChannel(costs.fetch_s, link)
         self.prefetcher = FetchChannel(costs.prefetch_s, link)
         self.uploads = UploadQueue(costs.copy_s, link, max_bytes=shape.write_back_queue_bytes,
-                                   save_bytes=costs.save_bytes)
+                                   save_bytes=costs.save_bytes, block_bytes=costs.block_bytes,
+                                   streams=costs.upload_streams)
         self.priority: dict[int, float] = {}
         self._seq = 0
         self._cum = np.concatenate([[0], np.cumsum(index.tokens)])
@@ -331,17 +334,17 @@ class Node:
 
     def _admit_tier(self, a: int, ids: np.ndarray, g: int, loaded: int, cached: int, now: float) -> None:
         """Blocks loaded from the tier (``g`` to ``loaded``) are touched; those waited for from S3
-        land through the fetch channel. With write-back the computed full blocks are one save,
-        queued for upload (root first, the ones the tier lacks) and kept in the tier, or dropped
-        whole when the queue is full (the product's ``queue_full``: they reach no tier). Root
-        most recent."""
+        land through the fetch channel. With write-back the computed full blocks are one save: its
+        leading blocks that the upload queue takes are queued for upload (root first, the ones the
+        tier lacks) and kept in the tier; the tail it cannot take is dropped (the product's
+        ``queue_full``: it reaches no tier). Root most recent."""
         occ = []
         if self.shape.write_back:
             computed = [o for o in range(a + len(ids) - 1, a + cached - 1, -1) if self._full[o]]
             if computed:
                 blocks = ids[np.asarray(computed) - a].tolist()
-                if self.uploads.submit(len(blocks), [b for b in blocks[::-1] if b not in self.tier], now):
-                    occ = computed
+                kept = self.uploads.submit(blocks[::-1], self.tier, now)
+                occ = computed[len(computed) - kept:]
         occ += [o for o in range(a + loaded - 1, a + g - 1, -1) if self._full[o]]
         if occ:
             blocks = ids[np.asarray(occ) - a].tolist()

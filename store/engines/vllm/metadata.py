@@ -121,7 +121,8 @@ class WorkerReport:
         forward_tokens: tokens of a step that was mostly prefill, else 0.
         forward_seconds: how long its forward took (its loads excluded).
         refused: per request, the first kvwarm block of its saves that was not stored because
-            it (or a block before it) did not hold valid KV; the scheduler plans it again.
+            it (or a block before it) did not hold valid KV, or did not fit in the write-back
+            queue; the scheduler plans it again once the request computes prompt tokens again.
     """
 
     loads: list[LoadResult] = field(default_factory=list)

@@ -34,6 +34,8 @@ COUNTERS = {
     "bytes_loaded": "Stored bytes read by loads.",
     "written_back_blocks": "Blocks the engine computed, written to the store (write-back, not prefill).",
     "written_back_bytes": "Bytes of written-back snapshots.",
+    "written_back_uploads": "Written-back blocks the upload streams put in the remote tier (S3); the rest of "
+                            "written_back_blocks are on NVMe only (S3 resting after a failure, or holding them).",
     "prefetched_blocks": "Blocks the node agent's prefetches mapped into the node's pool.",
     "prefetch_copied_blocks": "Blocks the node agent's prefetches copied from S3 into NVMe.",
     "prefetch_superseded": "Prefixes a prefetch never started because a newer plan replaced it.",
@@ -49,7 +51,9 @@ LABELLED = {
     "load_failures": ("Loads that wrote fewer blocks than planned (vLLM recomputes the rest), by reason.",
                       MISS_REASONS),
     "write_back_skipped": ("Blocks not written back, by reason (present: the store had them).", ("present",)),
-    "write_back_dropped": ("Blocks dropped by write-back, by reason.", ("queue_full", "error")),
+    "write_back_dropped": ("Blocks dropped by write-back, by reason (queue_full: kvwarm blocks at the tail of a "
+                           "save the copy queue could not take; error: a block not written, or its upload failed).",
+                           ("queue_full", "error")),
 }
 PREFIX = "kvwarm_connector_"
 

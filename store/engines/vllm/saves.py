@@ -5,8 +5,10 @@ hit in ``public`` (or none), the tenant's own plain chain from block 0, once the
 past the public blocks (a chain is found only from its root). Each step, the full prompt
 blocks computed since the last save are planned (:func:`store.engines.vllm.planning.save_spec`).
 A save the worker refused (its KV was computed over a failed load,
-:mod:`store.engines.vllm.validity`) moves the request back to the refused block, and nothing
-more is planned for it until a step computes prompt tokens again (the engine recomputing them).
+:mod:`store.engines.vllm.validity`, or its tail did not fit in the write-back queue) moves the
+request back to the refused block, and nothing more is planned for it until a step computes
+prompt tokens again (the engine recomputing them, or the next chunk of a long prompt: its save
+then starts at the refused block, so blocks are stored in prefix order).
 Pure: request states and numbers, no vLLM.
 """
 from __future__ import annotations
@@ -65,6 +67,7 @@ class SavePlanner:
 
     @staticmethod
     def refused(st: RequestState, first: int) -> None:
-        """The worker did not store the request's blocks from ``first`` on (computed over a failed load)."""
+        """The worker did not store the request's blocks from ``first`` on (computed over a failed load,
+        or not taken by the write-back queue)."""
         if first < st.save_from:
             st.save_from, st.save_wait = first, True

@@ -145,7 +145,7 @@ class WorkerRole:
                                     self.identities, cfg.kv_cache.precision(), kv_block=self.kv_block,
                                     ttl_s=cfg.kv_cache.ttl_seconds(), layout=layout, counters=self.counters,
                                     max_bytes=int(cfg.loader.write_back_queue_bytes),
-                                    s3_backoff_s=cfg.loader.s3_backoff_s)
+                                    streams=cfg.loader.write_back_streams, s3_backoff_s=cfg.loader.s3_backoff_s)
 
     def loader(self, tenant: str, chat: bool) -> KVLoader:
         """The loader of ``tenant``'s chains, plain or chat-keyed (one per pair, made on first use)."""
@@ -305,10 +305,10 @@ class WorkerRole:
             self.ledger.blind = True
         if self.writer is not None and self.layout is not None:
             for planned in plan.saves:
-                spec = self._valid_part(planned)
-                if spec is None:
-                    continue
-                self.writer.copy_out(spec, self.caches)
+                spec = self._valid_part(planned)  # the queue may take only its head: the tail is reported
+                cut = None if spec is None else self.writer.copy_out(spec, self.caches)
+                if cut is not None:
+                    self._report.refused[spec.req_id] = min(cut, self._report.refused.get(spec.req_id, cut))
         tokens = plan.prompt_tokens + plan.other_tokens
         if plan.prompt_tokens >= PREFILL_MIN_TOKENS and plan.prompt_tokens >= PREFILL_SHARE * tokens:
             self._report.forward_tokens = tokens

@@ -3,15 +3,21 @@
 After a step's forward, the worker copies the blocks a :class:`store.engines.vllm.metadata.SaveSpec`
 names out of the engine's cache (one indexed copy per layer: the engine may reuse them once the
 step is over; from a GPU into pinned host memory, with an event the writer waits for) and hands
-them to :class:`WriteBack`. One background thread does the rest, off the
-forward path: it reorders them into kvwarm's layout, skips blocks the store already holds,
-quantises at the configured precision (recording the error), and writes each block atomically
-through :meth:`store.tiers.store.Store.put` (every tier; with the config's TTL and the tenant's
-salt). So a restarted or new replica is warm from the store even for prefixes no plan named.
+them to :class:`WriteBack`. Its background thread does the rest, off the forward path: it
+reorders them into kvwarm's layout, skips blocks the store already holds, quantises at the
+configured precision (recording the error), and writes each block atomically to NVMe
+(:meth:`store.tiers.store.Store.put`, with the config's TTL and the tenant's salt), then hands
+it to :class:`store.engines.vllm.uploads.Uploads`, whose ``streams`` threads PUT it to the
+remote tiers (S3). So a restarted or new replica is warm from the store even for prefixes no
+plan named.
 
-Bounded: at most ``max_bytes`` of copied blocks wait; a save that does not fit is dropped and
-counted (``write_back_dropped:queue_full``), never waited for. After S3 fails, blocks are written
-to NVMe only for ``s3_backoff_s``.
+Bounded: at most ``max_bytes`` of copied blocks wait to be encoded; a save that does not fit
+keeps its leading kvwarm blocks that do (a block is found only after its parents) and the
+tail is dropped and counted (``write_back_dropped:queue_full``, in kvwarm blocks), never
+waited for. A job's copied bytes are freed once its blocks are encoded; the encoded
+snapshots waiting for S3 are bounded apart by ``max_bytes`` too (the writer waits for room,
+so a slow S3 fills the copy queue and long saves lose their tails). After S3 fails, blocks
+go to NVMe only for ``s3_backoff_s``.
 """
 from __future__ import annotations
 
@@ -19,7 +25,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -29,7 +35,8 @@ from store.engines.vllm.metadata import SaveSpec
 from store.engines.vllm.paging import take_blocks, unpack_blocks
 from store.engines.vllm.stats import Counters
 from store.engines.vllm.tenancy import TenantBook
-from store.errors import StoreError, StoreUnavailable
+from store.engines.vllm.uploads import Uploads
+from store.errors import StoreError
 from store.format.encode import build_snapshot
 from store.format.header import WRITE_BACK
 from store.format.precision import Precision
@@ -39,8 +46,10 @@ from store.tiers.base import object_name
 from store.tiers.store import Store
 
 log = logging.getLogger("kvwarm.vllm")
-#: Default bound on copied blocks waiting to be written.
+#: Default bound on copied blocks waiting to be encoded (and, apart, on encoded ones waiting for S3).
 MAX_QUEUED_BYTES = 256 << 20
+#: Default upload threads (``loader.write_back_streams``).
+UPLOAD_STREAMS = 4
 
 
 @dataclass(frozen=True)
@@ -55,7 +64,7 @@ class WriteBack:
     """The background writer of one worker.
 
     Args:
-        store: every tier, NVMe first.
+        store: every tier, NVMe first (the others are the remote tiers the uploads go to).
         tenants: whose namespace and salt each block goes under.
         identities: the model's identities, plain and chat-keyed (a save extends the chain its spec names).
         precision: the storage precision.
@@ -63,7 +72,9 @@ class WriteBack:
         ttl_s: the snapshots' lifetime.
         layout: the engine's KV layout.
         counters: where ``written_back_*`` and ``write_back_*`` are counted.
-        max_bytes: the most copied bytes that wait.
+        max_bytes: the most copied bytes that wait to be encoded, and apart the most encoded
+            bytes that wait for (or are in) an upload.
+        streams: upload threads to the remote tiers.
         s3_backoff_s: after S3 fails, NVMe only for this long.
         clock: wall time (snapshot creation times).
     """
@@ -71,7 +82,7 @@ class WriteBack:
     def __init__(self, store: Store, tenants: TenantBook, identities: tuple[ModelIdentity, ModelIdentity | None],
                  precision: Precision, *,
                  kv_block: int, ttl_s: float, layout: EngineLayout, counters: Counters,
-                 max_bytes: int = MAX_QUEUED_BYTES, s3_backoff_s: float = 30.0,
+                 max_bytes: int = MAX_QUEUED_BYTES, streams: int = UPLOAD_STREAMS, s3_backoff_s: float = 30.0,
                  clock: Callable[[], float] = time.time) -> None:
         self.store = store
         local = store.local
@@ -86,54 +97,63 @@ class WriteBack:
         self.layout = layout
         self.counters = counters
         self.max_bytes = max_bytes
-        self.s3_backoff_s = s3_backoff_s
         self.clock = clock
+        self.uploads = (Uploads(Store(store.tiers[1:]), streams=streams, max_bytes=max_bytes, backoff_s=s3_backoff_s,
+                                counters=counters) if len(store.tiers) > 1 else None)
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._queued = 0
-        self._s3_after = 0.0
+        self._peak = 0
         self._thread = threading.Thread(target=self._run, name="kvwarm-writeback", daemon=True)
         self._thread.start()
 
-    def room(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more copied blocks may wait now."""
+    @property
+    def queued_bytes(self) -> int:
+        """Copied bytes waiting to be encoded now."""
         with self._lock:
-            return self._queued + nbytes <= self.max_bytes
+            return self._queued
 
-    def copy_out(self, spec: SaveSpec, caches: Sequence[torch.Tensor]) -> bool:
-        """Copy the save's engine blocks out of every layer's cache (into host memory) and queue them;
-        ``False`` (counted ``queue_full``) when they do not fit. Call after the step's forward.
-
-        From a GPU the copies run on the current (the forward's) stream, after it; the writer waits
-        for an event recorded after them.
-        """
-        nbytes = len(caches) * len(spec.block_ids) * self.layout.block_bytes
-        if not self.room(nbytes):
-            self.counters.add("write_back_dropped", len(spec.block_ids) * self.layout.block_size // self.kv_block,
-                              reason="queue_full")
-            return False
-        layers = [take_blocks(c, self.layout, spec.block_ids, host=True) for c in caches]
-        ready = None
-        if caches and caches[0].device.type == "cuda":
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(caches[0].device))
-        return self.submit(spec, layers, ready=ready)
-
-    def submit(self, spec: SaveSpec, layers: Sequence[torch.Tensor], ready: Any = None) -> bool:
-        """Queue copied blocks for writing; ``False`` (counted) when the queue is full.
-
-        ``ready``: an event (``synchronize()``) the copies into ``layers`` end with, waited for here,
-        on the writer's thread, before it reads them.
-        """
-        nbytes = sum(t.numel() * t.element_size() for t in layers)
+    @property
+    def peak_bytes(self) -> int:
+        """The most copied bytes that have waited at once."""
         with self._lock:
-            if self._queued + nbytes > self.max_bytes:
-                self.counters.add("write_back_dropped", len(spec.block_ids) * self.layout.block_size // self.kv_block,
-                                  reason="queue_full")
-                return False
+            return self._peak
+
+    def copy_out(self, spec: SaveSpec, caches: Sequence[torch.Tensor]) -> int | None:
+        """Copy the save's engine blocks out of every layer's cache (into host memory) and queue them,
+        as many leading kvwarm blocks as fit. Call after the step's forward.
+
+        Returns ``None`` when the whole save is queued, else the first kvwarm block not queued
+        (it and the rest are counted ``write_back_dropped:queue_full``): what the scheduler may
+        plan again. From a GPU the copies run on the current (the forward's) stream, after it;
+        the writer waits for an event recorded after them.
+        """
+        ratio = self.kv_block // self.layout.block_size
+        blocks = len(spec.block_ids) // ratio
+        each = len(caches) * ratio * self.layout.block_bytes  # copied bytes of one kvwarm block
+        with self._lock:
+            fit = blocks if each == 0 else max(0, min(blocks, (self.max_bytes - self._queued) // each))
+            nbytes = fit * each
             self._queued += nbytes
-        self._queue.put(_Job(spec, list(layers), nbytes, ready))
-        return True
+            self._peak = max(self._peak, self._queued)
+        if fit < blocks:
+            self.counters.add("write_back_dropped", blocks - fit, reason="queue_full")
+        if fit == 0:
+            return spec.first
+        part = spec if fit == blocks else replace(spec, token_ids=spec.token_ids[: (spec.first + fit) * self.kv_block],
+                                                  block_ids=spec.block_ids[: fit * ratio])
+        try:
+            layers = [take_blocks(c, self.layout, part.block_ids, host=True) for c in caches]
+            ready = None
+            if caches and caches[0].device.type == "cuda":
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(caches[0].device))
+        except BaseException:
+            with self._lock:
+                self._queued -= nbytes
+            raise
+        self._queue.put(_Job(part, layers, nbytes, ready))
+        return None if fit == blocks else spec.first + fit
 
     def _run(self) -> None:
         while True:
@@ -148,6 +168,7 @@ class WriteBack:
             finally:
                 with self._lock:
                     self._queued -= job.nbytes
+                job = None  # the copies go now, not when the next save comes
                 self._queue.task_done()
 
     def _write(self, job: _Job) -> None:
@@ -161,7 +182,6 @@ class WriteBack:
         root = identity.key_root(self.precision, self.kv_block, tenant.salt)
         blocks = block_chain(root, spec.token_ids)[spec.first:]
         kv = [unpack_blocks(t, self.layout) for t in job.layers]  # per layer, [heads, n * kv_block, dim]
-        store = self.store if time.monotonic() >= self._s3_after else self._local_only
         for j, block in enumerate(blocks):
             if self.local.exists(object_name(spec.tenant, block.key)):
                 self.counters.add("write_back_skipped", reason="present")
@@ -171,37 +191,38 @@ class WriteBack:
                                   kv=[(k[:, part], v[:, part]) for k, v in kv], precision=self.precision,
                                   created_at=self.clock(), ttl_s=self.ttl_s, source=WRITE_BACK)
             try:
-                try:
-                    wrote = store.put(tenant, snap)
-                except StoreUnavailable as exc:  # the remote tier rests a while; NVMe now
-                    log.warning("kvwarm write-back: the remote tier failed (%s); NVMe only for %g s", exc,
-                                self.s3_backoff_s)
-                    self._s3_after = time.monotonic() + self.s3_backoff_s
-                    store = self._local_only
-                    wrote = store.put(tenant, snap) or self.local.exists(object_name(spec.tenant, block.key))
+                wrote = self._local_only.put(tenant, snap)
             except StoreError as exc:  # full, refused: this block is not written
                 log.warning("kvwarm write-back of a block of request %s failed: %s", spec.req_id, exc)
                 self.counters.add("write_back_dropped", reason="error")
                 continue
-            if wrote:
-                self.counters.add("written_back_blocks")
-                self.counters.add("written_back_bytes", snap.file_size)
-            else:
+            if not wrote:
                 self.counters.add("write_back_skipped", reason="present")
+                continue
+            self.counters.add("written_back_blocks")
+            self.counters.add("written_back_bytes", snap.file_size)
+            if self.uploads is not None:
+                self.uploads.put(tenant, snap)  # waits for room; refused while S3 rests (NVMe only)
 
     def drain(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every queued save is written (or ``timeout_s`` passed); whether it emptied."""
+        """Wait until every queued save is written and uploaded (or ``timeout_s`` passed); whether it emptied."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             with self._lock:
-                if self._queued == 0 and self._queue.unfinished_tasks == 0:
-                    return True
+                copied = self._queued == 0 and self._queue.unfinished_tasks == 0
+            if copied:
+                return self.uploads is None or self.uploads.drain(deadline)
             time.sleep(0.01)
         return False
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Write what is queued (up to ``timeout_s``), then stop the thread and release the store."""
+        """Write and upload what is queued (up to ``timeout_s``; what is left then goes to NVMe only),
+        then stop every thread and release the store."""
         self.drain(timeout_s)
         self._queue.put(None)
+        if self.uploads is not None:
+            self.uploads.stop()  # a writer waiting for upload room goes on, NVMe only
         self._thread.join(timeout=5.0)
+        if self.uploads is not None:
+            self.uploads.close()
         self.store.close()

@@ -122,6 +122,18 @@ def test_a_full_queue_drops_saves_and_counts_them(tmp_path, worker) -> None:
     step(worker, StepPlan(saves=(SaveSpec("r", "acme", False, 0, tuple(ids[:KB]), (1, 2)),),
                           computes=(new("r", (1, 2, 3), 0, KB + 1),)))
     assert worker.counters.totals()["write_back_dropped:queue_full"] == 1
+    assert worker.take_report().refused == {"r": 0}  # planned again when the request computes prompt tokens
+
+
+def test_a_save_the_queue_takes_only_part_of_keeps_its_head_and_reports_its_tail(tmp_path, worker) -> None:
+    worker.writer.max_bytes = L * (KB // EB) * worker.layout.block_bytes  # one kvwarm block's copies
+    ids = tokens(3 * KB + 1, seed=6)
+    step(worker, StepPlan(saves=(SaveSpec("r", "acme", False, 0, tuple(ids[: 3 * KB]), (1, 2, 3, 4, 5, 6)),),
+                          computes=(new("r", (1, 2, 3, 4, 5, 6, 7), 0, 3 * KB + 1),)))
+    assert worker.writer.drain(HANG_S)
+    totals = worker.counters.totals()
+    assert totals["write_back_dropped:queue_full"] == 2 and totals["written_back_blocks"] == 1
+    assert worker.take_report().refused == {"r": 1}  # the scheduler plans blocks 1 and 2 again
 
 
 def test_steps_of_mostly_prefill_are_timed_for_the_scheduler(tmp_path, monkeypatch) -> None:
