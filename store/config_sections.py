@@ -166,10 +166,12 @@ class LoaderConfig(_Section):
         ByteSize(64 << 20), description="Most pinned host memory a process keeps for moving stored KV to a GPU "
         "(two slots used in turn; a larger load goes through in pieces), e.g. '64MiB'.")
     write_back_queue_bytes: ByteSize = Field(
-        ByteSize(256 << 20), description="Most bytes of blocks the vLLM connector has copied out for write-back and "
+        ByteSize(2 << 30), description="Most bytes of blocks the vLLM connector has copied out for write-back and "
         "not yet encoded (pinned host memory on a GPU); a save that does not fit keeps its leading kvwarm blocks "
-        "that do, and the rest is dropped and counted. Encoded blocks waiting for their S3 upload are bounded "
-        "apart by the same number of bytes (so write-back holds at most twice this).")
+        "that do, and the rest is dropped and counted. Give it at least one engine step's prompt KV: "
+        "max_num_batched_tokens x layers x 2 x KV heads x head dim x 2 bytes (1 GiB for an 8B model at 8,192 "
+        "tokens). Encoded blocks waiting for their S3 upload are bounded apart by the same number of bytes (so "
+        "write-back holds at most twice this); a block that finds that full stays on NVMe only.")
     write_back_streams: int = Field(
         4, ge=1, le=64, description="Threads the vLLM connector's write-back uploads to S3 on (parallel PUTs); "
         "blocks go to NVMe first, on the writer's own thread.")

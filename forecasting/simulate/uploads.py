@@ -3,24 +3,21 @@
 The product (``store/engines/vllm/writeback.py``) copies a request's computed full blocks out
 of the engine's cache and queues them for its writer, which encodes each block, writes it to
 NVMe and hands it to ``write_back_streams`` upload threads (the loader's, 4 by default) that
-PUT it to S3. Two bounds, each the loader's ``write_back_queue_bytes`` (256 MiB by default):
+PUT it to S3. Two bounds, each the loader's ``write_back_queue_bytes``:
 
 - the **copies** waiting to be encoded, in the engine's bytes: a save that does not fit keeps
   its leading blocks that do (a block is found only after its parents) and the tail is
-  dropped and counted (``write_back_dropped:queue_full``), never waited for; the dropped
-  blocks reach no tier. A save's copies are freed once its blocks are encoded.
-- the **encoded blocks** waiting for or in an upload, in stored bytes: the writer waits for
-  room, so while S3 is behind the copies wait too, and the next saves lose their tails.
+  dropped and counted (``write_back_dropped:queue_full``); the dropped blocks reach no tier.
+  Encoding and the NVMe write take no time here, so the copies wait for nothing and the
+  bound is one save's: a save of more than ``max_bytes / save_bytes`` blocks loses its tail.
+- the **encoded blocks** waiting for or in an upload, in stored bytes: a block that finds no
+  room stays on NVMe only (``written_back_nvme_only``); the writer never waits for S3.
 
-Blocks the node tier already holds are skipped. :class:`UploadQueue` is those stages: a block
-enters the upload stage (its save's copies freed with its last such block) when there is
-room, and its upload starts when one of the ``streams`` is free; each takes ``upload_s``
-seconds of its stream (one PUT) and its share of the node's
-:class:`~forecasting.simulate.channels.S3Link` (the link the prefetch and the background
-fetches read over), so the streams together never move more than the link carries. A block
-is in S3 when its upload lands. Encoding and the NVMe write take no time here. The product
-also plans a dropped tail again when the request computes prompt tokens again (the next chunk
-of a long prompt); the replay's request is one save, so its tail is lost.
+Blocks the node tier already holds are skipped. :class:`UploadQueue` is those stages: each
+upload starts when one of the ``streams`` is free, takes ``upload_s`` seconds of its stream
+(one PUT) and its share of the node's :class:`~forecasting.simulate.channels.S3Link` (the link
+the prefetch and the background fetches read over), so the streams together never move more
+than the link carries. A block is in S3 when its upload lands.
 """
 from __future__ import annotations
 
@@ -75,39 +72,34 @@ class UploadQueue:
         self.queued_bytes = 0.0
         self.uploaded = 0
         self.dropped = 0
+        self.nvme_only = 0
 
     def __len__(self) -> int:
         return len(self._waiting) + len(self._stage)
 
     def submit(self, blocks: Sequence[int], present: Container[int], now: float) -> int:
-        """A save of ``blocks`` computed blocks, root first: queues as many leading blocks as the copies'
-        bound takes and drops the rest (counted in :attr:`dropped`); those in ``present`` (the node
-        tier) are not uploaded. Returns how many leading blocks were kept."""
+        """A save of ``blocks`` computed blocks, root first: keeps as many leading blocks as the copies'
+        bound takes and drops the rest (counted in :attr:`dropped`). The kept ones go to the node
+        tier; those not in ``present`` (the node tier) enter the upload stage while it has room,
+        and the rest stay on NVMe only (:attr:`nvme_only`): the writer never waits for S3.
+        Returns how many leading blocks were kept."""
         n = len(blocks)
         if self.save_bytes <= 0 or math.isinf(self.max_bytes):
             fit = n
-        else:
-            fit = min(n, max(0, math.floor((self.max_bytes - self.queued_bytes) / self.save_bytes + 1e-9)))
+        else:  # the writer encodes at once here: the copies wait for nothing, so the bound is one save's
+            fit = min(n, max(0, math.floor(self.max_bytes / self.save_bytes + 1e-9)))
         self.dropped += n - fit
-        upload = [int(b) for b in blocks[:fit] if b not in present]
-        if upload:  # a save whose blocks are all present is skipped at once
-            self._saves += 1
-            self._left[self._saves] = [float(len(upload)), fit * self.save_bytes]
-            self.queued_bytes += fit * self.save_bytes
-            self._waiting.extend((now, b, self._saves) for b in upload)
-            self._advance(now)
+        for b in blocks[:fit]:
+            if b in present:
+                continue
+            if len(self._stage) < self.stage_blocks:
+                self._stage.append((now, int(b)))
+            else:
+                self.nvme_only += 1
         return fit
 
     def _advance(self, t: float) -> None:
-        """Blocks move from copies to the upload stage while it has room (from ``t`` on)."""
-        while self._waiting and len(self._stage) < self.stage_blocks:
-            submitted, b, save = self._waiting.popleft()
-            self._stage.append((max(submitted, t), b))
-            left = self._left[save]
-            left[0] -= 1
-            if left[0] <= 0:
-                self.queued_bytes -= left[1]
-                del self._left[save]
+        """Nothing waits before the upload stage (blocks that find it full stay on NVMe only)."""
 
     def head(self, present: Container[int] = ()) -> tuple[float, float, int] | None:
         """The next upload, ``(done, start, block)`` (``None``: nothing queued). ``present`` is unused:
@@ -135,6 +127,7 @@ class UploadQueue:
         out._waiting, out._stage, out._free = deque(self._waiting), deque(self._stage), list(self._free)
         out._left, out._saves = {k: list(v) for k, v in self._left.items()}, self._saves
         out.queued_bytes, out.uploaded, out.dropped = self.queued_bytes, self.uploaded, self.dropped
+        out.nvme_only = self.nvme_only
         return out
 
     def clear(self) -> None:

@@ -36,6 +36,8 @@ COUNTERS = {
     "written_back_bytes": "Bytes of written-back snapshots.",
     "written_back_uploads": "Written-back blocks the upload streams put in the remote tier (S3); the rest of "
                             "written_back_blocks are on NVMe only (S3 resting after a failure, or holding them).",
+    "written_back_nvme_only": "Written-back blocks left on NVMe only when written: the uploads' room was full "
+                              "(S3 slower than the engine computes), or S3 was resting after a failure.",
     "prefetched_blocks": "Blocks the node agent's prefetches mapped into the node's pool.",
     "prefetch_copied_blocks": "Blocks the node agent's prefetches copied from S3 into NVMe.",
     "prefetch_superseded": "Prefixes a prefetch never started because a newer plan replaced it.",

@@ -3,9 +3,10 @@
 :class:`store.engines.vllm.writeback.WriteBack` writes each block to NVMe on its own thread
 and hands the encoded snapshot here; ``streams`` threads PUT them, first come first served
 (S3 gives parallel requests far more bandwidth than one stream). At most ``max_bytes`` of
-encoded snapshots wait or are in flight: :meth:`Uploads.put` waits for room, so the writer,
-and behind it the write-back copy queue, slow to what the remote tier takes (the copy queue
-then keeps a save's leading blocks and drops the rest). After a remote tier fails
+encoded snapshots wait or are in flight: a block that finds no room stays on NVMe only
+(``written_back_nvme_only``), so the writer, and behind it the copy queue, never slow to what
+the remote tier takes: the node's own tier gets every block it computed, and S3 what its
+link carries. After a remote tier fails
 (:class:`store.errors.StoreUnavailable`) nothing is sent to it for ``backoff_s``: what waits
 stays on NVMe only, and :meth:`put` refuses new uploads until then.
 """
@@ -74,13 +75,12 @@ class Uploads:
         return time.monotonic() < self._after
 
     def put(self, tenant: Tenant, snap: EncodedSnapshot) -> bool:
-        """Queue one snapshot's upload, waiting while ``max_bytes`` are taken; ``False`` (not queued)
-        while the remote tiers rest after a failure, or once closed."""
+        """Queue one snapshot's upload; ``False`` (not queued: the block stays on NVMe only) when
+        ``max_bytes`` are taken, while the remote tiers rest after a failure, or once closed.
+        Never waits: the writer goes on to the next block's NVMe write."""
         n = snap.file_size
         with self._cond:
-            while not self._closing and not self.resting() and self._bytes and self._bytes + n > self.max_bytes:
-                self._cond.wait(timeout=1.0)
-            if self._closing or self.resting():
+            if self._closing or self.resting() or (self._bytes and self._bytes + n > self.max_bytes):
                 return False
             self._bytes += n
             self._peak = max(self._peak, self._bytes)

@@ -15,9 +15,9 @@ Bounded: at most ``max_bytes`` of copied blocks wait to be encoded; a save that 
 keeps its leading kvwarm blocks that do (a block is found only after its parents) and the
 tail is dropped and counted (``write_back_dropped:queue_full``, in kvwarm blocks), never
 waited for. A job's copied bytes are freed once its blocks are encoded; the encoded
-snapshots waiting for S3 are bounded apart by ``max_bytes`` too (the writer waits for room,
-so a slow S3 fills the copy queue and long saves lose their tails). After S3 fails, blocks
-go to NVMe only for ``s3_backoff_s``.
+snapshots waiting for S3 are bounded apart by ``max_bytes`` too, and a block that finds no
+upload room stays on NVMe only (``written_back_nvme_only``): a slow S3 never holds up the
+node's own tier. After S3 fails, blocks go to NVMe only for ``s3_backoff_s``.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from store.tiers.store import Store
 
 log = logging.getLogger("kvwarm.vllm")
 #: Default bound on copied blocks waiting to be encoded (and, apart, on encoded ones waiting for S3).
-MAX_QUEUED_BYTES = 256 << 20
+MAX_QUEUED_BYTES = 2 << 30
 #: Default upload threads (``loader.write_back_streams``).
 UPLOAD_STREAMS = 4
 
@@ -201,8 +201,8 @@ class WriteBack:
                 continue
             self.counters.add("written_back_blocks")
             self.counters.add("written_back_bytes", snap.file_size)
-            if self.uploads is not None:
-                self.uploads.put(tenant, snap)  # waits for room; refused while S3 rests (NVMe only)
+            if self.uploads is not None and not self.uploads.put(tenant, snap):
+                self.counters.add("written_back_nvme_only")  # no upload room, or S3 resting: NVMe only
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued save is written and uploaded (or ``timeout_s`` passed); whether it emptied."""

@@ -16,18 +16,17 @@ from store.cost import LoadCost, PrefillCost
 COSTS = TierCosts(PrefillCost(1.0, 0.0), LoadCost(10.0), LoadCost(0.5), block_bytes=1.0)  # 2 s an upload or copy
 
 
-def test_a_save_keeps_its_leading_blocks_that_fit_and_copies_free_once_encoded() -> None:
+def test_a_save_keeps_its_leading_blocks_that_fit_and_what_finds_no_upload_room_stays_on_nvme() -> None:
     q = UploadQueue(1.0, S3Link(), max_bytes=3.0, save_bytes=1.0, block_bytes=1.0, streams=1)
-    assert q.submit([1, 2], (), now=0.0) == 2 and q.queued_bytes == 0.0  # both in the upload stage at once
-    assert q.submit([3, 4, 5], (), now=0.0) == 3 and q.queued_bytes == 3.0  # one fits the stage: the save waits
-    assert q.submit([6, 7], (), now=0.0) == 0 and q.dropped == 2  # the copies are full: the product's queue_full
+    assert q.submit([1, 2], (), now=0.0) == 2 and q.nvme_only == 0  # both in the upload stage at once
+    assert q.submit([3, 4, 5], (), now=0.0) == 3 and q.nvme_only == 2  # one fits the stage; two on NVMe only
+    assert q.submit([6, 7, 8, 9], (), now=0.0) == 3 and q.dropped == 1  # one save's copies: three blocks at most
+    assert q.nvme_only == 5 and q.queued_bytes == 0.0  # the writer never waits: no copy is left waiting
     got = drain([q], 1.0, ())
-    assert [(b, t) for _, b, t in got] == [(1, 1.0)] and q.queued_bytes == 3.0  # 4 entered; 5 is still a copy
-    drain([q], 2.0, ())
-    assert q.queued_bytes == 0.0  # 5 entered the upload stage: the save's copies are freed
-    assert q.submit([8, 9, 10, 11, 12], {9}, now=2.0) == 3 and q.dropped == 4  # the head that fits, 9 not uploaded
+    assert [(b, t) for _, b, t in got] == [(1, 1.0)]
+    assert q.submit([10, 11, 12], {11}, now=1.0) == 3  # 11 is on the node: not uploaded; 10 fills the stage
     got = drain([q], 100.0, ())
-    assert [b for _, b, _ in got] == [3, 4, 5, 8, 10] and q.uploaded == 7
+    assert [b for _, b, _ in got] == [2, 3, 10] and q.uploaded == 4 and q.nvme_only == 6
 
 
 def test_uploads_run_on_their_streams_at_once_within_the_link() -> None:
@@ -47,7 +46,8 @@ def test_uploads_run_on_their_streams_at_once_within_the_link() -> None:
     assert [t for _, _, t in drain([fast], 100.0, ())] == [1.0, 2.0, 3.0]  # however many streams, the link bounds them
     small = UploadQueue(4.0, S3Link(), max_bytes=2.0, save_bytes=0.5, block_bytes=1.0, streams=4)
     assert small.submit([1, 2, 3], (), now=0.0) == 3
-    assert [t for _, _, t in drain([small], 100.0, ())] == [4.0, 4.0, 8.0]  # the upload stage holds two blocks
+    # the upload stage holds two blocks: the third stays on NVMe only
+    assert [t for _, _, t in drain([small], 100.0, ())] == [4.0, 4.0] and small.nvme_only == 1
 
 
 def test_uploads_share_the_link_with_the_copies_from_s3() -> None:
