@@ -104,9 +104,16 @@ def _main_upto(scenarios: Sequence[Scenario], windows: list) -> tuple[list[int],
 
 def run_policy(policy: str, index: BlockIndex, shape: NodeShape, costs: TierCosts, stored: np.ndarray,
                ticks: list[PlanTick], scenarios: Sequence[Scenario], windows: list, gpu_s: float,
-               results: dict, refs: dict, references: bool) -> None:
+               results: dict, refs: dict, references: bool, s3: dict[int, np.ndarray] | None = None) -> None:
     """Run ``policy`` through every scenario; its rows go in ``results`` and ``refs`` by
-    ``(scenario index, policy)``. ``stored``: S3 without any node's write-back (kvwarm's prefill)."""
+    ``(scenario index, policy)``. ``stored``: S3 without any node's write-back (kvwarm's prefill).
+    ``s3`` (per scenario index) is lowered to what this policy's node under test found in S3 by
+    the end of its window, per block (the oracle's S3 is the earliest of any policy's)."""
+    s3 = {} if s3 is None else s3
+
+    def seen(k: int, node_stored: np.ndarray) -> None:
+        s3[k] = node_stored.copy() if k not in s3 else np.minimum(s3[k], node_stored)
+
     ts = index.trace.timestamps_s
     n = len(ts)
     need_main, upto = _main_upto(scenarios, windows)
@@ -127,6 +134,7 @@ def run_policy(policy: str, index: BlockIndex, shape: NodeShape, costs: TierCost
                 forks[cut] = run.fork()
         main_s = time.perf_counter() - t0
         main_prefetched = run.node.prefetcher.copied
+        main_stored = run.node.stored
     for k, sc in enumerate(scenarios):
         rows, routed = windows[k]
         t0 = time.perf_counter()
@@ -135,6 +143,8 @@ def run_policy(policy: str, index: BlockIndex, shape: NodeShape, costs: TierCost
             results[(k, policy)] = measure(policy, index, rows, main_served[: len(rows)], start_s=0.0,
                                            bucket_s=sc.bucket_s, prefill_gpu_s=spent, seconds=main_s,
                                            prefetched_blocks=main_prefetched)
+            if policy != "vllm":
+                seen(k, main_stored)
             continue
         if sc.kind == "restart":
             run = forks[int(rows[0])].fork() if len(rows) else make_node(policy, index, shape, costs, stored, rows,
@@ -154,6 +164,8 @@ def run_policy(policy: str, index: BlockIndex, shape: NodeShape, costs: TierCost
         before = run.node.prefetcher.copied
         warm, _ = start(policy, run, rows, sc.at_s)
         served = run.serve(rows)
+        if policy != "vllm":
+            seen(k, run.node.stored)
         results[(k, policy)] = measure(policy, index, rows, served, start_s=sc.at_s, bucket_s=sc.bucket_s,
                                        warm=warm, stored_by=int(rows[0]) if len(rows) else None,
                                        prefill_gpu_s=spent, seconds=time.perf_counter() - t0,
@@ -175,21 +187,30 @@ def run_policy(policy: str, index: BlockIndex, shape: NodeShape, costs: TierCost
 
 
 def run_oracle(index: BlockIndex, shape: NodeShape, costs: TierCosts, stored: np.ndarray,
-               scenarios: Sequence[Scenario], windows: list, results: dict, refs: dict, references: bool) -> None:
-    """The oracle's rows (:mod:`forecasting.simulate.oracle`): ``stored`` is the earliest S3 of any policy."""
+               scenarios: Sequence[Scenario], windows: list, results: dict, refs: dict, references: bool,
+               s3: dict[int, np.ndarray] | None = None) -> None:
+    """The oracle's rows (:mod:`forecasting.simulate.oracle`). Its S3 in scenario ``k`` is ``s3[k]``,
+    the earliest any store policy's node found each block there (it had to be uploaded over a
+    node's link, as theirs were), else ``stored``: the fleet's write-back the moment it is computed."""
+    s3 = {} if s3 is None else s3
     need_main, upto = _main_upto(scenarios, windows)
     main_rows = np.arange(upto, dtype=np.int64)
     main: list = []
     if need_main:
         main = oracle_served(index, costs, shape.gpu_blocks, main_rows, history=main_rows, engine=main_rows,
                              stored=stored, start_s=0.0)
-    bound = lambda rows, history, engine, at: oracle_served(  # noqa: E731
-        index, costs, shape.gpu_blocks, rows, history=history, engine=engine, stored=stored, start_s=at)
     for k, sc in enumerate(scenarios):
         rows, routed = windows[k]
         t0 = time.perf_counter()
+        held = s3[k] if k in s3 else stored
+
+        def bound(rows, history, engine, at, held=held):  # noqa: ANN001, ANN202
+            return oracle_served(index, costs, shape.gpu_blocks, rows, history=history, engine=engine, stored=held,
+                                 start_s=at)
+
         if sc.kind == "steady":
-            results[(k, "oracle")] = measure("oracle", index, rows, main[: len(rows)], start_s=0.0, bucket_s=sc.bucket_s)
+            served = bound(rows, rows, rows, 0.0) if k in s3 else main[: len(rows)]
+            results[(k, "oracle")] = measure("oracle", index, rows, served, start_s=0.0, bucket_s=sc.bucket_s)
             continue
         lo = int(rows[0]) if len(rows) else 0
         if sc.kind == "restart":  # the tier kept all it had; the engine starts empty

@@ -182,15 +182,16 @@ def simulate(index: BlockIndex, deployment: Deployment, scenarios: Sequence[Scen
     never = np.full(index.n_unique, len(ts) + 1, dtype=np.int64)
     results: dict[tuple[int, str], PolicyResult] = {}
     refs: dict[tuple[int, str], PolicyResult] = {}
-    for policy in policies:
-        if policy == "oracle":  # the bound knows the earliest S3 of any policy: the fleet's, and the prefill job's
+    s3: dict[int, np.ndarray] = {}  # per scenario, the earliest any store policy's node found each block in S3
+    for policy in sorted(policies, key=lambda p: p == "oracle"):  # the oracle last: it reads their S3
+        if policy == "oracle":  # the bound's S3: the earliest of any policy's, with the prefill job's
             run_oracle(index, shape, costs, stored_with_prefill(index, fleet, prefilled, done_s), scenarios, windows,
-                       results, refs, references)
+                       results, refs, references, s3 if len(s3) else None)
             continue
         kv = policy == "kvwarm"
         own = stored_with_prefill(index, never, prefilled, done_s) if kv else never
         run_policy(policy, index, shape, costs, own, plans, scenarios, windows, gpu_s if kv else 0.0, results, refs,
-                   references)
+                   references, s3)
     out = []
     for k, sc in enumerate(scenarios):
         window = (0.0, float(ts[-1])) if sc.kind == "steady" else (sc.at_s, sc.at_s + sc.window_s)

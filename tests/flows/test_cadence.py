@@ -42,8 +42,9 @@ def test_the_cadence_flow_plans_from_the_logs_before_its_time_and_publishes_the_
     assert plan.as_of == as_of.value / 1e9 and plan.extra["requests"] == int((rows["timestamp"] < as_of).sum())
     retain = [e for e in plan.entries if e.action == "retain"]
     assert retain and all(e.hash_ids for e in retain)
-    scores = [e.score for e in plan.entries]
-    assert scores == sorted(scores, reverse=True)  # one value model ranks the plan
+    # one value model chooses the plan; the retain entries are listed (so copied) most urgent first
+    urgency = [e.urgency for e in retain]
+    assert all(u is not None for u in urgency) and urgency == sorted(urgency, reverse=True)
     # every retained block was logged before the plan's time
     seen = {int(h) for ids in rows.loc[rows["timestamp"] < as_of, "hash_ids"] for h in ids}
     later = {int(h) for ids in rows.loc[rows["timestamp"] >= as_of, "hash_ids"] for h in ids} - seen
