@@ -247,7 +247,7 @@ def print_targets(targets: dict) -> None:
         if key.endswith("_ms") or key.endswith("_pct"):
             unit = "ms" if key.endswith("_ms") else "points"
             value = "-" if t["value"] is None else f"{t['value']:+.2f} {unit}"
-            want = f"<= 0 {unit}" if key.startswith("steady") else f"> 0 {unit}"
+            want = f"<= 0 {unit}" if key.startswith(("steady", "idle")) else f"> 0 {unit}"
         else:
             value, want = f"{fmt(t['value'])} %", f">= {100 * t['target']:.0f} %"
         print(f"{key:<40}{value:>16}   target {want:<12} {verdict}")
