@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import gc
 import os
-import threading
 import tracemalloc
 from pathlib import Path
 from typing import Callable
@@ -103,15 +102,17 @@ def test_a_day_of_plans_followed_by_the_node_agent_keeps_memory_and_threads_boun
             clock[0] += 30.0
             agent.tick()
         ld.prefetcher.wait_idle(60)
-        threads.append(sum(1 for t in threading.enumerate() if t.name.startswith("kvwarm")))
+        # this loader's threads: its prefetch streams and fetch workers (the pools' own sets)
+        threads.append(len(ld.prefetcher._executor._threads) + len(ld._executor._threads))
 
     grown = growth(five_minutes, PLANS_PER_DAY, PLANS_PER_DAY // 6)
     assert agent.figures.plans_applied == PLANS_PER_DAY and agent.figures.polls == 10 * PLANS_PER_DAY  # the first is the start
     assert all(r.present >= 2 * len(recurring) for r in results)  # the stored prefixes are found every time
     # ~240 plans x 40 new entries x 2 blocks: one kept name per block would be > 2 MiB
     assert grown < 512 << 10, f"memory grew by {grown / 1024:.0f} KiB over {PLANS_PER_DAY} plans"
-    # kvwarm's threads: the prefetch streams and the fetch workers, made once and reused
+    # the prefetch streams and the fetch workers, made once and reused: none per plan
     assert max(threads) <= ld.prefetcher.streams + ld.config.loader.fetch_workers, f"threads grew: {max(threads)}"
+    assert threads[-1] == threads[PLANS_PER_DAY // 6]
     hit = ld.lookup(recurring[0] + [1])
     assert hit is not None and hit.tokens == 2 * BS  # and the plans still serve
     hit.release()
