@@ -161,8 +161,7 @@ class SimHands:
         return self.node.costs.prefetch_s
 
     def retain(self, priority: dict[int, float]) -> None:
-        self.node.priority = priority
-        self.node.tier.rekey(lambda b, k: (priority.get(b, 0.0), k[1]))
+        self.node.retain(priority)
 
     def prefetch(self, order: list[int]) -> None:
         self.node.prefetch(order, self.clock.t, self.row)

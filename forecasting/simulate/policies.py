@@ -50,17 +50,15 @@ RESTORE_LOOKBACK_S = 3600.0
 
 @dataclass(frozen=True)
 class PlanTick:
-    """One plan of kvwarm's cadence, as a node applies it.
+    """One plan of kvwarm's cadence, as the pipeline publishes it.
 
     Attributes:
-        at_s: the plan's time (trace seconds): it learned from the requests before it.
-        order: its blocks in prefetch order; ``priority``: each block's retention priority.
+        at_s: the plan's time (trace seconds): it learned from the requests before it, and a
+            node agent sees it from its next poll on.
         plan: the plan itself.
     """
 
     at_s: float
-    order: np.ndarray
-    priority: dict[int, float]
     plan: Plan
 
 
@@ -137,8 +135,7 @@ def kvwarm_plans(index: BlockIndex, planner: Planner, stored: np.ndarray, until_
         plan = plan_now(planner.requests, planner.origin + pd.Timedelta(seconds=float(at)), cost=planner.cost,
                         spec=planner.spec, block_size=index.trace.block_tokens, roots=planner.roots,
                         present=present, base=planner.base, created_at=0.0)
-        order, priority = plan_priorities(index, plan)
-        ticks.append(PlanTick(float(at), order, priority, plan))
+        ticks.append(PlanTick(float(at), plan))
     return ticks
 
 
@@ -153,39 +150,21 @@ class Run:
 
 
 class NodeRun:
-    """Serves rows through a :class:`~forecasting.simulate.tiers.Node`, applying plan ticks as they come."""
+    """Serves rows through a :class:`~forecasting.simulate.tiers.Node` that follows no plan
+    (``vllm``, ``reactive-store``, ``restore``, ``belady``; kvwarm's node is an
+    :class:`~forecasting.simulate.live_node.AgentRun`)."""
 
-    def __init__(self, node: Node, ticks: Sequence[PlanTick] = ()) -> None:
+    def __init__(self, node: Node) -> None:
         self.node = node
-        self.ticks = list(ticks)
-        self.current: PlanTick | None = None
-        self._next = 0
 
     def fork(self) -> NodeRun:
-        out = NodeRun(self.node.fork(), self.ticks)
-        out.current, out._next = self.current, self._next
-        return out
-
-    def latest(self, t: float) -> PlanTick | None:
-        """The newest plan made at or before ``t`` that this node has not seen yet (``None``: none);
-        it becomes :attr:`current`."""
-        tick = None
-        while self._next < len(self.ticks) and self.ticks[self._next].at_s <= t:
-            tick = self.ticks[self._next]
-            self._next += 1
-        if tick is not None:
-            self.current = tick
-        return tick
+        return NodeRun(self.node.fork())
 
     def serve(self, rows: np.ndarray) -> list[Served]:
         ts = self.node.index.trace.timestamps_s
         out = []
         for i in rows.tolist():
-            t = float(ts[i])
-            tick = self.latest(t)
-            if tick is not None:
-                self.node.apply_plan(tick.priority, tick.order, t, i)
-            self.node.land(t)
+            self.node.land(float(ts[i]))
             out.append(self.node.serve(i))
         return out
 

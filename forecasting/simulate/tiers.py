@@ -175,7 +175,7 @@ class Served:
 
 
 class Node:
-    """One serving node: :meth:`serve` requests in time order; :meth:`apply_plan`, :meth:`restart`.
+    """One serving node: :meth:`serve` requests in time order; :meth:`retain`, :meth:`prefetch`, :meth:`restart`.
 
     Args:
         index: the trace's block index.
@@ -225,12 +225,10 @@ class Node:
 
     # ------------------------------------------------------------------ plan and events
 
-    def apply_plan(self, priority: dict[int, float], order: Sequence[int], now: float, row: int) -> int:
-        """A plan's retention priorities replace the last plan's; its blocks that S3 has and
-        this node lacks are queued for copying in ``order``. Returns how many were queued."""
+    def retain(self, priority: dict[int, float]) -> None:
+        """Retention priorities (the node agent's) replace the last ones; unnamed blocks are 0."""
         self.priority = priority
         self.tier.rekey(lambda b, k: (priority.get(b, 0.0), k[1]))
-        return self.prefetch(order, now, row)
 
     def prefetch(self, order: Sequence[int], now: float, row: int) -> int:
         """Queue the copy of ``order``'s blocks that S3 has (for request ``row``) and the tier lacks,

@@ -80,7 +80,8 @@ def test_a_plan_prefetches_what_s3_has_and_its_priorities_outlast_recency() -> N
     stored = _everything_stored_before(index, 0)
     node = Node(index, NodeShape(gpu_blocks=1, node_blocks=2), COSTS, stored)
     a, b = _dense(index, 1, 2)
-    assert node.apply_plan({a: 1.0, b: 1.0}, [a, b], now=0.0, row=0) == 2
+    node.retain({a: 1.0, b: 1.0})
+    assert node.prefetch([a, b], now=0.0, row=0) == 2
     node.land(4.0)  # two copies of 2 s each
     assert a in node.tier and b in node.tier
     for i in (1, 2):  # write-backs of unplanned blocks do not push the planned ones out
