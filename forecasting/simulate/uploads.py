@@ -48,7 +48,7 @@ class UploadQueue:
             bounded by ``streams`` alone).
         streams: uploads at once (the loader's ``write_back_streams``).
 
-    :attr:`uploaded` and :attr:`dropped` count blocks; :attr:`queued_bytes` is the copies that wait now.
+    :attr:`uploaded` and :attr:`dropped` count blocks; :attr:`nvme_only` the blocks no upload took.
     """
 
     def __init__(self, upload_s: float, link: S3Link, *, max_bytes: float = math.inf, save_bytes: float = 0.0,
@@ -64,18 +64,19 @@ class UploadQueue:
         #: blocks the upload stage holds at once (at least one)
         self.stage_blocks = (math.inf if math.isinf(self.max_bytes) or self.block_bytes <= 0
                              else max(1, int(self.max_bytes // self.block_bytes)))
-        self._waiting: deque[tuple[float, int, int]] = deque()  # copies: (submitted, block, save id)
         self._stage: deque[tuple[float, int]] = deque()  # encoded: (entered, block)
         self._free = [-math.inf] * streams  # a heap: when each stream is free
-        self._left: dict[int, list[float]] = {}  # save id -> [blocks still copies, copied bytes]
-        self._saves = 0
-        self.queued_bytes = 0.0
         self.uploaded = 0
         self.dropped = 0
         self.nvme_only = 0
 
     def __len__(self) -> int:
-        return len(self._waiting) + len(self._stage)
+        return len(self._stage)
+
+    @property
+    def queued_bytes(self) -> float:
+        """Copied bytes waiting to be encoded: none here (the writer encodes at once)."""
+        return 0.0
 
     def submit(self, blocks: Sequence[int], present: Container[int], now: float) -> int:
         """A save of ``blocks`` computed blocks, root first: keeps as many leading blocks as the copies'
@@ -98,9 +99,6 @@ class UploadQueue:
                 self.nvme_only += 1
         return fit
 
-    def _advance(self, t: float) -> None:
-        """Nothing waits before the upload stage (blocks that find it full stay on NVMe only)."""
-
     def head(self, present: Container[int] = ()) -> tuple[float, float, int] | None:
         """The next upload, ``(done, start, block)`` (``None``: nothing queued). ``present`` is unused:
         the writer decided what to skip when the save came."""
@@ -117,23 +115,17 @@ class UploadQueue:
         self._stage.popleft()
         heapq.heapreplace(self._free, done)
         self.uploaded += 1
-        self._advance(done)
         return b
 
     def copy(self, link: S3Link) -> UploadQueue:
         """An independent copy drawing on ``link``."""
         out = UploadQueue(self.upload_s, link, max_bytes=self.max_bytes, save_bytes=self.save_bytes,
                           block_bytes=self.block_bytes, streams=self.streams)
-        out._waiting, out._stage, out._free = deque(self._waiting), deque(self._stage), list(self._free)
-        out._left, out._saves = {k: list(v) for k, v in self._left.items()}, self._saves
-        out.queued_bytes, out.uploaded, out.dropped = self.queued_bytes, self.uploaded, self.dropped
-        out.nvme_only = self.nvme_only
+        out._stage, out._free = deque(self._stage), list(self._free)
+        out.uploaded, out.dropped, out.nvme_only = self.uploaded, self.dropped, self.nvme_only
         return out
 
     def clear(self) -> None:
-        """Drop every save waiting (the process that held the copies is gone)."""
-        self._waiting.clear()
+        """Drop every upload waiting (the process that held them is gone)."""
         self._stage.clear()
-        self._left.clear()
         self._free = [-math.inf] * self.streams
-        self.queued_bytes = 0.0

@@ -15,6 +15,7 @@ and node, so a reader asks only for the namespaces it is allowed and never opens
 """
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import os
 import socket
@@ -110,6 +111,7 @@ class FleetRecorder:
         self._resumed: set[str] = set()
         self._base: int | None = None  # the previous record's counter, once this one continues it
         self._last_flush = clock()
+        self._flushing: cf.Future[int] | None = None  # a flush handed to an executor, not yet done
         self._known: set[str] = set()  # namespaces whose names were checked
 
     @classmethod
@@ -169,6 +171,12 @@ class FleetRecorder:
         """:meth:`flush` if ``flush_s`` has passed since the last one; returns the files written."""
         t = self.clock() if now is None else now
         return self.flush(t) if self.due(t) else 0
+
+    def flush_when_due(self, executor: cf.Executor) -> None:
+        """Hand :meth:`maybe_flush` to ``executor`` when a flush is due and none is in flight (the
+        serving path's call after :meth:`record`: it never writes on the caller's thread)."""
+        if self.due() and (self._flushing is None or self._flushing.done()):
+            self._flushing = executor.submit(self.maybe_flush)
 
     # -- writing -------------------------------------------------------------
     def flush(self, now: float | None = None) -> int:

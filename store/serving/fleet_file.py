@@ -118,6 +118,13 @@ def _decode(raw: bytes, ns: str, node: str) -> FleetFile:
     return FleetFile(node, float(t), counter, tuple(entries))
 
 
+def _tier_failed(stats: StoreStats | None, what: str, tier: Tier, exc: BaseException) -> None:
+    """A tier that did not answer: logged and counted (``tier_failures``), never raised."""
+    log.warning("fleet memory: %s in the %s tier: %s", what, tier.kind, exc)
+    if stats is not None:
+        stats.incr("tier_failures")
+
+
 def read_file(tiers: Sequence[Tier], meta: str, ns: str, stats: StoreStats | None) -> FleetFile | None:
     """``meta`` from the fastest tier that has a whole copy; ``None`` when none has (corrupt copies counted)."""
     node = meta.rsplit("/", 1)[-1][: -len(".json")]
@@ -125,9 +132,7 @@ def read_file(tiers: Sequence[Tier], meta: str, ns: str, stats: StoreStats | Non
         try:
             raw = tier.get_meta(meta)
         except TIER_ERRORS as exc:
-            log.warning("fleet memory: %s unreadable in the %s tier: %s", meta, tier.kind, exc)
-            if stats is not None:
-                stats.incr("tier_failures")
+            _tier_failed(stats, f"{meta} unreadable", tier, exc)
             continue
         if raw is None:
             continue
@@ -195,9 +200,7 @@ def _listed(tiers: Sequence[Tier], prefix: str, stats: StoreStats | None) -> dic
         try:
             names = tier.list_meta(prefix)
         except TIER_ERRORS as exc:
-            log.warning("fleet memory: cannot list %s in the %s tier: %s", prefix, tier.kind, exc)
-            if stats is not None:
-                stats.incr("tier_failures")
+            _tier_failed(stats, f"cannot list {prefix}", tier, exc)
             continue
         for name in names:
             node = name[len(prefix):]

@@ -146,7 +146,6 @@ class KVLoader:
         fm = self.config.fleet_memory
         self._own_fleet = fleet is None and fm.enabled
         self.fleet = FleetRecorder.from_config(tiers, fm, node_id=node_id, clock=clock) if self._own_fleet else fleet
-        self._fleet_flush: cf.Future[int] | None = None
 
         self.pool = SnapshotPool(d.pool_dir or default_pool_dir(self.local.url), budget_bytes=int(d.pool_bytes),
                                  max_instances=self.config.kv_cache.max_shared_instances, clock=clock)
@@ -352,8 +351,7 @@ class KVLoader:
             return
         scope = scope or self._own
         self.fleet.record([b if isinstance(b, str) else object_name(scope.ns, b.key) for b in blocks])
-        if self.fleet.due() and (self._fleet_flush is None or self._fleet_flush.done()):
-            self._fleet_flush = self._executor.submit(self.fleet.maybe_flush)
+        self.fleet.flush_when_due(self._executor)
 
     def fleet_uses(self, since: float) -> list[Use]:
         """What every node recorded since ``since`` (unix s) of the tenant's namespace and

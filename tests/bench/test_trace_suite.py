@@ -1,7 +1,6 @@
 """The unseen-trace suite: deterministic, consistent Mooncake-format traces the reader takes."""
 from __future__ import annotations
 
-import inspect
 import json
 import math
 from pathlib import Path
@@ -76,12 +75,7 @@ def test_the_sparse_day_runs_from_the_bundled_servegen_subset() -> None:
 def test_the_mooncake_reader_reads_them(suite: tuple[Path, dict], name: str) -> None:
     out, manifest = suite
     block = manifest["traces"][name]["block_tokens"]
-    takes_block = "block_tokens" in inspect.signature(read_mooncake).parameters
-    trace = read_mooncake(out / f"{name}.jsonl", **({"block_tokens": block} if takes_block else {}))
-    if trace.block_tokens != block and not takes_block:
-        # NOTE: this reader assumes Mooncake's 512-token blocks (no block-size parameter, no
-        # inference yet); once it infers or takes the block size, this trace is checked too.
-        pytest.skip(f"read_mooncake read {block}-token blocks as {trace.block_tokens} in this branch")
+    trace = read_mooncake(out / f"{name}.jsonl")  # the block size inferred from the rows' lengths
     assert len(trace) == manifest["traces"][name]["requests"] and trace.n_blocks == manifest["traces"][name]["blocks"]
     assert trace.block_tokens == block
     assert trace.duration_s == pytest.approx(manifest["traces"][name]["duration_s"], abs=1e-3)

@@ -32,7 +32,6 @@ class EngineMemory:
         self.recorder = recorder
         self.probe = probe
         self._writer = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvwarm-fleet")
-        self._flushing: cf.Future[Any] | None = None
 
     @classmethod
     def open(cls, settings: Any, tiers: Sequence[Any], probe: StoreProbe) -> "EngineMemory | None":
@@ -62,8 +61,7 @@ class EngineMemory:
             names = self.names(st)
             if names:
                 self.recorder.record(names)
-            if self.recorder.due() and (self._flushing is None or self._flushing.done()):
-                self._flushing = self._writer.submit(self.recorder.maybe_flush)
+            self.recorder.flush_when_due(self._writer)
         except Exception:  # noqa: BLE001 - the fleet's memory is best effort
             log.exception("kvwarm: could not record request %s in the fleet's memory", st.req_id)
 

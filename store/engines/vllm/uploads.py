@@ -136,8 +136,8 @@ class Uploads:
         return True
 
     def stop(self) -> None:
-        """Take no more uploads (:meth:`put` refuses, a writer waiting for room goes on): the threads
-        send what is queued, then end."""
+        """Take no more uploads (:meth:`put` refuses: the writer's last blocks stay on NVMe only): the
+        threads send what is queued, then end."""
         with self._cond:
             self._closing = True
             self._cond.notify_all()

@@ -221,7 +221,7 @@ class WriteBack:
         self.drain(timeout_s)
         self._queue.put(None)
         if self.uploads is not None:
-            self.uploads.stop()  # a writer waiting for upload room goes on, NVMe only
+            self.uploads.stop()  # what the writer still writes stays on NVMe only
         self._thread.join(timeout=5.0)
         if self.uploads is not None:
             self.uploads.close()

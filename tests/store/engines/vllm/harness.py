@@ -42,6 +42,13 @@ SLOW_PREFILL = 100.0
 S3_ENV = {"KVWARM_TEST_KEY": "test", "KVWARM_TEST_SECRET": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
+def s3_store(endpoint: str) -> dict[str, Any]:
+    """The config's ``store`` section for a test SeaweedFS at ``endpoint`` (credentials from :data:`S3_ENV`;
+    short timeouts, no retries: a killed S3 is seen at once)."""
+    return {"s3": {"endpoint_url": endpoint, "access_key_env": "KVWARM_TEST_KEY", "secret_key_env": "KVWARM_TEST_SECRET",
+                   "op_timeout_s": 4, "connect_timeout_s": 1, "read_timeout_s": 3, "retries": 0}}
+
+
 def tiny_dir() -> Path:
     """The built-in ``kvwarm-tiny`` model's directory (built once per machine)."""
     from prefill.models import resolve

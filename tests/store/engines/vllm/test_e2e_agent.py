@@ -37,6 +37,7 @@ from tests.store.engines.vllm.harness import (
     outcome,
     prefill_here,
     request,
+    s3_store,
     write_config,
 )
 from tests.store.engines.vllm.prompts import PROMPTS, all_ids
@@ -60,9 +61,7 @@ def in_nvme(nvme, names) -> bool:
 
 
 def sections(weed, **more):
-    return dict(store={"s3": {"endpoint_url": weed.endpoint, "access_key_env": "KVWARM_TEST_KEY",
-                              "secret_key_env": "KVWARM_TEST_SECRET", "op_timeout_s": 4, "connect_timeout_s": 1,
-                              "read_timeout_s": 3, "retries": 0}}, **more)
+    return dict(store=s3_store(weed.endpoint), **more)
 
 
 @pytest.fixture(scope="module")

@@ -42,6 +42,7 @@ from tests.store.engines.vllm.harness import (
     outcome,
     prefill_here,
     request,
+    s3_store,
     write_config,
 )
 from tests.store.engines.vllm.prompts import PROMPTS, all_ids
@@ -107,9 +108,7 @@ def failures(engine, tmp_path_factory):
         s3 = f"s3://kvwarm-e2e/t-{uuid.uuid4().hex[:12]}"
         nvme = d / "nvme"
         sections = dict(
-            store={"s3": {"endpoint_url": weed.endpoint, "access_key_env": "KVWARM_TEST_KEY",
-                          "secret_key_env": "KVWARM_TEST_SECRET", "op_timeout_s": 4, "connect_timeout_s": 1,
-                          "read_timeout_s": 3, "retries": 0}},
+            store=s3_store(weed.endpoint),
             loader={"fetch_mode": "sync", "sync_fetch_timeout_s": SYNC_FETCH_TIMEOUT_S, "verify_payload": True},
             tenants={name: {"cache_salts": [salt]} for name, salt in SALTS.items()},
             # a one-second TTL is allowed for the "expired" prefix; every other one gets the default
