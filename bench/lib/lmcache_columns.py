@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import statistics
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 #: The columns, in the order they are printed: nothing cached anywhere; the engine (and
 #: LMCache's server) restarted on the same local disk; a new node with an empty local tier and
