@@ -341,7 +341,8 @@ def vs_lmcache(model_dir: Path, engine: dict, reps: int, prefix: int, new: int, 
 
         def bucket_sizes(bucket: str) -> list[int]:
             fs.invalidate_cache()
-            return [int(i.get("size") or 0) for i in fs.find(bucket, detail=True).values() if i.get("type") != "directory"]
+            found = fs.find(bucket, detail=True).values()
+            return [int(i.get("size") or 0) for i in found if i.get("type") != "directory"]
 
         def kvwarm(phase: str, config: Path, spec_steps: list[dict]):
             out["order"].append(f"kvwarm:{phase}")
@@ -377,7 +378,8 @@ def vs_lmcache(model_dir: Path, engine: dict, reps: int, prefix: int, new: int, 
             missing = [n for n in names if not tiers[-1].exists(n)]
             if missing:  # the engine's shutdown drains write-back: all of it must be in S3 now
                 raise RuntimeError(f"kvwarm's S3 copy is incomplete after the fill engine's shutdown: {len(missing)} "
-                                   f"of {len(names)} blocks missing; write-back stats {out['kvwarm']['fill_write_back']}")
+                                   f"of {len(names)} blocks missing; write-back stats "
+                                   f"{out['kvwarm']['fill_write_back']}")
             kv_local = [e.size for e in tiers[0].entries()]
             kv_bucket = [e.size for e in tiers[-1].entries()]
         finally:
@@ -415,7 +417,8 @@ def vs_lmcache(model_dir: Path, engine: dict, reps: int, prefix: int, new: int, 
         for left in (work / "kv-node2" / "nvme", work / "kv-node3" / "nvme", lmc_disk2):
             if files_under(left, ""):
                 raise RuntimeError(f"the replacement node's local state is not empty: {left}")
-        run = kvwarm("replacement", node2, steps(replacement=same))  # the fleet's memory off: S3 is asked at the request
+        # the fleet's memory off: S3 is asked at the request
+        run = kvwarm("replacement", node2, steps(replacement=same))
         ttft["kvwarm"]["replacement"], cached["kvwarm"]["replacement"] = measured(run, "replacement")
         load["kvwarm"]["replacement"] = kvwarm_load(run, bpt)
         run, log, _ = lmcache("replacement", lmc_disk2, steps(replacement=same))

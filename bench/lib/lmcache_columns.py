@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import re
 import statistics
-from dataclasses import dataclass
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 #: The columns, in the order they are printed: nothing cached anywhere; the engine (and
 #: LMCache's server) restarted on the same local disk; a new node with an empty local tier and
