@@ -93,16 +93,20 @@ class LMCacheServer:
 
     Args:
         workdir: its log, the ``/etc/hosts`` of an S3 L2, and temporary files.
-        l2: an L2 adapter (:func:`fs_l2`, :func:`s3_l2`), or ``None`` for L1 (DRAM) only.
+        l2: an L2 adapter (:func:`fs_l2`, :func:`s3_l2`), a list of them (each key is stored to
+            every one; a lookup reads the first that holds it: ``[fs_l2(disk), s3_l2(...)]`` is a
+            node's own disk before the shared bucket), or ``None`` for L1 (DRAM) only.
         chunk_size: tokens per stored chunk (256, kvwarm's block size, by default).
         l1_size_gb: its DRAM tier.
         ready_timeout_s: how long it may take to listen.
     """
 
-    def __init__(self, workdir: str | Path, *, l2: dict[str, Any] | None = None, chunk_size: int = 256,
+    def __init__(self, workdir: str | Path, *, l2: dict[str, Any] | list[dict[str, Any]] | None = None,
+                 chunk_size: int = 256,
                  l1_size_gb: float = 1.0, ready_timeout_s: float = 180) -> None:
         self.workdir = Path(workdir)
         self.l2, self.chunk_size, self.l1_size_gb = l2, chunk_size, l1_size_gb
+        self.l2s: list[dict[str, Any]] = [l2] if isinstance(l2, dict) else list(l2 or [])
         self.ready_timeout_s = ready_timeout_s
         self.port = free_port()
         self.log = self.workdir / f"lmcache-{self.port}.log"
@@ -116,9 +120,9 @@ class LMCacheServer:
                "--eviction-policy", "LRU", "--supported-transfer-mode", "auto",
                "--http-host", "127.0.0.1", "--http-port", str(free_port()),
                "--prometheus-port", str(free_port()), "--disable-observability"]
-        if self.l2 is not None:
-            cmd += ["--l2-adapter", json.dumps(self.l2)]
-        host = _virtual_host(self.l2 or {})
+        for adapter in self.l2s:
+            cmd += ["--l2-adapter", json.dumps(adapter)]
+        host = next((h for h in map(_virtual_host, self.l2s) if h is not None), None)
         if host is None:
             return cmd
         if os.geteuid() != 0 or not shutil.which("unshare"):

@@ -47,3 +47,13 @@ def test_s3_adapter_is_addressed_by_virtual_host_on_loopback(tmp_path, fake_pyth
     hosts = (tmp_path / "hosts").read_text().split("\n")
     assert f"127.0.0.1 kv.{lm.S3_DOMAIN}" in hosts
     assert all(line.startswith("127.0.0.1 ") for line in hosts if line)
+
+
+def test_a_node_disk_and_a_bucket_are_two_l2_adapters_in_order(tmp_path, fake_python):
+    l2 = [lm.fs_l2(tmp_path / "disk"), lm.s3_l2("http://127.0.0.1:8333", "kv")]
+    if os.geteuid() != 0:
+        pytest.skip("an S3 L2 needs root here (unshare -m)")
+    cmd = lm.LMCacheServer(tmp_path, l2=l2).command()
+    given = [json.loads(cmd[i + 1]) for i, a in enumerate(cmd) if a == "--l2-adapter"]
+    assert given == l2  # a lookup reads the first adapter that holds a key: the node's disk before the bucket
+    assert cmd[:2] == ["unshare", "-m"] and f"127.0.0.1 kv.{lm.S3_DOMAIN}" in (tmp_path / "hosts").read_text()
