@@ -7,6 +7,8 @@ raises ``KeyError``, which the report turns into a line saying what to rerun.
 """
 from __future__ import annotations
 
+import statistics
+
 from bench.lib.replay_page import replay
 from bench.lib.tables import Page, Table, mib, ms, pct, verdict
 
@@ -196,10 +198,43 @@ def engine(r: dict) -> list[Table]:
     t = r["targets"]
     targets = [("warm ≤ 1.25 × vLLM's own hit (best storage precision)", verdict(t["warm_over_hit_met"])),
                ("warm ≤ 0.1 × cold", verdict(t["warm_over_cold_met"]))]
-    return [Table(("time to first token", "median", "÷ own hit", "÷ cold"), rows,
-                  note=f"{r['model']}, {r['prefix_tokens']:,} stored tokens + {r['new_tokens']} new, "
-                       f"{r['reps']} repeats, on {r['device']}."),
-            Table(("target", ""), targets)]
+    tables = [Table(("time to first token", "median", "÷ own hit", "÷ cold"), rows,
+                    note=f"{r['model']}, {r['prefix_tokens']:,} stored tokens + {r['new_tokens']} new, "
+                         f"{r['reps']} repeats, on {r['device']}.")]
+    if lm := r.get("vs_lmcache"):
+        tables.append(engine_vs_lmcache(lm))
+        lt = lm["targets"]
+        both = ", ".join(k for k, met in lt["kvwarm_le_lmcache_where_both_hit"].items())
+        targets += [(f"kvwarm ≤ LMCache where both hit ({both})", verdict(lt["kvwarm_le_lmcache_where_both_hit_met"])),
+                    ("announced prefix: kvwarm ≤ 0.1 × LMCache", verdict(lt["announced_le_0.1x_lmcache_met"]))]
+    return tables + [Table(("target", ""), targets)]
+
+
+def engine_vs_lmcache(lm: dict) -> Table:
+    """kvwarm and LMCache per scenario, on one vLLM: TTFT (÷ its own cold), kvwarm ÷ LMCache, tokens from the cache."""
+    rows = []
+    for name, sc in lm["scenarios"].items():
+        k, m = sc["kvwarm"], sc["lmcache"]
+        rows.append((name, f"{k['ttft_s']:.3f} s ({k['over_cold']:.2f})", f"{m['ttft_s']:.3f} s ({m['over_cold']:.2f})",
+                     f"{sc['kvwarm_over_lmcache']:.2f}",
+                     f"{statistics.median(k['cached_tokens']):,.0f} / {statistics.median(m['cached_tokens']):,.0f}"))
+    if shipped := lm["kvwarm"].get("replacement_fleet_memory"):
+        rows.append(("replacement, kvwarm as shipped (agent copies what the fleet served)",
+                     f"{shipped['ttft_s']:.3f} s ({shipped['over_cold']:.2f})", "",
+                     f"{shipped['over_lmcache_replacement']:.2f}", ""))
+    b, ld = lm["bytes_per_token"], lm["load"]
+    rows.append(("stored bytes per token (disk, bucket)",
+                 f"{b['kvwarm']['disk']['bytes_per_token']:,.0f}, {b['kvwarm']['bucket']['bytes_per_token']:,.0f}",
+                 f"{b['lmcache']['disk']['bytes_per_token']:,.0f}, {b['lmcache']['bucket']['bytes_per_token']:,.0f}",
+                 "", f"engine bf16: {b['engine_bf16']:,}"))
+    rows.append(("load into vLLM, GB/s (restart, replacement)",
+                 ", ".join(f"{ld['kvwarm'][s]['GBps']:.2f}" for s in ("restart", "replacement")),
+                 ", ".join(f"{ld['lmcache'][s]['GBps']:.2f}" for s in ("restart", "replacement")), "", ""))
+    return Table(("kvwarm and LMCache", "kvwarm (÷ cold)", "LMCache (÷ cold)", "kvwarm ÷ LMCache", "tokens from cache"),
+                 rows, note="One vLLM (LMCache's venv), the same prompts, the two systems' engines interleaved; LMCache MP "
+                            "mode with an fs L2 (its node disk) and an s3 L2 on the same SeaweedFS as kvwarm's S3 tier; "
+                            "kvwarm's replacement row waits for S3 (`fetch_mode: sync`, fleet memory off). LMCache's load "
+                            "rate is its log's copy from L1 (its L2 read comes before).")
 
 
 # -- prefetch -------------------------------------------------------------------
