@@ -151,6 +151,12 @@ class LoaderConfig(_Section):
     verify_payload: bool = Field(True, description="Check payload checksums when a snapshot enters the pool.")
     fetch_workers: int = Field(2, ge=1, le=64, description="Background fetch threads: S3 to NVMe for a lookup's "
                                "NVMe miss (prefetch has its own prefetch_streams).")
+    chain_gets: int = Field(
+        8, ge=1, le=64, description="S3 GETs one lookup's fetch of a chain has in flight at once (sync and background "
+        "fetches): the blocks are read in parallel and written into NVMe in prefix order, so a block is visible only "
+        "after its parents; GETs made past the chain's first missing block are discarded. At most chain_gets x "
+        "(fetch_workers + 1) GETs per loader. A prefetch stream copies one block at a time (prefetch_streams are "
+        "its parallel GETs).")
     prefetch_streams: int = Field(
         8, ge=1, le=64, description="Chains a prefetch copies from S3 at once (parallel GETs), on threads of their "
         "own; each chain block by block in prefix order, the plan's first entries first. S3 gives far more "

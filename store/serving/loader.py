@@ -155,7 +155,8 @@ class KVLoader:
                                  clock=clock)
         self._executor = cf.ThreadPoolExecutor(max_workers=d.fetch_workers, thread_name_prefix="kvwarm-fetch")
         self.fetcher = RemoteFetcher(self.store, self.tenant, self.metrics, self._executor,
-                                     timeout_s=d.sync_fetch_timeout_s, backoff_s=d.s3_backoff_s)
+                                     timeout_s=d.sync_fetch_timeout_s, backoff_s=d.s3_backoff_s,
+                                     gets=d.chain_gets, get_threads=d.chain_gets * (d.fetch_workers + 1))
         self.prefetcher = Prefetcher(d.prefetch_streams, probe=self._probe_local, fetcher=self.fetcher,
                                      metrics=self.metrics)
         self.dequantizer = dequant if isinstance(dequant, Dequantizer) else Dequantizer(
@@ -381,6 +382,7 @@ class KVLoader:
         # the prefetch streams stop after the block each is copying, and are joined: none
         # writes to the store once it is closed; their futures resolve with what was done
         self.prefetcher.close()
+        self.fetcher.close()  # a lookup's fetch lands nothing more (its GETs in flight are discarded)
         self._executor.shutdown(wait=False, cancel_futures=True)
         if self.fleet is not None and self._own_fleet:
             self.fleet.close()  # best effort: what this node served since the last flush

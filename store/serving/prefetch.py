@@ -169,7 +169,8 @@ class Prefetcher:
         if have:
             self.metrics.prefetched("present", have)
         if have < len(chain) and self.fetcher.usable():
-            done = self.fetcher.copy_chain(chain, scope, start=have, stopped=run.stopped.is_set)
+            # one GET at a time per stream: the streams are the prefetch's parallel GETs (bounded by their number)
+            done = self.fetcher.copy_chain(chain, scope, start=have, stopped=run.stopped.is_set, gets=1)
             res.fetched += done.fetched
             res.present += done.present
             have = max(have, done.count)

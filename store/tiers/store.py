@@ -64,6 +64,9 @@ class Read:
     tier: str | None = None  # kind of the tier that held it
     size: int = 0  # bytes of the object it was read from (the file mapped, on a mappable tier)
     error: StoreError | None = None  # what made it a miss, when something failed (see Store.get)
+    #: with ``read_through=False``: the bytes read from a remote tier, not yet in the local one
+    #: (:meth:`Store.land` writes them there)
+    source: "pa.Buffer | pa.NativeFile | None" = None
 
 
 @dataclass(frozen=True)
@@ -204,7 +207,8 @@ class Store:
         return Probe(best.count, best.tier, tuple(down)) if down else best
 
     def read(self, tenant: Tenant, block: Block | BlockKey, root: KeyRoot, *, now: float | None = None,
-             verify: bool = True, local_only: bool = False, readahead: bool = False) -> Read:
+             verify: bool = True, local_only: bool = False, readahead: bool = False,
+             read_through: bool = True) -> Read:
         """The snapshot of exactly ``block`` under ``root``, or why there is none.
 
         ``block`` may be a bare key (a copy by key, as a node warming from the fleet's
@@ -223,6 +227,9 @@ class Store:
             verify: check the payload's checksums (headers are always checked); the
                 loader checks a snapshot once, when it first enters the node's pool.
             readahead: the snapshot is about to be used whole (a mapped file is read ahead).
+            read_through: copy a remote hit into the local tier now; ``False`` answers it from
+                memory with its bytes in ``source``, for :meth:`land` to write later (a caller
+                that fetches several blocks at once and lands them in prefix order).
 
         Raises:
             TenantAccessDenied: ``root`` is salted for another tenant, or the namespace's
@@ -260,9 +267,11 @@ class Store:
                 expired = True
                 continue
             size = src.size
+            self.stats.incr("hits")
+            if i > 0 and not read_through:
+                return Read(snap, tier=tier.kind, size=size, source=src)
             if i > 0:
                 snap = self._read_through(name, src, snap)
-            self.stats.incr("hits")
             return Read(snap, tier=tier.kind, size=size)
         self.stats.incr("misses")
         return failed or Read(None, MissReason.EXPIRED if expired else MissReason.ABSENT)
@@ -302,6 +311,20 @@ class Store:
         else:
             log.error("snapshot refused: %s", exc)
         return reason
+
+    def land(self, tenant: Tenant, block: Block | BlockKey, root: KeyRoot, found: Read) -> Read:
+        """Write a remote hit that :meth:`read` answered with ``read_through=False`` into the
+        local tier (as its read-through would have); what is served from then on.
+
+        A failed write (the tier full, a disk error) is logged and the snapshot served from
+        memory, as in a read-through. ``found`` without ``source`` is returned as it is.
+        """
+        if found.snapshot is None or found.source is None:
+            return found
+        ns = self._namespace_of(tenant, root.salt_id, "read")
+        name = object_name(ns, block if isinstance(block, str) else block.key)
+        snap = self._read_through(name, found.source, found.snapshot)
+        return Read(snap, tier=found.tier, size=found.size)
 
     def _read_through(self, name: str, src: pa.Buffer, snap: Snapshot) -> Snapshot:
         local = self.local

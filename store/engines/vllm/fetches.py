@@ -53,11 +53,13 @@ class RemoteFetches:
         timeout_s: the most a ``sync`` request waits.
         backoff_s: after S3 fails, it is not asked again for this long.
         workers: copy threads.
+        gets: S3 GETs one chain's copy has in flight (``loader.chain_gets``; each tenant's
+            fetcher has at most ``gets`` x (``workers`` + 1) GET threads, made as needed).
         clock: monotonic time (deadlines).
     """
 
     def __init__(self, store: Store, tenants: TenantBook, *, mode: str, timeout_s: float, backoff_s: float,
-                 workers: int = 2, clock: Callable[[], float] = time.monotonic) -> None:
+                 workers: int = 2, gets: int = 8, clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.tenants = tenants
         self.mode = mode
@@ -65,6 +67,8 @@ class RemoteFetches:
         self.backoff_s = backoff_s
         self.has_remote = len(store.tiers) > 1
         self.clock = clock
+        self.gets = gets
+        self.workers = workers
         self._executor = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvwarm-s3")
         self._metrics = LoaderMetrics(store=store.stats)
         self._lock = threading.Lock()
@@ -76,7 +80,8 @@ class RemoteFetches:
             f = self._fetchers.get(tenant)
         if f is None:
             f = RemoteFetcher(self.store, self.tenants.credentials(tenant), self._metrics, self._executor,
-                              timeout_s=self.timeout_s, backoff_s=self.backoff_s)
+                              timeout_s=self.timeout_s, backoff_s=self.backoff_s, gets=self.gets,
+                              get_threads=self.gets * (self.workers + 1))
             with self._lock:
                 f = self._fetchers.setdefault(tenant, f)
         return f
@@ -117,5 +122,9 @@ class RemoteFetches:
 
     def close(self) -> None:
         """Stop the copy threads (a copy in flight finishes; queued ones are dropped)."""
+        with self._lock:
+            fetchers = list(self._fetchers.values())
+        for f in fetchers:
+            f.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
         self.store.close()

@@ -90,7 +90,7 @@ class SchedulerRole:
         self.memory = EngineMemory.open(settings, tiers, self.probe)
         self.fetches = RemoteFetches(Store(tiers), self.tenants, mode=cfg.loader.fetch_mode,
                                      timeout_s=cfg.loader.sync_fetch_timeout_s, backoff_s=cfg.loader.s3_backoff_s,
-                                     workers=cfg.loader.fetch_workers, clock=clock)
+                                     workers=cfg.loader.fetch_workers, gets=cfg.loader.chain_gets, clock=clock)
         self.costs = CostModel(default_prefill(hf_config, cpu=cpu), tokens_per_s=settings.prefill_tokens_per_s)
         self.block_bytes = stored_block_bytes(precision, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
                                               kv_block=self.kv_block)
