@@ -162,6 +162,15 @@ class KVLoader:
         self.dequantizer = dequant if isinstance(dequant, Dequantizer) else Dequantizer(
             d.dequant, self._executor, staging_bytes=int(d.staging_bytes))
         self._closed = False
+        if self.fetcher.has_remote:  # S3's client, connection and namespace owners, before the first fetch
+            self._executor.submit(self._warm_up)
+
+    def _warm_up(self) -> None:
+        """Open S3 ahead of the first fetch (its client alone costs a new node tens of ms; best effort)."""
+        try:
+            self.store.warm_up(self.tenant, [self.tenant.name] + ([PUBLIC] if self._public is not None else []))
+        except ERRORS as exc:
+            log.warning("warming up the remote tier failed (the first fetch will try again): %s", exc)
 
     # -- setup helpers -------------------------------------------------------
     def _try_attach(self) -> bool:

@@ -128,6 +128,22 @@ class Store:
             self._owners[(i, ns)] = json.loads(raw)["salt_id"]
         return self._owners[(i, ns)]
 
+    def warm_up(self, tenant: Tenant, namespaces: Sequence[str]) -> None:
+        """Ahead of the first read: open each remote tier's connection and read the owners of
+        ``namespaces`` there (cached), so that a first fetch pays neither. Best effort: a
+        tier that cannot be reached is logged and left to the reads (which count it)."""
+        for i, tier in enumerate(self.tiers):
+            if not tier.remote:
+                continue
+            for ns in namespaces:
+                if ns not in (tenant.name, PUBLIC):
+                    raise self._refuse(tenant, f"warm up namespace {ns!r}")
+                try:
+                    self._owner(i, ns)
+                except (StoreError, OSError) as exc:
+                    log.warning("warming up %s failed (the first read will try again): %s", tier.url, exc)
+                    break
+
     def _guard(self, tenant: Tenant, ns: str, what: str, i: int) -> None:
         expected = PUBLIC_TENANT.salt_id if ns == PUBLIC else tenant.salt_id
         owner = self._owner(i, ns)
