@@ -139,6 +139,15 @@ class KVLoader:
         if not tiers[0].mappable:
             raise ValueError(f"the loader needs a tier it can map first (file://), got {tiers[0].url!r}: "
                              "snapshots are mapped from it")
+        # The S3 client is built here, before the loader serves: built on first use, its tens of ms of
+        # Python would run beside the first request's load (the node agent's first read of the
+        # fleet's memory, or a first fetch), which waits for the GIL meanwhile.
+        for t in tiers:
+            if t.remote:
+                try:
+                    t.open_client()
+                except ERRORS as exc:
+                    log.warning("the remote tier %s: its client could not be built now (%s); on first use", t.url, exc)
         # One store: the hot path asks only its local tiers (never the network), fetches all of them.
         self.store = Store(tiers, clock=clock)
         self.local = tiers[0]
@@ -162,11 +171,12 @@ class KVLoader:
         self.dequantizer = dequant if isinstance(dequant, Dequantizer) else Dequantizer(
             d.dequant, self._executor, staging_bytes=int(d.staging_bytes))
         self._closed = False
-        if self.fetcher.has_remote:  # S3's client, connection and namespace owners, before the first fetch
+        if self.fetcher.has_remote:  # S3's connection and namespace owners, before the first fetch
             self._executor.submit(self._warm_up)
 
     def _warm_up(self) -> None:
-        """Open S3 ahead of the first fetch (its client alone costs a new node tens of ms; best effort)."""
+        """Connect to S3 ahead of the first fetch and read the namespaces' owners (best effort; a
+        few ms, mostly waiting on the network)."""
         try:
             self.store.warm_up(self.tenant, [self.tenant.name] + ([PUBLIC] if self._public is not None else []))
         except ERRORS as exc:

@@ -172,5 +172,10 @@ class Tier(ABC):
         """Where an object lives, for messages."""
         return f"{self.url.rstrip('/')}/{name}"
 
+    def open_client(self) -> None:
+        """Build the client a remote tier reaches its service with, without a request (local
+        tiers: nothing). Made on first use otherwise; building it is tens of ms of Python
+        (botocore's models), which a process pays where it chooses: before it serves."""
+
     def close(self) -> None:
         """Release resources (flush pending access records)."""

@@ -103,6 +103,10 @@ class S3Tier(Tier):
         except (OSError, BotoCoreError, ClientError, aiohttp.ClientError) as exc:
             raise StoreUnavailable(f"S3 tier {self.url}: {what} failed: {type(exc).__name__}: {exc}") from exc
 
+    def open_client(self) -> None:
+        """Build the S3 client now (no request is made): see :meth:`Tier.open_client`."""
+        self._call(self.fs.set_session(), "client set-up")
+
     def _path(self, name: str) -> str:
         return f"{self.base}/{name}"
 

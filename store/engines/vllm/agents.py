@@ -30,7 +30,14 @@ log = logging.getLogger("kvwarm.connector")
 def plan_source(settings: ConnectorSettings) -> PlanSource | None:
     """Where the engine's plans come from: the store's latest, a plan file, or nowhere."""
     if settings.plan == LATEST:
-        return StorePlans(tiers_from_url(settings.store_url, settings.config.store))
+        tiers = tiers_from_url(settings.store_url, settings.config.store)
+        for t in tiers:  # built now, not on the agent's thread beside the first request's load
+            if t.remote:
+                try:
+                    t.open_client()
+                except Exception as exc:  # noqa: BLE001 - built on first use instead
+                    log.warning("kvwarm: the plan source's S3 client could not be built now (%s)", exc)
+        return StorePlans(tiers)
     if settings.plan:
         return FilePlan(settings.plan)
     return None
