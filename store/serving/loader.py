@@ -171,7 +171,10 @@ class KVLoader:
         self.dequantizer = dequant if isinstance(dequant, Dequantizer) else Dequantizer(
             d.dequant, self._executor, staging_bytes=int(d.staging_bytes))
         self._closed = False
-        if self.fetcher.has_remote:  # S3's connection and namespace owners, before the first fetch
+        if self.fetcher.has_remote and self.fetch_mode == "sync":
+            # a sync lookup waits for S3: connect and read the namespace owners before the first one
+            # (in background mode the first fetch is off the request's path: nothing runs beside a
+            # restarted node's first load)
             self._executor.submit(self._warm_up)
 
     def _warm_up(self) -> None:
