@@ -19,7 +19,7 @@ import sqlite3
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence, Union
+from typing import Callable, Sequence
 
 from store.errors import StoreError, StoreUnavailable, TenantAccessDenied
 from store.identity.keys import Block, BlockKey, KeyRoot
@@ -34,7 +34,7 @@ log = logging.getLogger("kvwarm.loader")
 ERRORS = (StoreError, OSError, sqlite3.Error)
 _MAX_INFLIGHT = 4096
 #: what a GET thread answers for one block: in NVMe already, S3 not to be asked, or S3's read
-_Got = Union[str, Read, None]
+_Got = str | Read | None
 
 
 @dataclass(frozen=True)
@@ -179,6 +179,8 @@ class RemoteFetcher:
                     if j not in ahead:
                         self._claim_ahead(j, blocks, names, scope, ahead)
                 got = self._take(i, blocks, names, scope, ahead)
+                if got == "closed":  # its GET was cancelled: the fetcher is closing
+                    return Fetched(i, fetched, present)
                 if got == "present":
                     present += 1
                 elif got == "fetched":
@@ -219,7 +221,7 @@ class RemoteFetcher:
                 del self._copying[name]
         mine.set()
 
-    def _discard(self, fut: "cf.Future[_Got]", name: str, mine: threading.Event) -> None:
+    def _discard(self, fut: cf.Future[_Got], name: str, mine: threading.Event) -> None:
         """A GET past the chain's end completed (or was cancelled): drop what it read, free the block."""
         if not fut.cancelled() and fut.exception() is None:
             got = fut.result()
@@ -228,7 +230,7 @@ class RemoteFetcher:
         self._release(name, mine)
 
     def _claim_ahead(self, j: int, blocks: Sequence[Block | BlockKey], names: list[str], scope: Scope,
-                     ahead: dict[int, tuple["cf.Future[_Got]", threading.Event]]) -> None:
+                     ahead: dict[int, tuple[cf.Future[_Got], threading.Event]]) -> None:
         """Start the GET of ``blocks[j]`` unless another thread is copying it (then it is waited for
         when the chain reaches it) or the GET threads are shut (the loader is closing)."""
         mine, event = self._claim(names[j])
@@ -240,8 +242,9 @@ class RemoteFetcher:
             self._release(names[j], event)
 
     def _take(self, i: int, blocks: Sequence[Block | BlockKey], names: list[str], scope: Scope,
-              ahead: dict[int, tuple["cf.Future[_Got]", threading.Event]]) -> str | MissReason:
-        """``blocks[i]``, in NVMe now: ``"present"`` (it was), ``"fetched"`` (landed now from S3) or why neither.
+              ahead: dict[int, tuple[cf.Future[_Got], threading.Event]]) -> str | MissReason:
+        """``blocks[i]``, in NVMe now: ``"present"`` (it was), ``"fetched"`` (landed now from S3), ``"closed"``
+        (its GET was cancelled: the fetcher is closing) or why neither.
 
         Raises:
             StoreUnavailable: S3 did not answer (a back-off is answered ``store_unavailable``).
@@ -261,7 +264,11 @@ class RemoteFetcher:
                 except BaseException as exc:  # noqa: BLE001 - handed on below, as a GET thread's would be
                     fut.set_exception(exc)
             try:
+                if fut.cancelled():
+                    return "closed"
                 return self._landed(blocks[i], scope, fut.result())
+            except cf.CancelledError:  # cancelled while waited for (the GET threads shut down)
+                return "closed"
             finally:
                 self._release(names[i], mine)
 
@@ -289,7 +296,7 @@ class RemoteFetcher:
             return "present"
         if self._closed:  # the store is closing: nothing more is written
             got.snapshot.close()
-            return MissReason.STORE_UNAVAILABLE
+            return "closed"
         self.store.land(self.tenant, block, scope.root, got).snapshot.close()  # type: ignore[union-attr]
         self.metrics.prefetched("fetched")
         return "fetched"

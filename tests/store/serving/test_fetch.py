@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
+import time
 
 from store.errors import StoreUnavailable
 from store.identity.keys import block_chain
@@ -177,9 +178,7 @@ def test_two_fetches_of_one_chain_at_once_read_each_block_once(tmp_path):
         with lock:
             lead = not first
             first.append(name)
-        if lead:  # the first GET waits until a second one is in flight: the two fetches overlap
-            gate.wait()
-        elif len(first) == 2:
+        if lead or len(first) == 2:  # the first GET waits until a second one is in flight: the fetches overlap
             gate.wait()
 
     lock = threading.Lock()
@@ -199,4 +198,31 @@ def test_a_closed_fetcher_asks_nothing(tmp_path):
     fetcher.close()
     got = returns(fetcher.copy_chain, chain, scope)
     assert got.count == 0 and store.tiers[1].names == [] and store.tiers[0].written == []
+    settle(fetcher, store, ex)
+
+
+def test_closing_while_a_chain_waits_on_its_gets_ends_it_without_an_error(tmp_path):
+    """One GET thread: the chain's GETs ahead queue behind the first; a close cancels them and
+    the copy ends where it was, landing nothing after (no exception reaches the caller)."""
+    release = threading.Event()
+
+    def hold(name: str) -> None:
+        assert release.wait(HANG_S)
+
+    cfg_fetcher, store, scope, chain, ex = setup(tmp_path, 4, hold=hold, gets=4)
+    fetcher = RemoteFetcher(store, ACME, LoaderMetrics(store=store.stats), ex, timeout_s=HANG_S, backoff_s=3600,
+                            gets=4, get_threads=1)
+    cfg_fetcher.close()
+    with cf.ThreadPoolExecutor(1) as one:
+        fut = one.submit(fetcher.copy_chain, chain, scope)
+        far = store.tiers[1]
+        deadline = time.monotonic() + HANG_S  # a hang guard
+        while far.inflight < 2:  # the first queued GET runs, the chain's own block on its thread
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        fetcher.close()  # the two GETs still queued are cancelled
+        release.set()
+        got = fut.result(HANG_S)
+    assert got.reason is None and got.count <= 2
+    assert store.tiers[0].written == scope.names(chain)[:got.count]
     settle(fetcher, store, ex)
