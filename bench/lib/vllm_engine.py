@@ -122,7 +122,7 @@ class EngineProcess:
     """A running :mod:`bench.lib.vllm_driver` process (see :func:`start_engine`)."""
 
     def __init__(self, spec: dict[str, Any], workdir: Path, *, kv_cache_gib: float = 1,
-                 env: dict[str, str] | None = None, name: str = "engine") -> None:
+                 env: dict[str, str] | None = None, name: str = "engine", python: str | Path | None = None) -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.spec_path = self.workdir / f"{name}-spec.json"
@@ -132,7 +132,7 @@ class EngineProcess:
         self.result_path.unlink(missing_ok=True)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [str(engine_python()), "-m", "bench.lib.vllm_driver", str(self.spec_path), str(self.result_path)],
+                [str(python or engine_python()), "-m", "bench.lib.vllm_driver", str(self.spec_path), str(self.result_path)],
                 cwd=ROOT, env=engine_env(self.workdir, kv_cache_gib=kv_cache_gib, extra=env), stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -184,7 +184,10 @@ class EngineProcess:
 
 
 def start_engine(spec: dict[str, Any], workdir: Path, **kw: Any) -> EngineProcess:
-    """Start the driver on ``spec`` (see :mod:`bench.lib.vllm_driver`); ``.wait()`` for its run."""
+    """Start the driver on ``spec`` (see :mod:`bench.lib.vllm_driver`); ``.wait()`` for its run.
+
+    ``python`` runs it under another venv's interpreter (LMCache's: :func:`bench.lib.lmcache_server.lmcache_python`).
+    """
     return EngineProcess(spec, workdir, **kw)
 
 
