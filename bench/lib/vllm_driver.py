@@ -23,11 +23,19 @@ SPEC (JSON)::
                 "repeat": 1},
                {"name": "pause", "barrier": true},   # wait here until the caller says go
                {"name": "forget", "reset_prefix_cache": true},   # empty vLLM's own prefix cache
-               {"name": "keys", "keys": [{"ids": [..], "tenant": "acme", "chat": false}]}],
+               {"name": "keys", "keys": [{"ids": [..], "tenant": "acme", "chat": false}]},
+               {"name": "live", "replay": [{"id": "r0", "at_s": 0.0, "ids": [..], "max_tokens": 1,
+                                            "kv_transfer_params": null}, ...]}],
      "memcpy_bytes": 0}           # also time a plain copy of this many bytes (bench)
 
+A ``replay`` step is a live replay (:func:`run_replay`): each request is added to the engine
+at its ``at_s`` (seconds from the step's start) and the engine is stepped meanwhile, so requests
+queue and run together as on a server; per request it records the arrival, the first token's
+time, vLLM's ``num_cached_tokens``, the tokens the engine's own prefix cache and the connector gave
+(``local_cached_tokens``, ``external_tokens``: vLLM's prefill stats) and ``kv_transfer_params``.
+
 RESULT (JSON): ``import_s`` (of vllm), ``startup_s`` (the ``LLM`` constructor), ``scheduler`` (its
-class name); per step the
+class name), ``kv_capacity_tokens`` (the engine's KV cache, in tokens); per step the
 outputs of every call (tokens, num_cached_tokens, kv_transfer_params, seconds), or for a
 ``keys`` step the block keys the scheduler-role connector computes for each prompt
 (``block_keys``), and the connectors' stats after it; the stats after the engine's
@@ -191,6 +199,97 @@ def run_step(llm: Any, step: dict[str, Any]) -> list[dict[str, Any]]:
     return calls
 
 
+def run_replay(llm: Any, step: dict[str, Any]) -> list[dict[str, Any]]:
+    """A live replay: add each request at its ``at_s`` after the step starts, step the engine meanwhile.
+
+    The engine is stepped whenever it has work; a request whose time comes during a step is
+    added when the step returns (as a server's engine loop adds what arrived between steps).
+    Time to first token is from the request's *scheduled* arrival to the return of the step that
+    produced its first token, so time spent queued behind other requests counts. A request that
+    fails (vLLM reports an error, or it never finishes) is recorded with ``error`` set.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    client = engine.engine_core
+    cached: dict[str, tuple[int, int]] = {}  # request id -> (vLLM's own prefix hit, the connector's tokens)
+    plain_get_output = client.get_output
+
+    def get_output() -> Any:  # vLLM's per-request prefill stats ride on the engine core's outputs
+        outs = plain_get_output()
+        for o in getattr(outs, "outputs", None) or ():
+            ps = getattr(o, "prefill_stats", None)
+            if ps is not None and o.request_id not in cached:
+                cached[o.request_id] = (int(ps.num_local_cached_tokens), int(ps.num_external_cached_tokens))
+        return outs
+
+    client.get_output = get_output
+    reqs = sorted(step["replay"], key=lambda r: float(r["at_s"]))
+    records: dict[str, dict[str, Any]] = {}
+    internal: dict[str, str] = {}  # the engine core's request id -> the replay's
+    t0 = time.perf_counter()
+    nxt = 0
+    try:
+        while nxt < len(reqs) or engine.has_unfinished_requests():
+            now = time.perf_counter() - t0
+            while nxt < len(reqs) and float(reqs[nxt]["at_s"]) <= now:
+                r = reqs[nxt]
+                nxt += 1
+                rid = str(r["id"])
+                n = int(r.get("max_tokens", 1))
+                extra = {"kv_transfer_params": r["kv_transfer_params"]} if r.get("kv_transfer_params") else None
+                params = SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True,
+                                        extra_args=extra)
+                records[rid] = {"id": rid, "at_s": float(r["at_s"]), "added_s": now, "prompt_tokens": len(r["ids"]),
+                                "first_token_s": None, "done_s": None, "error": None}
+                try:  # vLLM adds random characters to the id inside the engine core
+                    internal[str(engine.add_request(rid, TokensPrompt(prompt_token_ids=list(r["ids"])), params))] = rid
+                except Exception as exc:  # a request the engine refuses is a failed request, not a failed run
+                    records[rid].update(error=f"{type(exc).__name__}: {exc}", done_s=now)
+            if not engine.has_unfinished_requests():
+                if nxt < len(reqs):  # idle until the next arrival
+                    time.sleep(max(0.0, min(0.05, float(reqs[nxt]["at_s"]) - (time.perf_counter() - t0))))
+                continue
+            outs = engine.step()
+            now = time.perf_counter() - t0
+            for o in outs:
+                rec = records.get(str(o.request_id))
+                if rec is None:
+                    continue
+                if rec["first_token_s"] is None and o.outputs and o.outputs[0].token_ids:
+                    rec.update(first_token_s=now, ttft_s=now - rec["at_s"], tokens=list(o.outputs[0].token_ids),
+                               num_cached_tokens=o.num_cached_tokens, kv_transfer_params=o.kv_transfer_params)
+                if o.finished:
+                    rec["done_s"] = now
+                    reason = o.outputs[0].finish_reason if o.outputs else None
+                    if reason not in ("length", "stop"):
+                        rec["error"] = f"finish_reason={reason!r}"
+                    elif rec["first_token_s"] is None:
+                        rec["error"] = "finished without a token"
+    finally:
+        client.get_output = plain_get_output
+    by_id = {internal[k]: v for k, v in cached.items() if k in internal}
+    out = []
+    for r in reqs:
+        rec = records[str(r["id"])]
+        local, external = by_id.get(rec["id"], (None, None))
+        rec.update(local_cached_tokens=local, external_tokens=external)
+        if rec["error"] is None and rec["first_token_s"] is None:
+            rec["error"] = "no first token"
+        out.append(rec)
+    return out
+
+
+def kv_capacity_tokens(llm: Any) -> int | None:
+    """The engine's KV cache in tokens (blocks times block size), when vLLM says."""
+    try:
+        cache = llm.llm_engine.vllm_config.cache_config
+        return int(cache.num_gpu_blocks) * int(cache.block_size)
+    except Exception:
+        return None
+
+
 def memcpy_seconds(nbytes: int, reps: int = 7) -> float:
     """Median seconds of one plain tensor copy of ``nbytes`` (the load-throughput yardstick)."""
     import torch
@@ -236,6 +335,7 @@ def main(spec_path: str, result_path: str) -> int:
         result["scheduler"] = type(getattr(core, "scheduler", None)).__name__  # AsyncScheduler with async scheduling
         result["roles"] = sorted(conns)
         result["stats_start"] = read_stats(conns)
+        result["kv_capacity_tokens"] = kv_capacity_tokens(llm)
         for step in spec.get("steps", []):
             if step.get("barrier"):
                 barrier(result_path, step["name"])
@@ -249,6 +349,12 @@ def main(spec_path: str, result_path: str) -> int:
                 keys = [sched.block_keys(k["ids"], tenant=k.get("tenant"), chat=bool(k.get("chat")))
                         for k in step["keys"]]
                 result["steps"].append({"name": step.get("name"), "keys": keys, "stats": read_stats(conns)})
+                continue
+            if "replay" in step:
+                t_step = time.perf_counter()
+                reqs = run_replay(llm, step)
+                result["steps"].append({"name": step.get("name"), "requests": reqs,
+                                        "seconds": time.perf_counter() - t_step, "stats": read_stats(conns)})
                 continue
             calls = run_step(llm, step)
             result["steps"].append({"name": step.get("name"), "calls": calls, "stats": read_stats(conns)})
