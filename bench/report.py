@@ -101,7 +101,7 @@ def find(results: Path, bench: str, variant: str | None) -> tuple[Path, str | No
 
 def script_of(bench: str) -> str:
     """The script that writes ``bench``'s records: ``bench/<bench>_bench.py``, or ``bench/<bench>.py`` (live_replay)."""
-    return f"bench/{bench}_bench.py" if (ROOT / "bench" / f"{bench}_bench.py").exists() else f"bench/{bench}.py"
+    return f"bench/{bench}.py" if (ROOT / "bench" / f"{bench}.py").exists() else f"bench/{bench}_bench.py"
 
 
 def section(results: Path, bench: str, variant: str | None, page: Page, gpu: bool = False) -> list[str]:

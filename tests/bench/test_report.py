@@ -29,7 +29,7 @@ def test_the_page_stays_one_page() -> None:
 def test_every_bench_has_a_record_or_says_what_to_run(tmp_path: Path) -> None:
     page = report.render(tmp_path)  # no records at all
     for bench, _, _ in report.CPU_SECTIONS:
-        assert f"_No record in `bench/results/{bench}.json` yet: run `.venv/bin/python bench/{bench}_bench.py`" in page
+        assert f"_No record in `bench/results/{bench}.json` yet: run `.venv/bin/python {report.script_of(bench)}`" in page
     assert "_No record in `bench/results/loader-h200.json` yet: run `bash bench/gpu_check.sh`" in page
 
 
