@@ -22,8 +22,8 @@ one after the other on the same requests:
 **The slice** (flags; defaults chosen so the whole bench takes under 20 minutes on 2 cores):
 the trace's ``[--start, --end)`` seconds (default: all of the bundled 8 minutes), one
 conversation in ``--every`` (8; a conversation is the requests sharing their second hash
-id), each prompt cut to its first ``--max-blocks`` hash ids (4: 2,048 tokens at Mooncake's 512
-per id; the tiny model's limit is 4,096), one output token (time to first token is the
+id), each prompt cut to its first ``--max-blocks`` hash ids (8: 4,096 tokens at Mooncake's 512
+per id) and to ``--max-prompt`` tokens (4,080: the tiny model's limit is 4,096), one output token (time to first token is the
 figure), time divided by ``--speedup`` (4: the bundled head's 167 kept requests, 560,000
 prompt tokens, arrive over 2 minutes; a plain engine here computes them in about 10 s, but
 the trace's bursts, requests at the same millisecond, still queue). The event is at ``--event`` (50 %) of
