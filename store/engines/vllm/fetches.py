@@ -7,7 +7,9 @@ A prompt whose chain the NVMe tier holds only in part may have the rest in S3. T
   the next request (at most one copy in flight per chain head).
 - ``sync``: when fetching is estimated to beat recomputing, the request waits for the copy, up
   to ``sync_fetch_timeout_s``: the scheduler answers vLLM "ask again" (``None``) meanwhile, so
-  other requests run, and then loads the NVMe hit like any other. A fetch that would not beat
+  other requests run, and then loads the NVMe hit like any other. Each ask waits up to
+  :data:`PAUSE_S` on the copy first (:meth:`Pending.pause`), or vLLM's loop, asking again at
+  once, keeps the GIL from the copy's threads. A fetch that would not beat
   recomputing goes to the background.
 
 The copies are :class:`store.serving.fetch.RemoteFetcher`'s (read-through, back-off after S3
@@ -29,6 +31,8 @@ from store.tiers.store import Store
 
 #: Most chains copied at once for waiting requests (others go to the background).
 MAX_WAITED = 256
+#: The most one scheduler call waits for a copy before answering "ask again" (:meth:`Pending.pause`).
+PAUSE_S = 0.002
 
 
 @dataclass
@@ -41,6 +45,16 @@ class Pending:
     def waiting(self, now: float) -> bool:
         """Whether the request should still wait."""
         return not self.future.done() and now < self.deadline
+
+    def pause(self, seconds: float | None = None) -> None:
+        """Give the copy up to ``seconds`` before the scheduler says "ask again".
+
+        vLLM asks again at its next step; with nothing else to run, its loop comes straight
+        back, and between two asks it holds the GIL the copy's threads need (in vLLM's
+        one-process mode on two cores, a sync fetch of 8 blocks took over a second that way).
+        Waiting on the future releases it.
+        """
+        cf.wait([self.future], timeout=PAUSE_S if seconds is None else seconds)
 
 
 class RemoteFetches:

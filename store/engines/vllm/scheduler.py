@@ -221,7 +221,9 @@ class SchedulerRole:
         assert st.tenant is not None
         if st.pending is not None:
             if st.pending.waiting(self.clock()):
-                return None
+                st.pending.pause()
+                if st.pending.waiting(self.clock()):
+                    return None
             future, st.pending = st.pending.future, None
             why: str | None = "fetch_timeout"  # it goes on in the background: next time it is local
             if future.done():

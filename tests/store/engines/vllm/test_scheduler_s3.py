@@ -9,8 +9,12 @@ import itertools
 import time
 import uuid
 
+import concurrent.futures as cf
+import threading
+
 import pytest
 
+from store.engines.vllm import fetches
 from tests.hang_guard import HANG_S
 from tests.store.engines.vllm.scheduler_fakes import KB, Req, config, role, store_prefix, tokens
 
@@ -34,11 +38,12 @@ def ask_until(r, req) -> int:
 
 
 @pytest.mark.s3
-def test_s3_hits_follow_fetch_mode_and_s3_killed_is_a_counted_miss(tmp_path, own_s3) -> None:
+def test_s3_hits_follow_fetch_mode_and_s3_killed_is_a_counted_miss(tmp_path, own_s3, monkeypatch) -> None:
     # Generous S3 timeouts: the outage here is a stopped server (refused at once), not a slow one.
     s3 = {"endpoint_url": own_s3.endpoint, "access_key_env": "KVWARM_TEST_KEY", "secret_key_env": "KVWARM_TEST_SECRET",
           "op_timeout_s": 60, "connect_timeout_s": 10, "read_timeout_s": 30, "retries": 0}
     timeout = 8.0  # the sync wait, on the test's clock
+    monkeypatch.setattr(fetches, "PAUSE_S", 0.0)  # each ask returns at once: the waits below are the clock's
     url = f"s3://kvwarm-conn/{uuid.uuid4().hex[:8]}"
     p1, p2, p3 = (tokens(3 * KB + 1, seed=s) for s in (50, 51, 52))
     for ids in (p1, p2, p3):
@@ -71,3 +76,16 @@ def test_s3_hits_follow_fetch_mode_and_s3_killed_is_a_counted_miss(tmp_path, own
     assert set(misses) <= {"misses:fetch_timeout", "misses:store_unavailable"} and sum(misses.values()) == 1
     bg.close()
     sync.close()
+
+
+def test_a_waiting_ask_gives_the_copy_its_pause_and_ends_it_when_the_copy_lands() -> None:
+    """The scheduler waits on the copy briefly before "ask again", so the copy's threads get the GIL
+    (vLLM's loop asking again at once starved them: a sync fetch of 8 blocks took over a second)."""
+    future: cf.Future = cf.Future()
+    pending = fetches.Pending(future, deadline=float("inf"))
+    threading.Timer(0.01, future.set_result, args=((3, None),)).start()
+    pending.pause(HANG_S)  # returns when the copy lands, well before the hang guard
+    assert future.done() and not pending.waiting(0.0)
+    idle = fetches.Pending(cf.Future(), deadline=float("inf"))
+    idle.pause(0.0)  # a copy still running: the pause ends, the request still waits
+    assert idle.waiting(0.0)
