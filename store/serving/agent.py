@@ -31,6 +31,7 @@ from typing import Any, Callable, Generic, Hashable, Protocol, Sequence, TypeVar
 
 from store.errors import ConfigError, StoreError
 from store.plan import Plan, PlanError, latest_plan, latest_plan_version, read_plan
+from store.serving.priority import lower_this_thread
 from store.serving.urgency import DEFAULT_HORIZON_S, PlanChain, ReuseCurve, UseLike, Warmup, rank
 
 log = logging.getLogger("kvwarm.agent")
@@ -295,6 +296,7 @@ class AgentThread:
         return self
 
     def _run(self) -> None:
+        lower_this_thread()  # ranking and fleet reads yield the cores to the forward
         started = False
         while not self._stop.is_set():
             for agent in self.agents:

@@ -29,6 +29,7 @@ from store.miss import MissReason
 from store.plan import Plan, PlanEntry, read_plan
 from store.serving.fetch import ERRORS, RemoteFetcher, Scope
 from store.serving.metrics import LoaderMetrics
+from store.serving.priority import lower_this_thread
 
 log = logging.getLogger("kvwarm.loader")
 
@@ -116,7 +117,8 @@ class Prefetcher:
         self.probe = probe
         self.fetcher = fetcher
         self.metrics = metrics
-        self._executor = cf.ThreadPoolExecutor(max_workers=streams, thread_name_prefix="kvwarm-prefetch")
+        self._executor = cf.ThreadPoolExecutor(max_workers=streams, thread_name_prefix="kvwarm-prefetch",
+                                               initializer=lower_this_thread)  # copies yield to the forward
         self._lock = threading.Lock()
         self._idle = threading.Condition(self._lock)
         self._runs: set[_Run] = set()

@@ -16,6 +16,7 @@ from typing import Any, Sequence
 from store.engines.vllm.probe import StoreProbe
 from store.engines.vllm.tracker import RequestState
 from store.identity.tenant import PUBLIC
+from store.serving.priority import lower_this_thread
 
 log = logging.getLogger("kvwarm.connector")
 
@@ -31,7 +32,8 @@ class EngineMemory:
     def __init__(self, recorder: Any, probe: StoreProbe) -> None:
         self.recorder = recorder
         self.probe = probe
-        self._writer = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvwarm-fleet")
+        self._writer = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvwarm-fleet",
+                                            initializer=lower_this_thread)
 
     @classmethod
     def open(cls, settings: Any, tiers: Sequence[Any], probe: StoreProbe) -> "EngineMemory | None":

@@ -21,6 +21,7 @@ from store.engines.vllm.stats import Counters
 from store.errors import StoreError, StoreUnavailable
 from store.format.encode import EncodedSnapshot
 from store.identity.tenant import Tenant
+from store.serving.priority import lower_this_thread
 from store.tiers.store import Store
 
 log = logging.getLogger("kvwarm.vllm")
@@ -89,6 +90,7 @@ class Uploads:
         return True
 
     def _run(self) -> None:
+        lower_this_thread()
         while True:
             with self._cond:
                 while not self._jobs and not self._closing:

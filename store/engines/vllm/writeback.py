@@ -42,6 +42,7 @@ from store.format.header import WRITE_BACK
 from store.format.precision import Precision
 from store.identity.fingerprint import ModelIdentity
 from store.identity.keys import block_chain
+from store.serving.priority import lower_this_thread
 from store.tiers.base import object_name
 from store.tiers.store import Store
 
@@ -156,6 +157,7 @@ class WriteBack:
         return None if fit == blocks else spec.first + fit
 
     def _run(self) -> None:
+        lower_this_thread()  # the encoding yields the cores to the forward
         while True:
             job = self._queue.get()
             if job is None:
