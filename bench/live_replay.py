@@ -65,7 +65,6 @@ import argparse
 import dataclasses
 import json
 import math
-import os
 import re
 import shutil
 import statistics
@@ -337,26 +336,20 @@ def make_live_plan(rows: pd.DataFrame, event_s: float, *, model_dir: Path, confi
 
 
 def publish(plan: Any, config_path: Path) -> None:
+    """Publish ``plan`` to the config's S3 tier, as the pipeline's flow does (``plans/latest``)."""
     from store.config import load_config
     from store.plan import publish_plan
     from store.tiers.registry import tiers_from_url
+    from tests.store.engines.vllm.harness import environment
 
     cfg = load_config(config_path)
-    old = {k: os.environ.get(k) for k in S3_ENV}
-    os.environ.update(S3_ENV)
-    try:
+    with environment(S3_ENV):
         tiers = [t for t in tiers_from_url(cfg.store.url, cfg.store) if "s3" in type(t).__name__.lower()]
         try:
             publish_plan(plan, tiers)
         finally:
             for t in tiers:
                 t.close()
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def simulate_slice(rows: pd.DataFrame, event_s: float, *, prefill: Any, per_token: float, engine_per_token: int,
