@@ -62,356 +62,53 @@ policy; the run under 20 minutes. The record goes to ``bench/results/live_replay
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
-import math
-import re
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import numpy as np
-import pandas as pd
 
+from bench.lib.live_engines import (
+    calibrate_step,
+    calibration_points,
+    engine_bytes_per_token,
+    engine_spec,
+    kvwarm_config,
+    replay_records,
+    replay_step,
+    run_phases,
+    stored_bytes_per_token,
+    warmup_step,
+)
+from bench.lib.live_figures import (
+    BLOCK,
+    BUCKET,
+    CALIBRATE,
+    ORIGIN,
+    SIM_POLICY,
+    TARGET_SAVED_ERR,
+    TENANT,
+    lmcache_costs,
+    phase_figures,
+    prefill_from,
+    rel_err,
+    saved_per_request,
+)
+from bench.lib.live_sim import make_live_plan, publish, simulate_slice
 from bench.lib.live_trace import SliceSpec, event_time, log_rows, prompt_token_ids, slice_trace
 from bench.lib.results import Run, add_results_option, variant_of
 
 TRACE = ROOT / "tests" / "data" / "mooncake" / "conversation_head.jsonl"
 POLICIES = ("vllm", "lmcache", "kvwarm")
-SIM_POLICY = {"lmcache": "reactive-store", "kvwarm": "kvwarm", "vllm": "vllm"}
-BLOCK = 256  # kvwarm's block size (the config default) and LMCache's chunk
-TENANT = "mooncake"
-BUCKET = "live-replay"
-ORIGIN = pd.Timestamp("2026-01-01")
-#: the SeaweedFS credentials kvwarm's S3 tier reads (from these variables) and LMCache's adapter is given
-S3_ENV = {"KVWARM_BENCH_S3_KEY": "test", "KVWARM_BENCH_S3_SECRET": "test", "AWS_DEFAULT_REGION": "us-east-1"}
-#: every engine computes on both cores (shared/STACK-NOTES.md: an engine with a connector reserves one less)
-ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **S3_ENV}
-#: cold calibration prompts of the vllm engine (tokens; two of each), and the one warm-up request of every engine
-CALIBRATE = (256, 1024, 2048, 3072, 4080)
-WARMUP_TOKENS = 64
-TARGET_SAVED_ERR = 0.25
 TARGET_DURATION_S = 20 * 60
 
-
-# ---------------------------------------------------------------- pure figures
-
-
-def percentile(xs: Sequence[float], q: float) -> float | None:
-    return float(np.percentile(np.asarray(xs, dtype=float), q)) if len(xs) else None
-
-
-def phase_figures(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """TTFT (mean, P50, P99), loaded and vLLM-hit tokens, failures of one phase's requests."""
-    ok = [r for r in records if r.get("error") is None]
-    ttft = [r["ttft_s"] for r in ok]
-    tokens = sum(r["prompt_tokens"] for r in records)
-    ext = sum(r.get("external_tokens") or 0 for r in ok)
-    local = sum(r.get("local_cached_tokens") or 0 for r in ok)
-    return {"requests": len(records), "failed": len(records) - len(ok),
-            "ttft_mean_s": statistics.fmean(ttft) if ttft else None, "ttft_p50_s": percentile(ttft, 50),
-            "ttft_p99_s": percentile(ttft, 99), "prompt_tokens": tokens, "external_tokens": ext,
-            "external_share": ext / tokens if tokens else None, "vllm_hit_tokens": local,
-            "errors": sorted({r["error"] for r in records if r.get("error")})[:5]}
-
-
-def saved_per_request(base: Sequence[dict[str, Any]], other: Sequence[dict[str, Any]], *,
-                      median: bool = False) -> float | None:
-    """Mean (or ``median``) per-request TTFT ``base - other`` over the requests both served (matched by id).
-
-    The median is kept beside the mean: a few requests queued behind a burst move the mean by more
-    than every hit saves, and the simulator models no queueing.
-    """
-    b = {r["id"]: r["ttft_s"] for r in base if r.get("error") is None}
-    diffs = [b[r["id"]] - r["ttft_s"] for r in other if r.get("error") is None and r["id"] in b]
-    if not diffs:
-        return None
-    return statistics.median(diffs) if median else statistics.fmean(diffs)
-
-
-def rel_err(predicted: float | None, live: float | None) -> float | None:
-    if predicted is None or live is None or live == 0:
-        return None
-    return (predicted - live) / abs(live)
-
-
-def fit_prefill(points: Sequence[tuple[int, float]]) -> tuple[float, float, float]:
-    """Least squares of ``seconds = c0 + a*n + b*n(n+1)/2`` over cold ``(tokens, seconds)``.
-
-    ``c0`` is the engine's fixed cost per request (a step's overhead), the same whatever a
-    connector loads: ``(a, b)`` are the prefill cost the simulator prices (``b`` and ``c0``
-    clamped at 0, refitting the rest).
-    """
-    n = np.array([p[0] for p in points], dtype=float)
-    t = np.array([p[1] for p in points], dtype=float)
-    cols = [np.ones_like(n), n, n * (n + 1) / 2]
-    (c0, a, b), *_ = np.linalg.lstsq(np.column_stack(cols), t, rcond=None)
-    if b < 0:
-        (c0, a), *_ = np.linalg.lstsq(np.column_stack(cols[:2]), t, rcond=None)
-        b = 0.0
-    if c0 < 0:
-        (a, b), *_ = np.linalg.lstsq(np.column_stack(cols[1:]), t, rcond=None)
-        c0 = 0.0
-    return float(max(c0, 0.0)), float(max(a, 1e-12)), float(max(b, 0.0))
-
-
-def prefill_from(calibration: dict[str, list[tuple[int, float]]]) -> tuple[Any, float]:
-    """The prefill cost fitted to the fastest cold seconds of each calibration length over the engines.
-
-    The fastest, as a timing of fixed work is read: the machine is shared (another session's engines
-    run on the same two cores), and what a busy core adds to one engine's calibration is not the
-    engine's cost. The simulator models no such contention, so its costs are the work's own; each
-    engine's median is kept in the record, to show how busy the machine was. Returns the cost and
-    the fixed per-request ``c0``.
-    """
-    from store.cost import PrefillCost
-
-    points = [(n, min(t for pts in calibration.values() for m, t in pts if m == n)) for n in CALIBRATE]
-    c0, a, b = fit_prefill(points)
-    return PrefillCost(a, b), c0
-
-
-_PREFETCH = re.compile(r"Prefetch request completed \(L1\+L2\): (\d+)/(\d+) retained keys \((\d+) L1, (\d+) L2\) "
-                       r"in ([\d.]+) ms")
-_RETRIEVED = re.compile(r"Retrieved (\d+) tokens in ([\d.]+) seconds")
-_STORED = re.compile(r"Stored (\d+) tokens in ([\d.]+) seconds")
-
-
-def lmcache_costs(log: str) -> dict[str, float]:
-    """What LMCache's MP server measured of its own work, from its log.
-
-    ``l2_keys``/``l2_s``: the chunks its lookups fetched from the L2 (S3) and the milliseconds those
-    prefetches took (the request waits for them: LMCache's remote hit is synchronous);
-    ``retrieved_tokens``/``retrieved_s``: tokens it copied from its L1 into vLLM's cache;
-    ``stored_tokens``/``stored_s``: tokens it took from vLLM (write-back).
-    """
-    out = dict.fromkeys(("l2_keys", "l2_s", "l2_prefetches", "retrieved_tokens", "retrieved_s", "stored_tokens",
-                         "stored_s"), 0.0)
-    for m in _PREFETCH.finditer(log):
-        if int(m.group(4)):
-            out["l2_keys"] += int(m.group(4))
-            out["l2_s"] += float(m.group(5)) / 1e3
-            out["l2_prefetches"] += 1
-    for m in _RETRIEVED.finditer(log):
-        out["retrieved_tokens"] += int(m.group(1))
-        out["retrieved_s"] += float(m.group(2))
-    for m in _STORED.finditer(log):
-        out["stored_tokens"] += int(m.group(1))
-        out["stored_s"] += float(m.group(2))
-    return out
-
-
-# ---------------------------------------------------------------- engines
-
-
-def engine_spec(model_dir: Path, max_len: int, steps: list[dict[str, Any]],
-                connector: dict[str, Any] | None = None) -> dict[str, Any]:
-    spec: dict[str, Any] = {"engine": {"model": str(model_dir), "max_model_len": max_len,
-                                       "enable_prefix_caching": True}, "steps": steps}
-    if connector is not None:
-        spec["connector"] = connector
-    return spec
-
-
-def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
-    return np.random.default_rng([977, seed]).integers(1, vocab, n).tolist()
-
-
-def warmup_step(vocab: int, seed: int) -> dict[str, Any]:
-    return {"name": "warmup", "requests": [{"ids": random_prompt(WARMUP_TOKENS, vocab, seed), "max_tokens": 1}]}
-
-
-def calibrate_requests(vocab: int, salt: int) -> list[dict[str, Any]]:
-    """Cold prompts of :data:`CALIBRATE` lengths (two each), distinct from the trace's and per engine (``salt``)."""
-    return [{"ids": random_prompt(n, vocab, 100_000 * salt + 10 * n + k), "max_tokens": 1}
-            for n in CALIBRATE for k in range(2)]
-
-
-def calibrate_step(vocab: int, salt: int) -> dict[str, Any]:
-    return {"name": "calibrate", "requests": calibrate_requests(vocab, salt)}
-
-
-def calibration_points(run: Any) -> list[tuple[int, float]]:
-    """(prompt tokens, seconds) of an engine's cold calibration requests."""
-    step = next(s for s in run.result["steps"] if s["name"] == "calibrate")
-    calls = sorted(step["calls"], key=lambda c: c["index"])
-    lengths = [n for n in CALIBRATE for _ in range(2)]
-    return [(n, c["seconds"]) for n, c in zip(lengths, calls)]
-
-
-def replay_step(name: str, reqs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"name": name, "replay": reqs}
-
-
-def kvwarm_config(path: Path, *, nvme: Path, endpoint: str, node_id: str, speedup: float) -> Path:
-    import yaml
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump({
-        "kv_cache": {"block_size": BLOCK},
-        "store": {"url": f"file://{nvme},s3://{BUCKET}/kvwarm",
-                  "s3": {"endpoint_url": endpoint, "access_key_env": "KVWARM_BENCH_S3_KEY",
-                         "secret_key_env": "KVWARM_BENCH_S3_SECRET"}},
-        "loader": {"pool_dir": str(path.parent / f"pool-{node_id}"), "pool_bytes": "2GiB"},
-        # the trace's clock runs --speedup times faster: the node's periods shrink with it
-        "fleet_memory": {"node_id": node_id, "flush_s": max(0.5, 30.0 / speedup)},
-        "agent": {"poll_s": max(0.5, 30.0 / speedup)},
-    }))
-    return path
-
-
-def run_phases(name: str, work: Path, specs: list[dict[str, Any]], *, python: Path | None = None,
-               between: Any = None, timeout_s: float = 900) -> list[Any]:
-    """Run each spec's engine to its end, one after the other (``between(i)`` after engine ``i``)."""
-    from bench.lib.vllm_engine import run_engine
-
-    runs = []
-    for i, spec in enumerate(specs):
-        kw = {"python": python} if python is not None else {}
-        t0 = time.perf_counter()
-        run = run_engine(spec, work / f"{name}-{i}", timeout_s=timeout_s, env=ENGINE_ENV, **kw)
-        print(f"  {name} engine {i}: {time.perf_counter() - t0:.0f} s (start {run.result['startup_s']:.1f} s)",
-              flush=True)
-        runs.append(run)
-        if between is not None:
-            between(i)
-    return runs
-
-
-def replay_records(run: Any, step: str) -> list[dict[str, Any]]:
-    return run.step(step)["requests"]
-
-
-# ---------------------------------------------------------------- plan and simulation
-
-
-def stored_bytes_per_token(model_dir: Path, config_path: Path) -> float:
-    from store.config import load_config
-    from store.format.header import Layout
-    from store.format.payload import kv_bytes_per_token
-
-    geo = json.loads((model_dir / "config.json").read_text())
-    dim = geo.get("head_dim") or geo["hidden_size"] // geo["num_attention_heads"]
-    layout = Layout(num_layers=geo["num_hidden_layers"], num_kv_heads=geo["num_key_value_heads"], head_dim=dim,
-                    block_size=BLOCK)
-    return kv_bytes_per_token(layout, load_config(config_path).kv_cache.precision())
-
-
-def engine_bytes_per_token(model_dir: Path) -> int:
-    geo = json.loads((model_dir / "config.json").read_text())
-    dim = geo.get("head_dim") or geo["hidden_size"] // geo["num_attention_heads"]
-    return 2 * geo["num_hidden_layers"] * geo["num_key_value_heads"] * dim * 2  # bf16 K and V
-
-
-def cadence_spec(node_bytes: float) -> Any:
-    """The plans' budget, as the simulator's kvwarm rows get it (``retain_spec``: a share of the node tier)."""
-    from forecasting.planning.cadence import CadenceSpec
-    from forecasting.planning.retain import RetainBudget
-    from forecasting.simulate.kvwarm_policy import RETAIN_FRACTION
-
-    return CadenceSpec(RetainBudget(node_bytes=RETAIN_FRACTION * node_bytes))
-
-
-def make_live_plan(rows: pd.DataFrame, event_s: float, *, model_dir: Path, config_path: Path, prefill: Any,
-                   per_token: float, node_bytes: float) -> Any:
-    """The product planner's plan at the event, from the requests before it, keyed for the real model."""
-    from forecasting.planning.cadence import plan_now
-    from forecasting.planning.planner import PlanCosts
-    from store.config import load_config
-    from store.identity.fingerprint import identity_from_dir
-
-    cfg = load_config(config_path)
-    precision = cfg.kv_cache.precision()
-    root = identity_from_dir(model_dir).key_root(precision, BLOCK, cfg.tenant(TENANT).salt)
-    return plan_now(rows, ORIGIN + pd.Timedelta(seconds=event_s), cost=PlanCosts(prefill, bytes_per_token=per_token),
-                    spec=cadence_spec(node_bytes), block_size=BLOCK, roots={TENANT: root}, model="kvwarm-tiny")
-
-
-def publish(plan: Any, config_path: Path) -> None:
-    """Publish ``plan`` to the config's S3 tier, as the pipeline's flow does (``plans/latest``)."""
-    from store.config import load_config
-    from store.plan import publish_plan
-    from store.tiers.registry import tiers_from_url
-    from tests.store.engines.vllm.harness import environment
-
-    cfg = load_config(config_path)
-    with environment(S3_ENV):
-        tiers = [t for t in tiers_from_url(cfg.store.url, cfg.store) if "s3" in type(t).__name__.lower()]
-        try:
-            publish_plan(plan, tiers)
-        finally:
-            for t in tiers:
-                t.close()
-
-
-def simulate_slice(rows: pd.DataFrame, event_s: float, *, prefill: Any, per_token: float, engine_per_token: int,
-                   kv_capacity_tokens: int, node_bytes: float, node_load: Any, lmcache: dict[str, Any] | None,
-                   policies: Sequence[str]) -> dict[str, Any]:
-    """The simulator on the same slice (token-id log rows at 256-token blocks), replacement at the event."""
-    from forecasting.ingest.log_trace import trace_from_requests
-    from forecasting.ingest.traces import simulation_root
-    from forecasting.simulate.kvwarm_policy import planner_for
-    from forecasting.simulate.policies import kvwarm_plans, stored_with_prefill, written_back
-    from forecasting.simulate.replay import BlockIndex
-    from forecasting.simulate.runs import Scenario
-    from forecasting.simulate.simulation import ENGINE_KV_BYTES_PER_TOKEN, Deployment, simulate
-    from forecasting.simulate.tiers import HOST_S3_LINK_BYTES_PER_S, HOST_S3_STREAM
-    from store.cost import LoadCost
-
-    trace = trace_from_requests(rows, block_size=BLOCK, source="the live slice")
-    index = BlockIndex.build(trace)
-    dep = Deployment.default(BLOCK, gpu_kv_bytes=kv_capacity_tokens * ENGINE_KV_BYTES_PER_TOKEN, node_bytes=node_bytes,
-                             prefill=prefill, stored_per_token=per_token, s3_bytes_per_s=HOST_S3_LINK_BYTES_PER_S,
-                             s3_stream=HOST_S3_STREAM)
-    dep = dataclasses.replace(dep, costs=dataclasses.replace(dep.costs, local=node_load,
-                                                             save_block_bytes=BLOCK * engine_per_token))
-    duration = float(trace.timestamps_s[-1])
-    scenario = Scenario("replacement", event_s, max(duration - event_s + 1.0, 1.0))
-    out: dict[str, Any] = {"deployment": {"gpu_blocks": dep.shape.gpu_blocks, "node_blocks": dep.shape.node_blocks,
-                                          "block_bytes": dep.costs.block_bytes, "copy_s": dep.costs.copy_s,
-                                          "node_load_bytes_per_s": node_load.bytes_per_s,
-                                          "s_per_token": prefill.s_per_token,
-                                          "s_per_token_pair": prefill.s_per_token_pair}}
-    sim_pols = [SIM_POLICY[p] for p in policies if p != "lmcache"]
-    planner = None
-    ticks = None
-    if "kvwarm" in sim_pols:
-        roots = {TENANT: simulation_root(TENANT, BLOCK)}
-        planner = planner_for(trace, rows, cadence_spec(node_bytes), dep, cadence_s=event_s, roots=roots)
-        stored = stored_with_prefill(index, written_back(index), np.zeros(0, dtype=np.int64), float("inf"))
-        ticks = kvwarm_plans(index, planner, stored, event_s)  # one plan, at the event: the live run's
-        out["plan_entries"] = len(ticks[0].plan.entries) if ticks else 0
-    rows_out: dict[str, Any] = {}
-    res = simulate(index, dep, [scenario], sim_pols, planner=planner, references=False, ticks=ticks)[0]
-    for p in sim_pols:
-        rows_out[p] = dataclasses.asdict(res.row(p))
-    if "lmcache" in policies and lmcache and lmcache.get("l2_s_per_chunk"):
-        # reactive-store at LMCache's measured costs: a chunk from its S3 L2 in l2_s_per_chunk, one
-        # fetch at a time (its lookup waits for them), and its L1 copy into vLLM at l1_s_per_token
-        bb = dep.costs.block_bytes
-        remote = LoadCost(bytes_per_s=bb / max(lmcache["l2_s_per_chunk"], 1e-9))
-        l1 = lmcache.get("l1_s_per_token")
-        local = LoadCost(bytes_per_s=bb / max(l1 * BLOCK, 1e-9)) if l1 else node_load
-        lmc = dataclasses.replace(dep, costs=dataclasses.replace(dep.costs, remote=remote, local=local, fetch_streams=1,
-                                                                 prefetch_streams=1, s3_bytes_per_s=math.inf))
-        lres = simulate(index, lmc, [scenario], ["vllm", "reactive-store"], references=False)[0]
-        rows_out["reactive-store"] = dataclasses.asdict(lres.row("reactive-store"))
-        out["lmcache_deployment"] = {"copy_s": lmc.costs.copy_s, "l1_load_bytes_per_s": local.bytes_per_s}
-    for r in rows_out.values():
-        r.pop("per_bucket", None)
-    out["rows"] = rows_out
-    return out
-
-
-# ---------------------------------------------------------------- the bench
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

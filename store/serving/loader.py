@@ -45,6 +45,7 @@ from store.serving.mapper import PoolMapper
 from store.serving.metrics import LoaderMetrics
 from store.serving.pool import PoolAttachRefused, SnapshotPool, default_pool_dir, readahead
 from store.serving.prefetch import Prefetcher, PrefetchResult, plan_chains
+from store.serving.remote import open_clients, warm_up
 from store.tiers.base import object_name
 from store.tiers.registry import tiers_from_url
 from store.tiers.store import Store
@@ -139,15 +140,7 @@ class KVLoader:
         if not tiers[0].mappable:
             raise ValueError(f"the loader needs a tier it can map first (file://), got {tiers[0].url!r}: "
                              "snapshots are mapped from it")
-        # The S3 client is built here, before the loader serves: built on first use, its tens of ms of
-        # Python would run beside the first request's load (the node agent's first read of the
-        # fleet's memory, or a first fetch), which waits for the GIL meanwhile.
-        for t in tiers:
-            if t.remote:
-                try:
-                    t.open_client()
-                except ERRORS as exc:
-                    log.warning("the remote tier %s: its client could not be built now (%s); on first use", t.url, exc)
+        open_clients(tiers)  # before the loader serves (store/serving/remote.py)
         # One store: the hot path asks only its local tiers (never the network), fetches all of them.
         self.store = Store(tiers, clock=clock)
         self.local = tiers[0]
@@ -155,7 +148,6 @@ class KVLoader:
         fm = self.config.fleet_memory
         self._own_fleet = fleet is None and fm.enabled
         self.fleet = FleetRecorder.from_config(tiers, fm, node_id=node_id, clock=clock) if self._own_fleet else fleet
-
         self.pool = SnapshotPool(d.pool_dir or default_pool_dir(self.local.url), budget_bytes=int(d.pool_bytes),
                                  max_instances=self.config.kv_cache.max_shared_instances, clock=clock)
         self._attach_next = 0.0
@@ -171,21 +163,10 @@ class KVLoader:
         self.dequantizer = dequant if isinstance(dequant, Dequantizer) else Dequantizer(
             d.dequant, self._executor, staging_bytes=int(d.staging_bytes))
         self._closed = False
-        if self.fetcher.has_remote and self.fetch_mode == "sync":
-            # a sync lookup waits for S3: connect and read the namespace owners before the first one
-            # (in background mode the first fetch is off the request's path: nothing runs beside a
-            # restarted node's first load)
-            self._executor.submit(self._warm_up)
+        if self.fetcher.has_remote and self.fetch_mode == "sync":  # a sync lookup waits for S3: connect first
+            public = [PUBLIC] if self._public is not None else []
+            self._executor.submit(warm_up, self.store, self.tenant, [self.tenant.name, *public])
 
-    def _warm_up(self) -> None:
-        """Connect to S3 ahead of the first fetch and read the namespaces' owners (best effort; a
-        few ms, mostly waiting on the network)."""
-        try:
-            self.store.warm_up(self.tenant, [self.tenant.name] + ([PUBLIC] if self._public is not None else []))
-        except ERRORS as exc:
-            log.warning("warming up the remote tier failed (the first fetch will try again): %s", exc)
-
-    # -- setup helpers -------------------------------------------------------
     def _try_attach(self) -> bool:
         if self.pool.attached:
             return True

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence, TypeVar
 
 import pyarrow as pa
@@ -36,6 +35,7 @@ from store.format.snapshot import Snapshot, read_header, read_snapshot
 from store.identity.keys import Block, BlockKey, KeyRoot, check_key
 from store.identity.tenant import PUBLIC, PUBLIC_TENANT, Tenant
 from store.miss import MissReason, reason_of
+from store.tiers.answers import Listed, Probe, Read
 from store.tiers.base import Tier, object_name
 from store.tiers.crypto import plaintext, seal
 from store.tiers.registry import tiers_from_url
@@ -43,39 +43,6 @@ from store.tiers.stats import StoreStats
 
 log = logging.getLogger("kvwarm.store")
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Probe:
-    """Answer of :meth:`Store.probe`: how many leading blocks exist, in which tier, and
-    which tiers could not be asked (unreachable: counted, and the others answered)."""
-
-    count: int
-    tier: str | None
-    unavailable: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Read:
-    """Answer of :meth:`Store.read`: the snapshot of a block, or why there is none."""
-
-    snapshot: Snapshot | None
-    miss: MissReason | None = None  # None on a hit
-    tier: str | None = None  # kind of the tier that held it
-    size: int = 0  # bytes of the object it was read from (the file mapped, on a mappable tier)
-    error: StoreError | None = None  # what made it a miss, when something failed (see Store.get)
-    #: with ``read_through=False``: the bytes read from a remote tier, not yet in the local one
-    #: (:meth:`Store.land` writes them there)
-    source: "pa.Buffer | pa.NativeFile | None" = None
-
-
-@dataclass(frozen=True)
-class Listed:
-    """One snapshot in a tenant's listing, merged over tiers."""
-
-    key: str
-    size: int
-    tiers: tuple[str, ...]
 
 
 class Store:

@@ -5,6 +5,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from bench.lib.live_figures import fit_prefill, lmcache_costs, phase_figures, saved_per_request
 from bench.lib.live_trace import (
     SliceSpec,
     block_token_ids,
@@ -14,7 +15,7 @@ from bench.lib.live_trace import (
     prompt_token_ids,
     slice_trace,
 )
-from bench.live_replay import TRACE, fit_prefill, lmcache_costs, phase_figures, saved_per_request
+from bench.live_replay import TRACE
 from forecasting.ingest.log_trace import trace_from_requests
 from forecasting.ingest.traces import read_mooncake
 
