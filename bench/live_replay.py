@@ -75,10 +75,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+from bench.lib.engine_parts import engine_bytes_per_token
 from bench.lib.live_engines import (
     calibrate_step,
     calibration_points,
-    engine_bytes_per_token,
     engine_spec,
     kvwarm_config,
     replay_records,

@@ -11,9 +11,8 @@ import statistics
 import time
 from pathlib import Path
 
-from bench.lib.engine_parts import BLOCK, engine_bytes_per_token, prefill_prefixes, prompts, rounded, ttft_step
+from bench.lib.engine_parts import BLOCK, S3_ENV, engine_bytes_per_token, prefill_prefixes, prompts, rounded, ttft_step
 from bench.lib.vllm_engine import run_engine
-
 
 #: The LMCache comparison's kvwarm side: a named tenant (``public`` requests are not written
 #: back), FP8 snapshots (kvwarm's default), and a replacement node that waits for S3
@@ -21,7 +20,6 @@ from bench.lib.vllm_engine import run_engine
 #: for the next request, so a new node's first request would always be computed)
 KVWARM_TENANT, KVWARM_PRECISION, KVWARM_FETCH_MODE = "bench", "fp8", "sync"
 #: the SeaweedFS credentials, as kvwarm's engines and this process read them (``store.s3`` names the variables)
-S3_ENV = {"KVWARM_BENCH_S3_KEY": "test", "KVWARM_BENCH_S3_SECRET": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 KVWARM_BUCKET, LMCACHE_BUCKET = "kvwarm", "lmcache"
 L2_WAIT_S = 180.0
 

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 BLOCK = 256  # kvwarm's block size (the config default)
+#: the SeaweedFS credentials the benches' kvwarm S3 tiers read (from these variables) and LMCache's adapter is given
+S3_ENV = {"KVWARM_BENCH_S3_KEY": "test", "KVWARM_BENCH_S3_SECRET": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
 def prompts(n: int, prefix: int, new: int, vocab: int, seed: int = 0) -> list[list[int]]:

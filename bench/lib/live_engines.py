@@ -104,9 +104,3 @@ def stored_bytes_per_token(model_dir: Path, config_path: Path) -> float:
     layout = Layout(num_layers=geo["num_hidden_layers"], num_kv_heads=geo["num_key_value_heads"], head_dim=dim,
                     block_size=BLOCK)
     return kv_bytes_per_token(layout, load_config(config_path).kv_cache.precision())
-
-
-def engine_bytes_per_token(model_dir: Path) -> int:
-    geo = json.loads((model_dir / "config.json").read_text())
-    dim = geo.get("head_dim") or geo["hidden_size"] // geo["num_attention_heads"]
-    return 2 * geo["num_hidden_layers"] * geo["num_key_value_heads"] * dim * 2  # bf16 K and V

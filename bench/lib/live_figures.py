@@ -11,6 +11,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from bench.lib.engine_parts import S3_ENV
+from bench.lib.lmcache_columns import transfers
+
 #: the simulator's policy that stands for each live one
 SIM_POLICY = {"lmcache": "reactive-store", "kvwarm": "kvwarm", "vllm": "vllm"}
 BLOCK = 256  # kvwarm's block size (the config default) and LMCache's chunk
@@ -18,7 +21,6 @@ TENANT = "mooncake"
 BUCKET = "live-replay"
 ORIGIN = pd.Timestamp("2026-01-01")
 #: the SeaweedFS credentials kvwarm's S3 tier reads (from these variables) and LMCache's adapter is given
-S3_ENV = {"KVWARM_BENCH_S3_KEY": "test", "KVWARM_BENCH_S3_SECRET": "test", "AWS_DEFAULT_REGION": "us-east-1"}
 #: every engine computes on both cores (shared/STACK-NOTES.md: an engine with a connector reserves one less)
 ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **S3_ENV}
 #: cold calibration prompts of the vllm engine (tokens; two of each), and the one warm-up request of every engine
@@ -103,8 +105,6 @@ def prefill_from(calibration: dict[str, list[tuple[int, float]]]) -> tuple[Any, 
 
 _PREFETCH = re.compile(r"Prefetch request completed \(L1\+L2\): (\d+)/(\d+) retained keys \((\d+) L1, (\d+) L2\) "
                        r"in ([\d.]+) ms")
-_RETRIEVED = re.compile(r"Retrieved (\d+) tokens in ([\d.]+) seconds")
-_STORED = re.compile(r"Stored (\d+) tokens in ([\d.]+) seconds")
 
 
 def lmcache_costs(log: str) -> dict[str, float]:
@@ -122,12 +122,10 @@ def lmcache_costs(log: str) -> dict[str, float]:
             out["l2_keys"] += int(m.group(4))
             out["l2_s"] += float(m.group(5)) / 1e3
             out["l2_prefetches"] += 1
-    for m in _RETRIEVED.finditer(log):
-        out["retrieved_tokens"] += int(m.group(1))
-        out["retrieved_s"] += float(m.group(2))
-    for m in _STORED.finditer(log):
-        out["stored_tokens"] += int(m.group(1))
-        out["stored_s"] += float(m.group(2))
+    for t in transfers(log):  # the engine bench's reading of the same lines
+        kind = "retrieved" if t.kind == "Retrieved" else "stored"
+        out[f"{kind}_tokens"] += t.tokens
+        out[f"{kind}_s"] += t.seconds
     return out
 
 
