@@ -64,6 +64,16 @@ class SnapshotMismatch(SnapshotError):
     """The snapshot is intact but is not what was asked for (key, tokens, model, tenant...)."""
 
 
+class StoreRecordInvalid(StoreError, OperationalError):
+    """A file kvwarm reads from a store's metadata (a namespace's owner record, the index, a fleet
+    record) is damaged or holds values out of bounds. Readers count it as a miss and go on; writers
+    that depend on it are refused until an operator repairs it (``prefill store verify`` names it)."""
+
+    def __init__(self, message: str, *, location: str = "") -> None:
+        super().__init__(f"{message} ({location})" if location else message)
+        self.location = location
+
+
 class TenantAccessDenied(StoreError, OperationalError):
     """A tenant tried to read, list or probe a namespace that is not its own (counted)."""
 

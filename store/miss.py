@@ -12,6 +12,7 @@ from store.errors import (
     SnapshotCorrupt,
     SnapshotError,
     SnapshotMismatch,
+    StoreRecordInvalid,
     StoreUnavailable,
     TenantAccessDenied,
     UnknownFormatVersion,
@@ -34,6 +35,7 @@ class MissReason(str, Enum):
     TENANT_REFUSED = "tenant_refused"  # a namespace owned by another tenant's secret
     POOL_FULL = "pool_full"  # the node's pool budget is held by pinned snapshots
     MAX_SHARED_INSTANCES = "max_shared_instances"  # this process could not attach to the node's pool
+    BAD_RECORD = "bad_record"  # a store metadata file (owner record, index) failed validation: fixed by an operator
     ERROR = "error"  # any other StoreError or OSError (logged with its traceback)
 
     def __str__(self) -> str:
@@ -54,4 +56,6 @@ def reason_of(exc: BaseException) -> MissReason:
         return MissReason.TENANT_REFUSED
     if isinstance(exc, StoreUnavailable):
         return MissReason.STORE_UNAVAILABLE
+    if isinstance(exc, StoreRecordInvalid):
+        return MissReason.BAD_RECORD
     return MissReason.ERROR
