@@ -17,7 +17,7 @@ one after the other on the same requests:
   fleet memory on; the replacing engine runs ``plan: latest`` with its node agent, and the plan
   is the one the product's planner (:func:`forecasting.planning.cadence.plan_now`, the cadence
   flow's call) makes at the event from the requests before it, published with
-  :func:`store.plan.publish_plan`.
+  :func:`store.published_plan.publish_plan`.
 
 **The slice** (flags; defaults chosen so the whole bench takes under 20 minutes on 2 cores):
 the trace's ``[--start, --end)`` seconds (default: all of the bundled 8 minutes), one
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                     t0 = time.perf_counter()
                     plan = make_live_plan(rows, event, model_dir=model_dir, config_path=cfg_a, prefill=prefill,
                                           per_token=per_token, node_bytes=node_bytes)
-                    publish(plan, cfg_a)
+                    publish(plan, cfg_a, model_dir)
                     plan_info.update(entries=len(plan.entries), seconds=time.perf_counter() - t0,
                                      extra={k: v for k, v in (plan.extra or {}).items() if k != "fleet_reuse"})
                     print(f"  plan at the event: {len(plan.entries)} entries, published "

@@ -26,6 +26,7 @@ from flows.tasks import (
     load_model_task,
     publish_latest_plan,
     read_logs_task,
+    read_run_plan,
     run_dir,
     save_plan,
 )
@@ -37,7 +38,7 @@ from prefill.models import kv_layout
 from store.config import KvwarmConfig
 from store.cost import PrefillCost
 from store.format.payload import kv_bytes_per_token
-from store.plan import Plan, read_plan
+from store.plan import Plan
 
 
 def plan_time(as_of: str | None) -> pd.Timestamp:
@@ -77,10 +78,10 @@ def plan_cadence(target: RunTarget, mining: MiningSpec, cadence: CadenceSpec = C
     start = now - pd.Timedelta(minutes=cadence.lookback_minutes)
     log = read_logs_task(mining.logs, mining.quarantine or str(out.quarantine), str(start), str(now))
     loaded = load_model_task(target.model)
-    base = read_plan(out.plan) if out.plan.exists() else None
+    base = read_run_plan(out.plan, config) if out.plan.exists() else None
     rate = history.choose_prefill_rate(out, target.model, cadence.prefill_tokens_per_s)
     made = cadence_plan_task(log.requests, loaded, config, now, cadence, tokens_per_s=rate.tokens_per_s, base=base)
-    path = save_plan(made, out.cadence_plan)
-    publish_latest_plan(made, target.store, config)
+    path = save_plan(made, out.cadence_plan, config)
+    publish_latest_plan(made, target.store, config, loaded)
     get_run_logger().info("short plan at %s: %d entries (%s)", now, len(made.entries), made.extra)
     return str(path)

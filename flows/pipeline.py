@@ -179,8 +179,8 @@ def plan_prewarm(target: RunTarget, plan: PlanSpec = PlanSpec()) -> str:
                      bytes_per_token=bpt, budget_gpu_s=plan.budget_gpu_s, budget_store_bytes=plan.budget_store_bytes,
                      gpu_s_per_gib_hour=plan.gpu_s_per_gib_hour)
     made = dataclasses.replace(made, extra={**made.extra, "prefill_rate": rate.as_dict()})
-    path = save_plan(made, out.plan)
-    publish_latest_plan(made, target.store, config)
+    path = save_plan(made, out.plan, config)
+    publish_latest_plan(made, target.store, config, target.model)
     get_run_logger().info("planned %d prefixes (%s)", len(made.entries), made.extra)
     if plan.schedule_prefill:
         schedule_prefill_task(target, window, plan.schedule_prefill)

@@ -31,6 +31,7 @@ from flows.tasks import (
     IO_RETRY_DELAY_S,
     FlowInputError,
     check_remote_tiers,
+    read_run_plan,
     s3_reachable,
     save_json,
     transient,
@@ -41,7 +42,7 @@ from prefill.shards import Shard, balance, make_shards, prefixes_of
 from store.config import KvwarmConfig
 from store.cost import PrefillCost
 from store.errors import OperationalError
-from store.plan import Plan, read_plan
+from store.plan import Plan
 
 #: the prefill rate shards are balanced at when the plan records none (only the shape matters)
 DEFAULT_TOKENS_PER_S = 2000.0
@@ -210,7 +211,7 @@ def shard_task(plan_path: Path, shard: Shard, loaded: Any, store_url: str, confi
     from prefill.shard_job import ShardOptions, run_shard
     from store.tiers.store import Store
 
-    plan = read_plan(plan_path)
+    plan = read_run_plan(plan_path, config)
     check_plan_fits(plan, config.kv_cache.block_size, plan_path)
     entries = plan.prefill_entries()  # retain entries are the loaders' to prefetch
     if any(i >= len(entries) for i in shard.entries):
@@ -234,7 +235,7 @@ def shard_task(plan_path: Path, shard: Shard, loaded: Any, store_url: str, confi
 def prefill_in_shards(target: RunTarget, prefill: PrefillSpec, deadline: float | None, n: int, out: RunDir,
                       config: KvwarmConfig, plan_path: Path) -> dict[str, Any]:
     """The parent's steps (see the module doc); raises :class:`ShardsFailed` after writing ``prefill.json``."""
-    plan = read_plan(plan_path)
+    plan = read_run_plan(plan_path, config)
     check_plan_fits(plan, config.kv_cache.block_size, plan_path)
     shards = plan_shards(plan, target.model, n, config.kv_cache.block_size)
     b = balance(shards)

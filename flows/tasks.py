@@ -3,7 +3,9 @@
 Every stage persists what it produces in the run's directory under the store's first
 (local) tier (:class:`prefill.rundir.RunDir` names it and every file in it), so that
 each stage flow can run on its own (a deployment per stage) and a rerun reads what an
-earlier stage wrote.
+earlier stage wrote. The run directory is the pipeline's own: it holds the prompts (the
+plan's, sealed per tenant where the tenant has an encryption key), while what serving
+nodes read, the published plan, holds block keys only (:func:`publish_latest_plan`).
 
 Retries are set only on tasks that do I/O (reading logs, loading the model, writing
 files and the store); pure computations fail at once with the package's typed error.
@@ -39,7 +41,8 @@ from prefill.rundir import DEMAND_TABLES, RunDir, RunDirError
 from store.config import KvwarmConfig, load_config, parse_config
 from store.cost import PrefillCost
 from store.errors import BadInputError, OperationalError, StoreUnavailable
-from store.plan import Plan, publish_plan, read_plan, write_plan
+from store.plan import Plan, read_plan, write_plan
+from store.plan_seal import config_keys, open_plan, seal_plan
 
 IO_RETRIES = 2
 IO_RETRY_DELAY_S = 1.0
@@ -226,19 +229,35 @@ def save_frame(frame: pd.DataFrame, path: Path) -> Path:
 
 
 @task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
-def save_plan(plan: Plan, path: Path) -> Path:
-    return write_plan(plan, path)
+def save_plan(plan: Plan, path: Path, config: KvwarmConfig) -> Path:
+    """Write ``plan`` into the run directory, each entry of a tenant with an encryption key
+    sealed with it (:func:`store.plan_seal.seal_plan`); :func:`read_run_plan` reads it back."""
+    return write_plan(seal_plan(plan, config_keys(config)), path)
+
+
+def read_run_plan(path: Path, config: KvwarmConfig) -> Plan:
+    """A plan :func:`save_plan` wrote, its sealed entries opened with the tenants' keys.
+
+    Raises:
+        PlanError: not a valid plan, or a sealed entry whose tenant's key is not here.
+    """
+    return open_plan(read_plan(path), config_keys(config))
 
 
 @task(retries=IO_RETRIES, retry_delay_seconds=IO_RETRY_DELAY_S, retry_condition_fn=transient, cache_policy=NO_CACHE)
-def publish_latest_plan(plan: Plan, store_url: str, config: KvwarmConfig) -> int:
-    """Make ``plan`` the store's latest (``store.plan.publish_plan``): serving engines started with
-    ``plan: latest`` prefetch it. Returns the tiers written."""
+def publish_latest_plan(plan: Plan, store_url: str, config: KvwarmConfig, model: Any) -> int:
+    """Make ``plan`` the store's latest, keyed for ``model`` (a name or a loaded model): serving
+    engines started with ``plan: latest`` prefetch it. What is published names each prefix by
+    its salted block keys, never its text or token ids (:func:`prefill.plan_keys.published`,
+    :func:`store.published_plan.publish_plan`). Returns the tiers written."""
+    from prefill.plan_keys import published
+    from store.published_plan import publish_plan
     from store.tiers.store import Store
 
+    keyed = published(plan, model, config)
     store = Store.open(store_url, config)
     try:
-        return publish_plan(plan, store.tiers)
+        return publish_plan(keyed, store.tiers)
     finally:
         store.close()
 
@@ -251,7 +270,7 @@ def prefill_task(plan_path: Path, loaded: Any, store_url: str, config: KvwarmCon
     from prefill.warm import warm
     from store.tiers.store import Store
 
-    plan = read_plan(need(plan_path, "plan_prewarm"))
+    plan = read_run_plan(need(plan_path, "plan_prewarm"), config)
     if plan.block_size is not None and plan.block_size != config.kv_cache.block_size:
         raise FlowInputError(f"plan {plan_path} was made for block size {plan.block_size}, the config says "
                              f"{config.kv_cache.block_size}: pass the same block_size to every stage")

@@ -21,6 +21,7 @@ from store.cli import add_location_options
 from store.config import KvwarmConfig, load_config, with_values
 from store.format.precision import Precision
 from store.plan import PlanEntry, read_plan
+from store.plan_seal import config_keys, open_plan
 from store.tiers.store import Store
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def warm(entries: Sequence[PlanEntry], *, loaded: LoadedModel, store: Store, con
     return Prefiller(loaded, store, options, progress=progress).run(requests)
 
 
-def _entries(args: argparse.Namespace) -> list[PlanEntry]:
+def _entries(args: argparse.Namespace, config: KvwarmConfig) -> list[PlanEntry]:
     sources = [bool(args.text), bool(args.file), bool(args.plan), bool(args.token_ids)]
     if sum(sources) == 0:
         raise InputError("no prefixes given: pass --text, --file, --plan or --token-ids")
@@ -59,7 +60,8 @@ def _entries(args: argparse.Namespace) -> list[PlanEntry]:
     if args.file:
         return entries_from_file(args.file, args.tenant, chat=args.chat)
     if args.plan:
-        plan = read_plan(args.plan)
+        # a run directory's plan holds the entries of tenants with an encryption key sealed
+        plan = open_plan(read_plan(args.plan), config_keys(config))
         entries = plan.prefill_entries()
         if not entries:
             raise InputError(f"plan {args.plan!r} has nothing to prefill: {len(plan.entries)} entries, none with "
@@ -82,7 +84,7 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if args.block_size is not None:
         config = with_values(config, "kv_cache", {"block_size": args.block_size}, source="--block-size")
-    entries = _entries(args)
+    entries = _entries(args, config)
     for name in sorted({e.tenant for e in entries}):
         config.tenant(name)
     deadline = parse_deadline(args.until, time.time()) if args.until else None

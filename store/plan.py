@@ -28,38 +28,59 @@ so the copies needed soonest come first. Readers accept versions 1 and 2.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
-from store.errors import ConfigError, StoreUnavailable
-
-if TYPE_CHECKING:
-    from store.tiers.base import Tier
+from store.errors import ConfigError
 
 PLAN_VERSION = 2
 #: plan versions this kvwarm reads (version 1: no ``action``, ``hash_ids`` or ``as_of``)
 READABLE_VERSIONS = (1, 2)
 #: what a plan entry asks for: compute the prefix in the off-peak window, or keep a stored one close
 ACTIONS = ("prefill", "retain")
-#: Where :func:`publish_plan` puts the latest plan in each tier's metadata area.
-LATEST_PLAN = "plans/latest.json"
-#: Beside it, the latest plan's version (a digest of its bytes): what a node agent polls.
-LATEST_VERSION = "plans/latest.version"
+#: the largest plan file (private or published) a reader takes: a larger one is refused before it is read
+MAX_PLAN_BYTES = 64 << 20
+#: the most token or hash ids one entry names, and the longest text
+MAX_IDS = 1 << 20
+MAX_TEXT = 1 << 22
 
 
 class PlanError(ConfigError):
-    """A plan file is missing, unreadable or names something invalid."""
+    """A plan file is missing, unreadable, too large, or names something invalid (the message names the field)."""
+
+
+def is_number(v: Any) -> bool:
+    """Whether ``v`` is a finite JSON number (``true``/``false`` are not numbers here)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _ids(v: Any) -> bool:
+    return (isinstance(v, (list, tuple)) and bool(v) and len(v) <= MAX_IDS
+            and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 1 << 63 for t in v))
+
+
+def check_text(where: str, name: str, v: Any, *, limit: int = 256, optional: bool = True) -> None:
+    """Refuse (:class:`PlanError`) unless ``v`` is a string of at most ``limit`` characters (or ``None``)."""
+    if v is None and optional:
+        return
+    if not isinstance(v, str) or len(v) > limit:
+        raise PlanError(f"{where}: {name!r} must be a string of at most {limit} characters, got "
+                        f"{type(v).__name__}")
 
 
 @dataclass(frozen=True)
 class PlanEntry:
-    """One prefix to prewarm for one tenant: to prefill (``action="prefill"``) or to retain."""
+    """One prefix to prewarm for one tenant: to prefill (``action="prefill"``) or to retain.
+
+    The prefix is named by exactly one of ``token_ids``, ``text``, ``hash_ids`` or ``sealed``
+    (``token_ids``, ``text`` or ``hash_ids`` encrypted with the tenant's key:
+    :mod:`store.plan_seal`; the pipeline's run directory holds an encrypted tenant's entries so).
+    """
 
     tenant: str
     token_ids: tuple[int, ...] | None = None
@@ -73,39 +94,48 @@ class PlanEntry:
     action: str = "prefill"
     hash_ids: tuple[int, ...] | None = None
     urgency: float | None = None
+    sealed: str | None = None
 
     def __post_init__(self) -> None:
+        if not isinstance(self.tenant, str) or not self.tenant or len(self.tenant) > 63:
+            raise PlanError(f"plan entry: 'tenant' must be a non-empty string, got {self.tenant!r}"[:200])
         where = f"plan entry for tenant {self.tenant!r}"
-        if not isinstance(self.tenant, str) or not self.tenant:
-            raise PlanError(f"plan entry: 'tenant' must be a non-empty string, got {self.tenant!r}")
-        if sum(v is not None for v in (self.token_ids, self.text, self.hash_ids)) != 1:
-            raise PlanError(f"{where}: give exactly one of 'token_ids', 'text' or 'hash_ids'")
+        if sum(v is not None for v in (self.token_ids, self.text, self.hash_ids, self.sealed)) != 1:
+            raise PlanError(f"{where}: give exactly one of 'token_ids', 'text' or 'hash_ids' "
+                            f"(or 'sealed', the pipeline's encrypted form of one of them)")
         if self.action not in ACTIONS:
-            raise PlanError(f"{where}: 'action' must be one of {', '.join(ACTIONS)}, got {self.action!r}")
+            raise PlanError(f"{where}: 'action' must be one of {', '.join(ACTIONS)}, got {self.action!r}"[:300])
         for name in ("token_ids", "hash_ids"):
             given = getattr(self, name)
             if given is None:
                 continue
-            ids = tuple(given)
-            if not ids or any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
-                raise PlanError(f"{where}: {name!r} must be a non-empty list of non-negative integers")
-            object.__setattr__(self, name, ids)
-        if self.text is not None and (not isinstance(self.text, str) or not self.text):
-            raise PlanError(f"{where}: 'text' must be a non-empty string")
-        if self.ttl_s is not None and not (isinstance(self.ttl_s, (int, float)) and self.ttl_s > 0 and math.isfinite(self.ttl_s)):
-            raise PlanError(f"{where}: 'ttl_s' must be a positive number of seconds, got {self.ttl_s!r}")
+            if not _ids(given):
+                raise PlanError(f"{where}: {name!r} must be a non-empty list of non-negative integers "
+                                f"(at most {MAX_IDS})")
+            object.__setattr__(self, name, tuple(given))
+        if self.text is not None and (not isinstance(self.text, str) or not self.text or len(self.text) > MAX_TEXT):
+            raise PlanError(f"{where}: 'text' must be a non-empty string of at most {MAX_TEXT} characters")
+        if self.sealed is not None and (not isinstance(self.sealed, str) or not self.sealed
+                                        or len(self.sealed) > 2 * MAX_TEXT):
+            raise PlanError(f"{where}: 'sealed' must be a non-empty string (base64)")
+        if not isinstance(self.chat, bool):
+            raise PlanError(f"{where}: 'chat' must be true or false, got {type(self.chat).__name__}")
+        if self.ttl_s is not None and not (is_number(self.ttl_s) and self.ttl_s > 0):
+            raise PlanError(f"{where}: 'ttl_s' must be a positive number of seconds, got {self.ttl_s!r}"[:300])
         for name in ("score", "expected_hits"):
             v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise PlanError(f"{where}: {name!r} must be a finite number, got {v!r}")
+            if not is_number(v):
+                raise PlanError(f"{where}: {name!r} must be a finite number, got {v!r}"[:300])
         u = self.urgency
-        if u is not None and (not isinstance(u, (int, float)) or isinstance(u, bool) or not math.isfinite(u) or u < 0):
-            raise PlanError(f"{where}: 'urgency' must be a number >= 0 (expected uses soon), got {u!r}")
+        if u is not None and not (is_number(u) and u >= 0):
+            raise PlanError(f"{where}: 'urgency' must be a number >= 0 (expected uses soon), got {u!r}"[:300])
+        check_text(where, "family", self.family)
+        check_text(where, "prefix_id", self.prefix_id)
 
     @property
     def prefillable(self) -> bool:
         """Whether the prefill job should compute it: a ``prefill`` entry with tokens or text."""
-        return self.action == "prefill" and self.hash_ids is None
+        return self.action == "prefill" and (self.token_ids is not None or self.text is not None)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -131,10 +161,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "entries", tuple(self.entries))
-        if self.block_size is not None and (not isinstance(self.block_size, int) or self.block_size <= 0):
-            raise PlanError(f"plan: 'block_size' must be a positive integer, got {self.block_size!r}")
-        if self.window_start is not None and self.window_end is not None and self.window_end <= self.window_start:
-            raise PlanError(f"plan: window end {self.window_end} is not after its start {self.window_start}")
+        check_header(self, "plan")
 
     def prefill_entries(self) -> list[PlanEntry]:
         """The entries the prefill job computes, in order (:attr:`PlanEntry.prefillable`)."""
@@ -156,68 +183,151 @@ class Plan:
         return out
 
 
+def check_header(plan: Any, where: str) -> None:
+    """Refuse (:class:`PlanError`) a plan whose own fields (not its entries) have the wrong type or bounds.
+
+    Shared by :class:`Plan` and :class:`store.published_plan.PublishedPlan`.
+    """
+    if not is_number(plan.created_at):
+        raise PlanError(f"{where}: 'created_at' must be a finite number (Unix seconds), got "
+                        f"{type(plan.created_at).__name__}")
+    if plan.as_of is not None and not is_number(plan.as_of):
+        raise PlanError(f"{where}: 'as_of' must be Unix seconds, got {plan.as_of!r}"[:300])
+    if plan.block_size is not None and not (isinstance(plan.block_size, int) and not isinstance(plan.block_size, bool)
+                                            and 0 < plan.block_size <= 1 << 20):
+        raise PlanError(f"{where}: 'block_size' must be a positive integer, got {plan.block_size!r}"[:300])
+    check_text(where, "model", plan.model, limit=1024)
+    for name in ("window_start", "window_end"):
+        v = getattr(plan, name)
+        if v is not None and not is_number(v):
+            raise PlanError(f"{where}: 'window.{name[7:]}' must be a finite number (Unix seconds), got "
+                            f"{type(v).__name__}")
+    if plan.window_start is not None and plan.window_end is not None and plan.window_end <= plan.window_start:
+        raise PlanError(f"{where}: window end {plan.window_end} is not after its start {plan.window_start}")
+    if not isinstance(plan.extra, dict):
+        raise PlanError(f"{where}: 'extra' must be a JSON object, got {type(plan.extra).__name__}")
+
+
 _ENTRY_FIELDS = {f for f in PlanEntry.__dataclass_fields__}
+_PLAN_FIELDS = {"kvwarm_plan", "created_at", "as_of", "block_size", "model", "window", "extra", "entries"}
+
+
+def plan_fields(doc: Any, source: str, fields: set[str], version_key: str, versions: tuple[int, ...]
+                ) -> tuple[list[Any], dict[str, Any]]:
+    """A decoded plan document's entries (unchecked) and its own fields as :class:`Plan` keywords
+    (checked by its ``__post_init__``); shared by the private and the published plan."""
+    if not isinstance(doc, dict):
+        raise PlanError(f"{source}: a plan is a JSON object with 'entries', got {type(doc).__name__}")
+    version = doc.get(version_key)
+    if version not in versions or isinstance(version, bool):
+        raise PlanError(f"{source}: plan version {version!r} is not supported (this kvwarm reads versions "
+                        f"{', '.join(map(str, versions))})"[:300])
+    unknown = set(doc) - fields
+    if unknown:
+        raise PlanError(f"{source}: unknown plan field(s) {sorted(map(str, unknown))[:10]}")
+    raw = doc.get("entries")
+    if not isinstance(raw, list):
+        raise PlanError(f"{source}: 'entries' must be a list, got {type(raw).__name__}")
+    window = doc.get("window")
+    window = {} if window is None else window
+    if not isinstance(window, dict) or set(window) - {"start", "end"}:
+        raise PlanError(f"{source}: 'window' must be an object with 'start' and 'end'")
+    extra = doc.get("extra")
+    as_float = lambda v: float(v) if is_number(v) else v  # noqa: E731 - checked by the plan's __post_init__
+    return raw, dict(created_at=as_float(doc.get("created_at", 0.0)), block_size=doc.get("block_size"), model=doc.get("model"),
+                     window_start=window.get("start"), window_end=window.get("end"),
+                     extra={} if extra is None else extra, as_of=as_float(doc.get("as_of")))
 
 
 def parse_plan(doc: Any, source: str = "plan") -> Plan:
-    """Validate a decoded plan document; errors name the entry and the field."""
+    """Validate a decoded plan document: every field's type and bounds.
+
+    Raises:
+        PlanError: naming the entry and the field, and the type it must have.
+    """
     if isinstance(doc, list):  # a bare list of entries is accepted (the simplest hand-written plan)
         doc = {"kvwarm_plan": PLAN_VERSION, "entries": doc}
-    if not isinstance(doc, dict):
-        raise PlanError(f"{source}: a plan is a JSON object with 'entries', got {type(doc).__name__}")
-    version = doc.get("kvwarm_plan", PLAN_VERSION)
-    if version not in READABLE_VERSIONS:
-        raise PlanError(f"{source}: plan version {version!r} is not supported (this kvwarm reads versions "
-                        f"{', '.join(map(str, READABLE_VERSIONS))})")
-    unknown = set(doc) - {"kvwarm_plan", "created_at", "as_of", "block_size", "model", "window", "extra", "entries"}
-    if unknown:
-        raise PlanError(f"{source}: unknown plan field(s) {sorted(unknown)}")
-    raw = doc.get("entries")
-    if not isinstance(raw, list):
-        raise PlanError(f"{source}: 'entries' must be a list")
+    if isinstance(doc, dict) and "kvwarm_plan" not in doc:
+        doc = {**doc, "kvwarm_plan": PLAN_VERSION}
+    raw, fields = plan_fields(doc, source, _PLAN_FIELDS, "kvwarm_plan", READABLE_VERSIONS)
     entries = []
     for i, e in enumerate(raw):
         if not isinstance(e, dict):
             raise PlanError(f"{source}: entry {i} must be an object, got {type(e).__name__}")
         bad = set(e) - _ENTRY_FIELDS
         if bad:
-            raise PlanError(f"{source}: entry {i} has unknown field(s) {sorted(bad)}; allowed: {sorted(_ENTRY_FIELDS)}")
+            raise PlanError(f"{source}: entry {i} has unknown field(s) {sorted(map(str, bad))[:10]}; "
+                            f"allowed: {sorted(_ENTRY_FIELDS)}")
         try:
             entries.append(PlanEntry(**e))
         except PlanError as exc:
             raise PlanError(f"{source}: entry {i}: {exc}") from None
-    window = doc.get("window") or {}
-    if not isinstance(window, dict):
-        raise PlanError(f"{source}: 'window' must be an object with 'start' and 'end'")
-    as_of = doc.get("as_of")
-    if as_of is not None and not (isinstance(as_of, (int, float)) and not isinstance(as_of, bool) and math.isfinite(as_of)):
-        raise PlanError(f"{source}: 'as_of' must be Unix seconds, got {as_of!r}")
-    return Plan(entries=tuple(entries), created_at=float(doc.get("created_at", 0.0)),
-                block_size=doc.get("block_size"), model=doc.get("model"),
-                window_start=window.get("start"), window_end=window.get("end"), extra=doc.get("extra") or {},
-                as_of=None if as_of is None else float(as_of))
+    try:
+        return Plan(entries=tuple(entries), **fields)
+    except PlanError as exc:
+        raise PlanError(f"{source}: {exc}") from None
+
+
+def read_bounded(path: Path, cap: int = MAX_PLAN_BYTES) -> bytes:
+    """The bytes of plan file ``path``, refused before they are read when above ``cap``.
+
+    Raises:
+        PlanError: missing, unreadable, or larger than ``cap``.
+    """
+    try:
+        size = path.stat().st_size
+        if size > cap:
+            raise PlanError(f"plan file {str(path)!r} is {size} bytes, above the {cap}-byte limit of a plan")
+        with path.open("rb") as f:
+            data = f.read(cap + 1)
+    except FileNotFoundError:
+        raise PlanError(f"plan file {str(path)!r} does not exist") from None
+    except OSError as exc:
+        raise PlanError(f"plan file {str(path)!r} cannot be read: {exc}") from None
+    if len(data) > cap:
+        raise PlanError(f"plan file {str(path)!r} is above the {cap}-byte limit of a plan")
+    return data
+
+
+def decode_json(data: bytes, source: str, cap: int = MAX_PLAN_BYTES) -> Any:
+    """``data`` (a plan's bytes) decoded as JSON, refused above ``cap`` bytes before decoding.
+
+    Raises:
+        PlanError: too large, not UTF-8, or not JSON.
+    """
+    if len(data) > cap:
+        raise PlanError(f"{source} is {len(data)} bytes, above the {cap}-byte limit of a plan")
+    try:
+        return json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise PlanError(f"{source} is not valid JSON: {exc}"[:500]) from None
 
 
 def read_plan(path: str | os.PathLike[str]) -> Plan:
-    """Read a plan from ``*.json`` or ``*.parquet``."""
+    """Read a plan from ``*.json`` or ``*.parquet`` (at most :data:`MAX_PLAN_BYTES`).
+
+    Raises:
+        PlanError: missing, too large, unreadable, or not a valid plan (the message names the field).
+    """
     p = Path(path)
-    if not p.exists():
-        raise PlanError(f"plan file {str(p)!r} does not exist")
     if p.suffix == ".parquet":
+        import io
+
         import pyarrow.parquet as pq
 
+        data = read_bounded(p)
         try:
-            table = pq.read_table(p)
+            table = pq.read_table(io.BytesIO(data))
+            meta = decode_json((table.schema.metadata or {}).get(b"kvwarm_plan", b"{}"), str(p))
+            rows = [{k: v for k, v in r.items() if v is not None} for r in table.to_pylist()]
+        except PlanError:
+            raise
         except Exception as exc:  # noqa: BLE001 - any reader error is a bad file
-            raise PlanError(f"plan file {str(p)!r} is not a readable Parquet file: {exc}") from None
-        meta = json.loads((table.schema.metadata or {}).get(b"kvwarm_plan", b"{}"))
-        rows = [{k: v for k, v in r.items() if v is not None} for r in table.to_pylist()]
+            raise PlanError(f"plan file {str(p)!r} is not a readable Parquet file: {exc}"[:500]) from None
+        if not isinstance(meta, dict):
+            raise PlanError(f"plan file {str(p)!r}: its 'kvwarm_plan' metadata must be a JSON object")
         return parse_plan({**meta, "entries": rows}, str(p))
-    try:
-        doc = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise PlanError(f"plan file {str(p)!r} is not valid JSON: {exc}") from None
-    return parse_plan(doc, str(p))
+    return parse_plan(decode_json(read_bounded(p), f"plan file {str(p)!r}"), str(p))
 
 
 def write_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
@@ -245,74 +355,6 @@ def write_plan(plan: Plan, path: str | os.PathLike[str]) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return p
-
-
-def publish_plan(plan: Plan, tiers: Sequence["Tier"]) -> int:
-    """Make ``plan`` the store's latest (``LATEST_PLAN`` in every tier's metadata area); returns tiers written.
-
-    Serving nodes read it back with :func:`latest_plan` (a KV connector with ``plan: latest``),
-    so the plan is found with the store alone. A tier that cannot be reached is skipped.
-
-    Raises:
-        StoreUnavailable: no tier could be written.
-    """
-    data = json.dumps(plan.to_json()).encode("utf-8")
-    version = plan_version(data).encode("ascii")
-    written, error = 0, None
-    for tier in tiers:
-        try:
-            # the plan first: a node that sees the new version finds the plan it names
-            tier.put_meta(LATEST_PLAN, data)
-            tier.put_meta(LATEST_VERSION, version)
-            written += 1
-        except (StoreUnavailable, OSError) as exc:
-            error = exc
-    if not written:
-        raise StoreUnavailable(f"no tier took the plan: {error}")
-    return written
-
-
-def plan_version(data: bytes) -> str:
-    """A published plan's version: the first 16 hex digits of the SHA-256 of its bytes."""
-    return hashlib.sha256(data).hexdigest()[:16]
-
-
-def latest_plan_version(tiers: Sequence["Tier"]) -> str | None:
-    """The version of the plan last published to these tiers (a few bytes read), or ``None``
-    when none is published. A plan published without a version file (by an older kvwarm)
-    is read whole and its digest returned."""
-    for tier in tiers:
-        try:
-            raw = tier.get_meta(LATEST_VERSION)
-            if raw is None:
-                raw = tier.get_meta(LATEST_PLAN)
-                if raw is not None:
-                    return plan_version(raw)
-        except (StoreUnavailable, OSError):
-            continue
-        if raw is not None:
-            return raw.decode("ascii", "replace").strip()
-    return None
-
-
-def latest_plan(tiers: Sequence["Tier"]) -> Plan | None:
-    """The plan last published to these tiers (the fastest tier that has it), or ``None``.
-
-    Raises:
-        PlanError: the published plan is not a valid plan.
-    """
-    for tier in tiers:
-        try:
-            raw = tier.get_meta(LATEST_PLAN)
-        except (StoreUnavailable, OSError):
-            continue
-        if raw is not None:
-            try:
-                doc = json.loads(raw)
-            except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-                raise PlanError(f"the latest plan in {tier.describe(LATEST_PLAN)} is not valid JSON: {exc}") from None
-            return parse_plan(doc, tier.describe(LATEST_PLAN))
-    return None
 
 
 def plan_from_prefixes(tenant: str, prefixes: Iterable[Sequence[int] | str], **kw: Any) -> Plan:

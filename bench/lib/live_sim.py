@@ -40,14 +40,17 @@ def make_live_plan(rows: pd.DataFrame, event_s: float, *, model_dir: Path, confi
                     spec=cadence_spec(node_bytes), block_size=BLOCK, roots={TENANT: root}, model="kvwarm-tiny")
 
 
-def publish(plan: Any, config_path: Path) -> None:
-    """Publish ``plan`` to the config's S3 tier, as the pipeline's flow does (``plans/latest``)."""
+def publish(plan: Any, config_path: Path, model_dir: Path) -> None:
+    """Publish ``plan`` to the config's S3 tier, as the pipeline's flow does (``plans/latest``): keyed
+    for the model in ``model_dir`` (block keys under the tenant's salt, no token ids)."""
+    from prefill.plan_keys import published
     from store.config import load_config
-    from store.plan import publish_plan
+    from store.published_plan import publish_plan
     from store.tiers.registry import tiers_from_url
     from tests.store.engines.vllm.harness import environment
 
     cfg = load_config(config_path)
+    plan = published(plan, str(model_dir), cfg)
     with environment(S3_ENV):
         tiers = [t for t in tiers_from_url(cfg.store.url, cfg.store) if "s3" in type(t).__name__.lower()]
         try:

@@ -17,6 +17,11 @@ through :class:`NodeHands`, and its plans only through a :class:`PlanSource`:
   replace the old queue (copies the new plan no longer wants are cancelled). On a running
   node the fleet's memory counts other nodes' records only: its own are what it holds.
 
+A plan that cannot be used (unreadable, too large, wrong types: :class:`store.plan.PlanError`,
+or a store error reading it) never stops the agent: it keeps its last good plan, counts the
+error (``agent_plan_errors``), still warms from the fleet's memory at start, and does not
+read that version again (only a newly published one).
+
 The plan's cadence stays the pipeline's (a plan every 5 minutes); the agent only notices.
 Its state is one plan version, one ranking and a few counters: bounded whatever runs.
 """
@@ -30,7 +35,8 @@ from pathlib import Path
 from typing import Any, Callable, Generic, Hashable, Protocol, Sequence, TypeVar
 
 from store.errors import ConfigError, StoreError
-from store.plan import Plan, PlanError, latest_plan, latest_plan_version, read_plan
+from store.plan import Plan, read_plan
+from store.published_plan import PublishedPlan, latest_plan, latest_plan_version
 from store.serving.priority import lower_this_thread
 from store.serving.urgency import DEFAULT_HORIZON_S, PlanChain, ReuseCurve, UseLike, Warmup, rank
 
@@ -44,14 +50,18 @@ class PlanSource(Protocol):
     def version(self) -> str | None:
         """The current plan's version (``None``: no plan); cheap: polled every ``poll_s``."""
 
-    def read(self) -> Plan | None:
-        """The current plan (``None``: none)."""
+    def read(self) -> Plan | PublishedPlan | None:
+        """The current plan (``None``: none).
+
+        Raises:
+            PlanError: the plan is not usable (the agent counts it and keeps its last good plan).
+        """
 
 
 class NodeHands(Protocol[K]):
     """What the agent drives on a node: a real loader's (``LoaderNode``) or the replay's."""
 
-    def plan_chains(self, plan: Plan) -> list[PlanChain[K]]:
+    def plan_chains(self, plan: Plan | PublishedPlan) -> list[PlanChain[K]]:
         """The plan's entries this node serves, as chains of its block names, in the plan's order."""
 
     def fleet(self, since: float, *, others_only: bool) -> Sequence[UseLike[K]]:
@@ -117,6 +127,8 @@ class AgentFigures:
     plan_errors: int = 0
     copies_queued: int = 0
     last_version: str | None = None
+    bad_version: str | None = None  # the last version that could not be used (not read again)
+    last_error: str | None = None
     last: dict[str, int] = field(default_factory=dict)  # the last ranking's sources and sizes
 
     def as_dict(self) -> dict[str, Any]:
@@ -134,18 +146,22 @@ class NodeAgent(Generic[K]):
         settings: see :class:`AgentSettings`.
         clock: seconds (the replay passes its simulated clock).
         listener: told each ranking applied (the connector counts them).
+        on_plan_error: told each plan error (the connector counts ``agent_plan_errors``).
     """
 
     def __init__(self, hands: NodeHands[K], plans: PlanSource | None, settings: AgentSettings = AgentSettings(),
                  clock: Callable[[], float] = time.time,
-                 listener: Callable[[Warmup[K]], None] | None = None) -> None:
+                 listener: Callable[[Warmup[K]], None] | None = None,
+                 on_plan_error: Callable[[str], None] | None = None) -> None:
         self.hands = hands
         self.listener = listener
+        self.on_plan_error = on_plan_error
         self.plans = plans
         self.settings = settings
         self.clock = clock
         self.figures = AgentFigures()
-        self.plan: Plan | None = None
+        self.plan: Plan | PublishedPlan | None = None  # the last good plan
+        self._previous: Plan | PublishedPlan | None = None  # the one before it (if the node refuses the last)
         self._version: str | None = None
         self._next_poll = -float("inf")
         self._started = False
@@ -172,7 +188,7 @@ class NodeAgent(Generic[K]):
             return None
         self._next_poll = now + self.settings.poll_s
         version = self._poll()
-        if version is None or version == self._version or not self._read(version):
+        if version is None or version in (self._version, self.figures.bad_version) or not self._read(version):
             return None
         return self._apply(now, others_only=True)
 
@@ -195,22 +211,39 @@ class NodeAgent(Generic[K]):
         assert self.plans is not None
         try:
             plan = self.plans.read()
-        except (PlanError, StoreError, OSError) as exc:
-            self.figures.plan_errors += 1
-            self._version = version  # not read again until a newer one is published
-            log.error("kvwarm agent: the published plan (version %s) is not usable: %s; the node keeps its plan",
-                      version, exc)
+        except Exception as exc:  # noqa: BLE001 - PlanError, a store error, or worse: the node keeps its plan
+            self._plan_error(version, exc)
             return False
         self._version = version
         self.figures.last_version = version
         if plan is None:
             return False
-        self.plan = plan
+        self.plan, self._previous = plan, self.plan
         return True
 
+    def _plan_error(self, version: str | None, exc: BaseException) -> None:
+        self.figures.plan_errors += 1
+        self.figures.bad_version = version  # not read again until a newer one is published
+        self.figures.last_error = str(exc)[:500]
+        log.error("kvwarm agent: the plan (version %s) is not usable: %s; the node keeps its last good plan",
+                  version, self.figures.last_error)
+        if self.on_plan_error is not None:
+            self.on_plan_error(self.figures.last_error)
+
+    def _chains(self) -> list[PlanChain[K]]:
+        """The plan's chains on this node; a plan the hands cannot take is a plan error, and the
+        node goes on without it (with the fleet's memory)."""
+        while self.plan is not None:
+            try:
+                return self.hands.plan_chains(self.plan)
+            except Exception as exc:  # noqa: BLE001 - a plan that passed its checks but not the node's
+                self._plan_error(self._version, exc)
+                self.plan, self._previous = self._previous, None  # back to the last good plan, if any
+        return []
+
     def _apply(self, now: float, *, others_only: bool) -> Warmup[K]:
+        chains = self._chains()
         plan = self.plan
-        chains = self.hands.plan_chains(plan) if plan is not None else []
         uses: Sequence[UseLike[K]] = ()
         if self.settings.fleet_memory:
             uses = self.hands.fleet(now - self.settings.fleet_window_s, others_only=others_only)
@@ -231,27 +264,27 @@ class NodeAgent(Generic[K]):
         return warm
 
 
-def curve_of(plan: Plan | None) -> ReuseCurve:
+def curve_of(plan: Plan | PublishedPlan | None) -> ReuseCurve:
     """The fleet reuse curve the plan carries (``extra["fleet_reuse"]``), else the default prior."""
     doc = plan.extra.get("fleet_reuse") if plan is not None else None
     if doc is None:
         return ReuseCurve()
     try:
         return ReuseCurve.from_json(doc)
-    except ConfigError as exc:
+    except (ConfigError, TypeError, ValueError, AttributeError, KeyError) as exc:
         log.warning("kvwarm agent: the plan's fleet_reuse is not usable (%s); the default prior is used", exc)
         return ReuseCurve()
 
 
-def horizon_of(plan: Plan | None, curve: ReuseCurve) -> float:
+def horizon_of(plan: Plan | PublishedPlan | None, curve: ReuseCurve) -> float:
     """The horizon of the plan's ``expected_hits`` (``extra["horizon_s"]``), else the curve's."""
     h = plan.extra.get("horizon_s") if plan is not None else None
-    return float(h) if isinstance(h, (int, float)) and not isinstance(h, bool) and h > 0 else (
+    return float(h) if isinstance(h, (int, float)) and not isinstance(h, bool) and 0 < h < float("inf") else (
         curve.horizon_s or DEFAULT_HORIZON_S)
 
 
 class StorePlans:
-    """The plan last published to a store's tiers (:func:`store.plan.publish_plan`)."""
+    """The plan last published to a store's tiers (:func:`store.published_plan.publish_plan`): keys, no prompts."""
 
     def __init__(self, tiers: Sequence[Any]) -> None:
         self.tiers = list(tiers)
@@ -259,7 +292,7 @@ class StorePlans:
     def version(self) -> str | None:
         return latest_plan_version(self.tiers)
 
-    def read(self) -> Plan | None:
+    def read(self) -> PublishedPlan | None:
         return latest_plan(self.tiers)
 
 

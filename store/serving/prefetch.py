@@ -131,7 +131,8 @@ class Prefetcher:
 
         For each chain: count what NVMe has (``probe``), copy the rest from S3 where it is
         usable, then (``map_ahead``, which returns the blocks it mapped) map what NVMe has
-        (chains of bare keys are copied only). With ``replace``, every prefetch still
+        (the loader's ``map_ahead`` maps chains of blocks; a chain of bare keys is the caller's
+        ``map_ahead`` to map or not). With ``replace``, every prefetch still
         running is superseded first: each stops after the block its streams are copying, and
         its result counts the chains it never started (``superseded``).
         """
@@ -178,7 +179,9 @@ class Prefetcher:
             have = max(have, done.count)
             if done.reason:
                 res.fail(done.reason)
-        if run.map_ahead is not None and have and not run.stopped.is_set() and not isinstance(chain[0], str):
+        # a chain of bare keys reaches map_ahead too: the node agent's maps a published plan's
+        # chains (their tokens read from NVMe), and leaves the fleet's keys to the lookup
+        if run.map_ahead is not None and have and not run.stopped.is_set():
             try:
                 mapped = run.map_ahead(chain[:have], scope)
             except ERRORS as exc:

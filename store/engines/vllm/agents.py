@@ -7,6 +7,9 @@ worker role starts one :class:`store.serving.agent.NodeAgent` per loader it serv
 At start each warms its loader from the latest plan and the fleet's memory; then each polls
 the plan's version every ``agent.poll_s`` and applies a new plan when one is published:
 new priorities, new copies, superseded copies cancelled. No restart is needed to take a plan.
+The published plan names blocks by key (:mod:`store.published_plan`); a plan that cannot be
+used counts ``agent_plan_errors`` (the agent keeps its last good plan), and entries keyed
+under another root than a loader's count ``agent_plan_entries_skipped``.
 """
 from __future__ import annotations
 
@@ -72,8 +75,10 @@ def start_agents(worker: "WorkerRole", settings: ConnectorSettings,
                 continue
             encode = (lambda text, chat=chat: tokenize(text, chat)) if tokenize is not None else None
             node = LoaderNode(loader, chat=chat, public=tenant == worker.tenants.default, tokenizer=encode,
-                              on_result=lambda r: _prefetched(counters, r))
-            agents.append(NodeAgent(node, source, agent_settings, listener=lambda w: _applied(counters, w)))
+                              on_result=lambda r: _prefetched(counters, r),
+                              on_skipped=lambda n: counters.add("agent_plan_entries_skipped", n))
+            agents.append(NodeAgent(node, source, agent_settings, listener=lambda w: _applied(counters, w),
+                                    on_plan_error=lambda _: counters.add("agent_plan_errors")))
     if not agents:
         return None
     log.info("kvwarm: %d node agent(s) follow %s%s", len(agents),

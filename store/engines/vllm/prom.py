@@ -43,6 +43,10 @@ COUNTERS = {
     "prefetch_superseded": "Prefixes a prefetch never started because a newer plan replaced it.",
     "agent_rankings": "Rankings the node agents applied (at start, and for each new plan).",
     "agent_copies_queued": "Blocks the node agents queued for copying.",
+    "agent_plan_errors": "Plans the node agents could not use (unreadable, too large or wrong types): each "
+                         "version counted once, the agent keeping its last good plan.",
+    "agent_plan_entries_skipped": "Published plan entries the node agents skipped: keyed under another key root "
+                                  "(model, precision or tenant secret) than the loader's.",
 }
 #: ``kvwarm_connector_<name>_total{reason=...}``, and the reasons created at start.
 LABELLED = {

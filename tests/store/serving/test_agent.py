@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from store.errors import ConfigError, StoreUnavailable
-from store.plan import Plan, PlanEntry, PlanError, publish_plan, write_plan
+from store.plan import Plan, PlanEntry, PlanError, write_plan
+from store.published_plan import PublishedEntry, PublishedPlan, publish_plan
 from store.serving.agent import AgentSettings, AgentThread, FilePlan, NodeAgent, StorePlans
 from store.serving.urgency import PlanChain
 from store.tiers.local import LocalTier
@@ -184,12 +185,12 @@ def test_store_plans_version_changes_only_with_a_new_plan(tmp_path):
     tier = LocalTier(tmp_path / "t", cap_bytes=1 << 20)
     src = StorePlans([tier])
     assert src.version() is None and src.read() is None
-    p1 = Plan(entries=(PlanEntry(tenant="t", token_ids=(1, 2)),), created_at=1.0)
+    p1 = PublishedPlan(entries=(PublishedEntry(namespace="t", root="0" * 32, keys=("a" * 64,)),), created_at=1.0)
     publish_plan(p1, [tier])
     v1 = src.version()
     publish_plan(p1, [tier])
     assert src.version() == v1
-    publish_plan(Plan(entries=p1.entries, created_at=2.0), [tier])
+    publish_plan(PublishedPlan(entries=p1.entries, created_at=2.0), [tier])
     assert src.version() != v1 and src.read().created_at == 2.0
 
 
