@@ -12,7 +12,8 @@ from flows.spec import CadenceSpec, MiningSpec, RunTarget
 from forecasting.ingest.log_trace import requests_from_trace
 from forecasting.ingest.traces import read_mooncake
 from prefill.rundir import RunDir
-from store.plan import latest_plan, read_plan
+from store.plan import read_plan
+from store.published_plan import latest_plan
 from store.tiers.store import Store
 
 MOONCAKE = Path(__file__).resolve().parents[1] / "data" / "mooncake" / "conversation_head.jsonl"
@@ -50,7 +51,11 @@ def test_the_cadence_flow_plans_from_the_logs_before_its_time_and_publishes_the_
     later = {int(h) for ids in rows.loc[rows["timestamp"] >= as_of, "hash_ids"] for h in ids} - seen
     named = {h for e in retain for h in e.hash_ids}
     assert named <= seen and later and not named & later
-    assert latest_plan(Store.open(store).tiers) == plan  # what engines started with plan: latest prefetch
+    # what engines started with plan: latest prefetch: the plan keyed, never its trace ids (a loader
+    # keys token ids: hash-id entries were never a node's to copy), with what ranks the fleet's memory
+    latest = latest_plan(Store.open(store).tiers)
+    assert latest.entries == () and latest.extra["unpublished"] == {"hash_ids": len(plan.entries)}
+    assert latest.as_of == plan.as_of and latest.extra.get("fleet_reuse") == plan.extra.get("fleet_reuse")
     # the budget holds: a block of 16 tokens of kvwarm-tiny's KV per hash id, under node_bytes
     blocks = {h for e in retain for h in e.hash_ids}
     assert plan.extra["retain_bytes"] <= spec.node_bytes and plan.extra["retain_blocks"] >= len(blocks) > 0

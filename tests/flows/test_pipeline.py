@@ -162,9 +162,15 @@ def test_the_demo_replays_the_planned_period_through_the_loader(prefect_harness,
     rate = planned.extra["prefill_rate"]
     assert rate["source"] == "measured" and rate["from_run"] == "demo"
     assert rate["tokens_per_s"] == pytest.approx(out["prefill"]["tokens_per_s"])
-    # ... and publishes its plan as the store's latest, for serving engines started with plan: latest.
-    from store.plan import latest_plan
+    # ... and publishes its plan as the store's latest, for serving engines started with plan: latest:
+    # keyed for the model (salted block keys, no prompt), in the plan's order.
+    from flows.tasks import flow_config
+    from prefill.plan_keys import published
+    from store.published_plan import LATEST_PLAN, latest_plan
     from store.tiers.store import Store
 
     tiers = Store.open(store).tiers
-    assert latest_plan(tiers) == planned
+    latest = latest_plan(tiers)
+    assert latest == published(planned, nxt.model, flow_config(nxt))
+    assert [e.namespace for e in latest.entries] == [e.tenant for e in planned.entries if e.token_ids or e.text]
+    assert b"token_ids" not in tiers[0].get_meta(LATEST_PLAN) and b'"text"' not in tiers[0].get_meta(LATEST_PLAN)

@@ -23,13 +23,15 @@ import numpy as np
 import pytest
 
 from bench.lib.vllm_engine import start_engine
-from store.plan import Plan, PlanEntry, publish_plan
+from store.plan import Plan, PlanEntry
+from store.published_plan import publish_plan
 from store.tiers.registry import tiers_from_url
 from tests.seaweedfs import SeaweedFS
 from tests.store.engines.vllm.harness import (
     S3_ENV,
     TENANT,
     connector,
+    tiny_dir,
     count,
     engine_spec,
     entry,
@@ -101,9 +103,12 @@ def live(engine, s3, tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         for k, v in S3_ENV.items():
             mp.setenv(k, v)
+        from prefill.plan_keys import published
         from store.config import load_config
 
         tiers = tiers_from_url(f"file://{nvme},{url}", load_config(cfg).store)
+        # published as the pipeline publishes them: keyed for the engine's model, no token ids
+        plan1, plan2 = (published(p, str(tiny_dir()), load_config(cfg)) for p in (plan1, plan2))
         try:
             proc.at_barrier("plans")
             publish_plan(plan1, tiers)

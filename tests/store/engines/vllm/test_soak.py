@@ -24,7 +24,8 @@ import pytest
 import store
 from store.config import FleetMemoryConfig
 from store.engines.vllm.metadata import LoadResult, WorkerReport
-from store.plan import Plan, PlanEntry, publish_plan
+from store.plan import Plan, PlanEntry
+from store.published_plan import PublishedPlan, key_plan, publish_plan
 from store.serving.agent import AgentSettings, NodeAgent, StorePlans
 from store.serving.loader import KVLoader
 from store.serving.loader_node import LoaderNode
@@ -77,12 +78,13 @@ def loader(tmp_path):
         yield ld, recurring
 
 
-def a_plan(n: int, recurring: list[list[int]]) -> Plan:
-    """Plan ``n`` of the day: the recurring prefixes (stored), then 40 prefixes no earlier plan named."""
+def a_plan(n: int, recurring: list[list[int]], ld: KVLoader) -> PublishedPlan:
+    """Plan ``n`` of the day: the recurring prefixes (stored), then 40 prefixes no earlier plan named;
+    published as the pipeline publishes it (keyed under the loader's root)."""
     fresh = [prompt(2 * BS, seed=100_000 + 40 * n + i) for i in range(40)]
     entries = [PlanEntry(tenant=ACME.name, token_ids=tuple(ids), score=1.0 + (n + i) % 7)
                for i, ids in enumerate(recurring + fresh)]
-    return Plan(entries=tuple(entries), created_at=1_000_000.0 + 300 * n)
+    return key_plan(Plan(entries=tuple(entries), created_at=1_000_000.0 + 300 * n), lambda tenant, chat: ld.root)
 
 
 def test_a_day_of_plans_followed_by_the_node_agent_keeps_memory_and_threads_bounded(loader):
@@ -97,7 +99,7 @@ def test_a_day_of_plans_followed_by_the_node_agent_keeps_memory_and_threads_boun
     threads = []
 
     def five_minutes(n: int) -> None:
-        publish_plan(a_plan(n, recurring), ld.store.tiers)
+        publish_plan(a_plan(n, recurring, ld), ld.store.tiers)
         for _ in range(10):  # ten polls, one of which finds the new version
             clock[0] += 30.0
             agent.tick()
