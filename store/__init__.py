@@ -15,6 +15,8 @@ pays only for what it uses):
   and ``OperationalError`` (exit 1), and ``StoreError`` and its subclasses
 - ``store.identity.fingerprint``: ``ModelIdentity``, ``identity_from_dir`` (fingerprints from model files)
 - ``store.plan``: ``Plan``, ``PlanEntry``, ``read_plan``, ``write_plan`` (the prewarm plan file)
+- ``store.published_plan``: ``PublishedPlan``, ``key_plan``, ``publish_plan``, ``latest_plan`` (the plan
+  serving nodes read: block keys, no prompts)
 - ``store.serving.loader``: ``KVLoader``, ``LoaderHit`` (the serving side; see docs/guides/loader.md)
 - ``store.serving.pool``: ``SnapshotPool`` (the node-wide shared pool); ``store.kernels.dequant``: dequantisers;
   ``store.engines.paged``: contiguous and paged-cache copies; ``store.serving.metrics``: ``LoaderMetrics`` (Prometheus)

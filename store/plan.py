@@ -25,6 +25,12 @@ order and stops at its deadline, so the most valuable prefixes are done first; l
 prefetch every entry in order. A ``retain`` entry may carry an ``urgency`` (its expected
 uses in the next minute or so): the planner orders the ``retain`` entries' places by it,
 so the copies needed soonest come first. Readers accept versions 1 and 2.
+
+Readers check every field's type and bounds (:func:`parse_plan`; a file above
+:data:`MAX_PLAN_BYTES` is refused before it is read) and raise :class:`PlanError` naming the
+field. This plan names prompts, so it stays private: the pipeline keeps it in its run
+directory (an encrypted tenant's entries ``sealed``: :mod:`store.plan_seal`), and what it
+publishes for serving nodes is the keyed form, :mod:`store.published_plan`.
 """
 from __future__ import annotations
 
