@@ -20,6 +20,12 @@ write them, :mod:`prefill.run_results` reads the JSON results back):
 
 The store itself knows nothing of runs: a run directory is metadata beside the
 snapshots, under a name (``_flows``) that no tenant's objects use.
+
+A run directory is the pipeline's private workspace, never a serving node's: the demand
+tables, the quarantine and the plans hold the tenants' prompts. The plans' entries of a
+tenant with an encryption key are sealed with it (:mod:`store.plan_seal`); everything else
+is plain text. What serving nodes read is the published plan in the store's metadata area,
+which names blocks by salted key only (:mod:`store.published_plan`).
 """
 from __future__ import annotations
 
@@ -144,7 +150,7 @@ class RunDir:
     # -- planning, prefill, GC
     @property
     def plan(self) -> Path:
-        """``plan.json``: the plan (:mod:`store.plan`)."""
+        """``plan.json``: the plan (:mod:`store.plan`), an encrypted tenant's entries sealed."""
         return self.result("plan")
 
     @property
