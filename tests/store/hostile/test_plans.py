@@ -79,7 +79,9 @@ def test_attack_published_plan_reveals_a_tenants_text(pipeline) -> None:
     assert b"payroll" not in raw and b"Alice" not in raw and b'"text"' not in raw
     from store.published_plan import latest_plan
 
-    plan = latest_plan(Store.open(url, cfg).tiers)
+    store = Store.open(url, cfg)
+    plan = latest_plan(store.tiers)
+    store.close()
     assert plan is not None and plan.entries[0].namespace == "acme" and plan.entries[0].blocks == len(PROMPT) // 16
 
 
