@@ -37,6 +37,10 @@ def requests_from_plan(plan: Plan | Sequence[PlanEntry], loaded: LoadedModel, co
         name = e.tenant or default_tenant
         if name not in tenants:
             tenants[name] = config.tenant(name)
+        if e.sealed is not None or e.hash_ids is not None:
+            raise InputError(f"entry {i} names its prefix {'sealed' if e.sealed else 'by hash ids'}: give the prefill "
+                             f"job token ids or text (a run directory's plan with --plan, which opens sealed entries "
+                             f"with the tenant's key)")
         if e.token_ids is not None:
             ids = tuple(e.token_ids)
             vocab = int(getattr(loaded.config, "vocab_size", 0) or 0)
