@@ -40,9 +40,10 @@ def check_strength(value: str, key: str, what: str) -> str:
     Raises:
         ConfigError: it is shorter (the message says how to generate a strong one).
     """
-    if len(value) < MIN_SECRET_CHARS:
-        raise ConfigError(f"{key}: {what} has {len(value)} characters; a tenant secret or cache_salt needs at "
-                          f"least {MIN_SECRET_CHARS} (whoever guesses it acts as the tenant): {GENERATE}")
+    n = len(value)
+    if n < MIN_SECRET_CHARS:
+        raise ConfigError(f"{key}: {what} has {n} character{'' if n == 1 else 's'}; a tenant secret or cache_salt "
+                          f"needs at least {MIN_SECRET_CHARS} (whoever guesses it acts as the tenant): {GENERATE}")
     return value
 
 

@@ -150,7 +150,8 @@ def test_ten_thousand_requests_through_the_connectors_scheduler_role_keep_memory
         ids = fakes.tokens(2 * fakes.KB + 3, seed=1_000_000 + i)
         if i % 10 == 0:
             ids = stored[i % len(stored)] + ids[:5]
-        req = fakes.Req(f"r{i}", ids, cache_salt="salt-acme" if i % 3 else None)
+        # every third a salted tenant's (bolt's, storing nothing); the stored prefixes are the default tenant's
+        req = fakes.Req(f"r{i}", ids, cache_salt=fakes.BOLT_SALT if i % 3 == 1 and i % 10 else None)
         role.on_new_request(req)
         role.get_num_new_matched_tokens(req, 0)
         n, _ = role.get_num_new_matched_tokens(req, 0)
