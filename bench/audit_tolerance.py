@@ -51,11 +51,11 @@ def prompts(n: int, blocks: int) -> list[list[int]]:
 
 def make_store(workdir: Path, model: Path, compression: str, ids: list[list[int]]) -> Path:
     """A store written back by a real engine running ``model``: its config file (the store beside it)."""
-    from tests.store.engines.vllm.harness import SALTS, connector, engine_spec, request, write_config
+    from tests.store.engines.vllm.harness import TENANTS, connector, engine_spec, request, write_config
 
     d = workdir / compression
     cfg = write_config(d / "kvwarm.yaml", store_url=f"file://{d}/store", compression=compression,
-                       tenants={name: {"cache_salts": [salt]} for name, salt in SALTS.items()})
+                       tenants=TENANTS)
     steps = [{"name": "write", "requests": [request(p, max_tokens=1) for p in ids], "together": True}]
     run = run_engine(engine_spec(steps, extra=connector(cfg), model=model), d / "engine", timeout_s=1200)
     written = run.stats(None, "worker").get("written_back_blocks", 0)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import tomllib
 import yaml
@@ -37,6 +37,7 @@ from store.config_sections import (
 )
 from store.errors import ConfigError
 from store.identity.tenant import PUBLIC, Tenant, check_tenant_name
+from store.tenant_secrets import SALT_KEYS, check_strength, salt_keys, salt_map, tenant_cache_salts
 
 __all__ = ["AgentConfig", "CONFIG_ENV", "FleetMemoryConfig", "KvCacheConfig", "KvwarmConfig", "LoaderConfig",
            "MonitoringConfig", "S3Config", "StoreConfig",
@@ -100,32 +101,59 @@ class KvwarmConfig(_Section):
 
     @model_validator(mode="after")
     def _check_tenants(self) -> "KvwarmConfig":
+        # the salts written in the file are checked here (pure); those of variables and files where
+        # they are read (cache_salts), with the same rules. Messages never show a salt: it is a secret.
         owner: dict[str, str] = {}
         for name, tc in self.tenants.items():
             check_tenant_name(name)
             if name == PUBLIC and tc.secret_env:
                 raise ValueError("tenants.public cannot have a secret_env: the public salt is well known")
-            if name == PUBLIC and tc.cache_salts:
-                raise ValueError("tenants.public cannot have cache_salts: requests are a tenant's own, and "
-                                 "public prefixes serve every tenant already")
-            for salt in tc.cache_salts:
+            if name == PUBLIC and salt_keys(name, tc):
+                raise ValueError(f"tenants.public cannot have {' or '.join(SALT_KEYS)}: requests are a tenant's "
+                                 "own, and public prefixes serve every tenant already")
+            for i, salt in enumerate(tc.cache_salts):
                 if not salt:
                     raise ValueError(f"tenants.{name}.cache_salts: a cache_salt must not be empty")
-                if salt in owner:
-                    raise ValueError(f"tenants.{name}.cache_salts: {salt!r} is already tenant "
+                try:
+                    check_strength(salt, f"tenants.{name}.cache_salts", f"cache_salt #{i + 1}")
+                except ConfigError as exc:
+                    raise ValueError(str(exc)) from None
+                if owner.setdefault(salt, name) != name:
+                    raise ValueError(f"tenants.{name}.cache_salts: cache_salt #{i + 1} is already tenant "
                                      f"{owner[salt]!r}'s; a cache_salt names one tenant")
-                owner[salt] = name
         return self
+
+    def cache_salts(self, name: str, environ: Optional[Mapping[str, str]] = None) -> tuple[str, ...]:
+        """Tenant ``name``'s vLLM ``cache_salt`` values: ``cache_salts``, ``$cache_salts_env``'s and
+        ``cache_salts_file``'s, merged (read now; see :mod:`store.tenant_secrets`).
+
+        Raises:
+            ConfigError: a named variable or file is missing or lists none, or a salt is too short.
+        """
+        return tenant_cache_salts(name, self.tenants.get(name, TenantConfig()), os.environ if environ is None
+                                  else environ)
+
+    def salt_map(self, environ: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+        """Every tenant's ``cache_salt`` values (all sources, read now), each mapped to its one tenant.
+
+        Raises:
+            ConfigError: as :meth:`cache_salts`, or a salt two tenants list.
+        """
+        return salt_map(self.tenants, os.environ if environ is None else environ)
 
     def tenant(self, name: str, environ: Optional[dict[str, str]] = None) -> Tenant:
         """Credentials for ``name`` from the environment variables the config names.
 
         Raises:
-            ConfigError: a named variable is unset or the encryption key is malformed.
+            ConfigError: a named variable is unset, the secret is shorter than 16 characters
+                (:data:`store.tenant_secrets.MIN_SECRET_CHARS`), or the encryption key is malformed.
         """
         env = os.environ if environ is None else environ
         tc = self.tenants.get(name, TenantConfig())
-        secret = _env(env, tc.secret_env, f"tenants.{name}.secret_env") if tc.secret_env else None
+        secret = None
+        if tc.secret_env:
+            secret = check_strength(_env(env, tc.secret_env, f"tenants.{name}.secret_env"),
+                                    f"tenants.{name}.secret_env", f"the value of ${tc.secret_env}")
         key = None
         if tc.encryption_key_env:
             raw = _env(env, tc.encryption_key_env, f"tenants.{name}.encryption_key_env")

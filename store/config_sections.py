@@ -261,10 +261,19 @@ class MonitoringConfig(_Section):
 class TenantConfig(_Section):
     """Where a tenant's secrets come from (never the secrets themselves)."""
 
-    secret_env: Optional[str] = Field(None, description="Env var holding the tenant's salt secret.")
+    secret_env: Optional[str] = Field(
+        None, description="Env var holding the tenant's salt secret: at least 16 characters (generate one with "
+        "`openssl rand -hex 32`). The tenant's salt is scrypt of it (docs/concepts/tenants.md).")
     encryption_key_env: Optional[str] = Field(
         None, description="Env var holding a hex 32-byte AES-GCM key: S3 objects are encrypted at rest."
     )
     cache_salts: tuple[str, ...] = Field(
         (), description="vLLM cache_salt values whose requests are this tenant's (the KV connector maps a "
-        "request's cache_salt to its tenant through these).")
+        "request's cache_salt to its tenant through these), each at least 16 characters. They are secrets: "
+        "prefer cache_salts_env or cache_salts_file, which keep them out of this file.")
+    cache_salts_env: Optional[str] = Field(
+        None, description="Env var holding more of the tenant's cache_salts, comma-separated (merged with "
+        "cache_salts and cache_salts_file).")
+    cache_salts_file: Optional[str] = Field(
+        None, description="A file of more of the tenant's cache_salts, one a line (blank lines and lines "
+        "starting with # ignored; merged with cache_salts and cache_salts_env). Read when an engine starts.")

@@ -26,7 +26,7 @@ def serve(tmp_path: Path, compression: str, dtype: str, texts: list[str]) -> dic
     cfg.write_text(f"kv_cache:\n  compression: {compression}\n  block_size: {BLOCK}\n"
                    f"tenants:\n  acme:\n    secret_env: E2E_ACME_SECRET\n")
     url = f"file://{tmp_path / ('store-' + compression)}"
-    env_secret = {"E2E_ACME_SECRET": "e2e-secret"}
+    env_secret = {"E2E_ACME_SECRET": "e2e-secret-0123456789"}
     prompts_file = tmp_path / "prompts.txt"
     prompts_file.write_text("\n".join(texts) + "\n")
     with pytest.MonkeyPatch.context() as mp:

@@ -41,7 +41,7 @@ def node_config(node: Path, s3_url: str, endpoint: str, *, fleet_memory: bool = 
                   "s3": {"endpoint_url": endpoint, "access_key_env": "KVWARM_BENCH_S3_KEY",
                          "secret_key_env": "KVWARM_BENCH_S3_SECRET"}},
         "loader": {"pool_dir": str(node / "pool"), "pool_bytes": "8GiB", "fetch_mode": KVWARM_FETCH_MODE},
-        "tenants": {KVWARM_TENANT: {"cache_salts": [f"{KVWARM_TENANT}-salt"]}},
+        "tenants": {KVWARM_TENANT: {}},  # the default tenant: it may list no cache_salts
     }))
     return path
 

@@ -2,16 +2,20 @@
 
 A tenant's salt is part of every key it computes (``KeyRoot.tenant_salt``), so a
 tenant that does not hold another's secret cannot even name that tenant's snapshots.
-With a secret, ``salt = HMAC-SHA256(secret, name)``; without one the salt is derived
-from the name alone (keys still never collide across tenants, but isolation then
-rests on the store's access checks only; see docs/concepts/tenants.md). The ``public``
-namespace holds prefixes shared on purpose (a common system prompt); its salt is
-well known.
+With a secret, ``salt = scrypt(secret, salt=domain || name, n=2**14, r=8, p=1)``: slow
+(about 50 ms and 16 MiB) on purpose, because the salt's public fingerprint (``salt_id``,
+in every header and owner record) would otherwise let anyone test guesses of the
+secret offline at the speed of SHA-256; each guess now costs one scrypt. A process pays
+it once per tenant (:func:`_secret_salt` is cached). Without a secret the salt is
+derived from the name alone (keys still never collide across tenants, but isolation
+then rests on the store's access checks only; see docs/concepts/tenants.md). The
+``public`` namespace holds prefixes shared on purpose (a common system prompt); its
+salt is well known.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
-import hmac
 import re
 from dataclasses import dataclass, field
 
@@ -20,7 +24,18 @@ from store.identity.keys import salt_id
 
 PUBLIC = "public"
 _NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
-_DOMAIN = b"kvwarm/tenant-salt/v1\x00"
+_DOMAIN = b"kvwarm/tenant-salt/v1\x00"  # the salt of tenants without a secret (and of public)
+#: the secret tenants' derivation: scrypt, with ``_SECRET_DOMAIN || name`` as its salt
+_SECRET_DOMAIN = b"kvwarm/tenant-salt/v2-scrypt\x00"
+#: scrypt's cost: 2**14 x 8 x 128 bytes = 16 MiB of memory and ~40-60 ms of one core per derivation
+SCRYPT_N, SCRYPT_R, SCRYPT_P = 2**14, 8, 1
+_SCRYPT_MAXMEM = 64 << 20
+
+
+@functools.lru_cache(maxsize=256)  # the slow part, paid once per (tenant, secret) in a process
+def _secret_salt(name: str, secret: bytes) -> bytes:
+    return hashlib.scrypt(secret, salt=_SECRET_DOMAIN + name.encode(), n=SCRYPT_N, r=SCRYPT_R, p=SCRYPT_P,
+                          maxmem=_SCRYPT_MAXMEM, dklen=32)
 
 
 def check_tenant_name(name: str) -> str:
@@ -58,16 +73,19 @@ class Tenant:
 
     @staticmethod
     def derive(name: str, secret: bytes | str | None = None, encryption_key: bytes | None = None) -> "Tenant":
-        """Credentials for ``name``, salted with ``secret`` when given."""
+        """Credentials for ``name``, salted with ``secret`` when given.
+
+        With a secret the salt is scrypt's (slow, cached per process; see the module's docstring);
+        without one, ``SHA-256(domain || name)``. The configuration refuses secrets under 16
+        characters (:meth:`store.config.KvwarmConfig.tenant`); this function takes any.
+        """
         check_tenant_name(name)
         if name == PUBLIC and secret:
             raise ValueError("the public namespace has a well-known salt; do not give it a secret")
-        msg = _DOMAIN + name.encode()
         if secret:
-            key = secret.encode() if isinstance(secret, str) else bytes(secret)
-            salt = hmac.new(key, msg, hashlib.sha256).digest()
+            salt = _secret_salt(name, secret.encode() if isinstance(secret, str) else bytes(secret))
         else:
-            salt = hashlib.sha256(msg).digest()
+            salt = hashlib.sha256(_DOMAIN + name.encode()).digest()
         return Tenant(name, salt, encryption_key)
 
     @property

@@ -17,7 +17,7 @@ from tests.store.factories import make_chain, make_root, make_snapshot
 def populated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[str, Path, list]:
     cfg = tmp_path / "kvwarm.yaml"
     cfg.write_text("tenants:\n  acme:\n    secret_env: ACME_SECRET\n")
-    monkeypatch.setenv("ACME_SECRET", "acme-secret")
+    monkeypatch.setenv("ACME_SECRET", "acme-secret-0123456789")
     acme = parse_config({"tenants": {"acme": {"secret_env": "ACME_SECRET"}}}).tenant("acme")
     url = f"file://{tmp_path / 'nvme'}"
     store = Store([LocalTier(tmp_path / "nvme", cap_bytes=1 << 30)])

@@ -105,10 +105,12 @@ def test_tenant_secrets_come_from_named_env_vars() -> None:
     with pytest.raises(ConfigError, match=r"\$ACME_SALT is not set"):
         c.tenant("acme", environ={})
     with pytest.raises(ConfigError, match="64 hex characters"):
-        c.tenant("acme", environ={"ACME_SALT": "s", "ACME_KEY": "zz"})
-    t = c.tenant("acme", environ={"ACME_SALT": "s", "ACME_KEY": "00" * 32})
+        c.tenant("acme", environ={"ACME_SALT": "s" * 16, "ACME_KEY": "zz"})
+    with pytest.raises(ConfigError, match=r"tenants\.acme\.secret_env: the value of \$ACME_SALT has 15 characters"):
+        c.tenant("acme", environ={"ACME_SALT": "s" * 15, "ACME_KEY": "00" * 32})  # 16 at least
+    t = c.tenant("acme", environ={"ACME_SALT": "s" * 16, "ACME_KEY": "00" * 32})
     assert t.encryption_key == bytes(32)
-    assert t.salt != c.tenant("acme", environ={"ACME_SALT": "other", "ACME_KEY": "00" * 32}).salt
+    assert t.salt != c.tenant("acme", environ={"ACME_SALT": "other-secret-0123", "ACME_KEY": "00" * 32}).salt
     # An unconfigured tenant gets a name-derived salt (documented: isolation then rests on access checks).
     assert c.tenant("zeta").salt == c.tenant("zeta").salt
 
@@ -123,20 +125,44 @@ def test_loader_section_supplies_the_loader_defaults(tmp_path):
         parse_config({"loader": {"fetch_mode": "eventually"}})
 
 
+S_ACME, S_ACME_2, S_B = "s-acme-0123456789ab", "s-acme-2-0123456789ab", "s-b-0123456789abcd"
+
+
 def test_cache_salts_name_one_tenant_each() -> None:
-    c = parse_config({"tenants": {"acme": {"cache_salts": ["s-acme", "s-acme-2"]}, "bolt": {"cache_salts": ["s-b"]}}})
-    assert c.tenants["acme"].cache_salts == ("s-acme", "s-acme-2")
-    with pytest.raises(ConfigError, match="'s-acme' is already tenant 'acme'"):
-        parse_config({"tenants": {"acme": {"cache_salts": ["s-acme"]}, "bolt": {"cache_salts": ["s-acme"]}}})
-    with pytest.raises(ConfigError, match="tenants.public cannot have cache_salts"):
-        parse_config({"tenants": {"public": {"cache_salts": ["x"]}}})
+    c = parse_config({"tenants": {"acme": {"cache_salts": [S_ACME, S_ACME_2]}, "bolt": {"cache_salts": [S_B]}}})
+    assert c.tenants["acme"].cache_salts == (S_ACME, S_ACME_2)
+    assert c.salt_map({}) == {S_ACME: "acme", S_ACME_2: "acme", S_B: "bolt"}
+    with pytest.raises(ConfigError, match=r"tenants.bolt.cache_salts: cache_salt #1 is already tenant 'acme'") as err:
+        parse_config({"tenants": {"acme": {"cache_salts": [S_ACME]}, "bolt": {"cache_salts": [S_ACME]}}})
+    assert S_ACME not in str(err.value)  # a salt is a secret: never in a message
+    for key in ("cache_salts", "cache_salts_env", "cache_salts_file"):
+        with pytest.raises(ConfigError, match="tenants.public cannot have cache_salts or cache_salts_env or"):
+            parse_config({"tenants": {"public": {key: [S_B] if key == "cache_salts" else "X"}}})
     with pytest.raises(ConfigError, match="must not be empty"):
         parse_config({"tenants": {"acme": {"cache_salts": [""]}}})
 
 
+def test_cache_salts_from_a_variable_and_a_file_merge_with_the_files_own(tmp_path) -> None:
+    salts = tmp_path / "salts"
+    salts.write_text(f"# comment\n\n  {S_ACME_2}\n{S_ACME}\n")
+    c = parse_config({"tenants": {"acme": {"cache_salts": [S_ACME], "cache_salts_env": "ACME_SALTS",
+                                           "cache_salts_file": str(salts)}}})
+    assert c.cache_salts("acme", {"ACME_SALTS": f" {S_B} ,,"}) == (S_ACME, S_B, S_ACME_2)
+    assert c.cache_salts("zeta", {}) == ()  # a tenant the config does not name has none
+    for environ, must_say in (({}, r"\$ACME_SALTS is not set"), ({"ACME_SALTS": " , "}, "lists no cache_salt")):
+        with pytest.raises(ConfigError, match=r"tenants\.acme\.cache_salts_env: .*" + must_say):
+            c.cache_salts("acme", environ)
+    salts.write_text("# none\n\n")
+    with pytest.raises(ConfigError, match=r"tenants\.acme\.cache_salts_file: .* lists no cache_salt"):
+        c.cache_salts("acme", {"ACME_SALTS": S_B})
+    salts.write_bytes(b"\xff\xfe")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        c.cache_salts("acme", {"ACME_SALTS": S_B})
+
+
 def test_trust_named_is_a_setting_of_the_tenants_section_and_no_tenant_may_take_the_name() -> None:
     assert parse_config({}).trust_named is False
-    c = parse_config({"tenants": {"trust_named": True, "acme": {"cache_salts": ["s-acme"]}}})
+    c = parse_config({"tenants": {"trust_named": True, "acme": {"cache_salts": [S_ACME]}}})
     assert c.trust_named is True and list(c.tenants) == ["acme"]
     # a dump has the file's shape, and parses back to the same config (CLI flags go through it)
     assert c.model_dump()["tenants"]["trust_named"] is True and parse_config(c.model_dump()) == c

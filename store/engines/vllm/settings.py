@@ -3,7 +3,8 @@
 Keys (docs/guides/engines.md documents each):
 
 - ``store``: the store URL (tiers, as everywhere in kvwarm); default the config's ``store.url``.
-- ``tenant``: the tenant of requests that name none (``public`` by default, as ``prefill warm``).
+- ``tenant``: the tenant of requests that name none (``public`` by default, as ``prefill warm``); it
+  must list no cache salts (a request without a salt would act as it).
 - ``config``: a kvwarm config file (``$KVWARM_CONFIG`` otherwise).
 - ``model``: the model directory (or hub id) to fingerprint; default the model vLLM serves.
 - ``write_back``: write the full prompt blocks the engine computes to the store (default true).
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from store.config import KvwarmConfig, load_config
+from store.engines.vllm.tenancy import check_default_tenant
 from store.errors import ConfigError
 from store.identity.fingerprint import IdentityError, ModelIdentity, identity_from_dir
 from store.identity.tenant import check_tenant_name
@@ -111,6 +113,11 @@ def parse_settings(extra: Mapping[str, Any] | None, *, served_model: str,
         config.tenant(tenant)  # its secret's variable must be set: fail now, not at the first request
     except ValueError as exc:  # ConfigError is one
         raise _bad("tenant", str(exc)) from None
+    try:
+        check_default_tenant(config, tenant)  # a request without a salt must not act as a salted tenant
+        config.salt_map()  # every tenant's cache salts (variables, files) readable and strong: fail now
+    except ConfigError as exc:
+        raise ConnectorConfigError(f"kvwarm connector: {exc}") from None
 
     write_back = extra.get("write_back", True)
     if not isinstance(write_back, bool):

@@ -11,7 +11,11 @@ selects a tenant only through a secret it holds, its ``cache_salt``. The rules:
 2. ``kvwarm_tenant`` without a salt (a name is not a secret) gets nothing (``tenant_unverified``),
    unless the config trusts the gateway (``tenants.trust_named``): then it must name a tenant the
    config knows (or the default, or ``public``), else nothing (``tenant_unknown``).
-3. Otherwise the request is the default tenant's.
+3. Otherwise (no ``cache_salt``, or an empty one) the request is the default tenant's. The
+   default never lists cache salts (:func:`check_default_tenant` refuses that config at start-up):
+   a request without a salt must not act as a tenant that is selected by one, so it gets the
+   default tenant's KV (``public`` unless the connector's ``tenant`` says otherwise), never a salted
+   tenant's.
 
 These reasons are the server's (counters, log). A client sees ``absent`` for all of them
 (:func:`client_reason`), as for a tenant that has nothing stored: what it receives must not say
@@ -25,7 +29,9 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from store.config import KvwarmConfig
+from store.errors import ConfigError
 from store.identity.tenant import PUBLIC, Tenant
+from store.tenant_secrets import salt_keys
 
 #: The ``kv_transfer_params`` key a request names its tenant with.
 TENANT_PARAM = "kvwarm_tenant"
@@ -42,6 +48,24 @@ def _shown(claimed: Any) -> str:
     """A client's claim, for the log: quoted, cut short (it is whatever the client sent)."""
     text = repr(claimed)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_default_tenant(config: KvwarmConfig, default: str) -> None:
+    """Refuse a default tenant (the connector's ``tenant``) that lists cache salts.
+
+    Requests without a ``cache_salt`` are the default tenant's; if that tenant were also selected by
+    its salts, a request could act as it without holding one.
+
+    Raises:
+        ConfigError: naming ``kv_connector_extra_config.tenant`` and the tenant's salt keys.
+    """
+    keys = salt_keys(default, config.tenants[default]) if default in config.tenants else []
+    if keys:
+        raise ConfigError(
+            f"kv_connector_extra_config.tenant = {default!r} is the tenant of every request without a cache_salt, "
+            f"but {' and '.join(keys)} make it a tenant selected by its salts: a request with no salt would act as "
+            f"{default!r}. Set kv_connector_extra_config.tenant to 'public' (or a tenant without cache salts), or "
+            f"remove {', '.join(keys)} (its requests are then all those without a salt)")
 
 
 @dataclass(frozen=True)
@@ -64,14 +88,20 @@ class TenantBook:
 
     Args:
         config: the kvwarm config (``tenants``: secrets and cache salts; ``tenants.trust_named``).
-        default: the tenant of requests that name none.
+        default: the tenant of requests that name none; it must list no cache salts.
+        environ: where ``cache_salts_env`` variables are read (default ``os.environ``).
+
+    Raises:
+        ConfigError: the default tenant lists cache salts (:func:`check_default_tenant`), or a
+            tenant's salts cannot be read or are refused (:meth:`KvwarmConfig.salt_map`).
     """
 
-    def __init__(self, config: KvwarmConfig, default: str) -> None:
+    def __init__(self, config: KvwarmConfig, default: str, environ: Mapping[str, str] | None = None) -> None:
+        check_default_tenant(config, default)
         self.config = config
         self.default = default
         self.trust_named = config.trust_named
-        self._by_salt = {salt: name for name, tc in config.tenants.items() for salt in tc.cache_salts}
+        self._by_salt = config.salt_map(environ)
         self.known = frozenset(config.tenants) | {default, PUBLIC}
         self._lock = threading.Lock()
         self._credentials: dict[str, Tenant] = {}

@@ -110,6 +110,16 @@ def test_changing_any_root_input_changes_every_key(change: dict) -> None:
     assert root_key(other) != root_key(GOLDEN_ROOT)
 
 
+def test_golden_tenant_salts_pin_the_derivation() -> None:
+    """A secret tenant's salt is scrypt's (v2; its keys and salt_id changed with it), a no-secret
+    tenant's and public's SHA-256 of the name (v1, unchanged): changing either moves every key."""
+    assert Tenant.derive("acme", "correct-horse-battery-staple").salt.hex() == (
+        "8857b5845d22dced674702db7f536de811a2df0e48689caab7a0640efb6cbf96")
+    assert Tenant.derive("acme").salt.hex() == "48e3e6a405c32d19d5b0d2fcdfb9d6e8419696103fb9a3e4cd1fd0fbd336f3d8"
+    assert PUBLIC_TENANT.salt.hex() == "1abb56a1343c6f4b7ae135209f8d2f25aa2f90e39e35e5df8bbc82e81fd23849"
+    assert Tenant.derive("acme", b"correct-horse-battery-staple") == Tenant.derive("acme", "correct-horse-battery-staple")
+
+
 def test_tenants_and_public_never_share_keys() -> None:
     a, b = Tenant.derive("acme", "s1"), Tenant.derive("bolt", "s2")
     same_name_other_secret = Tenant.derive("acme", "s3")

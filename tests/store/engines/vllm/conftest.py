@@ -18,8 +18,8 @@ import pytest
 
 from bench.lib.vllm_engine import ENGINE_ENV, EngineRun, EngineUnavailable, engine_python, run_engine
 from tests.store.engines.vllm.harness import (
-    SALTS,
     TENANT,
+    TENANTS,
     connector,
     corpus_line,
     engine_spec,
@@ -80,7 +80,7 @@ def bf16_store(engine, tmp_path_factory) -> Path:
     text prompt, all by one `prefill warm` run (each run is a model load)."""
     d = tmp_path_factory.mktemp("bf16")
     cfg = write_config(d / "kvwarm.yaml", store_url=f"file://{d}/store", compression="bf16",
-                       tenants={name: {"cache_salts": [salt]} for name, salt in SALTS.items()})
+                       tenants=TENANTS)
     prefill_warm(cfg, [*(entry(stored_prefix(n)) for n in SAME if stored_prefix(n)),
                        entry(text=corpus_line(CHAT_LINE), chat=True),
                        entry(SHARED.prefix), entry(text=corpus_line(TEXT_LINE))])

@@ -25,8 +25,12 @@ from bench.lib.vllm_engine import ROOT
 VLLM_BLOCK, KVWARM_BLOCK = 128, 256
 TOKENS = 16  # greedy tokens generated per request
 TENANT = "acme"
-#: the vLLM ``cache_salt`` of each configured tenant (config ``tenants.<name>.cache_salts``)
-SALTS = {"acme": "salt-acme", "beta": "salt-beta"}
+#: the vLLM ``cache_salt`` of each tenant selected by one (config ``tenants.<name>.cache_salts``; 16
+#: characters at least). acme, the connector's default tenant (requests without a salt), has none: a
+#: default tenant that lists cache_salts is refused (a request without a salt would act as it).
+SALTS = {"beta": "salt-beta-0123456789abcdef"}
+#: the config's ``tenants`` section of the engine tests: acme (the default) and beta (by its salt)
+TENANTS = {TENANT: {}, **{name: {"cache_salts": [salt]} for name, salt in SALTS.items()}}
 #: Two implementations computing the same KV in bf16 (transformers in ``prefill warm``, vLLM's
 #: CPU kernels in the engine) differ by rounding: measured on kvwarm-tiny, 1 % (relative L2) in
 #: layers 1-3 and 0.4 % in layer 0's K (RoPE), V of layer 0 bit-equal. vLLM's logits are bf16,

@@ -22,7 +22,11 @@ from tests.store.factories import make_snapshot
 KB, EB = 16, 8  # kvwarm's block and the engine's (two engine blocks per kvwarm block)
 PLAIN = ModelIdentity("test-model@1", "tok-1", name="m")
 CHAT = ModelIdentity("test-model@1", "tok-1", chat_template_hash="c" * 64, name="m")
-TENANTS = {"acme": {"cache_salts": ["salt-acme"]}, "bolt": {"cache_salts": ["salt-bolt"]}}
+#: bolt's vLLM cache_salt (16 characters at least, as every salt)
+BOLT_SALT = "salt-bolt-0123456789abcdef"
+#: acme is the roles' default tenant (requests without a cache_salt), so it lists no cache_salts (a
+#: default tenant that does is refused: a request without a salt would act as it); bolt is selected by its salt
+TENANTS = {"acme": {}, "bolt": {"cache_salts": [BOLT_SALT]}}
 
 
 @dataclass

@@ -23,8 +23,8 @@ from store.identity.keys import block_chain
 from store.tiers.store import Store
 from tests.prefill.audit_store import wrong_kv
 from tests.store.engines.vllm.harness import (
-    SALTS,
     TENANT,
+    TENANTS,
     connector,
     count,
     engine_spec,
@@ -49,7 +49,7 @@ def fp8_written_back(engine, tmp_path_factory):
     """An FP8 store (layer 0 kept in bf16, the default) holding only what an engine wrote back."""
     d = tmp_path_factory.mktemp("fp8-audit")
     cfg = write_config(d / "kvwarm.yaml", store_url=f"file://{d}/store", compression="fp8",
-                       tenants={name: {"cache_salts": [salt]} for name, salt in SALTS.items()})
+                       tenants=TENANTS)
     steps = [{"name": "write", "requests": [request(p, max_tokens=1) for p in PROMPTS], "together": True}]
     run = run_engine(engine_spec(steps, extra=connector(cfg)), d / "engine")
     assert count(run.stats(None, "worker"), "written_back_blocks") == 5

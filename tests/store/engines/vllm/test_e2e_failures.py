@@ -1,6 +1,6 @@
 """Done-when 3 and 4, end to end: kvwarm never fails a request, and tenants stay apart, in one vLLM engine.
 
-One engine (tenants ``acme`` and ``beta``, each with its vLLM ``cache_salt``) on a store of
+One engine (tenants ``acme``, the default, and ``beta``, by its vLLM ``cache_salt``) on a store of
 a local tier and a SeaweedFS S3 tier holds one prefix per way of going wrong:
 
 - ``corrupt``: a byte of a stored block's payload flipped;
@@ -12,8 +12,8 @@ a local tier and a SeaweedFS S3 tier holds one prefix per way of going wrong:
 
 Each request completes with the cold tokens, and its miss is counted under its reason
 (kvwarm's counters and the request's ``kv_transfer_params``). Isolation: ``tenant_a``
-(stored for acme) is loaded for acme's salt and refused, counted, for beta's; ``public``
-serves both salts; an unmapped salt gets nothing; a tenant named in ``kv_transfer_params``
+(stored for acme) is loaded for a request without a salt (acme's) and refused, counted, for beta's
+salt; ``public`` serves both; an unmapped salt gets nothing; a tenant named in ``kv_transfer_params``
 without its salt gets nothing (``tenants.trust_named`` is off). What the client receives for
 a refusal is what it receives for a prompt nobody stores (``unstored``): the server's counters
 alone say why.
@@ -34,6 +34,7 @@ from tests.store.engines.vllm.harness import (
     S3_ENV,
     SALTS,
     TENANT,
+    TENANTS,
     connector,
     count,
     engine_spec,
@@ -57,9 +58,9 @@ LOCAL = [
     ("expired", None, None, False, "expired"),
     ("other_model", None, None, False, "mismatch"),
     ("other_tenant", None, None, False, "absent"),  # beta's, asked for by acme: refused
-    ("tenant_a", SALTS["acme"], None, True, None),
+    ("tenant_a", None, None, True, None),  # acme's: the default tenant's
     ("tenant_a", SALTS["beta"], None, False, "absent"),  # acme's, asked for by beta: refused
-    ("public", SALTS["acme"], None, True, None),
+    ("public", None, None, True, None),
     ("public", SALTS["beta"], None, True, None),
     ("public", "salt-nobody", None, False, "absent"),  # a salt no tenant lists
     ("s3_hit", None, None, True, None),
@@ -110,7 +111,7 @@ def failures(engine, tmp_path_factory):
         sections = dict(
             store=s3_store(weed.endpoint),
             loader={"fetch_mode": "sync", "sync_fetch_timeout_s": SYNC_FETCH_TIMEOUT_S, "verify_payload": True},
-            tenants={name: {"cache_salts": [salt]} for name, salt in SALTS.items()},
+            tenants=TENANTS,
             # a one-second TTL is allowed for the "expired" prefix; every other one gets the default
             kv_cache={"ttl_min_hours": 1 / 3600},
         )

@@ -20,7 +20,7 @@ import pytest
 
 from bench.lib.vllm_engine import EngineFailed, run_engine
 from tests.store.engines.vllm.harness import (
-    SALTS,
+    TENANTS,
     connector,
     count,
     engine_spec,
@@ -46,7 +46,7 @@ NOBIND = {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}
 def store_config(engine, tmp_path_factory):
     d = tmp_path_factory.mktemp("parallel")
     cfg = write_config(d / "kvwarm.yaml", store_url=f"file://{d}/store", compression="bf16",
-                       tenants={name: {"cache_salts": [salt]} for name, salt in SALTS.items()})
+                       tenants=TENANTS)
     prefill_here(cfg, [entry(STORED)])
     return cfg
 

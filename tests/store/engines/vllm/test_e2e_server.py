@@ -27,7 +27,7 @@ from tests.store.engines.vllm.prompts import CONCURRENT_COLD, concurrent_shared_
 
 def requests() -> list[tuple[str, dict]]:
     """(name of the prompt, completion fields) for every request sent at once."""
-    out = [(name, {"prompt": ids, "cache_salt": SALTS["acme"]}) for name, ids in concurrent_shared_ids().items()]
+    out = [(name, {"prompt": ids}) for name, ids in concurrent_shared_ids().items()]  # acme's: the default
     out += [(p.name, {"prompt": p.ids}) for p in CONCURRENT_COLD.values()]
     out.append(("shared_0", {"prompt": concurrent_shared_ids()["shared_0"], "cache_salt": SALTS["beta"]}))
     for name in NAMED:  # a name is not a secret: without the tenant's cache_salt it selects nothing

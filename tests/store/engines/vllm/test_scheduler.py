@@ -13,6 +13,7 @@ import pytest
 from store.engines.vllm.fetches import Pending
 from store.engines.vllm.metadata import LoadResult, WorkerReport
 from tests.store.engines.vllm.scheduler_fakes import (
+    BOLT_SALT,
     EB,
     KB,
     Cached,
@@ -99,7 +100,7 @@ def test_misses_are_counted_under_their_reason(tmp_path, case: str, reason: str)
     r = role(tmp_path)
     req = {"absent": Req("r", ids), "short": Req("r", ids[: KB - 1]), "cached": Req("r", ids),
            "salt": Req("r", ids, cache_salt="not-mapped"),
-           "claim": Req("r", ids, cache_salt="salt-acme", kv_transfer_params={"kvwarm_tenant": "bolt"}),
+           "claim": Req("r", ids, cache_salt=BOLT_SALT, kv_transfer_params={"kvwarm_tenant": "acme"}),
            "name": Req("r", ids, kv_transfer_params={"kvwarm_tenant": "mallory"})}.get(case) or Req("r", ids)
     if case == "lora":
         req.lora_request = object()
@@ -118,13 +119,13 @@ def test_another_tenants_prefix_is_refused_and_counted_and_public_serves_both(tm
     store_prefix(tmp_path, theirs, namespace="bolt")
     store_prefix(tmp_path, shared, namespace="public")
     r = role(tmp_path)
-    a = Req("a", theirs, cache_salt="salt-acme")
+    a = Req("a", theirs)  # acme: the default tenant
     assert ask(r, a) == (0, False)
     s = r.stats()
     assert s["refused_cross_tenant"] == 1 and s["misses:tenant_refused"] == 1
-    b = Req("b", theirs, cache_salt="salt-bolt")
+    b = Req("b", theirs, cache_salt=BOLT_SALT)
     assert ask(r, b) == (2 * KB, False)
-    for i, salt in enumerate(["salt-acme", "salt-bolt", None]):
+    for i, salt in enumerate([BOLT_SALT, None]):
         req = Req(f"p{i}", shared, cache_salt=salt)
         assert ask(r, req) == (2 * KB, False)
         r.update_state_after_alloc(req, list(range(5)), 2 * KB)

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from store.engines.vllm.metadata import LoadResult, WorkerReport
-from tests.store.engines.vllm.scheduler_fakes import KB, NewReq, Out, Req, config, role, store_prefix, tokens
+from tests.store.engines.vllm.scheduler_fakes import BOLT_SALT, KB, NewReq, Out, Req, config, role, store_prefix, tokens
 
 
 def seen(r, req: Req, computed: int = 0) -> tuple[dict[str, Any], list[tuple[Any, ...]]]:
@@ -54,15 +54,16 @@ def two_stores(tmp_path: Path, ids: list[int], holder: str, **kw: Any):
     return role(tmp_path / "held", **kw), role(tmp_path / "empty", **kw)
 
 
-@pytest.mark.parametrize("salt", ["salt-acme", None])  # acme by its salt, and as the default tenant
-def test_a_miss_looks_the_same_whether_or_not_another_tenant_holds_the_prefix(tmp_path, salt) -> None:
+@pytest.mark.parametrize("salt, asker, holder", [(None, "acme", "bolt"),  # acme as the default tenant
+                                                 (BOLT_SALT, "bolt", "acme")])  # bolt by its salt
+def test_a_miss_looks_the_same_whether_or_not_another_tenant_holds_the_prefix(tmp_path, salt, asker, holder) -> None:
     ids = tokens(3 * KB + 5, seed=3)
-    held, empty = two_stores(tmp_path, ids, "bolt")
+    held, empty = two_stores(tmp_path, ids, holder)
     got, got_calls = seen(held, Req("r", ids, cache_salt=salt))
     want, want_calls = seen(empty, Req("r", ids, cache_salt=salt))
     assert got == want and got_calls == want_calls
     assert got["kv_transfer_params"] == {"kvwarm": {"loaded_tokens": 0, "reason": "absent"}}
-    assert {c[0] for c in got_calls} == {"acme"}  # bolt's namespace is probed off the request path only
+    assert {c[0] for c in got_calls} == {asker}  # the holder's namespace is probed off the request path only
     # ... and the server counts the refusal
     s, e = held.stats(), empty.stats()
     assert (s["refused_cross_tenant"], s["misses:tenant_refused"], s["lookups"]) == (1, 1, 1)
@@ -98,9 +99,9 @@ def test_a_mapped_salt_with_nothing_stored_and_an_unmapped_one_look_the_same(tmp
     ids, short = tokens(3 * KB + 5, seed=6), tokens(KB - 1, seed=6)
     r = role(tmp_path)
     for prompt in (ids, short):  # a short prompt is told short_prompt either way, as the probe says
-        mapped, _ = seen(r, Req("m", prompt, cache_salt="salt-bolt"))
+        mapped, _ = seen(r, Req("m", prompt, cache_salt=BOLT_SALT))
         unmapped, _ = seen(r, Req("u", prompt, cache_salt="salt-nobody"))
-        conflict, _ = seen(r, Req("c", prompt, cache_salt="salt-bolt", kv_transfer_params={"kvwarm_tenant": "acme"}))
+        conflict, _ = seen(r, Req("c", prompt, cache_salt=BOLT_SALT, kv_transfer_params={"kvwarm_tenant": "acme"}))
         assert mapped == unmapped == conflict
     assert mapped["kv_transfer_params"]["kvwarm"]["reason"] == "short_prompt"
     s = r.stats()
@@ -114,7 +115,7 @@ def test_a_name_without_its_salt_loads_nothing_while_trust_named_is_off(tmp_path
     view, _ = seen(r, Req("r", ids, kv_transfer_params={"kvwarm_tenant": "bolt"}))
     assert view["answer"] == (0, False) and view["loads"] == []
     assert r.stats()["misses:tenant_unverified"] == 1
-    salted, _ = seen(r, Req("s", ids, cache_salt="salt-bolt", kv_transfer_params={"kvwarm_tenant": "bolt"}))
+    salted, _ = seen(r, Req("s", ids, cache_salt=BOLT_SALT, kv_transfer_params={"kvwarm_tenant": "bolt"}))
     assert salted["answer"] == (2 * KB, False) and salted["loads"][0].tenant == "bolt"  # the salt is the secret
 
 
