@@ -8,6 +8,7 @@ and what is allowed.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -105,6 +106,9 @@ class KvwarmConfig(_Section):
             check_tenant_name(name)
             if name == PUBLIC and tc.secret_env:
                 raise ValueError("tenants.public cannot have a secret_env: the public salt is well known")
+            if name != PUBLIC and tc.writer_secret_env:
+                raise ValueError(f"tenants.{name}.writer_secret_env: only tenants.public has a writer credential "
+                                 "(tenants write and delete only in their own namespace)")
             if name == PUBLIC and tc.cache_salts:
                 raise ValueError("tenants.public cannot have cache_salts: requests are a tenant's own, and "
                                  "public prefixes serve every tenant already")
@@ -118,7 +122,8 @@ class KvwarmConfig(_Section):
         return self
 
     def tenant(self, name: str, environ: Optional[dict[str, str]] = None) -> Tenant:
-        """Credentials for ``name`` from the environment variables the config names.
+        """Credentials for ``name`` from the environment variables the config names (for ``public``, the
+        writer credential of ``tenants.public.writer_secret_env`` when that variable is set).
 
         Raises:
             ConfigError: a named variable is unset or the encryption key is malformed.
@@ -137,7 +142,10 @@ class KvwarmConfig(_Section):
                 raise ConfigError(
                     f"tenants.{name}.encryption_key_env: ${tc.encryption_key_env} must hold 64 hex characters (32 bytes)"
                 )
-        return Tenant.derive(name, secret, key)
+        tenant = Tenant.derive(name, secret, key)
+        # the public writer's credential: a process without the variable (a serving node) only reads public KV
+        writer = env.get(tc.writer_secret_env) if name == PUBLIC and tc.writer_secret_env else None
+        return dataclasses.replace(tenant, writer_key=writer.encode()) if writer else tenant
 
 
 def _env(env: Any, var: str, key: str) -> str:
