@@ -90,8 +90,10 @@ def parse_owner_record(raw: bytes, ns: str, location: str) -> OwnerRecord:
         raise bad(f"is {len(raw)} bytes (at most {MAX_RECORD_BYTES})")
     try:
         data = json.loads(bytes(raw).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
+    except (UnicodeDecodeError, ValueError):
         raise bad("is not UTF-8 JSON") from None
+    except RecursionError:
+        raise bad("nests too deep") from None
     if not isinstance(data, dict):
         raise bad(f"holds a JSON {type(data).__name__}, not an object")
     extra = set(data) - _FIELDS
