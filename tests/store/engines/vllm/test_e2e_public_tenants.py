@@ -57,7 +57,7 @@ def store_dir(cfg_path: Path) -> Path:
 def public_files(cfg_path: Path) -> dict[str, str]:
     """sha256 of every object in the store's public namespace, by name."""
     base = store_dir(cfg_path) / "objects" / PUBLIC
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(base.iterdir())}
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(base.rglob("*.kvw"))}
 
 
 @pytest.fixture(scope="module")
