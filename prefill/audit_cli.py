@@ -54,8 +54,9 @@ def add_audit_command(ss: Any) -> None:
     """Register ``audit`` on the ``prefill store`` subcommands."""
     a = ss.add_parser("audit", help="recompute stored KV with the model; quarantine what differs; exit 1 if any",
                       description="Recompute the KV of sampled snapshots (public ones first, then write-back, "
-                                  "then those of unknown source, then the prefill job's) with the model, from the whole prefix of each, and "
-                                  "compare every stored copy with it: a copy agrees when each layer's K and V lie "
+                                  "then those of unknown source, then the prefill job's) with the model, from the "
+                                  "whole prefix of each, and compare every stored copy with it: a copy agrees when "
+                                  "each layer's K and V lie "
                                   "within the error its header records plus the implementation tolerance. Copies "
                                   "that differ are moved to quarantine. Exit 1 when any copy differs.")
     a.add_argument("--model", required=True, metavar="NAME",
