@@ -4,7 +4,7 @@ A store that takes KV written back by engines (:mod:`store.engines.vllm.writebac
 able to prove that KV right. :func:`audit`:
 
 1. reads every snapshot's header (:func:`prefill.audit_catalogue.catalogue`) and picks a sample,
-   write-back first (:func:`prefill.audit_catalogue.select`);
+   public snapshots first, then write-back (:func:`prefill.audit_catalogue.select`);
 2. refuses, with :class:`AuditModelMismatch`, a model whose fingerprint none of them was made by
    (1 and 2 are :func:`plan_audit`, which needs the model's files, not its weights);
 3. recomputes each pick's KV with the model, through the same transformers forward as the
@@ -65,7 +65,7 @@ class AuditOptions:
     """What to audit and how.
 
     Attributes:
-        sample: snapshots to audit (write-back first); ``None`` for every one.
+        sample: snapshots to audit (public ones first, then write-back); ``None`` for every one.
         sources: the sources to audit (``write-back``, ``unknown``, ``prefill``).
         namespace: one tenant's namespace (or ``public``); ``None`` for all.
         tolerance: the agreement rule's implementation tolerance by layer (:data:`prefill.agreement.TOLERANCE`).

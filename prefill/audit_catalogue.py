@@ -2,8 +2,9 @@
 
 :func:`catalogue` walks every tier (one namespace, or all) and reads each snapshot's header
 once, from the first tier that holds it: identity, parent, source, model. :func:`select`
-picks what to audit, write-back first (KV an engine computed and nobody else checked), then
-snapshots of unknown source, then the prefill job's, in random order within each source.
+picks what to audit, the ``public`` namespace's snapshots first (every tenant loads them), then
+write-back (KV an engine computed and nobody else checked), then snapshots of unknown source,
+then the prefill job's, in random order within each source.
 :func:`plan_paths` groups the picks by chain: recomputing block ``n`` needs the tokens of
 blocks ``0..n``, so one forward over a chain's deepest pick recomputes every pick on it.
 """
@@ -19,7 +20,7 @@ import pyarrow as pa
 from store.errors import SnapshotError, SnapshotMismatch
 from store.format.header import PREFILL, UNKNOWN_SOURCE, WRITE_BACK, SnapshotHeader
 from store.format.snapshot import read_header
-from store.identity.tenant import Tenant
+from store.identity.tenant import PUBLIC, Tenant
 from store.tiers.base import Tier, object_name, parse_object_name
 from store.tiers.crypto import is_sealed, plaintext
 from store.tiers.store import Store
@@ -169,8 +170,9 @@ class Selection:
 
 def select(cat: Catalogue, *, model_fingerprint: str, sources: Sequence[str] = SOURCE_ORDER,
            sample: int | None = None, now: float, rng: random.Random) -> Selection:
-    """The snapshots of ``sources`` made by ``model_fingerprint`` (without an adapter) and not expired,
-    in :data:`SOURCE_ORDER` and random order within a source; the first ``sample`` of them (all for ``None``)."""
+    """The snapshots of ``sources`` made by ``model_fingerprint`` (without an adapter) and not expired:
+    the ``public`` namespace's first (every tenant loads them), then in :data:`SOURCE_ORDER` and random
+    order within a source; the first ``sample`` of them (all for ``None``)."""
     others: dict[str, int] = {}
     skipped = {"adapter": 0, "expired": 0, "not_sampled": 0}
     by_source: dict[str, list[Stored]] = {s: [] for s in SOURCE_ORDER}
@@ -190,6 +192,8 @@ def select(cat: Catalogue, *, model_fingerprint: str, sources: Sequence[str] = S
         group = by_source.get(source, [])
         rng.shuffle(group)
         ordered += group
+    # public snapshots first, whatever their source: every tenant loads them (a stable sort keeps the rest's order)
+    ordered.sort(key=lambda s: s.namespace != PUBLIC)
     if sample is not None and len(ordered) > sample:
         skipped["not_sampled"] = len(ordered) - sample
         ordered = ordered[:sample]

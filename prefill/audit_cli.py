@@ -53,9 +53,10 @@ def _seconds(text: str) -> float:
 def add_audit_command(ss: Any) -> None:
     """Register ``audit`` on the ``prefill store`` subcommands."""
     a = ss.add_parser("audit", help="recompute stored KV with the model; quarantine what differs; exit 1 if any",
-                      description="Recompute the KV of sampled snapshots (write-back first, then those of unknown "
-                                  "source, then the prefill job's) with the model, from the whole prefix of each, and "
-                                  "compare every stored copy with it: a copy agrees when each layer's K and V lie "
+                      description="Recompute the KV of sampled snapshots (public ones first, then write-back, "
+                                  "then those of unknown source, then the prefill job's) with the model, from the "
+                                  "whole prefix of each, and compare every stored copy with it: a copy agrees when "
+                                  "each layer's K and V lie "
                                   "within the error its header records plus the implementation tolerance. Copies "
                                   "that differ are moved to quarantine. Exit 1 when any copy differs.")
     a.add_argument("--model", required=True, metavar="NAME",
@@ -66,7 +67,7 @@ def add_audit_command(ss: Any) -> None:
                    help="only this tenant's namespace ('public' for the shared prefixes; default: every namespace)")
     how_many = a.add_mutually_exclusive_group()
     how_many.add_argument("--sample", type=positive_int, default=32, metavar="N",
-                          help="snapshots to audit, write-back first (default: 32)")
+                          help="snapshots to audit, public ones first, then write-back (default: 32)")
     how_many.add_argument("--all", action="store_true", help="audit every snapshot")
     a.add_argument("--source", choices=SOURCES, default="all",
                    help="only snapshots of this source; 'unknown': written before headers recorded one (default: all)")

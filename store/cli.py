@@ -22,7 +22,7 @@ from typing import Any, Callable, Sequence
 
 from store.config import CONFIG_ENV, KvwarmConfig, StoreConfig, load_config
 from store.errors import StoreError
-from store.tiers.maintenance import gc, verify
+from store.tiers.maintenance import check_owner_records, gc, verify
 from store.tiers.store import Store
 
 CONFIG_HELP = f"kvwarm config file, YAML, JSON or TOML (default: ${CONFIG_ENV}, else the built-in defaults)"
@@ -82,8 +82,9 @@ def add_store_commands(sub: Any, extra: Sequence[Callable[[Any], None]] = ()) ->
     st.add_argument("--namespace", metavar="NAME", help="'public' for a shared prefix (default: the tenant's own)")
 
     ve = ss.add_parser("verify", help="check every snapshot; exit 1 and list what is corrupt",
-                       description="Read and check every snapshot (checksums, headers); move corrupt ones to "
-                                   "quarantine. Exit 1 when anything is bad.")
+                       description="Read and check every namespace owner record and every snapshot (checksums, "
+                                   "headers); move corrupt snapshots to quarantine (a damaged owner record is "
+                                   "reported and left in place). Exit 1 when anything is bad.")
     ve.add_argument("--namespace", metavar="NAME", help="only this namespace (default: all)")
     ve.add_argument("--no-quarantine", action="store_true", help="report only; leave bad files in place")
 
@@ -95,10 +96,14 @@ def add_store_commands(sub: Any, extra: Sequence[Callable[[Any], None]] = ()) ->
     g.add_argument("--verify", action="store_true", help="also verify every snapshot (reads everything)")
 
     rm = ss.add_parser("rm", help="delete a snapshot from every tier",
-                       description="Delete one snapshot from every tier. Exit 1 when no tier held it.")
+                       description="Delete one snapshot from every tier. Exit 1 when no tier held it, or when "
+                                   "refused: a tenant deletes only in its own namespace; public snapshots only "
+                                   "the public writer (--tenant public, with tenants.public.writer_secret_env's "
+                                   "credential where a tier records one).")
     rm.add_argument("key", help="the block key: 64 lower-case hex characters")
     rm.add_argument("--tenant", required=True, metavar="NAME", help="the tenant the snapshot belongs to")
-    rm.add_argument("--namespace", metavar="NAME", help="'public' for a shared prefix (default: the tenant's own)")
+    rm.add_argument("--namespace", metavar="NAME",
+                    help="'public' for a shared prefix, with --tenant public (default: the tenant's own)")
     for command in (ls, st, ve, g, rm):
         add_location_options(command)
     for register in extra:
@@ -165,6 +170,9 @@ def _dispatch(args: argparse.Namespace, config: KvwarmConfig, store: Store) -> i
         print(json.dumps(info, indent=2), file=out)
         return 0
     if args.store_cmd == "verify":
+        owners = check_owner_records(store, namespace=args.namespace)
+        for location, reason in owners:
+            print(f"BAD OWNER RECORD {location}: {reason}", file=out)
         report = verify(store, namespace=args.namespace, tenants=configured_tenants(config), quarantine=not args.no_quarantine)
         for location, reason in report.bad:
             print(f"CORRUPT {location}: {reason}", file=out)
@@ -175,7 +183,10 @@ def _dispatch(args: argparse.Namespace, config: KvwarmConfig, store: Store) -> i
             f"{report.skipped_encrypted} encrypted without a key (skipped)",
             file=out,
         )
-        return 0 if report.clean else 1
+        if owners:
+            print(f"{len(owners)} damaged owner record(s): lookups in their namespaces miss and writes there are "
+                  "refused until each is restored from a good tier or removed", file=out)
+        return 0 if report.clean and not owners else 1
     if args.store_cmd == "gc":
         report = gc(store, ttl_max_s=config.kv_cache.ttl_max_s, verify_all=args.verify,
                     tenants=configured_tenants(config))

@@ -8,6 +8,7 @@ and what is allowed.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -108,6 +109,9 @@ class KvwarmConfig(_Section):
             check_tenant_name(name)
             if name == PUBLIC and tc.secret_env:
                 raise ValueError("tenants.public cannot have a secret_env: the public salt is well known")
+            if name != PUBLIC and tc.writer_secret_env:
+                raise ValueError(f"tenants.{name}.writer_secret_env: only tenants.public has a writer credential "
+                                 "(tenants write and delete only in their own namespace)")
             if name == PUBLIC and salt_keys(name, tc):
                 raise ValueError(f"tenants.public cannot have {' or '.join(SALT_KEYS)}: requests are a tenant's "
                                  "own, and public prefixes serve every tenant already")
@@ -142,7 +146,8 @@ class KvwarmConfig(_Section):
         return salt_map(self.tenants, os.environ if environ is None else environ)
 
     def tenant(self, name: str, environ: Optional[dict[str, str]] = None) -> Tenant:
-        """Credentials for ``name`` from the environment variables the config names.
+        """Credentials for ``name`` from the environment variables the config names (for ``public``, the
+        writer credential of ``tenants.public.writer_secret_env`` when that variable is set).
 
         Raises:
             ConfigError: a named variable is unset, the secret is shorter than 16 characters
@@ -165,7 +170,12 @@ class KvwarmConfig(_Section):
                 raise ConfigError(
                     f"tenants.{name}.encryption_key_env: ${tc.encryption_key_env} must hold 64 hex characters (32 bytes)"
                 )
-        return Tenant.derive(name, secret, key)
+        tenant = Tenant.derive(name, secret, key)
+        # the public writer's credential: a process without the variable (a serving node) only reads public KV
+        writer = env.get(tc.writer_secret_env) if name == PUBLIC and tc.writer_secret_env else None
+        if writer:
+            check_strength(writer, "tenants.public.writer_secret_env", f"the value of ${tc.writer_secret_env}")
+        return dataclasses.replace(tenant, writer_key=writer.encode()) if writer else tenant
 
 
 def _env(env: Any, var: str, key: str) -> str:

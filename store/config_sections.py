@@ -267,6 +267,11 @@ class TenantConfig(_Section):
     encryption_key_env: Optional[str] = Field(
         None, description="Env var holding a hex 32-byte AES-GCM key: S3 objects are encrypted at rest."
     )
+    writer_secret_env: Optional[str] = Field(
+        None, description="tenants.public only: env var holding the operator's public-writer credential. The "
+        "first public write that holds it records a slow hash of it in each tier's public owner record; from then "
+        "on every public write or delete there needs it. Set it where the prefill job writes public prefixes; "
+        "serving nodes only read public KV and need no credential (docs/concepts/tenants.md).")
     cache_salts: tuple[str, ...] = Field(
         (), description="vLLM cache_salt values whose requests are this tenant's (the KV connector maps a "
         "request's cache_salt to its tenant through these), each at least 16 characters. They are secrets: "

@@ -60,14 +60,19 @@ class Tenant:
         name: namespace name.
         salt: secret salt mixed into every key root.
         encryption_key: optional 32-byte AES-GCM key for the S3 tier.
+        writer_key: ``public`` only: the operator's public-writer credential
+            (``tenants.public.writer_secret_env``), which a tier's owner record may require.
     """
 
     name: str
     salt: bytes = field(repr=False)
     encryption_key: bytes | None = field(default=None, repr=False)
+    writer_key: bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_tenant_name(self.name)
+        if self.writer_key is not None and (self.name != PUBLIC or not self.writer_key):
+            raise ValueError(f"tenant {self.name!r}: only 'public' has a writer credential, and it must not be empty")
         if self.encryption_key is not None and len(self.encryption_key) != 32:
             raise ValueError(f"tenant {self.name!r}: encryption key must be 32 bytes (AES-256-GCM)")
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from store.errors import StoreError, StoreUnavailable, TenantAccessDenied
+from store.errors import StoreError, StoreRecordInvalid, StoreUnavailable, TenantAccessDenied
 from store.identity.keys import Block, BlockKey, KeyRoot
 from store.identity.tenant import Tenant
 from store.miss import MissReason
@@ -194,6 +194,9 @@ class RemoteFetcher:
         except TenantAccessDenied as exc:  # counted by the store
             log.warning("fetch refused: %s", exc)
             return Fetched(i, fetched, present, MissReason.TENANT_REFUSED)
+        except StoreRecordInvalid as exc:  # counted (and logged once) by the store
+            log.debug("fetch: %s", exc)
+            return Fetched(i, fetched, present, MissReason.BAD_RECORD)
         except ERRORS as exc:
             log.exception("fetch failed: %s", exc)
             return Fetched(i, fetched, present, MissReason.ERROR)

@@ -31,7 +31,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from store.config import KvwarmConfig, load_config
-from store.errors import StoreUnavailable, TenantAccessDenied
+from store.errors import StoreRecordInvalid, StoreUnavailable, TenantAccessDenied
 from store.identity.fingerprint import ModelIdentity, identity_from_dir
 from store.identity.keys import Block, KeyRoot, block_chain
 from store.identity.tenant import PUBLIC, PUBLIC_TENANT, Tenant
@@ -230,6 +230,9 @@ class KVLoader:
         except StoreUnavailable as exc:
             hit, reason = None, MissReason.STORE_UNAVAILABLE
             log.warning("lookup: %s", exc)
+        except StoreRecordInvalid as exc:  # counted (and logged once) by the store
+            hit, reason = None, MissReason.BAD_RECORD
+            log.debug("lookup: %s", exc)
         except ERRORS as exc:
             hit, reason = None, MissReason.ERROR
             log.exception("lookup failed, served as a miss: %s", exc)

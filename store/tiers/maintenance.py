@@ -1,4 +1,4 @@
-"""Housekeeping over a store's tiers: verify every snapshot, and garbage-collect.
+"""Housekeeping over a store's tiers: verify every snapshot and owner record, and garbage-collect.
 
 These walk whole tiers, so they are admin operations (``prefill store verify|gc``, the
 GC flow), not part of the serving path.
@@ -11,11 +11,12 @@ from typing import Mapping
 
 import pyarrow as pa
 
-from store.errors import SnapshotError, SnapshotMismatch
+from store.errors import SnapshotError, SnapshotMismatch, StoreRecordInvalid
 from store.format.snapshot import read_snapshot
 from store.identity.tenant import Tenant
 from store.tiers.base import Tier, parse_object_name
 from store.tiers.crypto import is_sealed, plaintext
+from store.tiers.owners import parse_owner_record, record_name
 from store.tiers.store import Store
 
 log = logging.getLogger("kvwarm.store")
@@ -136,3 +137,27 @@ def gc(store: Store, *, now: float | None = None, ttl_max_s: float | None = None
     if verify_all:
         report.verify = verify(store, tenants=tenants)
     return report
+
+
+def check_owner_records(store: Store, *, namespace: str | None = None) -> list[tuple[str, str]]:
+    """Every namespace owner record (``meta/tenants/<ns>.json``) in every tier that fails validation
+    (:func:`store.tiers.owners.parse_owner_record`), as ``(location, reason)``; counted as ``bad_record``.
+    A damaged record is left where it is: lookups in its namespace miss and writes there are refused
+    until an operator restores or removes it. A tier that cannot be listed raises ``StoreUnavailable``."""
+    bad: list[tuple[str, str]] = []
+    for tier in store.tiers:
+        for meta in tier.list_meta(record_name(namespace) if namespace else "tenants/"):
+            ns = meta[len("tenants/"):].removesuffix(".json")
+            location = f"{tier.url} meta/{meta}"
+            if "/" in ns or not meta.endswith(".json"):
+                continue  # not an owner record (nothing else is kept there today)
+            raw = tier.get_meta(meta)
+            if raw is None:
+                continue  # removed meanwhile
+            try:
+                parse_owner_record(raw, ns, location)
+            except StoreRecordInvalid as exc:
+                bad.append((location, str(exc)))
+                store.stats.incr("bad_record")
+                log.error("bad owner record: %s", exc)
+    return bad

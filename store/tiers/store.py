@@ -4,7 +4,8 @@ Tiers are ordered fastest first (NVMe, then S3). Reads go through them in order;
 hit in a remote tier is copied into the first, local one atomically (read-through).
 Writes go to every tier. Every call names a tenant (its credentials): the key root's
 salt picks the namespace (the tenant's own, or ``public``), and a namespace records the
-salt id of its owner, so a caller holding the wrong secret is refused and counted.
+salt id of its owner, so a caller holding the wrong secret is refused and counted. Tenants
+read ``public``; only its writer writes or deletes there (:mod:`store.tiers.owners`).
 
 :meth:`Store.read` is the one read path: the loader's hot path uses it too, asking only
 the local tiers (``local_only``) and checking payloads only where it says (``verify``).
@@ -12,7 +13,6 @@ A miss says why (:class:`store.miss.MissReason`).
 """
 from __future__ import annotations
 
-import json
 import logging
 import time
 from typing import Callable, Sequence, TypeVar
@@ -38,6 +38,7 @@ from store.miss import MissReason, reason_of
 from store.tiers.answers import Listed, Probe, Read
 from store.tiers.base import Tier, object_name
 from store.tiers.crypto import plaintext, seal
+from store.tiers.owners import Owners
 from store.tiers.registry import tiers_from_url
 from store.tiers.stats import StoreStats
 
@@ -59,7 +60,7 @@ class Store:
         self.tiers = list(tiers)
         self.clock = clock
         self.stats = StoreStats()
-        self._owners: dict[tuple[int, str], str] = {}
+        self.owners = Owners(self.tiers, self.stats)
 
     @classmethod
     def open(cls, url: str | None = None, config: KvwarmConfig | None = None, *, create_bucket: bool = False) -> "Store":
@@ -75,9 +76,7 @@ class Store:
 
     # -- tenancy -------------------------------------------------------------
     def _refuse(self, tenant: Tenant, what: str) -> TenantAccessDenied:
-        self.stats.incr("refused")
-        log.warning("refused: tenant %r tried to %s", tenant.name, what)
-        return TenantAccessDenied(f"tenant {tenant.name!r} may not {what}")
+        return self.owners.refuse(tenant, what)
 
     def _namespace_of(self, tenant: Tenant, salt_id: str, what: str) -> str:
         if salt_id == tenant.salt_id:
@@ -85,15 +84,6 @@ class Store:
         if salt_id == PUBLIC_TENANT.salt_id:
             return PUBLIC
         raise self._refuse(tenant, f"{what} with a key root salted for another tenant")
-
-    def _owner(self, i: int, ns: str) -> str | None:
-        """The salt id recorded for namespace ``ns`` in tier ``i`` (cached)."""
-        if (i, ns) not in self._owners:
-            raw = self.tiers[i].get_meta(f"tenants/{ns}.json")
-            if raw is None:
-                return None
-            self._owners[(i, ns)] = json.loads(raw)["salt_id"]
-        return self._owners[(i, ns)]
 
     def warm_up(self, tenant: Tenant, namespaces: Sequence[str]) -> None:
         """Ahead of the first read: open each remote tier's connection and read the owners of
@@ -106,31 +96,24 @@ class Store:
                 if ns not in (tenant.name, PUBLIC):
                     raise self._refuse(tenant, f"warm up namespace {ns!r}")
                 try:
-                    self._owner(i, ns)
+                    self.owners.record(i, ns)
                 except (StoreError, OSError) as exc:
                     log.warning("warming up %s failed (the first read will try again): %s", tier.url, exc)
                     break
 
     def _guard(self, tenant: Tenant, ns: str, what: str, i: int) -> None:
-        expected = PUBLIC_TENANT.salt_id if ns == PUBLIC else tenant.salt_id
-        owner = self._owner(i, ns)
-        if owner is not None and owner != expected:
-            raise self._refuse(tenant, f"{what} namespace {ns!r} without its owner's secret")
-
-    def _claim(self, tenant: Tenant, ns: str, i: int) -> None:
-        self._guard(tenant, ns, "write to", i)
-        if self._owner(i, ns) is None:
-            salt = PUBLIC_TENANT.salt_id if ns == PUBLIC else tenant.salt_id
-            self.tiers[i].put_meta(f"tenants/{ns}.json", json.dumps({"namespace": ns, "salt_id": salt}).encode())
-            self._owners[(i, ns)] = salt
+        self.owners.guard(tenant, ns, what, i)
 
     # -- writes --------------------------------------------------------------
     def put(self, tenant: Tenant, snap: EncodedSnapshot) -> bool:
         """Write a snapshot to every tier (skipping tiers that already hold it).
 
         Returns ``True`` if any tier was written. Raises :class:`TenantAccessDenied`
-        for a snapshot salted for another tenant, :class:`StoreUnavailable` when a
-        tier cannot be reached, :class:`StoreFull` when it cannot fit locally.
+        (counted) for a snapshot salted for another tenant, and for a ``public`` one from
+        anyone but the public writer (:class:`store.tiers.owners.Owners`);
+        :class:`StoreRecordInvalid` when a tier's owner record of the namespace is damaged
+        (never claimed again); :class:`StoreUnavailable` when a tier cannot be reached,
+        :class:`StoreFull` when it cannot fit locally.
         """
         ns = self._namespace_of(tenant, snap.header.salt_id, "write")
         if snap.header.tenant != ns:
@@ -140,9 +123,9 @@ class Store:
         for i in range(len(self.tiers)):
             # Every tier's owner is checked before anything is written: a refused writer
             # must not claim a fresh node's local namespace on its way to being refused.
-            self._guard(tenant, ns, "write to", i)
+            self.owners.guard(tenant, ns, "write to", i, write=True)
         for i, tier in enumerate(self.tiers):
-            self._claim(tenant, ns, i)
+            self.owners.claim(tenant, ns, i)
             if tier.stores_encoded:
                 wrote |= tier.write(name, snap, expires_at=snap.header.expires_at)
             elif not tier.exists(name):
@@ -367,16 +350,20 @@ class Store:
         return (header, where) if header is not None else None
 
     def delete(self, tenant: Tenant, key: str, namespace: str | None = None) -> int:
-        """Remove a snapshot from every tier; returns how many tiers held it."""
+        """Remove a snapshot from every tier; returns how many tiers held it.
+
+        Raises:
+            TenantAccessDenied: (counted) another tenant's namespace, or ``public`` from anyone but
+                its writer (checked in every tier before any is touched).
+            StoreRecordInvalid: a tier's owner record of the namespace is damaged.
+        """
         ns = namespace or tenant.name
         if ns not in (tenant.name, PUBLIC):
             raise self._refuse(tenant, f"delete from namespace {ns!r}")
         name = object_name(ns, check_key(key))
-        removed = 0
-        for i, tier in enumerate(self.tiers):
-            self._guard(tenant, ns, "delete from", i)
-            removed += tier.delete(name)
-        return removed
+        for i in range(len(self.tiers)):
+            self.owners.guard(tenant, ns, "delete from", i, write=True)
+        return sum(tier.delete(name) for tier in self.tiers)
 
     def close(self) -> None:
         """Flush access records and release tiers."""

@@ -15,12 +15,12 @@ def _key(i: int) -> str:
 
 
 def _chain(cat: Catalogue, first: int, n: int, origin: str, *, model: str = "m", expires: float = 2 * NOW,
-           adapter: str = "") -> list[Stored]:
+           adapter: str = "", ns: str = "acme") -> list[Stored]:
     """``n`` blocks keyed first, first+1, ... each the parent of the next."""
     out, parent = [], ROOT
     for i in range(first, first + n):
-        s = Stored("acme", _key(i), parent, ROOT, origin, model, adapter, expires, (0,))
-        cat.entries[object_name("acme", s.key)] = s
+        s = Stored(ns, _key(i), parent, ROOT, origin, model, adapter, expires, (0,))
+        cat.entries[object_name(ns, s.key)] = s
         out.append(s)
         parent = s.key
     return out
@@ -40,6 +40,15 @@ def test_write_back_comes_first_then_unknown_then_prefill_and_the_rest_are_count
     assert picked.skipped == {"adapter": 1, "expired": 1, "not_sampled": 4}
     only = select(cat, model_fingerprint="m", sources=("prefill",), now=NOW, rng=random.Random(0))
     assert [s.origin for s in only.targets] == ["prefill"] * 3 and only.other_models == {}
+
+
+def test_public_snapshots_come_first_whatever_their_source() -> None:
+    cat = Catalogue()
+    _chain(cat, 1, 3, "write-back")
+    _chain(cat, 10, 2, "prefill", ns="public")  # every tenant loads these: checked before anything else
+    _chain(cat, 20, 2, "unknown")
+    picked = select(cat, model_fingerprint="m", sample=3, now=NOW, rng=random.Random(0))
+    assert [(s.namespace, s.origin) for s in picked.targets] == [("public", "prefill")] * 2 + [("acme", "write-back")]
 
 
 def test_one_seed_one_order_and_another_seed_another() -> None:

@@ -100,8 +100,8 @@ def test_snapshot_planted_in_another_namespace_is_never_served(store: Store, tmp
 def test_public_namespace_is_shared_on_purpose(store: Store) -> None:
     root_p = make_root(PUBLIC_TENANT)
     chain = make_chain(root_p, 2, start=1000)
-    for b in chain:
-        store.put(ACME, make_snapshot(root_p, b, tenant=PUBLIC_TENANT))
+    for b in chain:  # written by the public writer (the prefill job as tenant 'public')
+        store.put(PUBLIC_TENANT, make_snapshot(root_p, b, tenant=PUBLIC_TENANT))
     # Any tenant reads, probes and lists public prefixes.
     assert store.probe(BOLT, chain, root_p).count == 2
     assert store.get(BOLT, chain[0], root_p) is not None

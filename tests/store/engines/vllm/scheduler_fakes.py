@@ -15,7 +15,6 @@ from store.engines.vllm.scheduler import SchedulerRole
 from store.engines.vllm.settings import ConnectorSettings
 from store.identity.fingerprint import ModelIdentity
 from store.identity.keys import block_chain
-from store.identity.tenant import Tenant
 from store.tiers.store import Store
 from tests.store.factories import make_snapshot
 
@@ -95,7 +94,6 @@ def store_prefix(tmp_path: Path, ids: Sequence[int], *, namespace: str = "acme",
     precision = cfg.kv_cache.precision()
     root = (CHAT if chat else PLAIN).key_root(precision, KB, tenant.salt)
     store = Store.open(url or f"file://{tmp_path}/nvme", cfg, create_bucket=url is not None)
-    writer = Tenant.derive("acme") if namespace == "public" else tenant
-    for b in block_chain(root, ids)[:blocks]:
-        store.put(writer, make_snapshot(root, b, tenant=tenant, precision=precision))
+    for b in block_chain(root, ids)[:blocks]:  # public: the public writer (the prefill job) writes it
+        store.put(tenant, make_snapshot(root, b, tenant=tenant, precision=precision))
     store.close()

@@ -341,6 +341,7 @@ def test_write_back_extends_the_chain_the_hit_is_in_and_copies_a_public_head(tmp
     saves = {s.req_id: s for s in plan.saves}
     assert (saves["c"].chat, saves["c"].first) == (True, 1)  # the tail of the chat-keyed chain it extends
     assert (saves["p"].chat, saves["p"].first) == (False, 0)  # public's head is copied: a chain starts at its root
+    assert saves["p"].tenant == "acme"  # into the tenant's own namespace: write-back never writes public
     inside = tokens(KB + 3, seed=10)  # a prompt that does not go past the public chain is not copied
     store_prefix(tmp_path, inside, namespace="public")
     req = Req("i", inside)
