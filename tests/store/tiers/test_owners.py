@@ -85,7 +85,7 @@ def test_the_config_names_the_writers_variable_for_public_only() -> None:
     cfg = parse_config({"tenants": {"public": {"writer_secret_env": "KV_PUBLIC_WRITER"}}})
     assert cfg.tenant(PUBLIC, {"KV_PUBLIC_WRITER": "operator-credential-0123456789"}).writer_key == b"operator-credential-0123456789"
     assert cfg.tenant(PUBLIC, {}).writer_key is None  # a serving node: reads public KV, needs no credential
-    assert "s3cret" not in repr(cfg.tenant(PUBLIC, {"KV_PUBLIC_WRITER": "s3cret"}))
+    assert "operator-credential-0123456789" not in repr(cfg.tenant(PUBLIC, {"KV_PUBLIC_WRITER": "operator-credential-0123456789"}))
     with pytest.raises(ConfigError, match="only tenants.public has a writer credential"):
         parse_config({"tenants": {"acme": {"writer_secret_env": "X"}}})
     with pytest.raises(ValueError, match="only 'public' has a writer credential"):
