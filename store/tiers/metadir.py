@@ -12,6 +12,8 @@ import secrets
 from pathlib import Path
 from typing import Iterator
 
+from store.tiers.base import meta_too_large
+
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -33,12 +35,28 @@ class MetaDir:
             raise ValueError(f"invalid metadata name {name!r}")
         return self.root / name
 
-    def get(self, name: str) -> bytes | None:
-        """The file's bytes, or ``None`` if there is none."""
+    def get(self, name: str, max_bytes: int | None = None) -> bytes | None:
+        """The file's bytes, or ``None`` if there is none.
+
+        With ``max_bytes``, a file over it is refused from its size, before it is read (and
+        at most ``max_bytes + 1`` bytes are read if it grows meanwhile).
+
+        Raises:
+            StoreRecordInvalid: the file holds more than ``max_bytes`` bytes.
+        """
         try:
-            return self._path(name).read_bytes()
+            if max_bytes is None:
+                return self._path(name).read_bytes()
+            with open(self._path(name), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > max_bytes:
+                    raise meta_too_large(f"{self.root / name}", size, max_bytes)
+                data = f.read(max_bytes + 1)
         except FileNotFoundError:
             return None
+        if len(data) > max_bytes:
+            raise meta_too_large(f"{self.root / name}", f"over {max_bytes}", max_bytes)
+        return data
 
     def put(self, name: str, data: bytes) -> None:
         """Replace the file atomically (and durably)."""

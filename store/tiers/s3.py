@@ -24,7 +24,7 @@ from fsspec.asyn import sync
 from store.config import S3Config, StoreConfig
 from store.errors import ConfigError, StoreUnavailable
 from store.format.encode import EncodedSnapshot, snapshot_bytes
-from store.tiers.base import SUFFIX, Entry, Tier
+from store.tiers.base import SUFFIX, Entry, Tier, meta_too_large
 
 T = TypeVar("T")
 QUARANTINE = "_quarantine"
@@ -175,6 +175,17 @@ class S3Tier(Tier):
             return self._call(self.fs._cat_file(f"{self.base}/{META}/{name}"), f"GET meta {name}")
         except FileNotFoundError:
             return None
+
+    def get_meta_capped(self, name: str, max_bytes: int) -> bytes | None:
+        # one ranged GET of at most max_bytes + 1 bytes: an object over the cap is never read whole
+        try:
+            data = self._call(self.fs._cat_file(f"{self.base}/{META}/{name}", start=0, end=max_bytes + 1),
+                              f"GET meta {name}")
+        except FileNotFoundError:
+            return None
+        if len(data) > max_bytes:
+            raise meta_too_large(f"{self.url}/{META}/{name}", f"over {max_bytes}", max_bytes)
+        return data
 
     def put_meta(self, name: str, data: bytes) -> None:
         self._call(self.fs._pipe_file(f"{self.base}/{META}/{name}", data), f"PUT meta {name}")
