@@ -12,6 +12,7 @@ import secrets
 from pathlib import Path
 from typing import Iterator
 
+from store.errors import StoreRecordInvalid
 from store.tiers.base import meta_too_large
 
 
@@ -38,8 +39,9 @@ class MetaDir:
     def get(self, name: str, max_bytes: int | None = None) -> bytes | None:
         """The file's bytes, or ``None`` if there is none.
 
-        With ``max_bytes``, a file over it is refused from its size, before it is read (and
-        at most ``max_bytes + 1`` bytes are read if it grows meanwhile).
+        With ``max_bytes``, a file over it is refused from its size, before it is read, and no
+        more than its size is read (a file that grows meanwhile is refused too: writes here
+        replace files whole).
 
         Raises:
             StoreRecordInvalid: the file holds more than ``max_bytes`` bytes.
@@ -51,11 +53,12 @@ class MetaDir:
                 size = os.fstat(f.fileno()).st_size
                 if size > max_bytes:
                     raise meta_too_large(f"{self.root / name}", size, max_bytes)
-                data = f.read(max_bytes + 1)
+                data = f.read(size)  # read(n) sizes its buffer by n: never by the cap
+                if f.read(1):
+                    raise StoreRecordInvalid("the file grew while it was read, but writes here replace files "
+                                             "whole: remove or repair it", location=str(self.root / name))
         except FileNotFoundError:
             return None
-        if len(data) > max_bytes:
-            raise meta_too_large(f"{self.root / name}", f"over {max_bytes}", max_bytes)
         return data
 
     def put(self, name: str, data: bytes) -> None:
