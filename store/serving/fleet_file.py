@@ -15,6 +15,8 @@ import math
 import re
 import time
 from dataclasses import dataclass, replace
+from itertools import pairwise
+from operator import attrgetter
 from typing import Any, Iterator, Sequence
 
 from store.config_sections import NODE_ID
@@ -126,11 +128,22 @@ class FleetFile:
     uses: list[int]
     traffic_age: list[int]
 
-    def entries(self) -> Iterator[tuple[str, float, int, int]]:
-        """``(key, at, uses, traffic at the last use)``, newest first."""
+    def entries(self, *, release: bool = False) -> Iterator[tuple[str, float, int, int]]:
+        """``(key, at, uses, traffic at the last use)``, newest first.
+
+        With ``release``, each entry's values are let go as it is yielded (a reader that goes
+        through them once holds no more than one copy of the record at a time); the file
+        yields nothing more after that.
+        """
         t, c = self.written_at, self.traffic
-        for i, key in enumerate(self.keys):
-            yield key, t - self.age_s[i], self.uses[i], c - self.traffic_age[i]
+        keys, ages, uses, tages = self.keys, self.age_s, self.uses, self.traffic_age
+        for i in range(len(keys)):
+            key = keys[i]
+            if key is None:
+                return  # released by an earlier pass
+            yield key, t - ages[i], uses[i], c - tages[i]
+            if release:
+                keys[i] = ages[i] = tages[i] = None  # type: ignore[call-overload]
 
 
 def _real(x: Any) -> bool:
@@ -143,8 +156,9 @@ def _count(x: Any, top: int) -> bool:
     return type(x) is int and 0 <= x <= top
 
 
-def decode(raw: bytes, ns: str, node: str, *, now: float) -> FleetFile:
-    """Parse and check a fleet file of ``node`` for ``ns``, read at ``now`` (unix s).
+def decode(raw: bytes | str, ns: str, node: str, *, now: float) -> FleetFile:
+    """Parse and check a fleet file of ``node`` for ``ns`` (its bytes, or their UTF-8 text), read
+    at ``now`` (unix s).
 
     It must hold exactly the documented fields; ``written_at`` finite and at most
     :data:`MAX_SKEW_S` past ``now``; ``traffic`` an integer in ``[0, MAX_COUNT]``; ``window_s``
@@ -192,9 +206,16 @@ def decode(raw: bytes, ns: str, node: str, *, now: float) -> FleetFile:
             raise bad(f"uses {i} ({uses[i]!r:.40}) is not an integer in [1, traffic]")
         if not _count(tages[i], counter):
             raise bad(f"traffic_age {i} ({tages[i]!r:.40}) is not an integer in [0, traffic]")
-    if len(set(keys)) != len(keys):
+    if any(a == b for a, b in pairwise(sorted(keys))):  # a sorted list of pointers: smaller than a set
         raise bad("a key is listed twice")
     return FleetFile(node, float(t), counter, keys, ages, uses, tages)
+
+
+def _text(raw: bytes, meta: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise StoreRecordInvalid(f"not a valid fleet record: not UTF-8 ({exc})", location=meta) from None
 
 
 def _tier_failed(stats: StoreStats | None, what: str, tier: Tier, exc: BaseException) -> None:
@@ -218,7 +239,9 @@ def read_file(tiers: Sequence[Tier], meta: str, ns: str, stats: StoreStats | Non
             raw = tier.get_meta_capped(meta, max_bytes)
             if raw is None:
                 continue
-            found = decode(raw, ns, node, now=t)
+            text = _text(raw, meta)
+            del raw  # parsed from the text alone: the bytes need not stay alive beside it
+            found = decode(text, ns, node, now=t)
         except StoreRecordInvalid as exc:  # another tier's copy may be whole
             log.warning("fleet memory: skipped %s in the %s tier (corrupt: %s)", meta, tier.kind, exc)
             if stats is not None:
@@ -266,7 +289,7 @@ def read_fleet(tiers: Sequence[Tier], namespaces: Sequence[str], *, since: float
             found = read_file(holders, meta, ns, stats, max_bytes=max_file_bytes, now=t)
             if found is None or found.written_at < since:
                 continue
-            for key, at, uses, tr in found.entries():
+            for key, at, uses, tr in found.entries(release=True):
                 if at < since:
                     continue
                 name = f"{ns}/{key[:2]}/{key}{SUFFIX}"  # object_name's, of a checked key
@@ -280,7 +303,10 @@ def read_fleet(tiers: Sequence[Tier], namespaces: Sequence[str], *, since: float
                     merged[name] = replace(m, uses=m.uses + uses, traffic_age=min(m.traffic_age, age))
     out = list(merged.values())
     del merged
-    out.sort(key=lambda u: (-u.at, -u.uses))  # stable: a request's blocks stay in chain order
+    # by (-at, -uses), in two stable passes whose keys are the Uses' own values (no tuple per name);
+    # equal keys keep their order: a request's blocks stay in chain order
+    out.sort(key=attrgetter("uses"), reverse=True)
+    out.sort(key=attrgetter("at"), reverse=True)
     return out
 
 
