@@ -142,12 +142,8 @@ class FleetRecorder:
         dropped = 0
         with self._lock:
             counters: dict[str, int] = {}  # this request's count in each namespace it used
-            seen: set[tuple[str, str]] = set()
             # the chain's head goes in last, as the most recent: it is listed first and dropped last
             for ns, key in reversed(parsed):
-                if (ns, key) in seen:
-                    continue
-                seen.add((ns, key))
                 c = counters.get(ns)
                 if c is None:
                     c = counters[ns] = self._traffic[ns] = self._traffic.get(ns, 0) + 1
@@ -160,7 +156,7 @@ class FleetRecorder:
                     if len(d) > self.max_names:
                         d.popitem(last=False)
                         dropped += 1
-                else:
+                elif old[2] != c:  # the same count: this request listed it already
                     d[key] = (t, old[1] + 1, c)
                     d.move_to_end(key)
                 self._dirty.add(ns)
