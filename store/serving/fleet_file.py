@@ -310,6 +310,39 @@ def read_fleet(tiers: Sequence[Tier], namespaces: Sequence[str], *, since: float
     return out
 
 
+def check_fleet_files(tier: Tier, *, max_file_bytes: int = MAX_FILE_BYTES,
+                      now: float | None = None) -> Iterator[tuple[str, str]]:
+    """Every fleet file of every namespace in ``tier`` that a reader would skip, with why: for
+    ``prefill store verify``. Yields ``(metadata name, reason)``; a file under ``fleet/`` whose
+    name is not ``fleet/<namespace>/<node_id>.json`` is one too.
+
+    Raises:
+        StoreUnavailable: the tier cannot be listed (``list_meta``); a file that cannot be read
+            is yielded with the error as its reason.
+    """
+    t = time.time() if now is None else now
+    for meta in tier.list_meta("fleet/"):
+        ns, _, file = meta[len("fleet/"):].partition("/")
+        node = file[: -len(".json")] if file.endswith(".json") else ""
+        try:
+            check_tenant_name(ns)
+            check_node_id(node)
+        except ValueError as exc:
+            yield meta, f"not a fleet file name: {exc}"
+            continue
+        try:
+            raw = tier.get_meta_capped(meta, max_file_bytes)
+            if raw is None:
+                continue  # removed since it was listed
+            text = _text(raw, meta)
+            del raw
+            decode(text, ns, node, now=t)
+        except StoreRecordInvalid as exc:
+            yield meta, str(exc)
+        except TIER_ERRORS as exc:
+            yield meta, f"unreadable: {exc}"
+
+
 def _listed(tiers: Sequence[Tier], prefix: str, stats: StoreStats | None) -> dict[str, list[Tier]]:
     """Fleet files under ``prefix`` (one per node: ``<prefix><node>.json``), each with the tiers
     that list it, fastest first."""

@@ -12,7 +12,7 @@ import pytest
 from store.config_sections import FleetMemoryConfig
 from store.errors import ConfigError, StoreUnavailable
 from store.serving.fleet import NODE_ID_ENV, FleetRecorder, Use, read_fleet, resolve_node_id
-from store.serving.fleet_file import FORMAT
+from store.serving.fleet_file import FORMAT, check_fleet_files
 from store.tiers.base import object_name
 from store.tiers.local import LocalTier
 from store.tiers.stats import StoreStats
@@ -440,3 +440,18 @@ def test_reading_a_record_near_the_cap_allocates_a_small_multiple_of_its_size(tm
     assert len(uses) == n
     # the result (a Use per name) holds ~3.7 times the file; the parse adds at most one copy of the record
     assert held < 4.2 * size and peak < 5.5 * size, (held / size, peak / size)
+
+
+def test_check_fleet_files_names_each_file_a_reader_would_skip(tmp_path):
+    tier = local(tmp_path)
+    rec = recorder([tier])
+    rec.record(names("acme", 2) + names("public", 1), now=T0)
+    rec.flush(now=T0 + 1)
+    tier.put_meta("fleet/acme/bad.json", doc_of(uses=[True]))
+    tier.put_meta("fleet/acme/huge.json", b" " * 70_000)
+    tier.put_meta("fleet/acme/notes.txt", b"hello")
+
+    found = dict(check_fleet_files(tier, max_file_bytes=64 << 10))
+
+    assert sorted(found) == ["fleet/acme/bad.json", "fleet/acme/huge.json", "fleet/acme/notes.txt"]
+    assert "uses 0" in found["fleet/acme/bad.json"] and "65536" in found["fleet/acme/huge.json"]
