@@ -136,6 +136,23 @@ def test_a_replacement_node_reads_through_its_loader_what_the_old_one_served_to_
         new.close()
 
 
+def test_a_loader_skips_and_counts_a_record_over_its_configured_cap(tmp_path):
+    cfg = with_values(config(16), "fleet_memory", {"max_file_bytes": 64 << 10}, source="test")
+    first = loader(tmp_path, cfg, node_id="gpu-node-1")
+    blocks = block_chain(first.root, prompt(2 * 16, seed=4))
+    first.record_use(blocks)
+    first.close()
+    nvme = local(tmp_path, "nvme")
+    nvme.put_meta("fleet/acme/big.json", b" " * (64 << 10) + nvme.get_meta("fleet/acme/gpu-node-1.json"))
+
+    second = loader(tmp_path, cfg, node_id="gpu-node-2")
+    try:
+        assert [u.name for u in second.fleet_uses(since=0)] == [object_name("acme", b.key) for b in blocks]
+        assert second.stats()["fleet"] == {"corrupt": 1}
+    finally:
+        second.close()
+
+
 def test_a_loader_with_fleet_memory_off_records_nothing(tmp_path):
 
     cfg = with_values(config(16), "fleet_memory", {"enabled": False}, source="test")
