@@ -118,7 +118,7 @@ def encode_capped(ns: str, node: str, t: float, counter: int, window_s: float,
 @dataclass(frozen=True)
 class FleetFile:
     """One node's record of one namespace, as read back and checked (its columns as parsed:
-    :meth:`entries` derives each entry as it is used, so a read builds nothing per entry)."""
+    :meth:`entries` derives each entry as it is used, so a read builds no second copy of them)."""
 
     node: str
     written_at: float
