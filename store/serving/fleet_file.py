@@ -36,6 +36,8 @@ FIELDS = frozenset({"format", "namespace", "node", "written_at", "traffic", "win
 MAX_FILE_BYTES = 8 << 20
 #: the largest request counter a file may hold: 10,000 requests a second for 30 years
 MAX_COUNT = 10**13
+#: the most names a file may hold (``fleet_memory.max_names``' ceiling; the file cap bounds it first)
+MAX_ENTRIES = 10_000_000
 #: how far past the reader's clock a file's ``written_at`` may be (clocks of nodes differ)
 MAX_SKEW_S = 300.0
 #: what a failing tier can raise; each is logged and counted, never raised
@@ -162,7 +164,8 @@ def decode(raw: bytes | str, ns: str, node: str, *, now: float) -> FleetFile:
 
     It must hold exactly the documented fields; ``written_at`` finite and at most
     :data:`MAX_SKEW_S` past ``now``; ``traffic`` an integer in ``[0, MAX_COUNT]``; ``window_s``
-    finite and positive; columns of equal length; keys of 64 hex digits, each once; ages finite,
+    finite and positive; columns of equal length, at most :data:`MAX_ENTRIES`; keys of 64 hex
+    digits, each once; ages finite,
     in ``[0, window_s]``; ``uses`` integers in ``[1, traffic]``; ``traffic_age`` integers in
     ``[0, traffic]``.
 
@@ -195,6 +198,8 @@ def decode(raw: bytes | str, ns: str, node: str, *, now: float) -> FleetFile:
     if not all(type(c) is list for c in (keys, ages, uses, tages)) or not len(keys) == len(ages) == len(uses) == len(
             tages):
         raise bad("its columns are not lists of one length")
+    if len(keys) > MAX_ENTRIES:
+        raise bad(f"it holds {len(keys)} names, more than {MAX_ENTRIES}")
     oldest = window + 1e-3  # ages are rounded to milliseconds
     for i, key in enumerate(keys):
         if not (type(key) is str and _KEY.fullmatch(key)):
