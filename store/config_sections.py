@@ -223,6 +223,10 @@ class FleetMemoryConfig(_Section):
         "recently used are dropped. Each name costs about 270 bytes of memory and 80 bytes of file: 50,000 "
         "names are about 14 MB and a 4 MB file per namespace, more blocks than a 64 GiB local tier holds "
         "for any model of 0.5B parameters or more at block_size 256 (docs/reference/fleet.md).")
+    max_file_bytes: int = Field(
+        8 << 20, ge=64 << 10, le=1 << 30, description="Largest fleet file a node reads or writes, in bytes. A "
+        "reader skips (and counts) a larger file without reading it into memory; a writer leaves out its least "
+        "recently used names to stay under it. The default holds about 100,000 names: twice max_names' default.")
 
     @field_validator("node_id")
     @classmethod

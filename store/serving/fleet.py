@@ -11,7 +11,9 @@ planner reads them. The file format and its costs: docs/reference/fleet.md
 (:mod:`store.serving.fleet_file`).
 
 A namespace is a tenant's namespace (the first part of an object name): one file per namespace
-and node, so a reader asks only for the namespaces it is allowed and never opens another's.
+and node, so a reader asks only for the namespaces it is allowed and never opens another's. Each
+namespace has its own request counter: a namespace's file counts only the requests that used its
+blocks, so it says nothing of another tenant's volume.
 """
 from __future__ import annotations
 
@@ -30,10 +32,11 @@ from store.identity.tenant import check_tenant_name
 from store.serving.fleet_file import (
     TIER_ERRORS,
     Entry,
+    MAX_FILE_BYTES,
     FleetFile,
     Use,
     check_node_id,
-    encode,
+    encode_capped,
     fleet_file,
     read_file,
     read_fleet,
@@ -79,37 +82,41 @@ class FleetRecorder:
         window_s: a name unused for this long is dropped at the next flush.
         flush_s: :meth:`maybe_flush` writes when this long has passed since the last write.
         max_names: most names kept per namespace; past it the least recently used are dropped.
+        max_file_bytes: largest file written or read back; a namespace's least recently used
+            names are left out of its file to stay under it.
         clock: time source.
 
     Raises:
         ValueError: a bad node id, or a window, interval or bound that is not positive.
 
-    The counters in :attr:`stats`: ``requests``, ``dropped`` (over ``max_names``), ``expired``,
-    ``files_written``, ``tier_failures``, ``resumed`` (names taken over from this node's
-    previous record), ``corrupt``.
+    The counters in :attr:`stats`: ``requests``, ``dropped`` (over ``max_names``, or left out of
+    a file over ``max_file_bytes``), ``expired``, ``files_written``, ``tier_failures``,
+    ``resumed`` (names taken over from this node's previous record), ``corrupt``.
     """
 
     def __init__(self, tiers: Sequence[Tier], node_id: str, *, window_s: float = 3600.0, flush_s: float = 30.0,
                  max_names: int = FleetMemoryConfig.model_fields["max_names"].default,
-                 clock: Callable[[], float] = time.time) -> None:
+                 max_file_bytes: int = MAX_FILE_BYTES, clock: Callable[[], float] = time.time) -> None:
         if not window_s > 0 or not flush_s > 0:
             raise ValueError(f"window_s and flush_s must be positive, got {window_s!r} and {flush_s!r}")
         if not isinstance(max_names, int) or max_names < 1:
             raise ValueError(f"max_names must be a positive integer, got {max_names!r}")
+        if not isinstance(max_file_bytes, int) or max_file_bytes < 1024:
+            raise ValueError(f"max_file_bytes must be an integer of at least 1024, got {max_file_bytes!r}")
         self.tiers = list(tiers)
         self.node_id = check_node_id(node_id)
         self.window_s = float(window_s)
         self.flush_s = float(flush_s)
         self.max_names = max_names
+        self.max_file_bytes = max_file_bytes
         self.clock = clock
         self.stats = StoreStats()
-        self._lock = threading.Lock()  # guards the names and the counter (record's lock: held briefly)
+        self._lock = threading.Lock()  # guards the names and the counters (record's lock: held briefly)
         self._flush_lock = threading.Lock()  # one flush at a time
         self._names: dict[str, OrderedDict[str, Entry]] = {}  # namespace -> key -> entry, least recent first
         self._dirty: set[str] = set()  # namespaces changed since they were last written
-        self._traffic = 0
+        self._traffic: dict[str, int] = {}  # namespace -> requests that used its blocks (its own counter)
         self._resumed: set[str] = set()
-        self._base: int | None = None  # the previous record's counter, once this one continues it
         self._last_flush = clock()
         self._flushing: cf.Future[int] | None = None  # a flush handed to an executor, not yet done
         self._known: set[str] = set()  # namespaces whose names were checked
@@ -119,11 +126,14 @@ class FleetRecorder:
                     clock: Callable[[], float] = time.time) -> "FleetRecorder":
         """A recorder as the config's ``fleet_memory`` section says (node id as :func:`resolve_node_id`)."""
         return cls(tiers, resolve_node_id(node_id, config.node_id), window_s=config.window_s,
-                   flush_s=config.flush_s, max_names=config.max_names, clock=clock)
+                   flush_s=config.flush_s, max_names=config.max_names, max_file_bytes=config.max_file_bytes,
+                   clock=clock)
 
     # -- the serving path ----------------------------------------------------
     def record(self, names: Sequence[str], now: float | None = None) -> None:
-        """One served request used the blocks ``names`` (tier object names): one unit of traffic.
+        """One served request used the blocks ``names`` (tier object names): one unit of traffic in
+        each namespace it used (a namespace counts only the requests that used its blocks; a name
+        listed twice counts once).
 
         In memory only, thread-safe. Raises ``ValueError`` for a name that is not an object name.
         """
@@ -131,10 +141,12 @@ class FleetRecorder:
         parsed = [self._split(n) for n in names]
         dropped = 0
         with self._lock:
-            self._traffic += 1
-            c = self._traffic
+            counters: dict[str, int] = {}  # this request's count in each namespace it used
             # the chain's head goes in last, as the most recent: it is listed first and dropped last
             for ns, key in reversed(parsed):
+                c = counters.get(ns)
+                if c is None:
+                    c = counters[ns] = self._traffic[ns] = self._traffic.get(ns, 0) + 1
                 d = self._names.get(ns)
                 if d is None:
                     d = self._names[ns] = OrderedDict()
@@ -144,7 +156,7 @@ class FleetRecorder:
                     if len(d) > self.max_names:
                         d.popitem(last=False)
                         dropped += 1
-                else:
+                elif old[2] != c:  # the same count: this request listed it already
                     d[key] = (t, old[1] + 1, c)
                     d.move_to_end(key)
                 self._dirty.add(ns)
@@ -190,10 +202,16 @@ class FleetRecorder:
             self._last_flush = t
             self._resume(t)
             with self._lock:
-                counter, todo = self._traffic, self._expire(t)
+                todo = self._expire(t)
+                counters = {ns: self._traffic.get(ns, 0) for ns in todo}
             written = 0
             for ns, items in todo.items():
-                data = encode(ns, self.node_id, t, counter, self.window_s, items)
+                data, left_out = encode_capped(ns, self.node_id, t, counters[ns], self.window_s, items,
+                                               self.max_file_bytes)
+                if left_out:
+                    self.stats.incr("dropped", left_out)
+                    log.warning("fleet memory: %d of %s's oldest names left out of its file to keep it under "
+                                "fleet_memory.max_file_bytes (%d)", left_out, ns, self.max_file_bytes)
                 if self._put(fleet_file(ns, self.node_id), data):
                     written += 1
                 else:
@@ -243,29 +261,29 @@ class FleetRecorder:
             return
         previous: dict[str, FleetFile] = {}
         for ns in pending:
-            found = read_file(self.tiers, fleet_file(ns, self.node_id), ns, self.stats)
+            found = read_file(self.tiers, fleet_file(ns, self.node_id), ns, self.stats,
+                              max_bytes=self.max_file_bytes, now=max(t, self.clock()))
             if found is not None:
                 previous[ns] = found
         cutoff = t - self.window_s
         with self._lock:
-            if self._base is None and previous:
-                # this record continues the previous one's counter: shift what was recorded since the start
-                self._base = max(f.traffic for f in previous.values())
-                self._traffic += self._base
-                for d in self._names.values():
-                    for key, (at, uses, tr) in d.items():
-                        d[key] = (at, uses, tr + self._base)
             for ns in pending:
                 self._resumed.add(ns)
-                if ns in previous:
-                    self.stats.incr("resumed", self._take_over(self._names[ns], previous[ns], cutoff))
-                    self._dirty.add(ns)
+                if ns not in previous:
+                    continue
+                # the namespace's counter continues its previous record's: shift what was recorded since the start
+                base = previous[ns].traffic
+                self._traffic[ns] = self._traffic.get(ns, 0) + base
+                d = self._names[ns]
+                for key, (at, uses, tr) in d.items():
+                    d[key] = (at, uses, tr + base)
+                self.stats.incr("resumed", self._take_over(d, previous[ns], cutoff, base))
+                self._dirty.add(ns)
 
-    def _take_over(self, d: OrderedDict[str, Entry], old: FleetFile, cutoff: float) -> int:
+    def _take_over(self, d: OrderedDict[str, Entry], old: FleetFile, cutoff: float, base: int) -> int:
         """Merge a previous record into ``d`` (under the lock); its names are older than all of ``d``'s."""
-        base = self._base or 0
         taken = 0
-        for key, at, uses, tr in old.entries:  # newest first: each goes in front of the last
+        for key, at, uses, tr in old.entries():  # newest first: each goes in front of the last
             if at < cutoff:
                 continue
             cur = d.get(key)

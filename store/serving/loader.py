@@ -364,7 +364,8 @@ class KVLoader:
         """What every node recorded since ``since`` (unix s) of the tenant's namespace and
         ``public``: :func:`store.serving.fleet.read_fleet`, newest first; never raises for store trouble."""
         namespaces = [self.tenant.name] + ([PUBLIC] if self._public is not None else [])
-        return read_fleet(self.store.tiers, namespaces, since=since, stats=self.fleet.stats if self.fleet else None)
+        return read_fleet(self.store.tiers, namespaces, since=since, stats=self.fleet.stats if self.fleet else None,
+                          max_file_bytes=self.config.fleet_memory.max_file_bytes)
 
     # -- reporting and shutdown ----------------------------------------------
     def stats(self) -> dict[str, Any]:

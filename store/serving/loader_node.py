@@ -140,8 +140,11 @@ class LoaderNode:
         from store.serving.fleet import read_fleet
 
         try:
+            fleet = self.loader.fleet
             return read_fleet(self.loader.store.tiers, [s.ns for s in self.scopes.values()], since=since,
-                              exclude_node=self.node_id if others_only else None)
+                              exclude_node=self.node_id if others_only else None,
+                              stats=fleet.stats if fleet is not None else None,
+                              max_file_bytes=self.loader.config.fleet_memory.max_file_bytes)
         except ERRORS as exc:
             log.warning("kvwarm agent: the fleet's memory could not be read (%s); warming from the plan only", exc)
             return []

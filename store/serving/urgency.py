@@ -57,8 +57,9 @@ class UseLike(Protocol[K]):
 class ReuseCurve:
     """``P(a block is used within horizon_s | its uses in the window, the traffic since its last use)``.
 
-    Age is counted in requests the recording node served since the block's last use, so a
-    night of silence ages nothing: the blocks last used before it keep their odds. The
+    Age is counted in requests of the block's namespace that the recording node served since
+    its last use (as the planner counts a tenant's requests), so a night of silence ages
+    nothing: the blocks last used before it keep their odds. The
     planner publishes a curve learned from the logs in the plan (``extra["fleet_reuse"]``,
     :meth:`to_json`); without one the default below is a prior: a block used once is
     reused within 5 minutes about 30 % of the time when nothing else has happened since

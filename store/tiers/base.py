@@ -19,6 +19,7 @@ from typing import ClassVar, Iterator, Sequence
 import pyarrow as pa
 
 from store.config import StoreConfig
+from store.errors import StoreRecordInvalid
 from store.format.encode import EncodedSnapshot
 from store.identity.keys import check_key
 from store.identity.tenant import check_tenant_name
@@ -142,6 +143,18 @@ class Tier(ABC):
     def get_meta(self, name: str) -> bytes | None:
         """A small object from the tier's metadata area (namespace owners, run results)."""
 
+    def get_meta_capped(self, name: str, max_bytes: int) -> bytes | None:
+        """:meth:`get_meta`, for a file whose size a reader bounds (fleet records): an object over
+        ``max_bytes`` is refused without being read whole where the tier can tell its size first.
+
+        Raises:
+            StoreRecordInvalid: the object holds more than ``max_bytes`` bytes.
+        """
+        data = self.get_meta(name)
+        if data is not None and len(data) > max_bytes:
+            raise meta_too_large(f"{self.kind} tier metadata {name}", len(data), max_bytes)
+        return data
+
     @abstractmethod
     def put_meta(self, name: str, data: bytes) -> None:
         """Write a small metadata object atomically (it is not counted against caps)."""
@@ -179,3 +192,9 @@ class Tier(ABC):
 
     def close(self) -> None:
         """Release resources (flush pending access records)."""
+
+
+def meta_too_large(where: str, size: int | str, max_bytes: int) -> StoreRecordInvalid:
+    """The error of a metadata object over its reader's size cap (``size``: bytes, or ``"over N"``)."""
+    return StoreRecordInvalid(f"the file holds {size} bytes, more than the {max_bytes} its reader accepts: "
+                              "remove or repair it", location=where)

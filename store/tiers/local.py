@@ -270,6 +270,9 @@ class LocalTier(Tier):
     def get_meta(self, name: str) -> bytes | None:
         return self.meta.get(name)
 
+    def get_meta_capped(self, name: str, max_bytes: int) -> bytes | None:
+        return self.meta.get(name, max_bytes)
+
     def put_meta(self, name: str, data: bytes) -> None:
         self.meta.put(name, data)
 

@@ -12,6 +12,9 @@ import secrets
 from pathlib import Path
 from typing import Iterator
 
+from store.errors import StoreRecordInvalid
+from store.tiers.base import meta_too_large
+
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -33,12 +36,30 @@ class MetaDir:
             raise ValueError(f"invalid metadata name {name!r}")
         return self.root / name
 
-    def get(self, name: str) -> bytes | None:
-        """The file's bytes, or ``None`` if there is none."""
+    def get(self, name: str, max_bytes: int | None = None) -> bytes | None:
+        """The file's bytes, or ``None`` if there is none.
+
+        With ``max_bytes``, a file over it is refused from its size, before it is read, and no
+        more than its size is read (a file that grows meanwhile is refused too: writes here
+        replace files whole).
+
+        Raises:
+            StoreRecordInvalid: the file holds more than ``max_bytes`` bytes.
+        """
         try:
-            return self._path(name).read_bytes()
+            if max_bytes is None:
+                return self._path(name).read_bytes()
+            with open(self._path(name), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                if size > max_bytes:
+                    raise meta_too_large(f"{self.root / name}", size, max_bytes)
+                data = f.read(size)  # read(n) sizes its buffer by n: never by the cap
+                if f.read(1):
+                    raise StoreRecordInvalid("the file grew while it was read, but writes here replace files "
+                                             "whole: remove or repair it", location=str(self.root / name))
         except FileNotFoundError:
             return None
+        return data
 
     def put(self, name: str, data: bytes) -> None:
         """Replace the file atomically (and durably)."""

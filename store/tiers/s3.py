@@ -10,6 +10,7 @@ concurrently, so it costs one round trip of latency however long the chain is.
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import secrets
 import time
@@ -24,7 +25,7 @@ from fsspec.asyn import sync
 from store.config import S3Config, StoreConfig
 from store.errors import ConfigError, StoreUnavailable
 from store.format.encode import EncodedSnapshot, snapshot_bytes
-from store.tiers.base import SUFFIX, Entry, Tier
+from store.tiers.base import SUFFIX, Entry, Tier, meta_too_large
 
 T = TypeVar("T")
 QUARANTINE = "_quarantine"
@@ -175,6 +176,26 @@ class S3Tier(Tier):
             return self._call(self.fs._cat_file(f"{self.base}/{META}/{name}"), f"GET meta {name}")
         except FileNotFoundError:
             return None
+
+    def get_meta_capped(self, name: str, max_bytes: int) -> bytes | None:
+        # one ranged GET of at most max_bytes + 1 bytes: an object over the cap is never read whole
+        try:
+            data = self._call(self._cat_head(f"{self.base}/{META}/{name}", max_bytes + 1), f"GET meta {name}")
+        except FileNotFoundError:
+            return None
+        if len(data) > max_bytes:
+            raise meta_too_large(f"{self.url}/{META}/{name}", f"over {max_bytes}", max_bytes)
+        return data
+
+    async def _cat_head(self, path: str, n: int) -> bytes:
+        """The first ``n`` bytes of an object (all of a shorter one)."""
+        try:
+            return await self.fs._cat_file(path, start=0, end=n)
+        except OSError as exc:
+            # S3 answers a range on an empty object with 416, which s3fs turns into EINVAL
+            if exc.errno == errno.EINVAL and "range" in str(exc).lower():
+                return b""
+            raise
 
     def put_meta(self, name: str, data: bytes) -> None:
         self._call(self.fs._pipe_file(f"{self.base}/{META}/{name}", data), f"PUT meta {name}")

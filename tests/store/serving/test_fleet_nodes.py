@@ -16,6 +16,7 @@ from store.serving.loader import KVLoader
 from store.tiers.base import object_name
 from store.tiers.local import LocalTier
 from store.tiers.registry import tier_class
+from store.tiers.stats import StoreStats
 from tests.hang_guard import HANG_S
 from tests.store.pool_workers import ACME, TINY, config, prompt
 
@@ -61,6 +62,26 @@ def test_a_new_node_reads_what_the_fleet_wrote_to_s3(tmp_path, s3_tier):
     assert {u.name: u for u in uses}[served_a[0]].uses == 2
     assert sorted(s3_tier.list_meta("fleet/")) == ["fleet/acme/node-a.json", "fleet/acme/node-b.json",
                                                    "fleet/bolt/node-a.json"]
+
+
+def test_an_s3_copy_over_the_cap_or_empty_is_skipped_for_the_next_tier(tmp_path, s3_tier):
+    served = names("acme", 2)
+    rec = FleetRecorder([s3_tier, local(tmp_path, "slow")], "node-a", clock=lambda: T0 + 5)
+    rec.record(served, now=T0)
+    rec.close()
+    good = s3_tier.get_meta("fleet/acme/node-a.json")
+    stats = StoreStats()
+
+    for bad in [good + b" " * 4096, b""]:  # over a cap of the good file's size plus a little; empty
+        s3_tier.put_meta("fleet/acme/node-a.json", bad)
+        uses = read_fleet([s3_tier, local(tmp_path, "slow")], ["acme"], since=0, stats=stats,
+                          max_file_bytes=len(good) + 100)
+        assert {u.name for u in uses} == set(served)
+    assert stats["corrupt"] == 2 and stats["tier_failures"] == 0
+    # a ranged read: at most the cap and one byte is fetched
+    assert s3_tier.get_meta_capped("fleet/acme/node-a.json", 10) == b""
+    s3_tier.put_meta("fleet/acme/node-a.json", good)
+    assert s3_tier.get_meta_capped("fleet/acme/node-a.json", len(good)) == good
 
 
 def loader(tmp_path, cfg, **kw):
@@ -113,6 +134,23 @@ def test_a_replacement_node_reads_through_its_loader_what_the_old_one_served_to_
         assert {u.node for u in uses} == {"node-old"}
     finally:
         new.close()
+
+
+def test_a_loader_skips_and_counts_a_record_over_its_configured_cap(tmp_path):
+    cfg = with_values(config(16), "fleet_memory", {"max_file_bytes": 64 << 10}, source="test")
+    first = loader(tmp_path, cfg, node_id="gpu-node-1")
+    blocks = block_chain(first.root, prompt(2 * 16, seed=4))
+    first.record_use(blocks)
+    first.close()
+    nvme = local(tmp_path, "nvme")
+    nvme.put_meta("fleet/acme/big.json", b" " * (64 << 10) + nvme.get_meta("fleet/acme/gpu-node-1.json"))
+
+    second = loader(tmp_path, cfg, node_id="gpu-node-2")
+    try:
+        assert [u.name for u in second.fleet_uses(since=0)] == [object_name("acme", b.key) for b in blocks]
+        assert second.stats()["fleet"] == {"corrupt": 1}
+    finally:
+        second.close()
 
 
 def test_a_loader_with_fleet_memory_off_records_nothing(tmp_path):

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from store.errors import StoreRecordInvalid
 from store.format.encode import snapshot_bytes
 from store.format.snapshot import read_snapshot
 from store.tiers.base import object_name
@@ -141,6 +142,16 @@ def test_meta_round_trip(tier):
     tier.put_meta("tenants/acme.json", b'{"salt_id": "2"}')
     assert tier.get_meta("tenants/acme.json") == b'{"salt_id": "2"}'
     assert tier.get_meta("tenants/bolt.json") is None
+
+
+def test_a_capped_meta_read_refuses_an_object_over_the_cap(tier):
+    assert tier.get_meta_capped("fleet/acme/node-a.json", 10) is None
+    tier.put_meta("fleet/acme/node-a.json", b"0123456789")
+    assert tier.get_meta_capped("fleet/acme/node-a.json", 10) == b"0123456789"
+    with pytest.raises(StoreRecordInvalid, match="more than the 9"):
+        tier.get_meta_capped("fleet/acme/node-a.json", 9)
+    tier.put_meta("fleet/acme/node-a.json", b"")
+    assert tier.get_meta_capped("fleet/acme/node-a.json", 9) == b""
 
 
 def test_list_meta_names_what_a_prefix_holds(tier):
