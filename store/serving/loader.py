@@ -3,7 +3,7 @@
 What a serving process imports (store + torch; transformers only inside
 :meth:`LoaderHit.to_dynamic_cache`)::
 
-    loader = KVLoader("file:///var/cache/kvwarm,s3://kv/prod", tenant="acme",
+    loader = KVLoader("file:///var/cache/kvwarm,s3://kvwarm-kv/prod", tenant="acme",
                       model="/models/llama-3-8b", pool_bytes=16 << 30)
     hit = loader.lookup(prompt_ids)            # None on any miss; never raises for store trouble
     if hit is not None:
