@@ -44,8 +44,13 @@ class _Section(BaseModel):
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
-        return {k: tuple(v) if isinstance(v, list) and k in fields and typing.get_origin(fields[k].annotation) is tuple
-                else v for k, v in data.items()}
+        return {k: tuple(v) if isinstance(v, list) and k in fields and _takes_tuple(fields[k].annotation) else v
+                for k, v in data.items()}
+
+
+def _takes_tuple(ann: Any) -> bool:
+    """Whether a field's annotation is a tuple, or a union with one (``Optional[tuple[str, ...]]``)."""
+    return typing.get_origin(ann) is tuple or any(typing.get_origin(a) is tuple for a in typing.get_args(ann))
 
 
 #: a size in bytes, an integer or a string with a unit ('64GiB', '2GB'); never 0
