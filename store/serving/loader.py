@@ -124,6 +124,8 @@ class KVLoader:
             self.identity = identity_from_dir(self._model_dir, chat=chat)
         self._model_config = model_config
         self.precision = self.config.kv_cache.precision()
+        if isinstance(getattr(model_config, "num_hidden_layers", None), int):  # the model is known: its layers too
+            self.precision.check_layers(model_config.num_hidden_layers, model="the loader's model_config")
         self.root: KeyRoot = self.identity.key_root(self.precision, self.config.kv_cache.block_size, self.tenant.salt)
         self._own = Scope(self.root, self.tenant.name)
         # prefixes prefilled on purpose for everyone (a shared system prompt) live under
