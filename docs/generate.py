@@ -157,6 +157,10 @@ invalid kvwarm configuration (kvwarm.yaml):
   kv_cache.compression = 'fp4': Input should be 'fp8', 'bf16', 'fp16' or 'fp32'
 ```
 
+Types are strict: a boolean is never a number (`block_size: true` is an error, not 1), a
+quoted `"8"` is a string, not a number, and no number may be `inf` or `nan`; an integer is
+fine where a number is asked for. A list in the file is a list key's value.
+
 A key's dotted name is its place in the file: `store.s3.endpoint_url` is `endpoint_url`
 under `s3` under `store`. Concepts behind the keys: [blocks and keys](../concepts/blocks-and-keys.md),
 [tiers](../concepts/tiers.md), [TTL](../concepts/ttl.md), [tenants](../concepts/tenants.md),

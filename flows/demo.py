@@ -1,4 +1,4 @@
-"""``python -m flows.demo --store file://DIR``: the whole pipeline on the bundled sample logs, then a replay.
+"""``python -m flows.demo --store file:///DIR``: the whole pipeline on the bundled sample logs, then a replay.
 
 1. Runs :func:`flows.pipeline.kvwarm_pipeline` (ephemeral Prefect, tiny model, local
    store) on every day of ``flows/data/sample_logs.jsonl.gz`` but the last: mine,
@@ -282,7 +282,7 @@ def run(store: str, *, logs: str = str(SAMPLE), run_name: str = "demo", block_si
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--store", default="file://./.kvwarm-demo", help="store URL (default: ./.kvwarm-demo)")
+    p.add_argument("--store", default=None, help="store URL (default: ./.kvwarm-demo, in the current directory)")
     p.add_argument("--logs", default=str(SAMPLE), help="request logs (default: the bundled sample)")
     p.add_argument("--run", default="demo", help="run name (results under <store>/_flows/<run>)")
     p.add_argument("--block-size", type=int, default=16,
@@ -295,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-price-per-hour", type=float, default=None,
                    help=f"GPU price for the economics (default $KVWARM_GPU_PRICE_PER_HOUR, else {ASSUMED_GPU_PRICE})")
     a = p.parse_args(argv)
-    run(a.store, logs=a.logs, run_name=a.run, block_size=a.block_size, config_path=a.config, model=a.model,
+    store = a.store or f"file://{Path('.kvwarm-demo').resolve()}"  # a store URL names its directory absolutely
+    run(store, logs=a.logs, run_name=a.run, block_size=a.block_size, config_path=a.config, model=a.model,
         window_hours=a.window_hours, replay_bucket=a.replay_bucket, gpu_price_per_hour=a.gpu_price_per_hour)
     return 0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,7 +30,13 @@ SYSTEM_PROMPT = (
     "escalate to a human when the customer asks twice. "
 )
 QUESTION = "Where is my order 4471? It was due on Monday."
-DEMO_STORE = "file://./.kvwarm-demo"
+#: where the demo's store goes by default, in the current directory (the URL names it absolutely)
+DEMO_DIR = ".kvwarm-demo"
+
+
+def demo_store() -> str:
+    """The default store URL: ``file://`` and the absolute path of :data:`DEMO_DIR` here."""
+    return f"file://{Path(DEMO_DIR).resolve()}"
 
 
 def tiny_model() -> tuple[Any, Any]:
@@ -66,6 +73,7 @@ def run(store_url: str, tenant_name: str = "demo", block_size: int = 32, config_
     root = KeyRoot("demo-tiny-llama@seed0", "utf8-bytes", precision.kv_dtype, precision.scheme_id(), block_size, tenant.salt)
     store = Store.open(store_url, config)
     model, cfg = tiny_model()
+    precision.check_layers(cfg.num_hidden_layers, model="the demo's model")
 
     # 1. Prefill job: compute the system prompt's KV and write one snapshot per full block.
     blocks = block_chain(root, prompt)
@@ -122,11 +130,12 @@ def add_demo_command(sub: Any) -> None:
                        description="Prefill a system prompt on a tiny random Llama, write one FP8 snapshot per block, "
                                    "then load them back as a serving node would and compare the next-token "
                                    "distribution with a cold prefill. Exit 1 when the top token disagrees.")
-    add_location_options(p, store_help=f"store URL to write the demo's snapshots to (default: {DEMO_STORE})")
+    add_location_options(p, store_help=f"store URL to write the demo's snapshots to (default: ./{DEMO_DIR}, "
+                         "in the current directory)")
     p.add_argument("--tenant", default="demo", metavar="NAME", help="tenant to write as (default: demo)")
     p.add_argument("--block-size", type=int, default=32, metavar="TOKENS", help="tokens per block (default: 32, since the demo's prompt is short; the config's "
                         "kv_cache.block_size is not used)")
-    p.set_defaults(func=lambda a: 0 if run(a.store or DEMO_STORE, a.tenant, a.block_size, a.config)["top1_agrees"]
+    p.set_defaults(func=lambda a: 0 if run(a.store or demo_store(), a.tenant, a.block_size, a.config)["top1_agrees"]
                    else 1)
 
 

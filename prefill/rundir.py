@@ -33,7 +33,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from store.errors import BadInputError
+from store.errors import BadInputError, ConfigError
+from store.tiers.urls import file_root
 
 #: the folder of the local tier that holds every run's directory
 RUNS_FOLDER = "_flows"
@@ -62,13 +63,17 @@ def local_root(store_url: str) -> Path:
     """The directory of the store's first tier, which must be ``file://`` (runs are kept there).
 
     Raises:
-        RunDirError: the first tier is not ``file://``.
+        RunDirError: the first tier is not ``file://``, or names a relative directory.
     """
     first = store_url.split(",")[0].strip()
     if not first.startswith("file://"):
         raise RunDirError(f"store url {store_url!r} has no local tier first; runs are kept under it: "
                           f"use file:///DIR or file:///DIR,s3://bucket/prefix")
-    return Path(os.path.expanduser(first[len("file://"):])).resolve()
+    try:
+        root = file_root(first)
+    except ConfigError as exc:
+        raise RunDirError(str(exc)) from None
+    return Path(os.path.expanduser(root)).resolve()
 
 
 @dataclass(frozen=True)

@@ -176,6 +176,7 @@ class Prefiller:
 
     def __init__(self, loaded: LoadedModel, store: Store, options: PrefillOptions, *,
                  clock: Callable[[], float] = time.time, progress: Progress | None = None) -> None:
+        options.precision.check_layers(loaded.num_layers, model=f"model {loaded.name!r}")  # now the model is known
         self.loaded = loaded
         self.store = store
         self.options = options

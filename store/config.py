@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -185,17 +186,60 @@ def _env(env: Any, var: str, key: str) -> str:
     return value
 
 
+#: pydantic's error types for a value of the wrong type, and what the key takes instead
+_EXPECTED = {
+    "int_type": "an integer", "int_parsing": "an integer", "int_from_float": "an integer",
+    "float_type": "a number", "float_parsing": "a number",
+    "bool_type": "a boolean (true or false)", "bool_parsing": "a boolean (true or false)",
+    "string_type": "a string", "tuple_type": "a list", "list_type": "a list",
+    "dict_type": "a mapping of keys", "model_type": "a mapping of keys", "model_attributes_type": "a mapping of keys",
+    "byte_size": "a size: a whole number of bytes, or a string with a unit such as '64GiB' or '2GB'",
+    "byte_size_unit": "a size: a whole number of bytes, or a string with a unit such as '64GiB' or '2GB'",
+    "finite_number": "a finite number (inf and nan are not allowed here)",
+}
+_SIZE = ("byte_size", "byte_size_unit")
+_SCALAR = ("int_type", "int_parsing", "float_type", "float_parsing", "bool_type", "bool_parsing")
+
+
+def _kind(value: Any) -> str:
+    """What a value from a file is, in the file's words."""
+    if isinstance(value, bool):
+        return "a boolean (true/false)"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return repr(value) if not math.isfinite(value) else "a decimal number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return "null" if value is None else type(value).__name__
+
+
+def _message(err: Any) -> str:
+    """One error's text: for a value of the wrong type, the type the key takes and the type it got."""
+    kind, value = err["type"], err.get("input")
+    if kind in _SIZE and isinstance(value, str):
+        return f"{value!r} is not a size ({err['msg']}): expected {_EXPECTED[kind]}"
+    if kind in _EXPECTED:
+        hint = " (write it without quotes)" if isinstance(value, str) and kind in _SCALAR else ""
+        return f"expected {_EXPECTED[kind]}, got {_kind(value)}{hint}"
+    return str(err["msg"]).removeprefix("Value error, ")
+
+
 def _format_errors(exc: ValidationError, source: str) -> str:
     lines = [f"invalid kvwarm configuration ({source}):"]
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".") or "(top level)"
         value = err.get("input")
-        msg = err["msg"]
+        msg = _message(err)
         if err["type"] == "extra_forbidden":
             parent = _section_for(err["loc"][:-1])
             allowed = ", ".join(parent.model_fields) if parent else "see docs/reference/config.md"
             msg = f"unknown key; allowed keys here: {allowed}"
-        shown = repr(value) if not isinstance(value, dict) else "{...}"
+        shown = "{...}" if isinstance(value, dict) else repr(list(value)) if isinstance(value, tuple) else repr(value)
         lines.append(f"  {loc} = {shown}: {msg}")
     return "\n".join(lines)
 

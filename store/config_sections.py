@@ -1,6 +1,10 @@
 """The sections of kvwarm's configuration file (``kv_cache``, ``store``, ``loader``, ``fleet_memory``,
 ``monitoring``, ``tenants.<name>``): one frozen pydantic model each, checked field by field.
 
+Values are checked strictly: a YAML ``true`` is not the number 1, a quoted ``"8"`` is not a number,
+and an integer is a float's value but never the other way round. No float is ``inf`` or ``nan``,
+no size is 0 bytes, and a list in the file is a tuple field's value.
+
 :mod:`store.config` puts them together into :class:`store.config.KvwarmConfig` and reads files;
 the field descriptions are the configuration reference (``docs/generate.py``).
 """
@@ -8,16 +12,49 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Literal, Optional
+import typing
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
+from annotated_types import Ge
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from store.errors import ConfigError
 from store.format.precision import Precision
+from store.tiers.urls import check_store_url
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a bool is never a number and a string never a number or a bool (YAML's `true`, a quoted "8");
+    # an int is still a float's value. allow_inf_nan: no TTL, rate or price is inf or nan.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lists_are_tuples(cls, data: Any) -> Any:
+        """YAML, JSON and TOML have lists, not tuples: a list is a tuple field's value (strict mode
+        takes only a tuple); its items are still checked strictly."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: tuple(v) if isinstance(v, list) and k in fields and _takes_tuple(fields[k].annotation) else v
+                for k, v in data.items()}
+
+
+def _takes_tuple(ann: Any) -> bool:
+    """Whether a field's annotation is a tuple, or a union with one (``Optional[tuple[str, ...]]``)."""
+    return typing.get_origin(ann) is tuple or any(typing.get_origin(a) is tuple for a in typing.get_args(ann))
+
+
+#: a size in bytes, an integer or a string with a unit ('64GiB', '2GB'); never 0
+Bytes = Annotated[ByteSize, Ge(1)]
 
 
 class KvCacheConfig(_Section):
@@ -49,7 +86,8 @@ class KvCacheConfig(_Section):
     keep_layers: tuple[int, ...] = Field(
         (0,), description="Layers stored unquantised (keep_dtype) when compression is fp8. Default [0]: layer 0 "
         "is where FP8 loses most (docs/concepts/precision.md); [] stores FP8 everywhere. Snapshots of "
-        "different settings have different keys and never mix.",
+        "different settings have different keys and never mix. Each layer once, counted from 0; a layer the model "
+        "does not have is refused when the model is known (the prefill job, the vLLM connector).",
     )
     keep_dtype: Literal["bf16", "fp16"] = Field("bf16", description="Dtype of the keep_layers.")
     block_size: int = Field(256, ge=1, le=65536, description="Tokens per block, i.e. per snapshot file.")
@@ -58,6 +96,18 @@ class KvCacheConfig(_Section):
                                  "(plan entries) or refused (explicit TTLs).")
     ttl_max_hours: float = Field(6.0, gt=0, description="Longest TTL allowed: longer ones are clamped down or "
                                  "refused. GC deletes S3 objects older than this.")
+
+    @field_validator("keep_layers")
+    @classmethod
+    def _check_keep_layers(cls, layers: tuple[int, ...]) -> tuple[int, ...]:
+        for i in layers:
+            if i < 0:
+                raise ValueError(f"layer {i} is not a layer: layers count from 0 (the first) to the model's layer "
+                                 "count minus 1; list them as [0] or [0, 31], or [] for none")
+        seen = [i for n, i in enumerate(layers) if i in layers[:n]]
+        if seen:
+            raise ValueError(f"layer {seen[0]} is listed twice: list each layer once")
+        return layers
 
     @model_validator(mode="after")
     def _check(self) -> "KvCacheConfig":
@@ -128,9 +178,12 @@ class StoreConfig(_Section):
     url: str = Field(
         "file://~/.cache/kvwarm",
         description="Tiers, fastest first, comma-separated: 'file:///var/cache/kvwarm' alone, or "
-        "'file:///var/cache/kvwarm,s3://bucket/prefix'. An s3:// URL alone adds the default local tier.",
+        "'file:///var/cache/kvwarm,s3://bucket/prefix'. An s3:// URL alone adds the default local tier. A file:// "
+        "directory is absolute (file:///path, three slashes) or under the home directory (file://~/path); an S3 "
+        "bucket follows S3's naming rules (3-63 characters of a-z 0-9 . -) and its prefix has no '.', '..' or empty "
+        "segments.",
     )
-    nvme_cap: ByteSize = Field(ByteSize(64 << 30), description="Hard ceiling on the local tier's bytes (snapshots "
+    nvme_cap: Bytes = Field(ByteSize(64 << 30), description="Hard ceiling on the local tier's bytes (snapshots "
                                "plus writes in flight), e.g. '64GiB', '2GB' or bytes.")
     recency_flush_s: float = Field(5.0, ge=0, description="Readers record accesses in memory and write them to the "
                                    "index at most this often (LRU without a disk write per read).")
@@ -138,11 +191,19 @@ class StoreConfig(_Section):
                                      "first, then least recently used) down to this fraction of the cap.")
     s3: S3Config = Field(S3Config(), description="How to reach the S3 tier.")
 
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str) -> str:
+        try:
+            return check_store_url(url)
+        except ConfigError as exc:  # the formatter names the key already
+            raise ValueError(str(exc).removeprefix("store.url: ")) from None
+
 
 class LoaderConfig(_Section):
     """Serving-side loader defaults (``store.serving.loader.KVLoader`` keywords override them)."""
 
-    pool_bytes: ByteSize = Field(ByteSize(8 << 30), description="Most snapshot bytes a node keeps mapped, e.g. '16GiB'.")
+    pool_bytes: Bytes = Field(ByteSize(8 << 30), description="Most snapshot bytes a node keeps mapped, e.g. '16GiB'.")
     pool_dir: Optional[str] = Field(None, description="Where the node pool's state lives (default under /dev/shm).")
     fetch_mode: Literal["background", "sync"] = Field(
         "background", description="NVMe miss with an S3 hit: answer miss now and fetch for next time, or wait.")
@@ -168,10 +229,10 @@ class LoaderConfig(_Section):
     public_prefixes: bool = Field(
         True, description="Also look up prefixes prefilled for tenant 'public' (shared system prompts) and keep "
                           "the longer hit.")
-    staging_bytes: ByteSize = Field(
+    staging_bytes: Annotated[ByteSize, Ge(2)] = Field(
         ByteSize(64 << 20), description="Most pinned host memory a process keeps for moving stored KV to a GPU "
         "(two slots used in turn; a larger load goes through in pieces), e.g. '64MiB'.")
-    write_back_queue_bytes: ByteSize = Field(
+    write_back_queue_bytes: Bytes = Field(
         ByteSize(2 << 30), description="Most bytes of blocks the vLLM connector has copied out for write-back and "
         "not yet encoded (pinned host memory on a GPU); a save that does not fit keeps its leading kvwarm blocks "
         "that do, and the rest is dropped and counted. Give it at least one engine step's prompt KV: "

@@ -13,6 +13,8 @@ from typing import Literal
 
 import torch
 
+from store.errors import ConfigError
+
 Compression = Literal["fp8", "bf16", "fp16", "fp32"]
 COMPRESSIONS: tuple[str, ...] = ("fp8", "bf16", "fp16", "fp32")
 GRANULARITIES: tuple[str, ...] = ("head", "head_group")
@@ -69,6 +71,21 @@ class Precision:
         if self.compression == "fp8" and layer in self.keep_layers:
             return self.keep_dtype
         return self.kv_dtype
+
+    def check_layers(self, num_layers: int, *, model: str = "the model") -> None:
+        """Refuse ``keep_layers`` that a model of ``num_layers`` layers does not have (a layer past the
+        last would silently keep nothing in full precision). Called where the model becomes known: the
+        prefill job once it has loaded the model, the vLLM connector once it sees the engine's layers.
+
+        Raises:
+            ConfigError: naming ``kv_cache.keep_layers`` and the model's layer count.
+        """
+        outside = [i for i in self.keep_layers if i >= num_layers]
+        if outside:
+            raise ConfigError(
+                f"kv_cache.keep_layers = {list(self.keep_layers)}: layer {outside[0]} is outside {model}, which has "
+                f"{num_layers} layer{'s' if num_layers != 1 else ''} (0 to {num_layers - 1}); list only layers "
+                f"below {num_layers}, e.g. [0] or [0, {num_layers - 1}]")
 
     def scheme_id(self) -> str:
         """Canonical string of everything here that changes stored bytes (goes into keys)."""

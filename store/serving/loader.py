@@ -3,7 +3,7 @@
 What a serving process imports (store + torch; transformers only inside
 :meth:`LoaderHit.to_dynamic_cache`)::
 
-    loader = KVLoader("file:///var/cache/kvwarm,s3://kv/prod", tenant="acme",
+    loader = KVLoader("file:///var/cache/kvwarm,s3://kvwarm-kv/prod", tenant="acme",
                       model="/models/llama-3-8b", pool_bytes=16 << 30)
     hit = loader.lookup(prompt_ids)            # None on any miss; never raises for store trouble
     if hit is not None:
@@ -124,6 +124,8 @@ class KVLoader:
             self.identity = identity_from_dir(self._model_dir, chat=chat)
         self._model_config = model_config
         self.precision = self.config.kv_cache.precision()
+        if isinstance(getattr(model_config, "num_hidden_layers", None), int):  # the model is known: its layers too
+            self.precision.check_layers(model_config.num_hidden_layers, model="the loader's model_config")
         self.root: KeyRoot = self.identity.key_root(self.precision, self.config.kv_cache.block_size, self.tenant.salt)
         self._own = Scope(self.root, self.tenant.name)
         # prefixes prefilled on purpose for everyone (a shared system prompt) live under

@@ -34,6 +34,7 @@ from store.format.snapshot import read_header
 from store.tiers.base import SUFFIX, Entry, Housekeeping, Tier
 from store.tiers.index import TierIndex, pid_alive
 from store.tiers.metadir import MetaDir
+from store.tiers.urls import file_root
 
 
 def encoded_size(data: EncodedSnapshot | bytes | pa.Buffer) -> int:
@@ -91,8 +92,12 @@ class LocalTier(Tier):
 
     @classmethod
     def from_url(cls, url: str, settings: StoreConfig, *, create_bucket: bool = False) -> "LocalTier":
-        """``file:///path`` (``~`` is expanded), capped and flushed as ``settings`` say."""
-        return cls(url[len("file://"):], cap_bytes=int(settings.nvme_cap), recency_flush_s=settings.recency_flush_s,
+        """``file:///path`` (``~`` is expanded), capped and flushed as ``settings`` say.
+
+        Raises:
+            ConfigError: a relative path (:func:`store.tiers.urls.file_root`).
+        """
+        return cls(file_root(url), cap_bytes=int(settings.nvme_cap), recency_flush_s=settings.recency_flush_s,
                    evict_to_fraction=settings.evict_to_fraction)
 
     def path(self, name: str) -> Path:

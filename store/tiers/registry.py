@@ -11,6 +11,7 @@ import importlib
 from store.config import StoreConfig
 from store.errors import ConfigError
 from store.tiers.base import Tier
+from store.tiers.urls import check_store_url
 
 #: URL scheme -> ``"module:Class"`` of the tier that serves it
 TIERS: dict[str, str] = {
@@ -50,9 +51,11 @@ def tiers_from_url(url: str, settings: StoreConfig = StoreConfig(), *, create_bu
     tier gets :data:`DEFAULT_LOCAL` first.
 
     Raises:
-        ConfigError: an unknown scheme, more than one tier of a scheme, or a local tier
-            after a remote one.
+        ConfigError: an unknown scheme, more than one tier of a scheme, a local tier
+            after a remote one, or a malformed URL (:func:`store.tiers.urls.check_store_url`:
+            a relative ``file://`` path, a bad bucket name, ``..`` in an S3 prefix).
     """
+    check_store_url(url)  # every part before any tier is made (a local tier makes its directory)
     parts = [p.strip() for p in url.split(",") if p.strip()]
     if not parts:
         raise ConfigError(f"store.url is empty; give one of {schemes()} (e.g. file:///path, s3://bucket/prefix), "

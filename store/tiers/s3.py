@@ -26,6 +26,7 @@ from store.config import S3Config, StoreConfig
 from store.errors import ConfigError, StoreUnavailable
 from store.format.encode import EncodedSnapshot, snapshot_bytes
 from store.tiers.base import SUFFIX, Entry, Tier, meta_too_large
+from store.tiers.urls import s3_location
 
 T = TypeVar("T")
 QUARANTINE = "_quarantine"
@@ -36,7 +37,8 @@ class S3Tier(Tier):
     """Snapshots under ``s3://bucket/prefix/``.
 
     Args:
-        url: ``s3://bucket`` or ``s3://bucket/prefix``.
+        url: ``s3://bucket`` or ``s3://bucket/prefix`` (:func:`store.tiers.urls.s3_location`: a valid
+            bucket name, no ``.``, ``..`` or empty segments in the prefix).
         options: endpoint, credentials (by env var name), timeouts, retries.
         create_bucket: create the bucket if it does not exist (tests, first deploy).
     """
@@ -45,14 +47,9 @@ class S3Tier(Tier):
     kind = "s3"
 
     def __init__(self, url: str, options: S3Config = S3Config(), *, create_bucket: bool = False) -> None:
-        if not url.startswith("s3://") or len(url) <= 5:
-            raise ConfigError(f"store.url: {url!r} is not an S3 URL (expected s3://bucket[/prefix])")
-        self.url = url.rstrip("/")
-        path = self.url[5:]
-        self.bucket = path.split("/")[0]
-        if len(self.bucket) < 3:
-            raise ConfigError(f"store.url: bucket name {self.bucket!r} must have at least 3 characters")
-        self.base = path
+        self.bucket, prefix = s3_location(url)
+        self.base = f"{self.bucket}/{prefix}" if prefix else self.bucket
+        self.url = f"s3://{self.base}"
         self.options = options
         os.environ.setdefault("AWS_DEFAULT_REGION", options.region)
         creds: dict[str, Any] = {}

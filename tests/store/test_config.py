@@ -174,3 +174,66 @@ def test_trust_named_is_a_setting_of_the_tenants_section_and_no_tenant_may_take_
         parse_config({"tenants": {"trust_named": "yes"}})
     with pytest.raises(ConfigError, match="write it as tenants.trust_named"):
         parse_config({"trust_named": True})
+
+
+@pytest.mark.parametrize("data, must_say", [
+    ({"kv_cache": {"block_size": True}}, "kv_cache.block_size = True: expected an integer, got a boolean"),
+    ({"kv_cache": {"block_size": "16"}}, "kv_cache.block_size = '16': expected an integer, got a string"),
+    ({"kv_cache": {"block_size": 16.0}}, "kv_cache.block_size = 16.0: expected an integer, got a decimal number"),
+    ({"kv_cache": {"ttl_hours": "4"}}, "kv_cache.ttl_hours = '4': expected a number, got a string"),
+    ({"kv_cache": {"ttl_hours": True}}, "kv_cache.ttl_hours = True: expected a number, got a boolean"),
+    ({"kv_cache": {"ttl_min_hours": float("nan")}}, "kv_cache.ttl_min_hours = nan: expected a finite number"),
+    ({"monitoring": {"gpu_price_per_hour": float("inf")}}, "monitoring.gpu_price_per_hour = inf: expected a finite"),
+    ({"agent": {"link_bytes_per_s": float("inf")}}, "agent.link_bytes_per_s = inf: expected a finite number"),
+    ({"loader": {"verify_payload": 1}}, "loader.verify_payload = 1: expected a boolean (true or false), got an int"),
+    ({"loader": {"fetch_workers": False}}, "loader.fetch_workers = False: expected an integer, got a boolean"),
+    ({"loader": {"pool_bytes": 0}}, "loader.pool_bytes = 0: Input should be greater than or equal to 1"),
+    ({"loader": {"write_back_queue_bytes": "0GiB"}}, "loader.write_back_queue_bytes = '0GiB': Input should be greater"),
+    ({"loader": {"pool_bytes": True}}, "loader.pool_bytes = True: expected a size"),
+    ({"loader": {"pool_bytes": -1}}, "loader.pool_bytes = -1: expected a size"),
+    ({"store": {"nvme_cap": "lots"}}, "store.nvme_cap = 'lots': 'lots' is not a size"),
+    ({"store": {"s3": {"retries": "2"}}}, "store.s3.retries = '2': expected an integer, got a string"),
+    ({"store": {"url": 5}}, "store.url = 5: expected a string, got an integer"),
+    ({"kv_cache": {"keep_layers": [0, 0]}}, "kv_cache.keep_layers = [0, 0]: layer 0 is listed twice"),
+    ({"kv_cache": {"keep_layers": [True]}}, "kv_cache.keep_layers[0] = True: expected an integer, got a boolean"),
+    ({"kv_cache": {"keep_layers": 3}}, "kv_cache.keep_layers = 3: expected a list, got an integer"),
+    ({"kv_cache": 3}, "kv_cache = 3: expected a mapping of keys, got an integer"),
+    ({"tenants": {"acme": {"cache_salts": "s-acme"}}}, "tenants.acme.cache_salts = 's-acme': expected a list"),
+])
+def test_wrong_types_are_refused_with_the_key_and_the_type_it_takes(data: dict, must_say: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    assert must_say in str(err.value)
+
+
+def test_every_file_format_and_cli_values_still_parse(tmp_path: Path) -> None:
+    """Strict types take what files and argparse give: YAML/JSON/TOML lists for tuples, ints for floats."""
+    y = tmp_path / "k.yaml"
+    y.write_text("kv_cache:\n  keep_layers: [0, 3]\n  ttl_hours: 3\n  similarity_threshold: 1\nstore:\n"
+                 "  nvme_cap: 1073741824\n  evict_to_fraction: 1\nloader:\n  pool_bytes: 512MiB\n"
+                 "  verify_payload: false\ntenants:\n  acme:\n    cache_salts: [s-1, s-2]\n")
+    j = tmp_path / "k.json"
+    j.write_text(json.dumps(load_config(y).model_dump()))
+    t = tmp_path / "k.toml"
+    t.write_text('[kv_cache]\nkeep_layers = [0, 3]\nttl_hours = 3\nsimilarity_threshold = 1\n'
+                 '[loader]\npool_bytes = "512MiB"\nverify_payload = false\n'
+                 '[tenants.acme]\ncache_salts = ["s-1", "s-2"]\n')
+    a, b, c = load_config(y), load_config(j), load_config(t)
+    assert a == b and c.kv_cache == a.kv_cache and c.tenants == a.tenants and c.loader == a.loader
+    assert a.kv_cache.keep_layers == (0, 3) and a.kv_cache.ttl_hours == 3.0
+    assert a.tenants["acme"].cache_salts == ("s-1", "s-2")
+    # a CLI flag's value (argparse's int) and a KVLoader keyword, checked as the file's values are
+    assert with_values(a, "kv_cache", {"block_size": 16}, source="--block-size").kv_cache.block_size == 16
+    with pytest.raises(ConfigError, match=r"--block-size.*\n  kv_cache.block_size = True: expected an integer"):
+        with_values(a, "kv_cache", {"block_size": True}, source="--block-size")
+    assert a.loader.with_overrides(sync_fetch_timeout_s=1, pool_dir=tmp_path).sync_fetch_timeout_s == 1.0
+    with pytest.raises(ConfigError, match="loader.fetch_workers = '2': expected an integer"):
+        a.loader.with_overrides(fetch_workers="2")
+
+
+def test_keep_layers_beyond_the_model_are_refused_once_the_model_is_known() -> None:
+    p = parse_config({"kv_cache": {"keep_layers": [0, 31]}}).kv_cache.precision()
+    p.check_layers(32)
+    with pytest.raises(ConfigError, match=r"kv_cache.keep_layers = \[0, 31\]: layer 31 is outside model 'x', which "
+                                          r"has 4 layers \(0 to 3\); list only layers below 4, e.g. \[0\] or \[0, 3\]"):
+        p.check_layers(4, model="model 'x'")

@@ -119,7 +119,10 @@ class WorkerRole:
         Raises:
             ValueError: this worker's heads are not an equal share of the model's, or ``layers`` are
                 not one distinct layer per cache.
+            ConfigError: ``kv_cache.keep_layers`` names a layer the model does not have.
         """
+        self.settings.config.kv_cache.precision().check_layers(
+            len(caches) if total_layers is None else total_layers, model="the engine's model")
         if layout.num_kv_heads * self.tp_size != total_kv_heads:
             raise ValueError(f"kvwarm connector: the engine holds {layout.num_kv_heads} KV heads per worker over "
                              f"{self.tp_size} workers (--tensor-parallel-size); the model has {total_kv_heads} "
