@@ -211,17 +211,17 @@ def test_every_file_format_and_cli_values_still_parse(tmp_path: Path) -> None:
     y = tmp_path / "k.yaml"
     y.write_text("kv_cache:\n  keep_layers: [0, 3]\n  ttl_hours: 3\n  similarity_threshold: 1\nstore:\n"
                  "  nvme_cap: 1073741824\n  evict_to_fraction: 1\nloader:\n  pool_bytes: 512MiB\n"
-                 "  verify_payload: false\ntenants:\n  acme:\n    cache_salts: [s-1, s-2]\n")
+                 "  verify_payload: false\ntenants:\n  acme:\n    cache_salts: [salt-one-0123456789, salt-two-0123456789]\n")
     j = tmp_path / "k.json"
     j.write_text(json.dumps(load_config(y).model_dump()))
     t = tmp_path / "k.toml"
     t.write_text('[kv_cache]\nkeep_layers = [0, 3]\nttl_hours = 3\nsimilarity_threshold = 1\n'
                  '[loader]\npool_bytes = "512MiB"\nverify_payload = false\n'
-                 '[tenants.acme]\ncache_salts = ["s-1", "s-2"]\n')
+                 '[tenants.acme]\ncache_salts = ["salt-one-0123456789", "salt-two-0123456789"]\n')
     a, b, c = load_config(y), load_config(j), load_config(t)
     assert a == b and c.kv_cache == a.kv_cache and c.tenants == a.tenants and c.loader == a.loader
     assert a.kv_cache.keep_layers == (0, 3) and a.kv_cache.ttl_hours == 3.0
-    assert a.tenants["acme"].cache_salts == ("s-1", "s-2")
+    assert a.tenants["acme"].cache_salts == ("salt-one-0123456789", "salt-two-0123456789")
     # a CLI flag's value (argparse's int) and a KVLoader keyword, checked as the file's values are
     assert with_values(a, "kv_cache", {"block_size": 16}, source="--block-size").kv_cache.block_size == 16
     with pytest.raises(ConfigError, match=r"--block-size.*\n  kv_cache.block_size = True: expected an integer"):
