@@ -12,9 +12,11 @@ from typing import Mapping
 import pyarrow as pa
 
 from store.errors import SnapshotError, SnapshotMismatch
+from store.format.header import Layout
+from store.format.precision import Precision
 from store.format.snapshot import read_snapshot
 from store.identity.tenant import Tenant
-from store.tiers.base import Tier, parse_object_name
+from store.tiers.base import Tier, object_name, parse_object_name
 from store.tiers.crypto import is_sealed, plaintext
 from store.tiers.store import Store
 
@@ -36,12 +38,21 @@ class VerifyReport:
         return not self.bad
 
 
-def check_object(tier: Tier, name: str, tenants: Mapping[str, Tenant] = {}) -> str | None:
+#: what a chain's blocks must share (:func:`store.serving.mapper.same_geometry`): layout and precision
+Geometry = tuple[Layout, Precision, str]
+
+
+def check_object(tier: Tier, name: str, tenants: Mapping[str, Tenant] = {},
+                 geometry: dict[str, tuple[str, Geometry]] | None = None) -> str | None:
     """Fully check one stored object. Returns ``None`` when it is sound, else the reason.
 
-    Sound means: readable, both header copies agree, checksums match, the key is the
+    Sound means: readable, both header copies agree, checksums match, the header's layout,
+    precision and parts agree (:func:`store.format.geometry.check_geometry`), the key is the
     hash of the header's parent and tokens, and the object sits under its own key
     and tenant (a snapshot copied under another name is caught here).
+
+    ``geometry``: where a sound snapshot's key, parent and geometry are noted (key ->
+    (parent key, geometry)), for :func:`mixed_chains`.
     """
     ns, key = parse_object_name(name)
     location = tier.describe(name)
@@ -59,6 +70,9 @@ def check_object(tier: Tier, name: str, tenants: Mapping[str, Tenant] = {}) -> s
                 raise SnapshotMismatch(f"file is named {key} but holds {snap.header.key}", location=location)
             if snap.header.tenant != ns:
                 raise SnapshotMismatch(f"file is in namespace {ns!r} but labelled {snap.header.tenant!r}", location=location)
+            if geometry is not None:
+                h = snap.header
+                geometry[f"{ns}/{key}"] = (f"{ns}/{h.parent_key}", (h.layout, h.precision, h.kv_dtype))
         finally:
             snap.close()
     except SnapshotError as exc:
@@ -66,15 +80,35 @@ def check_object(tier: Tier, name: str, tenants: Mapping[str, Tenant] = {}) -> s
     return None
 
 
+def mixed_chains(geometry: Mapping[str, tuple[str, Geometry]]) -> list[tuple[str, str]]:
+    """``(namespace/key, reason)`` of each snapshot whose geometry differs from its parent's
+    (both noted by :func:`check_object` in one tier). Each file is sound alone, so neither is
+    quarantined; a lookup cuts such a chain before the child."""
+    out = []
+    for key, (parent, mine) in geometry.items():
+        theirs = geometry.get(parent)
+        if theirs is not None and theirs[1] != mine:
+            lay, prec = mine[0], mine[1]
+            plain, pprec = theirs[1][0], theirs[1][1]
+            out.append((key, f"layout {lay.num_layers}x{lay.num_kv_heads}x{lay.head_dim} {prec.scheme_id()} differs "
+                             f"from its parent's {plain.num_layers}x{plain.num_kv_heads}x{plain.head_dim} "
+                             f"{pprec.scheme_id()}: a lookup stops before it"))
+    return out
+
+
 def verify(store: Store, *, namespace: str | None = None, tenants: Mapping[str, Tenant] = {},
            quarantine: bool = True) -> VerifyReport:
-    """Check every snapshot in every tier (optionally one namespace); quarantine bad ones."""
+    """Check every snapshot in every tier (optionally one namespace); quarantine bad ones.
+
+    A snapshot whose layout differs from its parent's in the same tier is reported too (in
+    ``bad``, not quarantined: each file is sound alone)."""
     report = VerifyReport()
     prefix = f"{namespace}/" if namespace else ""
     for tier in store.tiers:
+        geometry: dict[str, tuple[str, Geometry]] = {}
         for entry in list(tier.entries(prefix)):
             report.checked += 1
-            reason = check_object(tier, entry.name, tenants)
+            reason = check_object(tier, entry.name, tenants, geometry)
             if reason is None:
                 report.ok += 1
             elif reason == "encrypted":
@@ -88,6 +122,12 @@ def verify(store: Store, *, namespace: str | None = None, tenants: Mapping[str, 
                         report.quarantined.append(where)
                         store.stats.incr("quarantined")
                 log.error("bad snapshot %s: %s", tier.describe(entry.name), reason)
+        for key, reason in mixed_chains(geometry):
+            ns, _, k = key.partition("/")
+            where = tier.describe(object_name(ns, k))
+            report.ok -= 1  # counted sound alone above
+            report.bad.append((where, reason))
+            log.error("snapshot %s: %s", where, reason)
     return report
 
 
