@@ -96,6 +96,18 @@ def mixed_chains(geometry: Mapping[str, tuple[str, Geometry]]) -> list[tuple[str
     return out
 
 
+def index_repair(store: Store, tier: Tier, report: VerifyReport) -> None:
+    """Report (in ``bad``) and count (``bad_record``) what opening ``tier``'s index found damaged and
+    repaired (:func:`store.tiers.repair.repair`; the index was rebuilt from the files)."""
+    fix = getattr(getattr(tier, "index", None), "repair", None)
+    if fix is None:
+        return
+    done = f"set aside to {fix.set_aside}" if fix.set_aside else "dropped"
+    report.bad.append((fix.path, f"StoreRecordInvalid: the tier's index: {fix.reason}; {done}, and the index "
+                                 "rebuilt from the snapshot files"))
+    store.stats.incr("bad_record")
+
+
 def verify(store: Store, *, namespace: str | None = None, tenants: Mapping[str, Tenant] = {},
            quarantine: bool = True) -> VerifyReport:
     """Check every snapshot in every tier (optionally one namespace); quarantine bad ones.
@@ -105,6 +117,7 @@ def verify(store: Store, *, namespace: str | None = None, tenants: Mapping[str, 
     report = VerifyReport()
     prefix = f"{namespace}/" if namespace else ""
     for tier in store.tiers:
+        index_repair(store, tier, report)
         geometry: dict[str, tuple[str, Geometry]] = {}
         for entry in list(tier.entries(prefix)):
             report.checked += 1
