@@ -33,11 +33,12 @@ def _geometry(snap: Snapshot) -> str:
 
 
 def same_geometry(first: Snapshot, other: Snapshot) -> bool:
-    """Whether ``other`` has ``first``'s layout and precision, and so (its header checked by
-    :func:`store.format.geometry.check_geometry`) the same parts in the same dtypes and shapes:
-    what every snapshot of one hit must share."""
+    """Whether ``other`` has ``first``'s layout and storage precision, and so (its header checked
+    by :func:`store.format.geometry.check_geometry`) the same parts in the same dtypes and shapes:
+    what every snapshot of one hit must share. (The precision is the key root's for every block a
+    lookup reads; the layout is not part of the key.)"""
     a, b = first.header, other.header
-    return a.layout == b.layout and a.precision == b.precision and a.kv_dtype == b.kv_dtype
+    return a.layout == b.layout and a.precision.scheme_id() == b.precision.scheme_id()
 
 
 @dataclass(frozen=True)

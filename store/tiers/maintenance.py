@@ -13,7 +13,6 @@ import pyarrow as pa
 
 from store.errors import SnapshotError, SnapshotMismatch
 from store.format.header import Layout
-from store.format.precision import Precision
 from store.format.snapshot import read_snapshot
 from store.identity.tenant import Tenant
 from store.tiers.base import Tier, object_name, parse_object_name
@@ -43,7 +42,7 @@ class VerifyReport:
 
 
 #: what a chain's blocks must share (:func:`store.serving.mapper.same_geometry`): layout and precision
-Geometry = tuple[Layout, Precision, str]
+Geometry = tuple[Layout, str]
 
 
 def check_object(tier: Tier, name: str, tenants: Mapping[str, Tenant] = {},
@@ -76,7 +75,7 @@ def check_object(tier: Tier, name: str, tenants: Mapping[str, Tenant] = {},
                 raise SnapshotMismatch(f"file is in namespace {ns!r} but labelled {snap.header.tenant!r}", location=location)
             if geometry is not None:
                 h = snap.header
-                geometry[f"{ns}/{key}"] = (f"{ns}/{h.parent_key}", (h.layout, h.precision, h.kv_dtype))
+                geometry[f"{ns}/{key}"] = (f"{ns}/{h.parent_key}", (h.layout, h.precision.scheme_id()))
         finally:
             snap.close()
     except SnapshotError as exc:
@@ -92,11 +91,10 @@ def mixed_chains(geometry: Mapping[str, tuple[str, Geometry]]) -> list[tuple[str
     for key, (parent, mine) in geometry.items():
         theirs = geometry.get(parent)
         if theirs is not None and theirs[1] != mine:
-            lay, prec = mine[0], mine[1]
-            plain, pprec = theirs[1][0], theirs[1][1]
-            out.append((key, f"layout {lay.num_layers}x{lay.num_kv_heads}x{lay.head_dim} {prec.scheme_id()} differs "
+            (lay, scheme), (plain, pscheme) = mine, theirs[1]
+            out.append((key, f"layout {lay.num_layers}x{lay.num_kv_heads}x{lay.head_dim} {scheme} differs "
                              f"from its parent's {plain.num_layers}x{plain.num_kv_heads}x{plain.head_dim} "
-                             f"{pprec.scheme_id()}: a lookup stops before it"))
+                             f"{pscheme}: a lookup stops before it"))
     return out
 
 
