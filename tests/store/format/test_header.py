@@ -69,6 +69,8 @@ def test_a_header_field_of_the_wrong_type_or_out_of_bounds_is_corrupt(field, val
 
 
 @pytest.mark.parametrize("where, value", [("layout", {"num_layers": True}), ("layout", {"head_dim": 0}),
+                                          # counts nothing may be built from: refused before any loop over them
+                                          ("layout", {"num_layers": 10**15}), ("layout", {"num_kv_heads": 10**15}),
                                           ("precision", {"group_tokens": 1.5}), ("precision", {"keep_layers": [0]})])
 def test_layout_and_precision_must_be_what_the_parts_and_the_key_say(where, value) -> None:
     d = json.loads(_built(None).to_json())
