@@ -58,7 +58,11 @@ class Repair:
 def _locked(path: Path) -> Iterator[None]:
     """An exclusive lock beside ``path``: one process checks (and sets aside) at a time, so that a
     second one never sets aside the fresh file the first one made."""
-    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:  # a directory this process cannot write: it cannot set anything aside either
+        yield
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
