@@ -178,15 +178,18 @@ def _dispatch(args: argparse.Namespace, config: KvwarmConfig, store: Store) -> i
             print(f"CORRUPT {location}: {reason}", file=out)
         for where in report.quarantined:
             print(f"quarantined -> {where}", file=out)
+        for location, reason in report.mixed:
+            print(f"MIXED {location}: {reason}", file=out)
         print(
             f"checked {report.checked}: {report.ok} ok, {len(report.bad)} bad, "
-            f"{report.skipped_encrypted} encrypted without a key (skipped)",
+            f"{report.skipped_encrypted} encrypted without a key (skipped)"
+            + (f", {len(report.mixed)} after a parent of another layout" if report.mixed else ""),
             file=out,
         )
         if owners:
             print(f"{len(owners)} damaged owner record(s): lookups in their namespaces miss and writes there are "
                   "refused until each is restored from a good tier or removed", file=out)
-        return 0 if report.clean and not owners else 1
+        return 0 if report.clean and not report.mixed and not owners else 1
     if args.store_cmd == "gc":
         report = gc(store, ttl_max_s=config.kv_cache.ttl_max_s, verify_all=args.verify,
                     tenants=configured_tenants(config))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import operator
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, NamedTuple
@@ -17,6 +18,7 @@ from typing import Any, NamedTuple
 import xxhash
 
 from store.errors import SnapshotCorrupt, SnapshotMismatch, UnknownFormatVersion
+from store.format.geometry import check_geometry
 from store.format.precision import Precision
 from store.identity.keys import FORMAT_VERSION, Block, KeyRoot, chain_key, root_key, tokens_digest
 
@@ -67,7 +69,7 @@ class Layout:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Layout.{name} must be a positive integer, got {value!r}")
 
 
@@ -103,6 +105,36 @@ def _parts(items: list[Any]) -> tuple[Part, ...]:
     if any(type(p) is not dict or len(p) != len(Part._fields) for p in items):
         raise TypeError(f"a payload part is not an object with exactly the keys {', '.join(Part._fields)}")
     return out
+
+
+_STRING_FIELDS = ("key", "parent_key", "root_key", "tenant", "salt_id", "tokens_sha256", "model_fingerprint",
+                  "tokenizer_fingerprint", "chat_template_hash", "adapter_hash", "kv_dtype", "quant_scheme")
+_MAX_TOKEN = (1 << 32) - 1
+
+
+def _real(value: object) -> bool:
+    """A JSON number (``true`` is not one)."""
+    return type(value) is float or type(value) is int
+
+
+def _check_fields(h: "SnapshotHeader") -> None:
+    """Each field read from JSON has the type readers use it as, and times are finite.
+
+    Raises:
+        TypeError, ValueError: one does not (the caller calls the header corrupt).
+    """
+    for name in _STRING_FIELDS:
+        if type(getattr(h, name)) is not str:
+            raise TypeError(f"{name} must be a string")
+    if any(type(t) is not int or not 0 <= t <= _MAX_TOKEN for t in h.token_ids):
+        raise ValueError("token_ids must be integers in [0, 2**32)")
+    for name in ("created_at", "expires_at"):
+        value = getattr(h, name)
+        if not _real(value) or not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number of unix seconds, got {value!r}")
+    if type(h.quant_error) is not dict or any(
+            type(k) is not str or type(v) is not list or not all(_real(x) for x in v) for k, v in h.quant_error.items()):
+        raise TypeError("quant_error must map names to lists of numbers")
 
 
 @dataclass(frozen=True)
@@ -183,9 +215,12 @@ class SnapshotHeader:
             d["precision"] = Precision(**prec)
             d["parts"] = _parts(d["parts"])
             d["token_ids"] = tuple(d["token_ids"])
-            return SnapshotHeader(**d)
+            header = SnapshotHeader(**d)
+            _check_fields(header)
         except (KeyError, TypeError, ValueError) as exc:
             raise SnapshotCorrupt(f"header fields are invalid: {exc}", location=location) from None
+        check_geometry(header, location=location)
+        return header
 
     @staticmethod
     def checksum(raw: bytes) -> str:

@@ -9,6 +9,7 @@ that maps blocks from the pool can use it the same way.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
@@ -21,6 +22,23 @@ from store.serving.fetch import Scope
 from store.serving.metrics import LoaderMetrics
 from store.serving.pool import Admit, SnapshotPool
 from store.tiers.store import Store
+
+log = logging.getLogger("kvwarm.loader")
+
+
+def _geometry(snap: Snapshot) -> str:
+    lay, prec = snap.header.layout, snap.header.precision
+    return (f"{lay.num_layers}-layer, {lay.num_kv_heads}-head, {lay.head_dim}-dim, {lay.block_size}-token "
+            f"{prec.scheme_id()}")
+
+
+def same_geometry(first: Snapshot, other: Snapshot) -> bool:
+    """Whether ``other`` has ``first``'s layout and storage precision, and so (its header checked
+    by :func:`store.format.geometry.check_geometry`) the same parts in the same dtypes and shapes:
+    what every snapshot of one hit must share. (The precision is the key root's for every block a
+    lookup reads; the layout is not part of the key.)"""
+    a, b = first.header, other.header
+    return a.layout == b.layout and a.precision.scheme_id() == b.precision.scheme_id()
 
 
 @dataclass(frozen=True)
@@ -119,6 +137,13 @@ class PoolMapper:
                 self.metrics.mapped(size)
             if snap.header.expired(now):
                 stop = MissReason.EXPIRED
+                break
+            if snaps and not same_geometry(snaps[0], snap):
+                # Each snapshot is sound alone, but a hit is one layout: engines copy every
+                # block into caches shaped by the first. The rest of the chain is a miss.
+                log.warning("%s holds a %s snapshot after a %s one; the hit stops before it", name,
+                            _geometry(snap), _geometry(snaps[0]))
+                stop = MissReason.MISMATCH
                 break
             snaps.append(snap)
             sizes.append(size)

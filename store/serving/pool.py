@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 
 from store.errors import OperationalError, StoreError
 from store.tiers.index import pid_alive
+from store.tiers.repair import FINITE, INTEGER, MAX_PID, MAX_SIZE, Repair, repair
 from store.tiers.sqlite import LocalDB
 
 log = logging.getLogger("kvwarm.pool")
@@ -47,6 +48,19 @@ CREATE TABLE IF NOT EXISTS attached (pid INTEGER PRIMARY KEY, budget INTEGER NOT
 CREATE TABLE IF NOT EXISTS meta (k TEXT PRIMARY KEY, v INTEGER NOT NULL);
 INSERT OR IGNORE INTO meta VALUES ('epoch', 0), ('admission', 0);
 """
+_COUNTER = 1 << 62  # admission ids and the epoch: far from overflowing ``v + 1``
+#: what every row must hold (:func:`store.tiers.repair.repair` drops the others at open)
+_VALID = {
+    "entries": " AND ".join([
+        "typeof(name) = 'text' AND typeof(path) = 'text'", INTEGER.format("size", 0, MAX_SIZE),
+        FINITE.format("priority"), FINITE.format("expires"), FINITE.format("last_access"),
+        INTEGER.format("admission", 0, _COUNTER)]),
+    "pins": f"typeof(name) = 'text' AND {INTEGER.format('pid', 1, MAX_PID)} AND "
+            f"{INTEGER.format('count', -(1 << 31), 1 << 31)}",
+    "attached": f"{INTEGER.format('pid', 1, MAX_PID)} AND {INTEGER.format('budget', 1, 1 << 62)} AND "
+                f"{FINITE.format('since')}",
+    "meta": f"k IN ('epoch', 'admission') AND {INTEGER.format('v', 0, _COUNTER)}",
+}
 
 
 class PoolAttachRefused(StoreError, OperationalError):
@@ -96,8 +110,11 @@ class SnapshotPool:
         self.attached = False
         self.last_usage = 0  # pool bytes and budget as the last pin() saw them (for gauges)
         self.last_budget = self.budget_bytes
-        # synchronous=OFF: node-local, rebuilt from nothing after a reboot
-        self._sqlite = LocalDB(self.directory / "pool.sqlite", _SCHEMA, synchronous="OFF", timeout_s=60)
+        # synchronous=OFF: node-local, rebuilt from nothing after a reboot (or when damaged: what
+        # the pool held is only mapped again on the next lookups)
+        path = self.directory / "pool.sqlite"
+        self.repair: Repair | None = repair(path, _SCHEMA, _VALID, timeout_s=60)
+        self._sqlite = LocalDB(path, _SCHEMA, synchronous="OFF", timeout_s=60)
         self.db()
 
     # -- plumbing ------------------------------------------------------------

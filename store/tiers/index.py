@@ -16,6 +16,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Callable
 
+from store.tiers.repair import FINITE, INTEGER, MAX_PID, MAX_SIZE, Repair, repair
 from store.tiers.sqlite import LocalDB
 
 _SCHEMA = """
@@ -29,10 +30,22 @@ CREATE TABLE IF NOT EXISTS entries (
 );
 CREATE INDEX IF NOT EXISTS entries_lru ON entries(state, last_access);
 """
+#: what every row must hold (:func:`store.tiers.repair.repair` drops the others at open): a
+#: snapshot's object name (``<tenant>/<kk>/<key>.kvw``: the tier unlinks files by it, so
+#: nothing that leads out of ``objects/``), a size, finite times, a state and a pid
+_VALID = {"entries": " AND ".join([
+    "typeof(name) = 'text' AND length(name) <= 256 AND name GLOB '[a-z0-9]*/[0-9a-f][0-9a-f]/[0-9a-f]*.kvw'",
+    "length(name) - length(replace(name, '/', '')) = 2",
+    INTEGER.format("size", 0, MAX_SIZE), FINITE.format("last_access"), FINITE.format("expires"),
+    "state IN ('pending', 'ready')", INTEGER.format("pid", 0, MAX_PID),
+])}
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid exists on this host."""
+    """Whether a process with this pid exists on this host (``False`` for anything that is not a
+    pid: ``kill`` would take 0 and -1 for this process group and for every process)."""
+    if type(pid) is not int or not 0 < pid <= MAX_PID:
+        return False
     try:
         os.kill(pid, 0)
     except OSError as exc:
@@ -47,13 +60,18 @@ class TierIndex:
         path: the database file (created with its schema if missing).
         clock: time source.
         flush_s: write buffered accesses at most this often.
+
+    A damaged file is set aside and rows out of bounds are dropped before first use
+    (:func:`store.tiers.repair.repair`; :attr:`repair` says what was done): the index is then
+    :attr:`fresh`, and its owner rebuilds it from the files.
     """
 
     def __init__(self, path: Path, *, clock: Callable[[], float], flush_s: float) -> None:
         self.path = path
         self.clock = clock
         self.flush_s = flush_s
-        self.fresh = not path.exists()
+        self.repair: Repair | None = repair(path, _SCHEMA, _VALID, timeout_s=60)
+        self.fresh = self.repair is not None or not path.exists()
         self._sqlite = LocalDB(path, _SCHEMA, synchronous="NORMAL", timeout_s=60)
         self._accesses: dict[str, float] = {}
         self._lock = threading.Lock()

@@ -12,9 +12,10 @@ from typing import Mapping
 import pyarrow as pa
 
 from store.errors import SnapshotError, SnapshotMismatch, StoreRecordInvalid
+from store.format.header import Layout
 from store.format.snapshot import read_snapshot
 from store.identity.tenant import Tenant
-from store.tiers.base import Tier, parse_object_name
+from store.tiers.base import Tier, object_name, parse_object_name
 from store.tiers.crypto import is_sealed, plaintext
 from store.tiers.owners import parse_owner_record, record_name
 from store.tiers.store import Store
@@ -31,18 +32,31 @@ class VerifyReport:
     skipped_encrypted: int = 0
     bad: list[tuple[str, str]] = field(default_factory=list)  # (location, reason)
     quarantined: list[str] = field(default_factory=list)
+    #: (location, reason) of sound snapshots whose layout differs from their parent's: a lookup
+    #: stops before them (each file is sound, so none is quarantined, and ``clean`` ignores them)
+    mixed: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def clean(self) -> bool:
+        """Every snapshot file is sound (and so is the index)."""
         return not self.bad
 
 
-def check_object(tier: Tier, name: str, tenants: Mapping[str, Tenant] = {}) -> str | None:
+#: what a chain's blocks must share (:func:`store.serving.mapper.same_geometry`): layout and precision
+Geometry = tuple[Layout, str]
+
+
+def check_object(tier: Tier, name: str, tenants: Mapping[str, Tenant] = {},
+                 geometry: dict[str, tuple[str, Geometry]] | None = None) -> str | None:
     """Fully check one stored object. Returns ``None`` when it is sound, else the reason.
 
-    Sound means: readable, both header copies agree, checksums match, the key is the
+    Sound means: readable, both header copies agree, checksums match, the header's layout,
+    precision and parts agree (:func:`store.format.geometry.check_geometry`), the key is the
     hash of the header's parent and tokens, and the object sits under its own key
     and tenant (a snapshot copied under another name is caught here).
+
+    ``geometry``: where a sound snapshot's key, parent and geometry are noted (key ->
+    (parent key, geometry)), for :func:`mixed_chains`.
     """
     ns, key = parse_object_name(name)
     location = tier.describe(name)
@@ -60,6 +74,9 @@ def check_object(tier: Tier, name: str, tenants: Mapping[str, Tenant] = {}) -> s
                 raise SnapshotMismatch(f"file is named {key} but holds {snap.header.key}", location=location)
             if snap.header.tenant != ns:
                 raise SnapshotMismatch(f"file is in namespace {ns!r} but labelled {snap.header.tenant!r}", location=location)
+            if geometry is not None:
+                h = snap.header
+                geometry[f"{ns}/{key}"] = (f"{ns}/{h.parent_key}", (h.layout, h.precision.scheme_id()))
         finally:
             snap.close()
     except SnapshotError as exc:
@@ -67,15 +84,47 @@ def check_object(tier: Tier, name: str, tenants: Mapping[str, Tenant] = {}) -> s
     return None
 
 
+def mixed_chains(geometry: Mapping[str, tuple[str, Geometry]]) -> list[tuple[str, str]]:
+    """``(namespace/key, reason)`` of each snapshot whose geometry differs from its parent's
+    (both noted by :func:`check_object` in one tier). Each file is sound alone, so neither is
+    quarantined; a lookup cuts such a chain before the child."""
+    out = []
+    for key, (parent, mine) in geometry.items():
+        theirs = geometry.get(parent)
+        if theirs is not None and theirs[1] != mine:
+            (lay, scheme), (plain, pscheme) = mine, theirs[1]
+            out.append((key, f"layout {lay.num_layers}x{lay.num_kv_heads}x{lay.head_dim} {scheme} differs "
+                             f"from its parent's {plain.num_layers}x{plain.num_kv_heads}x{plain.head_dim} "
+                             f"{pscheme}: a lookup stops before it"))
+    return out
+
+
+def index_repair(store: Store, tier: Tier, report: VerifyReport) -> None:
+    """Report (in ``bad``) and count (``bad_record``) what opening ``tier``'s index found damaged and
+    repaired (:func:`store.tiers.repair.repair`; the index was rebuilt from the files)."""
+    fix = getattr(getattr(tier, "index", None), "repair", None)
+    if fix is None:
+        return
+    done = f"set aside to {fix.set_aside}" if fix.set_aside else "dropped"
+    report.bad.append((fix.path, f"StoreRecordInvalid: the tier's index: {fix.reason}; {done}, and the index "
+                                 "rebuilt from the snapshot files"))
+    store.stats.incr("bad_record")
+
+
 def verify(store: Store, *, namespace: str | None = None, tenants: Mapping[str, Tenant] = {},
            quarantine: bool = True) -> VerifyReport:
-    """Check every snapshot in every tier (optionally one namespace); quarantine bad ones."""
+    """Check every snapshot in every tier (optionally one namespace); quarantine bad ones.
+
+    A snapshot whose layout differs from its parent's in the same tier is reported in ``mixed``
+    (not quarantined: each file is sound alone)."""
     report = VerifyReport()
     prefix = f"{namespace}/" if namespace else ""
     for tier in store.tiers:
+        index_repair(store, tier, report)
+        geometry: dict[str, tuple[str, Geometry]] = {}
         for entry in list(tier.entries(prefix)):
             report.checked += 1
-            reason = check_object(tier, entry.name, tenants)
+            reason = check_object(tier, entry.name, tenants, geometry)
             if reason is None:
                 report.ok += 1
             elif reason == "encrypted":
@@ -89,6 +138,11 @@ def verify(store: Store, *, namespace: str | None = None, tenants: Mapping[str, 
                         report.quarantined.append(where)
                         store.stats.incr("quarantined")
                 log.error("bad snapshot %s: %s", tier.describe(entry.name), reason)
+        for key, reason in mixed_chains(geometry):
+            ns, _, k = key.partition("/")
+            where = tier.describe(object_name(ns, k))
+            report.mixed.append((where, reason))
+            log.error("snapshot %s: %s", where, reason)
     return report
 
 

@@ -54,3 +54,26 @@ def test_an_unknown_source_is_refused_when_building_and_a_non_string_one_is_corr
     d["source"] = 7
     with pytest.raises(SnapshotCorrupt, match="header fields are invalid"):
         SnapshotHeader.from_json(json.dumps(d).encode())
+
+
+@pytest.mark.parametrize("field, value", [
+    ("expires_at", float("nan")), ("created_at", float("inf")), ("created_at", "yesterday"), ("expires_at", True),
+    ("token_ids", ["1"] * 16), ("token_ids", [-1] * 16), ("token_ids", [1 << 40] * 16), ("tenant", 7),
+    ("quant_error", {"k_rel_l2": ["small"]}), ("quant_error", []),
+])
+def test_a_header_field_of_the_wrong_type_or_out_of_bounds_is_corrupt(field, value) -> None:
+    d = json.loads(_built(None).to_json())
+    d[field] = value
+    with pytest.raises(SnapshotCorrupt, match="header fields are invalid"):
+        SnapshotHeader.from_json(json.dumps(d).encode())
+
+
+@pytest.mark.parametrize("where, value", [("layout", {"num_layers": True}), ("layout", {"head_dim": 0}),
+                                          # counts nothing may be built from: refused before any loop over them
+                                          ("layout", {"num_layers": 10**15}), ("layout", {"num_kv_heads": 10**15}),
+                                          ("precision", {"group_tokens": 1.5}), ("precision", {"keep_layers": [0]})])
+def test_layout_and_precision_must_be_what_the_parts_and_the_key_say(where, value) -> None:
+    d = json.loads(_built(None).to_json())
+    d[where].update(value)
+    with pytest.raises(SnapshotCorrupt):
+        SnapshotHeader.from_json(json.dumps(d).encode())

@@ -13,7 +13,7 @@ import torch
 
 from store.errors import SnapshotCorrupt, SnapshotMismatch, UnknownFormatVersion
 from store.format.encode import EncodedSnapshot, build_snapshot, snapshot_bytes, write_pieces, write_snapshot
-from store.format.header import Part, SnapshotHeader
+from store.format.header import Layout, Part, SnapshotHeader
 from store.format.payload import map_file
 from store.format.precision import Precision
 from store.format.snapshot import read_header, read_snapshot
@@ -199,9 +199,13 @@ def test_a_payload_over_256_mib_round_trips(tmp_path: Path) -> None:
     column must not be one. 70B-class models with long blocks pass that size in bf16."""
     root = make_root()
     snap = make_snapshot(root, make_chain(root, 1)[0])
-    n = (1 << 28) + 4096
-    big = dataclasses.replace(snap.header, parts=(Part("k.0", "fp8_e4m3", (n,), n, "-"),))
-    enc = EncodedSnapshot(big, np.zeros(n, dtype=np.uint8))  # zero pages: nothing is allocated until read
+    dim = (1 << 23) + 128  # one layer, one head, 16 tokens: K and V of 128 MiB + 2 KiB each in FP8
+    n = 16 * dim
+    parts = tuple(Part(name, dtype, shape, nbytes, "0" * 16) for kv in ("k", "v") for name, dtype, shape, nbytes in
+                  ((f"{kv}.0", "fp8_e4m3", (1, 16, dim), n), (f"{kv}_scale.0", "fp32", (1,), 4)))
+    big = dataclasses.replace(snap.header, layout=Layout(1, 1, dim, 16), parts=parts)
+    total = 2 * n + 8 + 4  # K, its scales (8-byte aligned), V, its scales
+    enc = EncodedSnapshot(big, np.zeros(total, dtype=np.uint8))  # zero pages: nothing is allocated until read
     path = tmp_path / "big.kvw"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT)
     try:
@@ -210,7 +214,7 @@ def test_a_payload_over_256_mib_round_trips(tmp_path: Path) -> None:
         os.close(fd)
     s = read_snapshot(map_file(path), verify_payload=False)
     region, layout = s.payload
-    assert layout.nbytes == region.nbytes == n
+    assert layout.nbytes == region.nbytes == total > 1 << 28
     assert s.array("k.0")[-8:].tolist() == [0] * 8
 
 
