@@ -31,7 +31,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from store.config import KvwarmConfig, load_config
-from store.errors import StoreUnavailable, TenantAccessDenied
+from store.errors import StoreError, StoreUnavailable, TenantAccessDenied
 from store.identity.fingerprint import ModelIdentity, identity_from_dir
 from store.identity.keys import Block, KeyRoot, block_chain
 from store.identity.tenant import PUBLIC, PUBLIC_TENANT, Tenant
@@ -370,9 +370,11 @@ class KVLoader:
         try:
             out.update(pool_bytes_in_use=self.pool.usage(), pool_budget_bytes=self.pool.budget(),
                        pool_pinned_bytes=self.pool.pinned_bytes(), pool_instances=len(self.pool.instances()))
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, StoreError) as exc:
             log.warning("pool state unavailable: %s", exc)
-        out.update(attached=self.pool.attached, fetch_mode=self.fetch_mode,
+        out.update(attached=self.pool.attached, pool_private=self.pool.private,
+                   bookkeeping_unwritten=sum(t.bookkeeping_unwritten() for t in self.store.tiers),
+                   fetch_mode=self.fetch_mode,
                    s3_backoff=self.fetcher.has_remote and not self.fetcher.usable(), mapped_here=len(self.mapper),
                    store=self.store.stats.as_dict(), fleet=self.fleet.stats.as_dict() if self.fleet else {})
         return out

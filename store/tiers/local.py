@@ -12,10 +12,16 @@ in memory; accesses are written to the index at most every ``recency_flush_s``.
 Writers reserve room in the index (one SQLite transaction) *before* writing, so the
 bytes on disk never exceed the cap, even with several processes writing at once.
 The index can always be rebuilt from the files (``reconcile``).
+
+A full disk is an ordinary condition: a write that does not fit raises
+:class:`store.errors.StoreFull` (whether the snapshot, a metadata file or the index could not be
+written) and leaves no temp file behind; reads go on, and their access records wait in memory
+(:class:`store.tiers.index.TierIndex`). A tier opened on a full disk serves what it holds.
 """
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import sqlite3
@@ -27,13 +33,16 @@ from typing import Callable, Iterator, Sequence
 import pyarrow as pa
 
 from store.config import StoreConfig
-from store.errors import SnapshotError, StoreFull
+from store.errors import SnapshotError, StoreError, StoreFull
 from store.format.encode import EncodedSnapshot, write_pieces
 from store.format.payload import map_file
 from store.format.snapshot import read_header
 from store.tiers.base import SUFFIX, Entry, Housekeeping, Tier
 from store.tiers.index import TierIndex, pid_alive
-from store.tiers.metadir import MetaDir
+from store.tiers.metadir import MetaDir, make_dirs
+from store.tiers.sqlite import full_disk, is_space_error
+
+log = logging.getLogger("kvwarm.store")
 
 
 def encoded_size(data: EncodedSnapshot | bytes | pa.Buffer) -> int:
@@ -82,12 +91,14 @@ class LocalTier(Tier):
         self._writing: set[str] = set()  # names this process is writing now (pending rows carry only the pid)
         self._writing_lock = threading.Lock()
         self.quarantine_dir = self.root / "quarantine"
-        for d in (self.objects, self.tmp, self.quarantine_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.objects, self.tmp, self.quarantine_dir)  # on a full disk: what is there is served
         self.meta = MetaDir(self.root / "meta")
         self.index = TierIndex(self.root / "meta" / "index.sqlite", clock=clock, flush_s=recency_flush_s)
         if self.index.fresh:
-            self.reconcile()
+            try:
+                self.reconcile()
+            except StoreFull as exc:  # left to the first write, or to GC, once there is room
+                log.warning("the local tier's index could not be rebuilt: %s", exc)
 
     @classmethod
     def from_url(cls, url: str, settings: StoreConfig, *, create_bucket: bool = False) -> "LocalTier":
@@ -132,6 +143,9 @@ class LocalTier(Tier):
 
     def touch(self, name: str) -> None:
         self.index.note_access(name)
+
+    def bookkeeping_unwritten(self) -> int:
+        return self.index.unwritten
 
     def exists(self, name: str) -> bool:
         return self.path(name).is_file()
@@ -202,19 +216,36 @@ class LocalTier(Tier):
             # NOTE: no directory fsync. Readers see the rename atomically either way; after
             # a power loss a lost rename is only a miss, and the temp file is GC's.
             os.replace(tmp, final)
-        except BaseException:
+        except BaseException as exc:
             tmp.unlink(missing_ok=True)
-            with self.index.txn() as db:
-                db.execute("DELETE FROM entries WHERE name = ? AND pid = ? AND state = 'pending'", (name, pid))
+            # on a full disk the reservation may stay: this process's next write of it, or GC, clears it
+            self._index_write(f"releasing the reservation of {name}",
+                              "DELETE FROM entries WHERE name = ? AND pid = ? AND state = 'pending'", (name, pid))
+            if is_space_error(exc):
+                raise full_disk(self.root, exc, f"write snapshot {name}") from exc
             raise
-        with self.index.txn() as db:
-            # INSERT OR REPLACE, not UPDATE: a delete() racing this write may have removed
-            # the reservation, and the renamed file must still be counted against the cap.
-            db.execute(
-                "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, 'ready', ?)",
-                (name, size, self.clock(), expires_at, pid),
-            )
+        try:
+            with self.index.txn() as db:
+                # INSERT OR REPLACE, not UPDATE: a delete() racing this write may have removed
+                # the reservation, and the renamed file must still be counted against the cap.
+                db.execute(
+                    "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, 'ready', ?)",
+                    (name, size, self.clock(), expires_at, pid),
+                )
+        except StoreFull as exc:
+            # The snapshot is complete and in place; its reserved row (this pid's) stays pending
+            # and counted against the cap: a later write or GC's reconcile marks it ready.
+            log.warning("snapshot %s was written but the index could not mark it ready: %s", name, exc)
         return True
+
+    def _index_write(self, what: str, sql: str, args: tuple[object, ...]) -> None:
+        """One statement on the index, best effort: on a full disk it is logged and the index left
+        to drift from the files (reconcile, at GC, repairs it)."""
+        try:
+            with self.index.txn() as db:
+                db.execute(sql, args)
+        except StoreError as exc:
+            log.warning("%s: the index could not be written (%s)", what, exc)
 
     def _make_room(self, db: sqlite3.Connection, size: int) -> list[str]:
         if size > self.cap_bytes:
@@ -258,8 +289,8 @@ class LocalTier(Tier):
             f.unlink(missing_ok=True)
 
     def delete(self, name: str) -> bool:
-        with self.index.txn() as db:
-            db.execute("DELETE FROM entries WHERE name = ?", (name,))
+        # on a full disk the file still goes (it frees space)
+        self._index_write(f"removing {name}", "DELETE FROM entries WHERE name = ?", (name,))
         try:
             self.path(name).unlink()
         except FileNotFoundError:
@@ -304,9 +335,14 @@ class LocalTier(Tier):
         except FileNotFoundError:
             return None
         note = {"name": name, "reason": reason, "at": float(stamp)}
-        dst.with_suffix(".reason.json").write_text(json.dumps(note, indent=1))
-        with self.index.txn() as db:
-            db.execute("DELETE FROM entries WHERE name = ?", (name,))
+        # the note and the index are bookkeeping: a full disk must not fail the read that quarantines
+        note_path = dst.with_suffix(".reason.json")
+        try:
+            note_path.write_text(json.dumps(note, indent=1))
+        except OSError as exc:
+            note_path.unlink(missing_ok=True)
+            log.warning("the quarantine note of %s could not be written: %s", dst, exc)
+        self._index_write(f"quarantining {name}", "DELETE FROM entries WHERE name = ?", (name,))
         return str(dst)
 
     def quarantined(self) -> list[Entry]:

@@ -1,0 +1,126 @@
+"""A full disk is an ordinary condition (issue 31, point 5): attacks by a careless operator who lets a
+node's disk fill up.
+
+Each test fills a real file system (a small tmpfs, tests/store/hostile/full_fs.py): the kernel's
+``ENOSPC`` reaches the snapshot files, the metadata files and SQLite's journal alike. What must hold:
+a write that cannot fit raises :class:`store.errors.StoreFull` and leaves no temp file; a read never
+fails because its bookkeeping could not be written; the loader starts and serves what is there.
+"""
+from __future__ import annotations
+
+import pytest
+
+from prefill.cli import main
+from store.config import parse_config
+from store.errors import StoreFull
+from store.serving.loader import KVLoader
+from store.tiers.store import Store
+from tests.store.factories import ACME, make_chain, make_root, make_snapshot
+from tests.store.pool_workers import TINY, prompt, synthetic_prefix
+
+BS = 16
+SHAPE = dict(layers=2, heads=2, head_dim=16)
+
+
+def cfg(**store):
+    return parse_config({"kv_cache": {"block_size": BS}, "store": store})
+
+
+def test_attack_disk_nearly_full_makes_put_raise_a_raw_oserror_not_store_full(small_fs):
+    fs = small_fs(size=4 << 20)
+    store = Store.open(f"file://{fs.path}/store", cfg())
+    root = make_root()
+    chain = make_chain(root, 3)
+    assert store.put(ACME, make_snapshot(root, chain[0]))
+    fs.fill(leave=64 << 10)  # small writes (the index) fit; a 260 KB snapshot does not
+    big = make_snapshot(root, chain[1], layers=8, heads=8, head_dim=64)
+
+    with pytest.raises(StoreFull, match="nvme_cap") as err:
+        store.put(ACME, big)
+
+    assert "free space" in str(err.value)
+    assert fs.temp_files() == []
+    assert store.read(ACME, chain[0], root).snapshot is not None  # what is there is still served
+    fs.free()
+    assert store.put(ACME, big)  # nothing of the failed write is left in the way
+    store.close()
+
+
+def test_attack_disk_full_makes_put_raise_sqlite_operational_error_not_store_full(small_fs):
+    fs = small_fs(size=2 << 20)
+    url = f"file://{fs.path}/store"
+    root = make_root()
+    chain = make_chain(root, 4)
+    first = Store.open(url, cfg())
+    assert first.put(ACME, make_snapshot(root, chain[0]))
+    fs.fill()
+
+    with pytest.raises(StoreFull, match="free space"):  # the index's transaction cannot be written
+        first.put(ACME, make_snapshot(root, chain[1]))
+    first.close()
+    again = Store.open(url, cfg())  # a process opening the store on the full disk
+    with pytest.raises(StoreFull, match="nvme_cap"):
+        again.put(ACME, make_snapshot(root, chain[2]))
+
+    assert again.read(ACME, chain[0], root).snapshot is not None
+    assert fs.temp_files() == []
+    again.close()
+
+
+def test_attack_prefill_warm_on_a_full_store_ends_in_a_traceback_and_leaves_temp_files(small_fs, capsys):
+    fs = small_fs(size=4 << 20)
+    store = f"file://{fs.path}/store"
+    text = "You are a meticulous travel planner. Ask for dates, budget and interests before proposing anything."
+    assert main(["warm", "--store", store, "--block-size", str(BS), "--text", text]) == 0
+    capsys.readouterr()
+    fs.fill()
+
+    rc = main(["warm", "--store", store, "--block-size", str(BS), "--tenant", "public",
+               "--text", "A different prefix: summarise the quarterly report in three plain sentences for the board."])
+
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "StoreFull" in err and "nvme_cap" in err and "free space" in err
+    assert "Traceback" not in err
+    assert fs.temp_files() == []
+
+
+def test_attack_full_disk_with_recency_flush_0_turns_every_lookup_into_an_error_miss(small_fs, tmp_path):
+    fs = small_fs(size=4 << 20)
+    config = cfg(recency_flush_s=0)
+    url = f"file://{fs.path}/nvme"
+    ids = prompt(3 * BS + 1, seed=51)
+    writer = Store.open(url, config)
+    synthetic_prefix(writer, config, ids[: 3 * BS], **SHAPE)
+    writer.close()
+    loader = KVLoader(url, tenant=ACME, model=TINY, config=config, pool_bytes=1 << 30, pool_dir=tmp_path / "pool")
+    fs.fill()
+
+    for _ in range(3):  # every read writes its access record (recency_flush_s 0): none of them can
+        hit, reason = loader.lookup_with_reason(ids)
+        assert hit is not None and len(hit.blocks) == 3 and reason is None
+        hit.release()
+
+    stats = loader.stats()
+    assert stats["misses_by_reason"] == {} and stats["hits"] == 3
+    assert stats["bookkeeping_unwritten"] >= 1  # counted, not failed
+    loader.close()
+
+
+def test_attack_pool_file_system_full_makes_kvloader_raise(small_fs, tmp_path):
+    pool_fs = small_fs("pool", size=1 << 20)
+    config = cfg()
+    url = f"file://{tmp_path}/nvme"
+    ids = prompt(2 * BS + 1, seed=52)
+    writer = Store.open(url, config)
+    synthetic_prefix(writer, config, ids[: 2 * BS], **SHAPE)
+    writer.close()
+    pool_fs.fill()
+
+    loader = KVLoader(url, tenant=ACME, model=TINY, config=config, pool_bytes=1 << 30, pool_dir=pool_fs.path / "pool")
+
+    hit, reason = loader.lookup_with_reason(ids)
+    assert hit is not None and len(hit.blocks) == 2 and reason is None  # served what is there
+    hit.release()
+    assert loader.stats()["pool_private"] is True  # the node's shared pool could not be written
+    loader.close()
