@@ -13,17 +13,13 @@ Writers reserve room in the index (one SQLite transaction) *before* writing, so 
 bytes on disk never exceed the cap, even with several processes writing at once.
 The index can always be rebuilt from the files (``reconcile``).
 
-A full disk is an ordinary condition: a write that does not fit raises
-:class:`store.errors.StoreFull` (whether the snapshot, a metadata file or the index could not be
-written) and leaves no temp file behind; reads go on, and their access records wait in memory
-(:class:`store.tiers.index.TierIndex`). A tier opened on a full disk serves what it holds.
+A full disk is ordinary: a write that does not fit raises :class:`store.errors.StoreFull` and
+leaves no temp file; reads go on (their access records wait in memory), also on a tier opened full.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import secrets
 import sqlite3
 import threading
 import time
@@ -38,6 +34,7 @@ from store.format.encode import EncodedSnapshot, write_pieces
 from store.format.payload import map_file
 from store.format.snapshot import read_header
 from store.tiers.base import SUFFIX, Entry, Housekeeping, Tier
+from store.tiers import quarantine, temp_files
 from store.tiers.index import TierIndex, pid_alive
 from store.tiers.metadir import MetaDir, make_dirs
 from store.tiers.sqlite import full_disk, is_space_error
@@ -204,7 +201,7 @@ class LocalTier(Tier):
                 "INSERT INTO entries VALUES (?, ?, ?, ?, 'pending', ?)",
                 (name, size, self.clock(), expires_at, pid),
             )
-        tmp = self.tmp / f"{final.stem}.{pid}.{secrets.token_hex(4)}.tmp"
+        tmp = temp_files.temp_path(self.tmp, final.stem, pid)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             try:
@@ -224,23 +221,15 @@ class LocalTier(Tier):
             if is_space_error(exc):
                 raise full_disk(self.root, exc, f"write snapshot {name}") from exc
             raise
-        try:
-            with self.index.txn() as db:
-                # INSERT OR REPLACE, not UPDATE: a delete() racing this write may have removed
-                # the reservation, and the renamed file must still be counted against the cap.
-                db.execute(
-                    "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, 'ready', ?)",
-                    (name, size, self.clock(), expires_at, pid),
-                )
-        except StoreFull as exc:
-            # The snapshot is complete and in place; its reserved row (this pid's) stays pending
-            # and counted against the cap: a later write or GC's reconcile marks it ready.
-            log.warning("snapshot %s was written but the index could not mark it ready: %s", name, exc)
+        # INSERT OR REPLACE, not UPDATE: a delete() racing this write may have removed the
+        # reservation, and the renamed file must still be counted against the cap. On a full disk
+        # the snapshot is in place all the same; its pending row (this pid's) stays counted.
+        self._index_write(f"marking {name} ready", "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, 'ready', ?)",
+                          (name, size, self.clock(), expires_at, pid))
         return True
 
     def _index_write(self, what: str, sql: str, args: tuple[object, ...]) -> None:
-        """One statement on the index, best effort: on a full disk it is logged and the index left
-        to drift from the files (reconcile, at GC, repairs it)."""
+        """One statement on the index, best effort: on a full disk it is logged (GC's reconcile repairs it)."""
         try:
             with self.index.txn() as db:
                 db.execute(sql, args)
@@ -284,9 +273,7 @@ class LocalTier(Tier):
         return evicted
 
     def _unlink_temp_files(self, name: str, owner: int) -> None:
-        """Remove the temp files writer ``owner`` left for ``name`` (named ``<key>.<pid>.<rand>.tmp``)."""
-        for f in self.tmp.glob(f"{self.path(name).stem}.{owner}.*.tmp"):
-            f.unlink(missing_ok=True)
+        temp_files.unlink_writer_files(self.tmp, self.path(name).stem, owner)
 
     def delete(self, name: str) -> bool:
         # on a full disk the file still goes (it frees space)
@@ -326,48 +313,19 @@ class LocalTier(Tier):
                 yield Entry(name, st.st_size, st.st_mtime)
 
     def quarantine(self, name: str, reason: str) -> str | None:
-        src = self.path(name)
-        stamp = f"{self.clock():.6f}"
-        # The random part keeps earlier evidence when the same name goes bad twice at one instant.
-        dst = self.quarantine_dir / f"{name.replace('/', '__')}.{stamp}.{secrets.token_hex(4)}{SUFFIX}"
-        try:
-            os.replace(src, dst)
-        except FileNotFoundError:
+        dst = quarantine.move_aside(self.path(name), self.quarantine_dir, name, reason, self.clock())
+        if dst is None:
             return None
-        note = {"name": name, "reason": reason, "at": float(stamp)}
-        # the note and the index are bookkeeping: a full disk must not fail the read that quarantines
-        note_path = dst.with_suffix(".reason.json")
-        try:
-            note_path.write_text(json.dumps(note, indent=1))
-        except OSError as exc:
-            note_path.unlink(missing_ok=True)
-            log.warning("the quarantine note of %s could not be written: %s", dst, exc)
         self._index_write(f"quarantining {name}", "DELETE FROM entries WHERE name = ?", (name,))
         return str(dst)
 
     def quarantined(self) -> list[Entry]:
-        out = []
-        for f in sorted(self.quarantine_dir.glob(f"*{SUFFIX}")):
-            st = f.stat()
-            out.append(Entry(f.name, st.st_size, st.st_mtime))
-        return out
+        return quarantine.listing(self.quarantine_dir)
 
     def stale_temp_files(self, now: float, max_age_s: float = 3600.0) -> list[Path]:
         """Temp files (snapshot writes in tmp/, metadata writes in meta/) whose writer is
         dead (pid in the name) or that are older than ``max_age_s``."""
-        out = []
-        for f in [*self.tmp.glob("*.tmp"), *self.meta.temp_files()]:
-            try:
-                pid = int(f.name.split(".")[-3])
-            except (ValueError, IndexError):
-                pid = -1
-            try:
-                age = now - f.stat().st_mtime
-            except FileNotFoundError:
-                continue
-            if pid <= 0 or not pid_alive(pid) or age > max_age_s:
-                out.append(f)
-        return out
+        return temp_files.stale([*self.tmp.glob("*.tmp"), *self.meta.temp_files()], now, max_age_s)
 
     def reconcile(self) -> dict[str, int]:
         """Make the index agree with the files: drop rows of missing files and dead

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import logging
 import os
-import secrets
 from pathlib import Path
 from typing import Iterator
 
 from store.tiers.sqlite import full_disk, is_space_error
+from store.tiers.temp_files import temp_path
 
 log = logging.getLogger("kvwarm.store")
 
@@ -66,7 +66,7 @@ class MetaDir:
             StoreFull: the file system has no room for it (nothing of the write is left).
         """
         path = self._path(name)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        tmp = temp_path(path.parent, f".{path.name}", os.getpid())
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with open(tmp, "wb") as f:
