@@ -371,8 +371,16 @@ class LocalTier(Tier):
         for f in self.stale_temp_files(now):
             f.unlink(missing_ok=True)
             done.temp_removed += 1
-        done.index_fixes = self.reconcile()
-        done.expired_removed = len(self.remove_expired(now))
+        try:
+            done.index_fixes = self.reconcile()
+        except StoreFull as exc:  # the index cannot be written: free what expired by the headers, then catch up
+            log.warning("%s; GC removes expired snapshots by their headers first", exc)
+            for e in list(self.entries()):
+                if _header_expiry(self.path(e.name), default=float("inf")) <= now:
+                    self.path(e.name).unlink(missing_ok=True)
+                    done.expired_removed += 1
+            done.index_fixes = self.reconcile()  # StoreFull still: nothing expired, an operator must free space
+        done.expired_removed += len(self.remove_expired(now))
         done.evicted = len(self.trim())
         return done
 

@@ -8,14 +8,17 @@ fails because its bookkeeping could not be written; the loader starts and serves
 """
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from prefill.cli import main
 from store.config import parse_config
 from store.errors import StoreFull
 from store.serving.loader import KVLoader
+from store.tiers.maintenance import gc
 from store.tiers.store import Store
-from tests.store.factories import ACME, make_chain, make_root, make_snapshot
+from tests.store.factories import ACME, BOLT, make_chain, make_root, make_snapshot
 from tests.store.pool_workers import TINY, prompt, synthetic_prefix
 
 BS = 16
@@ -123,4 +126,70 @@ def test_attack_pool_file_system_full_makes_kvloader_raise(small_fs, tmp_path):
     assert hit is not None and len(hit.blocks) == 2 and reason is None  # served what is there
     hit.release()
     assert loader.stats()["pool_private"] is True  # the node's shared pool could not be written
+    loader.close()
+
+
+# -- what else a full disk must leave working ------------------------------------------------------
+
+def test_a_new_namespace_on_a_full_disk_is_store_full_and_its_owner_record_leaves_no_temp_file(small_fs):
+    fs = small_fs(size=2 << 20)
+    store = Store.open(f"file://{fs.path}/store", cfg())
+    acme, bolt = make_root(ACME), make_root(BOLT)
+    assert store.put(ACME, make_snapshot(acme, make_chain(acme, 1)[0]))
+    fs.fill()
+
+    with pytest.raises(StoreFull, match="tenants/bolt.json"):  # the owner record is the first write
+        store.put(BOLT, make_snapshot(bolt, make_chain(bolt, 1)[0], tenant=BOLT))
+
+    assert fs.temp_files() == [] and store.local.get_meta("tenants/bolt.json") is None
+    store.close()
+
+
+def test_gc_on_a_full_disk_removes_what_expired_then_catches_the_index_up(small_fs, caplog):
+    fs = small_fs(size=2 << 20)
+    store = Store.open(f"file://{fs.path}/store", cfg())
+    root = make_root()
+    chain = make_chain(root, 10)
+    old = time.time() - 7200
+    for b in chain[:8]:  # 8 expired snapshots of 33 KB: the room GC can make
+        store.put(ACME, make_snapshot(root, b, created_at=old, ttl_s=60, layers=4, heads=4, head_dim=64))
+    for b in chain[8:]:
+        store.put(ACME, make_snapshot(root, b))
+    store.close()
+    fs.fill()
+    store = Store.open(f"file://{fs.path}/store", cfg())  # GC's own process, on the full disk
+
+    report = gc(store)
+
+    assert "GC removes expired snapshots by their headers" in caplog.text  # the index could not be written
+    tier = store.local
+    assert sorted(e.name.rsplit("/", 1)[-1][:-4] for e in tier.entries()) == sorted(b.key for b in chain[8:])
+    assert report.expired_removed == 8 and report.index_fixes["dropped"] == 8
+    assert tier.usage() == sum(e.size for e in tier.entries())  # the index agrees with the files again
+    store.close()
+
+
+def test_a_pool_whose_file_system_fills_while_serving_goes_private_and_keeps_serving(small_fs, tmp_path):
+    pool_fs = small_fs("pool", size=1 << 20)
+    config = cfg()
+    url = f"file://{tmp_path}/nvme"
+    first, second = prompt(2 * BS + 1, seed=53), prompt(2 * BS + 1, seed=54)
+    writer = Store.open(url, config)
+    for ids in (first, second):
+        synthetic_prefix(writer, config, ids[: 2 * BS], **SHAPE)
+    writer.close()
+    loader = KVLoader(url, tenant=ACME, model=TINY, config=config, pool_bytes=1 << 30, pool_dir=pool_fs.path / "pool")
+    hit = loader.lookup(first)
+    assert hit is not None and loader.stats()["pool_private"] is False
+    hit.release()
+    pool_fs.fill()
+
+    for ids in (second, first):  # new admissions, then a chain this process mapped in the node's pool
+        hit, reason = loader.lookup_with_reason(ids)
+        assert hit is not None and len(hit.blocks) == 2 and reason is None
+        hit.release()
+
+    stats = loader.stats()
+    assert stats["pool_private"] is True and stats["misses_by_reason"] == {}
+    assert stats["pool_bytes_in_use"] > 0  # the private pool holds what was admitted after the switch
     loader.close()
