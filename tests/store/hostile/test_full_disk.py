@@ -70,16 +70,20 @@ def test_attack_disk_full_makes_put_raise_sqlite_operational_error_not_store_ful
     again.close()
 
 
-def test_attack_prefill_warm_on_a_full_store_ends_in_a_traceback_and_leaves_temp_files(small_fs, capsys):
+def test_attack_prefill_warm_on_a_full_store_ends_in_a_traceback_and_leaves_temp_files(small_fs, tmp_path, capsys,
+                                                                                       monkeypatch):
     fs = small_fs(size=4 << 20)
-    store = f"file://{fs.path}/store"
+    config = tmp_path / "kvwarm.yaml"
+    config.write_text("tenants:\n  acme:\n    secret_env: KVWARM_TEST_ACME_SECRET\n")
+    monkeypatch.setenv("KVWARM_TEST_ACME_SECRET", "acme-secret-of-a-decent-length-0123456789abcdef")
+    warm = ["warm", "--config", str(config), "--store", f"file://{fs.path}/store", "--block-size", str(BS)]
     text = "You are a meticulous travel planner. Ask for dates, budget and interests before proposing anything."
-    assert main(["warm", "--store", store, "--block-size", str(BS), "--text", text]) == 0
+    assert main([*warm, "--tenant", "public", "--text", text]) == 0
     capsys.readouterr()
     fs.fill()
 
-    rc = main(["warm", "--store", store, "--block-size", str(BS), "--tenant", "public",
-               "--text", "A different prefix: summarise the quarterly report in three plain sentences for the board."])
+    # a tenant new to this store: its owner record is written first, then its snapshots
+    rc = main([*warm, "--tenant", "acme", "--text", text])
 
     err = capsys.readouterr().err
     assert rc == 1
