@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
-from store.errors import ConfigError, StoreUnavailable
+from store.errors import ConfigError, StoreFull, StoreUnavailable
 
 if TYPE_CHECKING:
     from store.tiers.base import Tier
@@ -265,7 +265,7 @@ def publish_plan(plan: Plan, tiers: Sequence["Tier"]) -> int:
             tier.put_meta(LATEST_PLAN, data)
             tier.put_meta(LATEST_VERSION, version)
             written += 1
-        except (StoreUnavailable, OSError) as exc:
+        except (StoreUnavailable, StoreFull, OSError) as exc:  # a full disk: the next tier may take it
             error = exc
     if not written:
         raise StoreUnavailable(f"no tier took the plan: {error}")
