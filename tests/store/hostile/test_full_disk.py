@@ -197,3 +197,21 @@ def test_a_pool_whose_file_system_fills_while_serving_goes_private_and_keeps_ser
     assert stats["pool_private"] is True and stats["misses_by_reason"] == {}
     assert stats["pool_bytes_in_use"] > 0  # the private pool holds what was admitted after the switch
     loader.close()
+
+
+def test_a_loader_started_on_a_full_nvme_disk_serves_what_is_there(small_fs, tmp_path):
+    fs = small_fs(size=2 << 20)
+    config = cfg()
+    url = f"file://{fs.path}/nvme"
+    ids = prompt(2 * BS + 1, seed=55)
+    writer = Store.open(url, config)
+    synthetic_prefix(writer, config, ids[: 2 * BS], **SHAPE)
+    writer.close()  # no process holds the index open: a new one must open it on the full disk
+    fs.fill()
+
+    loader = KVLoader(url, tenant=ACME, model=TINY, config=config, pool_bytes=1 << 30, pool_dir=tmp_path / "pool")
+    hit, reason = loader.lookup_with_reason(ids)
+
+    assert hit is not None and len(hit.blocks) == 2 and reason is None
+    hit.release()
+    loader.close()
