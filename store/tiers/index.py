@@ -110,7 +110,8 @@ class TierIndex:
         except (StoreError, sqlite3.Error) as exc:
             self._keep(taken)  # written, then the commit failed: they come back
             with self._lock:
-                self._last_flush = self.clock()  # the next try waits flush_s, as a written flush does
+                # the next try waits flush_s, and at least a second: reads do not retry a full disk each
+                self._last_flush = self.clock() + max(0.0, 1.0 - self.flush_s)
                 self.unwritten += 1
                 first, self._failing = not self._failing, True
             if first:
