@@ -19,6 +19,7 @@ from prefill.progress import Progress
 from prefill.runner import DeadlinePassed, Prefiller, PrefillOptions, PrefillReport, check_deadline
 from store.cli import add_location_options
 from store.config import KvwarmConfig, load_config, with_values
+from store.errors import StoreFull
 from store.format.precision import Precision
 from store.plan import PlanEntry, read_plan
 from store.plan_seal import config_keys, open_plan
@@ -102,6 +103,10 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     except DeadlinePassed as exc:
         print(f"prefill: nothing done: {exc}", file=sys.stderr)
         return 1
+    except StoreFull as exc:  # an ordinary condition: one line, no traceback (nothing partial is left)
+        print(f"prefill: StoreFull: {exc}. The blocks written before it are kept: rerun once there is room, and "
+              "only the rest is computed", file=sys.stderr)
+        return 1
     finally:
         store.close()
     if args.json:
@@ -139,7 +144,7 @@ def add_warm_command(sub: Any) -> None:
                        description="Compute the KV of the given prefixes (only the blocks the store lacks) and write "
                                    "one snapshot per full block. The final partial block of a prefix is not stored. "
                                    "Give prefixes one way: --text, --file, --plan or --token-ids. Exit 1 when the "
-                                   "deadline stops the run early (rerun to continue).")
+                                   "deadline stops the run early, or the store's disk is full (rerun to continue).")
     p.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME",
                    help=f"built-in name (kvwarm-tiny, kvwarm-ref), local directory or Hugging Face id "
                         f"(default: {DEFAULT_MODEL})")

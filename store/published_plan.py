@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from store.errors import StoreUnavailable
+from store.errors import StoreFull, StoreUnavailable
 from store.identity.keys import BlockKey, KeyRoot, block_keys, root_key
 from store.plan import (
     ACTIONS,
@@ -258,7 +258,7 @@ def publish_plan(plan: PublishedPlan, tiers: Sequence["Tier"]) -> int:
             tier.put_meta(LATEST_PLAN, data)
             tier.put_meta(LATEST_VERSION, version)
             written += 1
-        except (StoreUnavailable, OSError) as exc:
+        except (StoreUnavailable, StoreFull, OSError) as exc:  # a full disk: the next tier may take it
             error = exc
     if not written:
         raise StoreUnavailable(f"no tier took the plan: {error}")

@@ -1,7 +1,6 @@
 """The serving-side loader: longest stored prefix, mapped from the node's shared pool, handed to engines.
 
-What a serving process imports (store + torch; transformers only inside
-:meth:`LoaderHit.to_dynamic_cache`)::
+What a serving process imports (store + torch; transformers only inside :meth:`LoaderHit.to_dynamic_cache`)::
 
     loader = KVLoader("file:///var/cache/kvwarm,s3://kvwarm-kv/prod", tenant="acme",
                       model="/models/llama-3-8b", pool_bytes=16 << 30)
@@ -11,10 +10,10 @@ What a serving process imports (store + torch; transformers only inside
             cache = hit.to_dynamic_cache("cuda", torch.bfloat16)
         out = model.generate(input_ids, cache=cache, ...)
 
-The request never fails because of kvwarm: S3 down, a corrupt, expired or mismatched
-snapshot, another tenant's namespace, a full pool, a process over
-``max_shared_instances``: each is a miss (or a hit cut short) with a reason, counted in
-:attr:`KVLoader.metrics` and logged. See docs/guides/loader.md.
+The request never fails because of kvwarm: S3 down, a corrupt, expired or mismatched snapshot, another
+tenant's namespace, a full pool, a full disk, a process over ``max_shared_instances``: each is a miss (or a
+hit cut short) with a reason, or a hit served all the same, counted in :attr:`KVLoader.metrics` and logged.
+See docs/guides/loader.md.
 """
 from __future__ import annotations
 
@@ -31,7 +30,7 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from store.config import KvwarmConfig, load_config
-from store.errors import StoreRecordInvalid, StoreUnavailable, TenantAccessDenied
+from store.errors import StoreError, StoreRecordInvalid, StoreUnavailable, TenantAccessDenied
 from store.identity.fingerprint import ModelIdentity, identity_from_dir
 from store.identity.keys import Block, KeyRoot, block_chain
 from store.identity.tenant import PUBLIC, PUBLIC_TENANT, Tenant
@@ -376,10 +375,11 @@ class KVLoader:
         try:
             out.update(pool_bytes_in_use=self.pool.usage(), pool_budget_bytes=self.pool.budget(),
                        pool_pinned_bytes=self.pool.pinned_bytes(), pool_instances=len(self.pool.instances()))
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, StoreError) as exc:
             log.warning("pool state unavailable: %s", exc)
-        out.update(attached=self.pool.attached, fetch_mode=self.fetch_mode,
+        out.update(attached=self.pool.attached, pool_private=self.pool.private, fetch_mode=self.fetch_mode,
                    s3_backoff=self.fetcher.has_remote and not self.fetcher.usable(), mapped_here=len(self.mapper),
+                   bookkeeping_unwritten=sum(t.bookkeeping_unwritten() for t in self.store.tiers),
                    store=self.store.stats.as_dict(), fleet=self.fleet.stats.as_dict() if self.fleet else {})
         return out
 

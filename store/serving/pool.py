@@ -17,6 +17,11 @@ Rows:
         effective budget is the smallest any attached process asked for.
     meta(k, v)               ``epoch``: bumped at every eviction, so processes drop
         mappings of evicted snapshots without asking per snapshot.
+
+A full file system under the pool's directory does not stop serving: when the pool's
+database cannot be opened or written for lack of space, this process goes on with a private
+pool in its own memory (its own budget, shared with no one: :attr:`SnapshotPool.private`),
+logged once, until it restarts.
 """
 from __future__ import annotations
 
@@ -24,16 +29,19 @@ import hashlib
 import logging
 import os
 import sqlite3
+import threading
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
-from store.errors import OperationalError, StoreError
+from store.errors import OperationalError, StoreError, StoreFull
 from store.tiers.index import pid_alive
 from store.tiers.repair import FINITE, INTEGER, MAX_PID, MAX_SIZE, Repair, repair
-from store.tiers.sqlite import LocalDB
+from store.tiers.sqlite import LocalDB, is_space_error
+
+T = TypeVar("T")
 
 log = logging.getLogger("kvwarm.pool")
 
@@ -102,7 +110,6 @@ class SnapshotPool:
         if max_instances < 1:
             raise ValueError(f"max_shared_instances must be at least 1, got {max_instances}")
         self.directory = Path(directory)
-        self.directory.mkdir(parents=True, exist_ok=True)
         self.budget_bytes = int(budget_bytes)
         self.max_instances = int(max_instances)
         self.clock = clock
@@ -113,16 +120,79 @@ class SnapshotPool:
         # synchronous=OFF: node-local, rebuilt from nothing after a reboot (or when damaged: what
         # the pool held is only mapped again on the next lookups)
         path = self.directory / "pool.sqlite"
-        self.repair: Repair | None = repair(path, _SCHEMA, _VALID, timeout_s=60)
+        self.repair: Repair | None = None
         self._sqlite = LocalDB(path, _SCHEMA, synchronous="OFF", timeout_s=60)
-        self.db()
+        self._switch = threading.Lock()
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            self.repair = repair(path, _SCHEMA, _VALID, timeout_s=60)
+            self.db()
+        except (StoreFull, OSError) as exc:
+            if not isinstance(exc, StoreFull) and not is_space_error(exc):
+                raise
+            self._go_private(exc)
 
     # -- plumbing ------------------------------------------------------------
+    @property
+    def private(self) -> bool:
+        """Whether this process keeps a private pool in memory (the node's could not be written)."""
+        return self._sqlite.is_private
+
     def db(self) -> sqlite3.Connection:
         return self._sqlite.db()
 
     def _txn(self) -> AbstractContextManager[sqlite3.Connection]:
         return self._sqlite.txn()
+
+    def _write(self, body: Callable[[sqlite3.Connection], T]) -> T:
+        """``body`` in a write transaction; on a full disk, again in this process's private pool."""
+        try:
+            with self._txn() as db:
+                return body(db)
+        except StoreFull as exc:
+            if self.private:
+                raise
+            self._go_private(exc)
+        with self._txn() as db:
+            return body(db)
+
+    def _read(self, body: Callable[[sqlite3.Connection], T]) -> T:
+        """``body`` on this thread's connection; a full disk that stops it opening: the private pool."""
+        try:
+            with self._sqlite.reading():
+                return body(self.db())
+        except StoreFull as exc:
+            if self.private:
+                raise
+            self._go_private(exc)
+        with self._sqlite.reading():
+            return body(self.db())
+
+    def _go_private(self, exc: BaseException) -> None:
+        """Carry on with a pool in this process's memory: the node's cannot be written (``exc``).
+
+        Its epoch and admission ids start past any the node's pool gave, so no mapping this
+        process holds is taken for one admitted into the private pool."""
+        with self._switch:
+            if not self.private:  # another thread may have switched meanwhile
+                self._open_private(exc)
+
+    def _open_private(self, exc: BaseException) -> None:
+        log.warning("the node's snapshot pool in %s cannot be written (%s): this process keeps a private pool "
+                    "in memory (not shared with the node's other serving processes) until it restarts; free "
+                    "space there or set loader.pool_dir to a file system with room", self.directory, exc)
+        start = 1 << 40
+        try:
+            with self._sqlite.reading():
+                start = max(start, 1 + max(v for _, v in self.db().execute("SELECT k, v FROM meta")))
+        except (StoreError, sqlite3.Error, ValueError):
+            pass
+        self._sqlite.close()
+        self._sqlite = LocalDB.private(_SCHEMA, name=f"pool-{self.pid}")
+        with self._txn() as db:
+            db.execute("UPDATE meta SET v = ?", (start,))
+            if self.attached:
+                db.execute("INSERT INTO attached VALUES (?, ?, ?)", (self.pid, self.budget_bytes, self.clock()))
 
     @staticmethod
     def _live_pids(db: sqlite3.Connection) -> None:
@@ -144,25 +214,29 @@ class SnapshotPool:
         Raises:
             PoolAttachRefused: ``max_instances`` live processes are attached already.
         """
-        with self._txn() as db:
-            self._live_pids(db)
-            if db.execute("SELECT 1 FROM attached WHERE pid = ?", (self.pid,)).fetchone() is None:
-                n = db.execute("SELECT COUNT(*) FROM attached").fetchone()[0]
-                if n >= self.max_instances:
-                    raise PoolAttachRefused(
-                        f"{n} processes are attached to the snapshot pool in {self.directory} "
-                        f"(kv_cache.max_shared_instances = {self.max_instances}); raise it or run fewer "
-                        "serving processes on this node")
-                db.execute("INSERT INTO attached VALUES (?, ?, ?)", (self.pid, self.budget_bytes, self.clock()))
-            # A smaller budget than the pool's holds from now: make it true for what is unpinned.
-            self._evict(db, 0, self._budget(db))
+        self._write(self._attach)
         self.attached = True
+
+    def _attach(self, db: sqlite3.Connection) -> None:
+        self._live_pids(db)
+        if db.execute("SELECT 1 FROM attached WHERE pid = ?", (self.pid,)).fetchone() is None:
+            n = db.execute("SELECT COUNT(*) FROM attached").fetchone()[0]
+            if n >= self.max_instances:
+                raise PoolAttachRefused(
+                    f"{n} processes are attached to the snapshot pool in {self.directory} "
+                    f"(kv_cache.max_shared_instances = {self.max_instances}); raise it or run fewer "
+                    "serving processes on this node")
+            db.execute("INSERT INTO attached VALUES (?, ?, ?)", (self.pid, self.budget_bytes, self.clock()))
+        # A smaller budget than the pool's holds from now: make it true for what is unpinned.
+        self._evict(db, 0, self._budget(db))
 
     def detach(self) -> None:
         """Release this process's pins and attachment (its mappings go with the process)."""
-        with self._txn() as db:
+        def detach(db: sqlite3.Connection) -> None:
             db.execute("DELETE FROM pins WHERE pid = ?", (self.pid,))
             db.execute("DELETE FROM attached WHERE pid = ?", (self.pid,))
+
+        self._write(detach)
         self.attached = False
 
     # -- pins ----------------------------------------------------------------
@@ -172,37 +246,40 @@ class SnapshotPool:
         Stops at the first item that cannot fit; returns the admission ids of those pinned
         (a prefix of ``items``). A pinned snapshot stays in the pool until :meth:`unpin`.
         """
-        now = self.clock()
+        return self._write(lambda db: self._pin(db, items, self.clock()))
+
+    def _pin(self, db: sqlite3.Connection, items: Sequence[Admit], now: float) -> list[int]:
         ids: list[int] = []
-        with self._txn() as db:
-            budget = self._budget(db)
-            for it in items:
-                row = db.execute("SELECT admission FROM entries WHERE name = ?", (it.name,)).fetchone()
-                if row is None:
-                    if not self._evict(db, it.size, budget):
-                        break
-                    adm = db.execute("UPDATE meta SET v = v + 1 WHERE k = 'admission' RETURNING v").fetchone()[0]
-                    db.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?)",
-                               (it.name, it.path, it.size, it.priority or 0.0, it.expires, now, adm))
-                else:
-                    adm = row[0]
-                    db.execute("UPDATE entries SET last_access = ?, priority = COALESCE(?, priority) WHERE name = ?",
-                               (now, it.priority, it.name))
-                db.execute("INSERT INTO pins VALUES (?, ?, 1) ON CONFLICT(name, pid) DO UPDATE SET count = count + 1",
-                           (it.name, self.pid))
-                ids.append(int(adm))
-            self.last_usage = int(db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0])
-            self.last_budget = budget
+        budget = self._budget(db)
+        for it in items:
+            row = db.execute("SELECT admission FROM entries WHERE name = ?", (it.name,)).fetchone()
+            if row is None:
+                if not self._evict(db, it.size, budget):
+                    break
+                adm = db.execute("UPDATE meta SET v = v + 1 WHERE k = 'admission' RETURNING v").fetchone()[0]
+                db.execute("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?, ?)",
+                           (it.name, it.path, it.size, it.priority or 0.0, it.expires, now, adm))
+            else:
+                adm = row[0]
+                db.execute("UPDATE entries SET last_access = ?, priority = COALESCE(?, priority) WHERE name = ?",
+                           (now, it.priority, it.name))
+            db.execute("INSERT INTO pins VALUES (?, ?, 1) ON CONFLICT(name, pid) DO UPDATE SET count = count + 1",
+                       (it.name, self.pid))
+            ids.append(int(adm))
+        self.last_usage = int(db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0])
+        self.last_budget = budget
         return ids
 
     def unpin(self, names: Sequence[str]) -> None:
         """Undo one :meth:`pin` of each name by this process."""
         if not names:
             return
-        with self._txn() as db:
+        def unpin(db: sqlite3.Connection) -> None:
             db.executemany("UPDATE pins SET count = count - 1 WHERE name = ? AND pid = ?",
                            [(n, self.pid) for n in names])
             db.execute("DELETE FROM pins WHERE count <= 0")
+
+        self._write(unpin)
 
     def _evict(self, db: sqlite3.Connection, size: int, budget: int) -> bool:
         """Make room for ``size`` bytes under ``budget``; ``False`` if pinned bytes prevent it.
@@ -237,40 +314,40 @@ class SnapshotPool:
     # -- what is there -------------------------------------------------------
     def epoch(self) -> int:
         """Changes whenever something is evicted (cheap to poll)."""
-        return int(self.db().execute("SELECT v FROM meta WHERE k = 'epoch'").fetchone()[0])
+        return self._read(lambda db: int(db.execute("SELECT v FROM meta WHERE k = 'epoch'").fetchone()[0]))
 
     def admissions(self, names: Sequence[str]) -> dict[str, int]:
         """Admission ids of those ``names`` that are in the pool now."""
         if not names:
             return {}
         marks = ",".join("?" * len(names))
-        rows = self.db().execute(f"SELECT name, admission FROM entries WHERE name IN ({marks})", list(names))
-        return {n: int(a) for n, a in rows}
+        return self._read(lambda db: {n: int(a) for n, a in db.execute(
+            f"SELECT name, admission FROM entries WHERE name IN ({marks})", list(names))})
 
     def usage(self) -> int:
         """Bytes the pool holds now (all processes)."""
-        return int(self.db().execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0])
+        return self._read(lambda db: int(db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()[0]))
 
     def budget(self) -> int:
         """The effective node budget (the smallest any attached process asked for)."""
-        return self._budget(self.db())
+        return self._read(self._budget)
 
     def pinned_bytes(self) -> int:
         """Bytes of snapshots pinned by live processes."""
-        return int(self.db().execute(
+        return self._read(lambda db: int(db.execute(
             "SELECT COALESCE(SUM(size), 0) FROM entries e WHERE EXISTS "
-            "(SELECT 1 FROM pins p WHERE p.name = e.name AND p.count > 0)").fetchone()[0])
+            "(SELECT 1 FROM pins p WHERE p.name = e.name AND p.count > 0)").fetchone()[0]))
 
     def instances(self) -> list[int]:
         """Pids attached now."""
-        return [r[0] for r in self.db().execute("SELECT pid FROM attached ORDER BY pid")]
+        return self._read(lambda db: [r[0] for r in db.execute("SELECT pid FROM attached ORDER BY pid")])
 
     def close(self) -> None:
         """Detach (if attached) and close this thread's connection."""
         if self.attached:
             try:
                 self.detach()
-            except sqlite3.Error as exc:  # closing must not fail a shutting-down server
+            except (sqlite3.Error, StoreError) as exc:  # closing must not fail a shutting-down server
                 log.warning("detaching from the snapshot pool failed: %s", exc)
         self._sqlite.close()
 

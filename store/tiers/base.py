@@ -170,7 +170,12 @@ class Tier(ABC):
         return []
 
     def touch(self, name: str) -> None:
-        """Record an access for LRU (tiers without eviction ignore it)."""
+        """Record an access for LRU (tiers without eviction ignore it). Never raises for a record
+        that cannot be written (a full disk): it is kept, counted and written later."""
+
+    def bookkeeping_unwritten(self) -> int:
+        """How often this process's access records could not be written (a full disk); reads went on."""
+        return 0
 
     def path(self, name: str) -> Path:
         """The local file holding an object (``mappable`` tiers only)."""

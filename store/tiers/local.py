@@ -12,12 +12,14 @@ in memory; accesses are written to the index at most every ``recency_flush_s``.
 Writers reserve room in the index (one SQLite transaction) *before* writing, so the
 bytes on disk never exceed the cap, even with several processes writing at once.
 The index can always be rebuilt from the files (``reconcile``).
+
+A full disk is ordinary: a write that does not fit raises :class:`store.errors.StoreFull` and
+leaves no temp file; reads go on (their access records wait in memory), also on a tier opened full.
 """
 from __future__ import annotations
 
-import json
+import logging
 import os
-import secrets
 import sqlite3
 import threading
 import time
@@ -27,14 +29,18 @@ from typing import Callable, Iterator, Sequence
 import pyarrow as pa
 
 from store.config import StoreConfig
-from store.errors import SnapshotError, StoreFull
+from store.errors import SnapshotError, StoreError, StoreFull
 from store.format.encode import EncodedSnapshot, write_pieces
 from store.format.payload import map_file
 from store.format.snapshot import read_header
 from store.tiers.base import SUFFIX, Entry, Housekeeping, Tier
+from store.tiers import quarantine, temp_files
 from store.tiers.index import TierIndex, pid_alive
-from store.tiers.metadir import MetaDir
+from store.tiers.metadir import MetaDir, make_dirs
+from store.tiers.sqlite import full_disk, is_space_error
 from store.tiers.urls import file_root
+
+log = logging.getLogger("kvwarm.store")
 
 
 def encoded_size(data: EncodedSnapshot | bytes | pa.Buffer) -> int:
@@ -83,12 +89,14 @@ class LocalTier(Tier):
         self._writing: set[str] = set()  # names this process is writing now (pending rows carry only the pid)
         self._writing_lock = threading.Lock()
         self.quarantine_dir = self.root / "quarantine"
-        for d in (self.objects, self.tmp, self.quarantine_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.objects, self.tmp, self.quarantine_dir)  # on a full disk: what is there is served
         self.meta = MetaDir(self.root / "meta")
         self.index = TierIndex(self.root / "meta" / "index.sqlite", clock=clock, flush_s=recency_flush_s)
         if self.index.fresh:
-            self.reconcile()
+            try:
+                self.reconcile()
+            except StoreFull as exc:  # left to the first write, or to GC, once there is room
+                log.warning("the local tier's index could not be rebuilt: %s", exc)
 
     @classmethod
     def from_url(cls, url: str, settings: StoreConfig, *, create_bucket: bool = False) -> "LocalTier":
@@ -137,6 +145,9 @@ class LocalTier(Tier):
 
     def touch(self, name: str) -> None:
         self.index.note_access(name)
+
+    def bookkeeping_unwritten(self) -> int:
+        return self.index.unwritten
 
     def exists(self, name: str) -> bool:
         return self.path(name).is_file()
@@ -195,7 +206,7 @@ class LocalTier(Tier):
                 "INSERT INTO entries VALUES (?, ?, ?, ?, 'pending', ?)",
                 (name, size, self.clock(), expires_at, pid),
             )
-        tmp = self.tmp / f"{final.stem}.{pid}.{secrets.token_hex(4)}.tmp"
+        tmp = temp_files.temp_path(self.tmp, final.stem, pid)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
             try:
@@ -207,19 +218,28 @@ class LocalTier(Tier):
             # NOTE: no directory fsync. Readers see the rename atomically either way; after
             # a power loss a lost rename is only a miss, and the temp file is GC's.
             os.replace(tmp, final)
-        except BaseException:
+        except BaseException as exc:
             tmp.unlink(missing_ok=True)
-            with self.index.txn() as db:
-                db.execute("DELETE FROM entries WHERE name = ? AND pid = ? AND state = 'pending'", (name, pid))
+            # on a full disk the reservation may stay: this process's next write of it, or GC, clears it
+            self._index_write(f"releasing the reservation of {name}",
+                              "DELETE FROM entries WHERE name = ? AND pid = ? AND state = 'pending'", (name, pid))
+            if is_space_error(exc):
+                raise full_disk(self.root, exc, f"write snapshot {name}") from exc
             raise
-        with self.index.txn() as db:
-            # INSERT OR REPLACE, not UPDATE: a delete() racing this write may have removed
-            # the reservation, and the renamed file must still be counted against the cap.
-            db.execute(
-                "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, 'ready', ?)",
-                (name, size, self.clock(), expires_at, pid),
-            )
+        # INSERT OR REPLACE, not UPDATE: a delete() racing this write may have removed the
+        # reservation, and the renamed file must still be counted against the cap. On a full disk
+        # the snapshot is in place all the same; its pending row (this pid's) stays counted.
+        self._index_write(f"marking {name} ready", "INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, 'ready', ?)",
+                          (name, size, self.clock(), expires_at, pid))
         return True
+
+    def _index_write(self, what: str, sql: str, args: tuple[object, ...]) -> None:
+        """One statement on the index, best effort: on a full disk it is logged (GC's reconcile repairs it)."""
+        try:
+            with self.index.txn() as db:
+                db.execute(sql, args)
+        except StoreError as exc:
+            log.warning("%s: the index could not be written (%s)", what, exc)
 
     def _make_room(self, db: sqlite3.Connection, size: int) -> list[str]:
         if size > self.cap_bytes:
@@ -258,13 +278,11 @@ class LocalTier(Tier):
         return evicted
 
     def _unlink_temp_files(self, name: str, owner: int) -> None:
-        """Remove the temp files writer ``owner`` left for ``name`` (named ``<key>.<pid>.<rand>.tmp``)."""
-        for f in self.tmp.glob(f"{self.path(name).stem}.{owner}.*.tmp"):
-            f.unlink(missing_ok=True)
+        temp_files.unlink_writer_files(self.tmp, self.path(name).stem, owner)
 
     def delete(self, name: str) -> bool:
-        with self.index.txn() as db:
-            db.execute("DELETE FROM entries WHERE name = ?", (name,))
+        # on a full disk the file still goes (it frees space)
+        self._index_write(f"removing {name}", "DELETE FROM entries WHERE name = ?", (name,))
         try:
             self.path(name).unlink()
         except FileNotFoundError:
@@ -303,43 +321,19 @@ class LocalTier(Tier):
                 yield Entry(name, st.st_size, st.st_mtime)
 
     def quarantine(self, name: str, reason: str) -> str | None:
-        src = self.path(name)
-        stamp = f"{self.clock():.6f}"
-        # The random part keeps earlier evidence when the same name goes bad twice at one instant.
-        dst = self.quarantine_dir / f"{name.replace('/', '__')}.{stamp}.{secrets.token_hex(4)}{SUFFIX}"
-        try:
-            os.replace(src, dst)
-        except FileNotFoundError:
+        dst = quarantine.move_aside(self.path(name), self.quarantine_dir, name, reason, self.clock())
+        if dst is None:
             return None
-        note = {"name": name, "reason": reason, "at": float(stamp)}
-        dst.with_suffix(".reason.json").write_text(json.dumps(note, indent=1))
-        with self.index.txn() as db:
-            db.execute("DELETE FROM entries WHERE name = ?", (name,))
+        self._index_write(f"quarantining {name}", "DELETE FROM entries WHERE name = ?", (name,))
         return str(dst)
 
     def quarantined(self) -> list[Entry]:
-        out = []
-        for f in sorted(self.quarantine_dir.glob(f"*{SUFFIX}")):
-            st = f.stat()
-            out.append(Entry(f.name, st.st_size, st.st_mtime))
-        return out
+        return quarantine.listing(self.quarantine_dir)
 
     def stale_temp_files(self, now: float, max_age_s: float = 3600.0) -> list[Path]:
         """Temp files (snapshot writes in tmp/, metadata writes in meta/) whose writer is
         dead (pid in the name) or that are older than ``max_age_s``."""
-        out = []
-        for f in [*self.tmp.glob("*.tmp"), *self.meta.temp_files()]:
-            try:
-                pid = int(f.name.split(".")[-3])
-            except (ValueError, IndexError):
-                pid = -1
-            try:
-                age = now - f.stat().st_mtime
-            except FileNotFoundError:
-                continue
-            if pid <= 0 or not pid_alive(pid) or age > max_age_s:
-                out.append(f)
-        return out
+        return temp_files.stale([*self.tmp.glob("*.tmp"), *self.meta.temp_files()], now, max_age_s)
 
     def reconcile(self) -> dict[str, int]:
         """Make the index agree with the files: drop rows of missing files and dead
@@ -385,8 +379,16 @@ class LocalTier(Tier):
         for f in self.stale_temp_files(now):
             f.unlink(missing_ok=True)
             done.temp_removed += 1
-        done.index_fixes = self.reconcile()
-        done.expired_removed = len(self.remove_expired(now))
+        try:
+            done.index_fixes = self.reconcile()
+        except StoreFull as exc:  # the index cannot be written: free what expired by the headers, then catch up
+            log.warning("%s; GC removes expired snapshots by their headers first", exc)
+            for e in list(self.entries()):
+                if _header_expiry(self.path(e.name), default=float("inf")) <= now:
+                    self.path(e.name).unlink(missing_ok=True)
+                    done.expired_removed += 1
+            done.index_fixes = self.reconcile()  # StoreFull still: nothing expired, an operator must free space
+        done.expired_removed += len(self.remove_expired(now))
         done.evicted = len(self.trim())
         return done
 

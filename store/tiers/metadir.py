@@ -4,16 +4,34 @@ Not snapshots: nothing here counts against the tier's cap or is evicted. A write
 to a temp file named ``.<name>.<pid>.<rand>.tmp`` beside its target, is fsynced and
 renamed, and the directory is fsynced, so a reader sees the old file or the new one;
 GC removes the temp files of writers that died (:meth:`store.tiers.local.LocalTier.stale_temp_files`).
+A write that fails removes its temp file itself; one that fails for space raises
+:class:`store.errors.StoreFull`.
 """
 from __future__ import annotations
 
+import logging
 import os
-import secrets
 from pathlib import Path
 from typing import Iterator
 
 from store.errors import StoreRecordInvalid
 from store.tiers.base import meta_too_large
+from store.tiers.sqlite import full_disk, is_space_error
+from store.tiers.temp_files import temp_path
+
+log = logging.getLogger("kvwarm.store")
+
+
+def make_dirs(*dirs: Path) -> None:
+    """Create ``dirs`` (with their parents) if missing. On a full disk each that cannot be made is
+    logged and left: a tier serves what it holds, and a write that needs one raises then."""
+    for d in dirs:
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            if not is_space_error(exc):
+                raise
+            log.warning("%s cannot be created: %s", d, exc)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -29,7 +47,7 @@ class MetaDir:
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.root.mkdir(parents=True, exist_ok=True)
+        make_dirs(root)
 
     def _path(self, name: str) -> Path:
         if name.startswith("/") or ".." in name.split("/"):
@@ -62,15 +80,25 @@ class MetaDir:
         return data
 
     def put(self, name: str, data: bytes) -> None:
-        """Replace the file atomically (and durably)."""
+        """Replace the file atomically (and durably).
+
+        Raises:
+            StoreFull: the file system has no room for it (nothing of the write is left).
+        """
         path = self._path(name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        tmp = temp_path(path.parent, f".{path.name}", os.getpid())
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException as exc:
+            tmp.unlink(missing_ok=True)
+            if isinstance(exc, OSError) and is_space_error(exc):
+                raise full_disk(self.root, exc, f"write {name}") from exc
+            raise
         _fsync_dir(path.parent)
 
     def names(self, prefix: str) -> list[str]:
