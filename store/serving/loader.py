@@ -35,7 +35,7 @@ from store.identity.fingerprint import ModelIdentity, identity_from_dir
 from store.identity.keys import Block, KeyRoot, block_chain
 from store.identity.tenant import PUBLIC, PUBLIC_TENANT, Tenant
 from store.kernels.dequant import Dequantizer, DequantMode
-from store.miss import MissReason
+from store.miss import MissReason, reason_of
 from store.plan import Plan
 from store.serving.fetch import ERRORS, RemoteFetcher, Scope
 from store.serving.fleet import FleetRecorder, Use, read_fleet
@@ -225,15 +225,9 @@ class KVLoader:
             hit, reason = self._lookup(self._own, blocks, len(ids))
             if self._public is not None and (hit is None or len(hit.blocks) < len(blocks)):
                 hit, reason = self._longer_public(hit, reason, ids)
-        except TenantAccessDenied as exc:  # counted by the store
-            log.warning("lookup refused: %s", exc)
-            hit, reason = None, MissReason.TENANT_REFUSED
-        except StoreUnavailable as exc:
-            hit, reason = None, MissReason.STORE_UNAVAILABLE
-            log.warning("lookup: %s", exc)
-        except StoreRecordInvalid as exc:  # counted (and logged once) by the store
-            hit, reason = None, MissReason.BAD_RECORD
-            log.debug("lookup: %s", exc)
+        except (TenantAccessDenied, StoreUnavailable, StoreRecordInvalid) as exc:  # counted by the store
+            hit, reason = None, reason_of(exc)  # a bad record is logged once, by the store
+            (log.debug if isinstance(exc, StoreRecordInvalid) else log.warning)("lookup: %s", exc)
         except ERRORS as exc:
             hit, reason = None, MissReason.ERROR
             log.exception("lookup failed, served as a miss: %s", exc)

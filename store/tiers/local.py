@@ -7,14 +7,12 @@ Layout under the root::
     quarantine/<tenant>__<key>.<ts>.kvw (+ .reason.json)   corrupt files kept for inspection
     meta/index.sqlite                  sizes, expiry, last access, in-flight reservations
 
-Readers never touch the index on the hot path: they map the file and note the access
-in memory; accesses are written to the index at most every ``recency_flush_s``.
-Writers reserve room in the index (one SQLite transaction) *before* writing, so the
-bytes on disk never exceed the cap, even with several processes writing at once.
-The index can always be rebuilt from the files (``reconcile``).
-
-A full disk is ordinary: a write that does not fit raises :class:`store.errors.StoreFull` and
-leaves no temp file; reads go on (their access records wait in memory), also on a tier opened full.
+Readers never touch the index on the hot path: they map the file and note the access in memory;
+accesses are written to the index at most every ``recency_flush_s``. Writers reserve room in the index
+(one SQLite transaction) *before* writing, so the bytes on disk never exceed the cap, even with several
+processes writing at once. The index can always be rebuilt from the files (``reconcile``). A full disk
+is ordinary: a write that does not fit raises :class:`store.errors.StoreFull` and leaves no temp file;
+reads go on (their access records wait in memory), also on a tier opened full.
 """
 from __future__ import annotations
 
@@ -49,8 +47,7 @@ def encoded_size(data: EncodedSnapshot | bytes | pa.Buffer) -> int:
 
 
 def _header_expiry(path: Path, *, default: float) -> float:
-    """A snapshot's expiry from its header; ``default`` (expire now) when unreadable:
-    GC then verifies it and quarantines it if it is corrupt."""
+    """A snapshot's expiry from its header; ``default`` (expire now, GC then checks it) when unreadable."""
     try:
         return read_header(map_file(path)).expires_at
     except (SnapshotError, OSError):
@@ -100,11 +97,7 @@ class LocalTier(Tier):
 
     @classmethod
     def from_url(cls, url: str, settings: StoreConfig, *, create_bucket: bool = False) -> "LocalTier":
-        """``file:///path`` (``~`` is expanded), capped and flushed as ``settings`` say.
-
-        Raises:
-            ConfigError: a relative path (:func:`store.tiers.urls.file_root`).
-        """
+        """``file:///path`` (``~`` expanded; a relative path is a ConfigError), capped and flushed as ``settings`` say."""
         return cls(file_root(url), cap_bytes=int(settings.nvme_cap), recency_flush_s=settings.recency_flush_s,
                    evict_to_fraction=settings.evict_to_fraction)
 
