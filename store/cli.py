@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 from store.config import CONFIG_ENV, KvwarmConfig, StoreConfig, load_config
 from store.errors import StoreError
+from store.metadata_checks import bad_metadata
 from store.tiers.maintenance import check_owner_records, gc, verify
 from store.tiers.store import Store
 
@@ -173,6 +174,9 @@ def _dispatch(args: argparse.Namespace, config: KvwarmConfig, store: Store) -> i
         owners = check_owner_records(store, namespace=args.namespace)
         for location, reason in owners:
             print(f"BAD OWNER RECORD {location}: {reason}", file=out)
+        records = bad_metadata(store, config, namespace=args.namespace)
+        for location, reason in records:
+            print(f"BAD RECORD {location}: {reason}", file=out)
         report = verify(store, namespace=args.namespace, tenants=configured_tenants(config), quarantine=not args.no_quarantine)
         for location, reason in report.bad:
             print(f"CORRUPT {location}: {reason}", file=out)
@@ -189,7 +193,10 @@ def _dispatch(args: argparse.Namespace, config: KvwarmConfig, store: Store) -> i
         if owners:
             print(f"{len(owners)} damaged owner record(s): lookups in their namespaces miss and writes there are "
                   "refused until each is restored from a good tier or removed", file=out)
-        return 0 if report.clean and not report.mixed and not owners else 1
+        if records:
+            print(f"{len(records)} fleet record(s) or published plan(s) their readers skip: remove or republish them",
+                  file=out)
+        return 0 if report.clean and not report.mixed and not owners and not records else 1
     if args.store_cmd == "gc":
         report = gc(store, ttl_max_s=config.kv_cache.ttl_max_s, verify_all=args.verify,
                     tenants=configured_tenants(config))

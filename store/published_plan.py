@@ -27,7 +27,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
-from store.errors import StoreFull, StoreUnavailable
+from store.errors import StoreFull, StoreRecordInvalid, StoreUnavailable
 from store.identity.keys import BlockKey, KeyRoot, block_keys, root_key
 from store.plan import (
     ACTIONS,
@@ -296,11 +296,13 @@ def latest_plan(tiers: Sequence["Tier"]) -> PublishedPlan | None:
             (refused before it is decoded) or not a valid published plan.
     """
     for tier in tiers:
+        where = tier.describe(LATEST_PLAN)
         try:
-            raw = tier.get_meta(LATEST_PLAN)
+            raw = tier.get_meta_capped(LATEST_PLAN, MAX_PLAN_BYTES)  # refused unread where the tier knows its size
+        except StoreRecordInvalid as exc:
+            raise PlanError(f"the latest plan in {where}: {exc}") from None
         except (StoreUnavailable, OSError):
             continue
         if raw is not None:
-            where = tier.describe(LATEST_PLAN)
             return parse_published(decode_json(raw, f"the latest plan in {where}", MAX_PLAN_BYTES), where)
     return None
