@@ -1,0 +1,496 @@
+"""Fuzz: no file in a store makes a kvwarm reader crash, or allocate more than the file (issue 31).
+
+For every file kvwarm reads from a store (snapshots, owner records, the published plan and
+its version, fleet records, the local tier's index), hostile bytes are planted in a copy of a
+real store (:mod:`tests.store.hostile.fuzz_files`) and the real entry points run on it:
+
+- ``KVLoader`` (opened on the store) and ``lookup``: a hit or a counted miss, never an exception;
+  a hit is usable (``dequantized``, ``copy_into_paged``) and of one geometry; a snapshot whose
+  layout disagrees with its parts is never served, and ``prefill store verify`` reports it;
+  a damaged owner record never lets the owner check be skipped;
+- the node agent (``NodeAgent`` over a ``LoaderNode`` with the store's ``StorePlans``): ``start``
+  and ``tick`` never raise; a bad plan is one counted plan error, the last good plan is kept,
+  and that version is read once; the fleet's records it reads are finite and bounded;
+- ``prefill store ls`` and ``prefill store verify`` (``prefill.cli.main``, in-process): exit
+  0, 1 or 2 with a message, never an exception;
+- a hostile file of a few hundred KiB costs the reader at most its own size in memory, plus
+  :data:`ALLOWANCE`.
+
+Bounded in time and reproducible: examples are derandomized, nothing is written to an example
+database, and no example is shrunk unless ``KVWARM_FUZZ_SHRINK=1`` (for a smallest repro by hand).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import io
+import json
+import math
+import os
+import shutil
+import sqlite3
+import tempfile
+import time
+import tracemalloc
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+import torch
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from prefill.cli import main as prefill_main
+from store.serving.agent import AgentSettings, NodeAgent, StorePlans
+from store.serving.loader import KVLoader
+from store.serving.loader_node import LoaderNode
+from store.tiers.base import parse_object_name
+from tests.store.hostile.fuzz_files import (
+    ACME,
+    BLOCKS,
+    CONFIG_DOC,
+    MODEL,
+    PATHS,
+    PROMPT,
+    SECRET,
+    SECRET_ENV,
+    THIS_NODE,
+    Hostile,
+    Template,
+    build_template,
+    byte_mutations,
+    config,
+    dumps,
+    forged_header,
+    geometry_consistent,
+    index_files,
+    plant,
+    record_mutations,
+    snapshot_mutations,
+    split_snapshot,
+    forge_snapshot,
+)
+
+_PHASES = (Phase.explicit, Phase.generate) + ((Phase.shrink,) if os.environ.get("KVWARM_FUZZ_SHRINK") else ())
+
+
+def fuzz(examples: int) -> Callable:
+    """Hypothesis settings of this file: ``examples`` per property, reproducible, no deadline."""
+    return settings(max_examples=examples, derandomize=True, database=None, deadline=None, phases=_PHASES,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.function_scoped_fixture])
+
+
+# -- the store, and the entry points ---------------------------------------------------
+@pytest.fixture(scope="module")
+def template(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Template]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(SECRET_ENV, SECRET)
+        tpl = build_template(tmp_path_factory.mktemp("fuzz-template"))
+        (tpl.root / "config.json").write_text(json.dumps(CONFIG_DOC))
+        with workspace(tpl) as nvme:  # every entry point once: what they cache at first use is not counted below
+            run_cli(nvme)
+            with loader_on(nvme) as ld:
+                check_lookup(ld)
+                new_agent(ld, time.time()).start()
+        yield tpl
+
+
+@contextlib.contextmanager
+def workspace(tpl: Template) -> Iterator[Path]:
+    """A fresh copy of the template store; its local tier root."""
+    with tempfile.TemporaryDirectory(prefix="kvwarm-fuzz-") as d:
+        yield tpl.copy_to(Path(d))
+
+
+@contextlib.contextmanager
+def loader_on(nvme: Path) -> Iterator[KVLoader]:
+    """A serving-side loader of acme on the store at ``nvme`` (opening and closing it must not raise either)."""
+    ld = KVLoader(f"file://{nvme}", tenant=ACME, model=MODEL, config=config(), pool_dir=nvme.parent / "pool",
+                  pool_bytes=64 << 20, fetch_workers=1, prefetch_streams=1, node_id=THIS_NODE)
+    try:
+        yield ld
+    finally:
+        ld.prefetcher.wait_idle(30)
+        ld.close()
+
+
+def run_cli(nvme: Path) -> dict[str, int]:
+    """``prefill store ls --long`` and ``prefill store verify --no-quarantine`` on the store: each exits
+    0, 1 or 2, and says why when not 0. Returns the exit status of each."""
+    out = {}
+    for args in (["ls", "--tenant", "acme", "--long"], ["verify", "--no-quarantine"]):
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+            rc = prefill_main(["store", *args, "--store", f"file://{nvme}",
+                               "--config", str(nvme.parent / "config.json")])
+        assert rc in (0, 1, 2), f"prefill store {args[0]} exited {rc}"
+        assert rc == 0 or text.getvalue().strip(), f"prefill store {args[0]} exited {rc} without a message"
+        out[args[0]] = rc
+    return out
+
+
+def check_lookup(ld: KVLoader) -> int:
+    """One lookup of the prompt: a usable hit or a counted miss. Returns the blocks served."""
+    hit, _ = ld.lookup_with_reason(PROMPT)
+    m = ld.metrics.as_dict()
+    assert m["lookups"] == 1 and m["hits"] + m["misses"] == 1, f"the lookup was not counted: {m}"
+    if hit is None:
+        return 0
+    try:
+        use_hit(hit)
+        return len(hit.snapshots)
+    finally:
+        hit.release()
+
+
+def use_hit(hit) -> None:  # type: ignore[no-untyped-def]
+    """What an engine does with a hit: it must work, whatever the files held."""
+    lay = hit.layout
+    assert all(s.header.layout == lay for s in hit.snapshots), "a hit mixes snapshots of different geometries"
+    elements = 2 * lay.num_layers * lay.num_kv_heads * lay.block_size * lay.head_dim
+    for s in hit.snapshots:  # every stored dtype takes at least a byte an element
+        assert elements <= len(s.payload[0]), f"the layout {lay} describes more KV than the payload's {len(s.payload[0])} bytes"
+    kv = hit.dequantized(torch.float32)
+    assert len(kv) == 2 * lay.num_layers
+    assert all(tuple(t.shape) == (lay.num_kv_heads, hit.usable_tokens, lay.head_dim) for t in kv)
+    n = len(hit.snapshots)
+    caches = [torch.zeros(2, n, lay.block_size, lay.num_kv_heads, lay.head_dim) for _ in range(lay.num_layers)]
+    hit.copy_into_paged(caches, list(range(n)))
+
+
+def new_agent(ld: KVLoader, now: float) -> NodeAgent:
+    """The node agent of ``ld``'s node, following the plan published to its store, on a clock that stays at ``now``."""
+    return NodeAgent(LoaderNode(ld, node_id=THIS_NODE), StorePlans(ld.store.tiers), AgentSettings(poll_s=30.0),
+                     clock=lambda: now)
+
+
+def check_fleet_uses(ld: KVLoader, now: float) -> None:
+    """What the fleet's records say, as the loader reads them: finite times, counts of the right type."""
+    for u in ld.fleet_uses(since=now - 7200):
+        ns, _ = parse_object_name(u.name)
+        assert ns in ("acme", "public")
+        assert type(u.at) is float and math.isfinite(u.at) and u.at <= now + 86400, f"use at {u.at!r}"
+        assert type(u.uses) is int and u.uses >= 1, f"uses {u.uses!r}"
+        assert type(u.traffic_age) is int and u.traffic_age >= 0, f"traffic_age {u.traffic_age!r}"
+
+
+def version_of(data: bytes) -> bytes:
+    return hashlib.sha256(data).hexdigest()[:16].encode()
+
+
+# -- never an exception ----------------------------------------------------------------
+@fuzz(40)
+@given(block=st.integers(0, BLOCKS - 1), data=st.data())
+def test_hostile_snapshot_is_a_counted_miss_and_verify_reports_bad_geometry(template, block, data):
+    hostile: Hostile = data.draw(snapshot_mutations(template.genuine[f"snapshot{block}"]), label="snapshot")
+    with workspace(template) as nvme:
+        plant(nvme, f"objects/{template.names[block]}", hostile.data)
+        rc = run_cli(nvme)
+        with loader_on(nvme) as ld:
+            served = check_lookup(ld)
+        header = forged_header(hostile.data)
+        if header is not None and not geometry_consistent(header):
+            assert rc["verify"] == 1, "prefill store verify passed a snapshot whose layout disagrees with its parts"
+            assert served <= block, "lookup served a snapshot whose layout disagrees with its parts"
+
+
+def _same_owner(raw: bytes, genuine: bytes) -> bool:
+    """Whether a record names the genuine owner (every field but the namespace equal, of the same type)."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return False
+    want = json.loads(genuine)
+    return isinstance(doc, dict) and all(
+        k in doc and type(doc[k]) is type(v) and doc[k] == v for k, v in want.items() if k != "namespace")
+
+
+@fuzz(40)
+@given(which=st.sampled_from(["owner", "owner_public"]), data=st.data())
+def test_hostile_owner_record_is_a_counted_miss_and_never_skips_the_owner_check(template, which, data):
+    hostile: Hostile = data.draw(record_mutations(template.genuine["owner"]), label="owner record")
+    with workspace(template) as nvme:
+        plant(nvme, PATHS[which], hostile.data)
+        run_cli(nvme)
+        with loader_on(nvme) as ld:
+            served = check_lookup(ld)
+        if which == "owner" and not _same_owner(hostile.data, template.genuine["owner"]):
+            assert served == 0, "acme's snapshots were served under an owner record that does not name acme's secret"
+
+
+@st.composite
+def plan_files(draw: st.DrawFn, genuine: bytes | None) -> tuple[str, Hostile, bytes]:
+    """What replaces the published plan: the plan (its version agreeing), the version alone, or both hostile."""
+    which = draw(st.sampled_from(["plan", "plan", "version", "both"]))
+    version = draw(st.one_of(byte_mutations(genuine[:16] if genuine else b"0" * 16),
+                             st.binary(max_size=64).map(lambda b: Hostile("random version", b))))
+    if which == "version":
+        return which, version, version.data
+    plan = draw(record_mutations(genuine))
+    return which, plan, version.data if which == "both" else version_of(plan.data)
+
+
+@fuzz(30)
+@given(data=st.data())
+def test_hostile_plan_is_one_counted_error_and_the_agent_keeps_its_last_good_plan(template, data):
+    which, hostile, version = data.draw(plan_files(template.genuine.get("plan")), label="published plan")
+    with workspace(template) as nvme, loader_on(nvme) as ld:
+        now = time.time()
+        agent = new_agent(ld, now)
+        agent.start(now)
+        good = agent.plan
+        if which != "version":
+            plant(nvme, PATHS["plan"], hostile.data)
+        plant(nvme, PATHS["version"], version)
+        agent.tick(now + 31)
+        errors = agent.figures.plan_errors
+        assert errors <= 1
+        if errors:
+            assert agent.plan is good, "the agent dropped its last good plan for a bad one"
+        agent.tick(now + 62)
+        assert agent.figures.plan_errors == errors, "the agent read a bad plan's version again"
+        fresh = new_agent(ld, now)  # a node that starts on the hostile plan
+        fresh.start(now)
+        fresh.tick(now + 31)
+        assert fresh.figures.plan_errors <= 1
+
+
+@fuzz(30)
+@given(which=st.sampled_from(["fleet", "fleet", "fleet_public"]), data=st.data())
+def test_hostile_fleet_record_is_skipped_and_what_is_read_is_bounded(template, which, data):
+    hostile: Hostile = data.draw(record_mutations(template.genuine["fleet"]), label="fleet record")
+    with workspace(template) as nvme:
+        plant(nvme, PATHS[which], hostile.data)
+        with loader_on(nvme) as ld:
+            now = time.time()
+            check_fleet_uses(ld, now)
+            agent = new_agent(ld, now)
+            agent.start(now)
+            agent.tick(now + 31)
+
+
+@fuzz(30)
+@given(data=st.data())
+def test_hostile_index_is_a_counted_miss_and_store_commands_exit_with_a_message(template, data):
+    hostile: Hostile = data.draw(index_files(template.genuine["index"], template.names), label="index")
+    with workspace(template) as nvme:
+        plant(nvme, PATHS["index"], hostile.data)
+        run_cli(nvme)
+        with loader_on(nvme) as ld:
+            check_lookup(ld)
+            new_agent(ld, time.time()).start()
+
+
+# -- nothing allocates more than the file ------------------------------------------------
+#: What a reader may allocate beyond the hostile file's own size. A clean call on the template
+#: store peaks at about 0.1-0.4 MiB of traced memory (logging records, SQLite statements,
+#: argparse, the agent's ranking, lookup bookkeeping): 2 MiB is that with room. The hostile files
+#: are 192-384 KiB, so a reader that parses one it should have refused by its size (a JSON parse
+#: costs 3-20 times the bytes parsed) or believes a value that claims a size exceeds it.
+#: tracemalloc sees Python's and numpy's allocations, not Arrow's or torch's.
+ALLOWANCE = 2 << 20
+SIZES = st.sampled_from([192 << 10, 384 << 10])
+
+
+def traced_peak(call: Callable[[], object]) -> int:
+    """Peak traced memory during ``call`` above what was traced when it began (bytes)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        call()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+def _hex_keys(n: int) -> list[str]:
+    return [hashlib.sha256(str(i).encode()).hexdigest() for i in range(n)]
+
+
+@st.composite
+def oversized(draw: st.DrawFn, kind: str, genuine: bytes, shape: str) -> Hostile:
+    """A record of ``kind`` far larger than any genuine one (192-384 KiB), in its own shape: one
+    value a long string, or its lists grown; or a small one whose values claim huge sizes and counts.
+
+    Genuine sizes: an owner record is ~70 bytes, a plan version 16, a fleet record at most
+    ``fleet_memory.max_names`` (64 here) names of ~100 bytes."""
+    size = draw(SIZES)
+    doc = json.loads(genuine)
+    if kind == "owner":
+        if shape == "string":
+            doc["salt_id"] = "a" * size
+        elif shape == "bulk":
+            doc["padding"] = list(range(1000, 1000 + size // 6))
+        else:
+            doc["salt_id"] = [doc.get("salt_id")] * (size // 36)
+    elif kind == "plan":
+        if shape == "string":
+            doc["model"] = "m" * size
+        else:
+            doc.update(block_size=2**40, extra={"horizon_s": 1e300, "fleet_reuse": {
+                "traffic_edges": [0, 2**62], "p": [1.0, 0.5], "horizon_s": 1e300}})
+            for e in doc.get("entries", []):
+                e.update(ttl_s=1e300, expected_hits=1e300, score=1e300, urgency=1e300)
+    else:  # fleet
+        n = size // 100 if shape == "bulk" else 3
+        doc.update(keys=_hex_keys(n), age_s=[-1e300 if shape == "claims" else 0.5] * n,
+                   uses=[10**12 if shape == "claims" else 3] * n, traffic_age=[1] * n,
+                   traffic=2**62 if shape == "claims" else 10 * n)
+        if shape == "claims":
+            doc["written_at"] = 1e300
+        if shape == "string":
+            doc["node"] = "n" * size
+    return Hostile(f"{kind} {shape} of about {size if shape != 'claims' else 'a few hundred'} bytes", dumps(doc))
+
+
+@pytest.mark.parametrize("shape", ["string", "bulk", "claims"])
+@fuzz(2)
+@given(which=st.sampled_from(["owner", "owner_public"]), data=st.data())
+def test_oversized_owner_record_costs_a_lookup_at_most_its_size(template, shape, which, data):
+    hostile = data.draw(oversized("owner", template.genuine["owner"], shape), label="owner record")
+    with workspace(template) as nvme:
+        plant(nvme, PATHS[which], hostile.data)
+        with loader_on(nvme) as ld:
+            peak = traced_peak(lambda: ld.lookup(PROMPT))
+    assert peak <= len(hostile.data) + ALLOWANCE, f"{peak} bytes for a {len(hostile.data)}-byte owner record"
+
+
+@pytest.mark.parametrize("shape", ["string", "claims", "version"])
+@fuzz(2)
+@given(data=st.data())
+def test_oversized_plan_or_version_costs_the_agent_at_most_its_size(template, shape, data):
+    if shape == "version":
+        hostile = data.draw(SIZES.map(lambda n: Hostile(f"a {n}-byte version", b"0" * n)), label="version")
+    else:
+        hostile = data.draw(oversized("plan", template.genuine.get("plan", b"{}"), shape), label="plan")
+    with workspace(template) as nvme:
+        is_version = hostile.how.startswith("a ")
+        plant(nvme, PATHS["version" if is_version else "plan"], hostile.data)
+        if not is_version:
+            plant(nvme, PATHS["version"], version_of(hostile.data))
+        with loader_on(nvme) as ld:
+            now = time.time()
+            peak = traced_peak(lambda: new_agent(ld, now).start(now))
+    assert peak <= len(hostile.data) + ALLOWANCE, f"{peak} bytes for a {len(hostile.data)}-byte plan file"
+
+
+@pytest.mark.parametrize("shape", ["string", "bulk", "claims"])
+@fuzz(2)
+@given(data=st.data())
+def test_oversized_fleet_record_costs_the_agent_at_most_its_size(template, shape, data):
+    hostile = data.draw(oversized("fleet", template.genuine["fleet"], shape), label="fleet record")
+    with workspace(template) as nvme:
+        plant(nvme, PATHS["fleet"], hostile.data)
+        with loader_on(nvme) as ld:
+            now = time.time()
+            peak = traced_peak(lambda: new_agent(ld, now).start(now))
+    assert peak <= len(hostile.data) + ALLOWANCE, f"{peak} bytes for a {len(hostile.data)}-byte fleet record"
+
+
+@st.composite
+def oversized_snapshots(draw: st.DrawFn, genuine: bytes, shape: str) -> Hostile:
+    """A forged snapshot (checksums recomputed) whose header is 192-384 KiB (a genuine one of this
+    geometry is ~1.6 KiB), or whose parts or layout claim huge sizes."""
+    header, parts = split_snapshot(genuine)
+    size = draw(SIZES)
+    if shape == "tokens":
+        header["token_ids"] = list(range(1000, 1000 + size // 5))
+    elif shape == "quant_error":
+        header["quant_error"] = {"k_rel_l2": [0.125] * (size // 12), "v_rel_l2": [0.125] * (size // 12)}
+    elif shape == "string":
+        header["model_fingerprint"] = "m" * size
+    elif shape == "claims_nbytes":
+        header["parts"][0]["nbytes"] = 2**40
+    else:
+        header["parts"][0]["shape"] = [2**20, 2**20, 2**10]
+        header["layout"]["head_dim"] = 2**30
+    return Hostile(f"snapshot {shape} ({size})", forge_snapshot(header, parts))
+
+
+@pytest.mark.parametrize("shape", ["tokens", "quant_error", "string", "claims_nbytes", "claims_shape"])
+@fuzz(2)
+@given(data=st.data())
+def test_oversized_snapshot_header_costs_a_lookup_and_verify_at_most_its_size(template, shape, data):
+    hostile = data.draw(oversized_snapshots(template.genuine["snapshot0"], shape), label="snapshot")
+    with workspace(template) as nvme:
+        plant(nvme, f"objects/{template.names[0]}", hostile.data)
+        peak_cli = traced_peak(lambda: run_cli(nvme))
+        with loader_on(nvme) as ld:
+            peak = traced_peak(lambda: ld.lookup(PROMPT))
+    assert peak <= len(hostile.data) + ALLOWANCE, f"lookup: {peak} bytes for a {len(hostile.data)}-byte snapshot"
+    assert peak_cli <= len(hostile.data) + ALLOWANCE, f"ls and verify: {peak_cli} bytes for a {len(hostile.data)}-byte snapshot"
+
+
+@st.composite
+def amplifying(draw: st.DrawFn, kind: str) -> Hostile:
+    """JSON of 192-384 KiB whose parse costs many times its size (empty containers: 2-3 bytes each
+    in the file, 56-64 bytes each once parsed), at the root or in one of the record's own fields."""
+    size = draw(SIZES)
+    n = size // 3
+    body = b"[" + b",".join([b"[]"] * n) + b"]"
+    if draw(st.booleans()):
+        return Hostile(f"{kind}: a list of {n} empty lists", body)
+    field = {"owner": b"salt_id", "plan": b"entries", "fleet": b"keys"}[kind]
+    return Hostile(f"{kind}: {field.decode()} holds {n} empty lists", b'{"' + field + b'":' + body + b"}")
+
+
+@pytest.mark.parametrize("kind", ["owner", "plan", "fleet"])
+@fuzz(2)
+@given(data=st.data())
+def test_json_that_amplifies_when_parsed_costs_at_most_the_file_size(template, kind, data):
+    hostile = data.draw(amplifying(kind), label="record")
+    with workspace(template) as nvme:
+        plant(nvme, PATHS[kind], hostile.data)
+        if kind == "plan":
+            plant(nvme, PATHS["version"], version_of(hostile.data))
+        with loader_on(nvme) as ld:
+            now = time.time()
+            call = (lambda: ld.lookup(PROMPT)) if kind == "owner" else (lambda: new_agent(ld, now).start(now))
+            peak = traced_peak(call)
+    assert peak <= len(hostile.data) + ALLOWANCE, f"{peak} bytes for a {len(hostile.data)}-byte {kind} file"
+
+
+@st.composite
+def oversized_indexes(draw: st.DrawFn, names: tuple[str, ...], shape: str) -> Hostile:
+    """A 192-384 KiB index of the tier's own schema: the chain's rows claiming huge sizes and times,
+    and rows of files that do not exist, or one row whose name is the whole file."""
+    size = draw(SIZES)
+    path = Path(tempfile.mkdtemp(prefix="kvwarm-fuzz-index-")) / "index.sqlite"
+    db = sqlite3.connect(path)
+    db.executescript("CREATE TABLE entries (name TEXT PRIMARY KEY, size INTEGER NOT NULL, last_access REAL NOT NULL, "
+                     "expires REAL NOT NULL, state TEXT NOT NULL, pid INTEGER NOT NULL);"
+                     "CREATE INDEX entries_lru ON entries(state, last_access);")
+    rows = [(n, 2**62, 1e308, 1e308, "ready", 0) for n in names]
+    if shape == "rows":
+        rows += [(f"acme/{k[:2]}/{k}.kvw", 2**40, 0.0, 1e308, "ready", 0) for k in _hex_keys(size // 160)]
+    else:
+        rows.append(("acme/zz/" + "z" * size + ".kvw", 1, 0.0, 1e308, "ready", 0))
+    db.executemany("INSERT INTO entries VALUES (?, ?, ?, ?, ?, ?)", rows)
+    db.commit()
+    db.close()
+    data = path.read_bytes()
+    shutil.rmtree(path.parent)
+    return Hostile(f"index {shape} ({len(rows)} rows)", data)
+
+
+@pytest.mark.parametrize("shape", ["rows", "long_name"])
+@fuzz(2)
+@given(data=st.data())
+def test_oversized_index_costs_the_loader_the_agent_and_verify_at_most_its_size(template, shape, data):
+    hostile = data.draw(oversized_indexes(template.names, shape), label="index")
+    with workspace(template) as nvme:
+        plant(nvme, PATHS["index"], hostile.data)
+        peak_cli = traced_peak(lambda: run_cli(nvme))
+
+        def serve() -> None:
+            with loader_on(nvme) as ld:
+                ld.lookup(PROMPT)
+                new_agent(ld, time.time()).start()
+
+        peak = traced_peak(serve)
+    assert peak <= len(hostile.data) + ALLOWANCE, f"loader: {peak} bytes for a {len(hostile.data)}-byte index"
+    assert peak_cli <= len(hostile.data) + ALLOWANCE, f"ls and verify: {peak_cli} bytes for a {len(hostile.data)}-byte index"
