@@ -16,23 +16,16 @@ import copy
 import json
 import math
 import shutil
-import sqlite3
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-import numpy as np
-import pyarrow as pa
 import torch
-import xxhash
 from hypothesis import strategies as st
 
 from store.config import KvwarmConfig, parse_config
 from store.format.encode import build_snapshot, snapshot_bytes
-from store.format.header import SnapshotHeader
-from store.format.payload import META_CHECKSUM, META_HEADER, PAYLOAD_COLUMN, PAYLOAD_TYPE
-from store.format.precision import STORAGE_DTYPES
 from store.identity.fingerprint import ModelIdentity
 from store.identity.keys import block_chain
 from store.identity.tenant import Tenant
@@ -163,21 +156,21 @@ def dumps(doc: Any) -> bytes:
     return json.dumps(doc, allow_nan=True, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _paths(doc: Any, at: tuple = (), depth: int = 0) -> list[tuple]:
+def value_paths(doc: Any, at: tuple = (), depth: int = 0) -> list[tuple]:
     """Every value's path in ``doc`` (lists: their first three items only)."""
     out = [at]
     if depth > 6:
         return out
     if isinstance(doc, dict):
         for k, v in doc.items():
-            out += _paths(v, at + (k,), depth + 1)
+            out += value_paths(v, at + (k,), depth + 1)
     elif isinstance(doc, list):
         for i, v in enumerate(doc[:3]):
-            out += _paths(v, at + (i,), depth + 1)
+            out += value_paths(v, at + (i,), depth + 1)
     return out
 
 
-def _apply(doc: Any, op: str, path: tuple, value: Any) -> Any:
+def apply_change(doc: Any, op: str, path: tuple, value: Any) -> Any:
     """``doc`` with one change at ``path``: ``set`` it, ``del`` it, ``add`` a key or item, ``grow`` a list."""
     if not path:
         return value if op in ("set", "add") else doc
@@ -210,11 +203,11 @@ def json_mutations(draw: st.DrawFn, raw: bytes) -> Hostile:
     doc = json.loads(raw)
     how = []
     for _ in range(draw(st.integers(1, 3))):
-        path = draw(st.sampled_from(_paths(doc)))
+        path = draw(st.sampled_from(value_paths(doc)))
         op = draw(st.sampled_from(["set", "set", "set", "del", "add", "grow"]))
         value = draw(values)
         try:
-            doc = _apply(doc, op, path, value)
+            doc = apply_change(doc, op, path, value)
         except (KeyError, IndexError, TypeError):
             continue
         how.append(f"{op} {'/'.join(map(str, path)) or '<root>'} = {value!r}"[:200])
@@ -257,220 +250,56 @@ def record_mutations(raw: bytes | None) -> st.SearchStrategy[Hostile]:
     return st.one_of(json_mutations(base), byte_mutations(base))
 
 
-# -- snapshots: damage that passes the checksums ----------------------------------------
-def split_snapshot(raw: bytes) -> tuple[dict[str, Any], dict[str, bytes]]:
-    """A genuine snapshot file's header (as a JSON dict) and its parts' bytes by name."""
-    reader = pa.ipc.open_file(pa.py_buffer(raw))
-    header = json.loads(reader.schema.metadata[META_HEADER])
-    col = reader.get_batch(0).column(0)
-    payload = col.buffers()[2].to_pybytes()
-    parts, at = {}, 0
-    for p in header["parts"]:
-        parts[p["name"]] = payload[at:at + p["nbytes"]]
-        at += -(-p["nbytes"] // 8) * 8
-    return header, parts
+# -- seeds: the issue's reproduced attacks and the parsers' limits, tried on every run ---------
+NESTED = b"[" * 2000 + b"]" * 2000  # past the JSON parsers' depth (RecursionError in the stdlib's)
+BIG_NUMBER = b'{"salt_id":' + b"1" * 5000 + b"}"  # past Python's 4300-digit limit (a plain ValueError)
 
 
-def forge_snapshot(header: dict[str, Any], parts: dict[str, bytes], *, max_payload: int = 8 << 20) -> bytes:
-    """A snapshot file holding ``header`` whose payload is laid out as its parts say (each part's
-    genuine bytes, cut or zero-padded to its ``nbytes``) with every checksum recomputed: the
-    part checksums where the parts can be laid out, and always the header's."""
-    header = copy.deepcopy(header)
-    payload = b""
-    try:
-        chunks = []
-        total = 0
-        for p in header["parts"]:
-            n = p["nbytes"]
-            if not isinstance(n, int) or isinstance(n, bool) or n < 0:
-                raise TypeError("not a byte count")
-            total += -(-n // 8) * 8
-            if total > max_payload:
-                raise OverflowError("too large to lay out")
-            own = parts.get(p["name"], b"") if isinstance(p.get("name"), str) else b""
-            data = (own + bytes(max(0, n - len(own))))[:n]
-            p["xxh3"] = xxhash.xxh3_64_hexdigest(data)
-            chunks.append(data + bytes(-(-n // 8) * 8 - n))
-        if chunks:
-            last = header["parts"][-1]["nbytes"]
-            chunks[-1] = chunks[-1][:last]
-        payload = b"".join(chunks)
-    except (KeyError, TypeError, OverflowError, AttributeError, IndexError):
-        payload = b"".join(parts.values())  # cannot be laid out: the genuine payload, as it was
-    raw = dumps(header)
-    schema = pa.schema([(PAYLOAD_COLUMN, PAYLOAD_TYPE)],
-                       metadata={META_HEADER: raw, META_CHECKSUM: SnapshotHeader.checksum(raw).encode()})
-    offsets = pa.py_buffer(np.array([0, len(payload)], dtype=np.int64))
-    column = pa.Array.from_buffers(PAYLOAD_TYPE, 1, [None, offsets, pa.py_buffer(payload)])
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_file(sink, schema) as writer:
-        writer.write_batch(pa.record_batch([column], schema=schema))
-    return sink.getvalue().to_pybytes()
+class Seed:
+    """A hostile record made from the genuine one (``make``), named for the test's id."""
+
+    def __init__(self, how: str, make: Callable[[bytes], bytes]) -> None:
+        self.how, self.make = how, make
+
+    def __call__(self, genuine: bytes) -> Hostile:
+        return Hostile(self.how, self.make(genuine))
+
+    def __repr__(self) -> str:
+        return self.how
 
 
-GEOMETRY_FIELDS = ("num_layers", "num_kv_heads", "head_dim", "block_size")
-small_ints = st.one_of(st.integers(-2, 40), st.sampled_from(HUGE))
+def _doc_seed(how: str, change: Callable[[dict], Any]) -> Seed:
+    def make(genuine: bytes) -> bytes:
+        doc = json.loads(genuine)
+        return dumps(change(doc) or doc)
+    return Seed(how, make)
 
 
-@st.composite
-def geometry_mutations(draw: st.DrawFn, raw: bytes) -> Hostile:
-    """The genuine snapshot with its layout or its parts' shapes, byte counts, dtypes, names or
-    order changed, every checksum recomputed (:func:`forge_snapshot`)."""
-    header, parts = split_snapshot(raw)
-    ps = header["parts"]
-    i = draw(st.integers(0, len(ps) - 1))
-    kind = draw(st.sampled_from(["layout", "shape", "nbytes", "shape+nbytes", "dtype", "drop", "dup", "swap",
-                                 "rename", "extra_layer", "value"]))
-    if kind == "layout":
-        name = draw(st.sampled_from(GEOMETRY_FIELDS))
-        header["layout"][name] = draw(small_ints)
-        how = f"layout.{name} = {header['layout'][name]!r}"
-    elif kind in ("shape", "shape+nbytes"):
-        shape = draw(st.lists(small_ints, min_size=0, max_size=4))
-        ps[i]["shape"] = shape
-        how = f"parts[{i}].shape = {shape!r}"
-        if kind == "shape+nbytes" and all(isinstance(d, int) and 0 <= d < 4096 for d in shape):
-            size = STORAGE_DTYPES.get(ps[i]["dtype"], torch.uint8).itemsize
-            ps[i]["nbytes"] = int(np.prod(shape, dtype=np.int64)) * size if shape else size
-            how += f", nbytes = {ps[i]['nbytes']} (agreeing)"
-    elif kind == "nbytes":
-        ps[i]["nbytes"] = draw(st.one_of(small_ints, st.sampled_from([ps[i]["nbytes"] + 1, ps[i]["nbytes"] * 2,
-                                                                      ps[i]["nbytes"] - 1, 2**40])))
-        how = f"parts[{i}].nbytes = {ps[i]['nbytes']!r}"
-    elif kind == "dtype":
-        ps[i]["dtype"] = draw(st.sampled_from(["bf16", "fp16", "fp32", "fp8_e4m3", "int8", "", "fp64"]))
-        how = f"parts[{i}].dtype = {ps[i]['dtype']!r}"
-    elif kind == "drop":
-        how = f"parts[{i}] ({ps.pop(i)['name']}) dropped"
-    elif kind == "dup":
-        ps.insert(i, copy.deepcopy(ps[i]))
-        how = f"parts[{i}] ({ps[i]['name']}) twice"
-    elif kind == "swap":
-        j = draw(st.integers(0, len(ps) - 1))
-        ps[i], ps[j] = ps[j], ps[i]
-        how = f"parts[{i}] and parts[{j}] swapped"
-    elif kind == "rename":
-        new = draw(st.sampled_from(["k.5", "v.9", "k.-1", "k_scale.7", "k.0", "x", "", "k.00"]))
-        how = f"parts[{i}] ({ps[i]['name']}) renamed {new!r}"
-        ps[i]["name"] = new
-    elif kind == "extra_layer":  # a self-consistent file of one more layer: wrong only beside its chain
-        n = header["layout"]["num_layers"]
-        for p in [p for p in ps if p["name"].endswith(f".{n - 1}")]:
-            q = copy.deepcopy(p)
-            q["name"] = p["name"][: -len(str(n - 1))] + str(n)
-            parts[q["name"]] = parts[p["name"]]
-            ps.append(q)
-        header["layout"]["num_layers"] = n + 1
-        header["quant_error"] = {k: v + v[-1:] for k, v in header["quant_error"].items()}
-        how = f"one more layer ({n + 1}), consistently"
-    else:  # any header value, checksums recomputed
-        path = draw(st.sampled_from([p for p in _paths(header) if p and p[0] not in ("parts",)]))
-        value = draw(values)
-        header = _apply(header, "set", path, value)
-        how = f"header {'/'.join(map(str, path))} = {value!r}"[:200]
-    return Hostile(f"forged ({how})", forge_snapshot(header, parts))
+def _raw_seed(how: str, data: bytes) -> Seed:
+    return Seed(how, lambda genuine: data)
 
 
-def snapshot_mutations(raw: bytes) -> st.SearchStrategy[Hostile]:
-    return st.one_of(geometry_mutations(raw), geometry_mutations(raw), byte_mutations(raw))
-
-
-def geometry_consistent(header: dict[str, Any]) -> bool:
-    """Whether a header's layout agrees with its parts (a reference check, only for the test's
-    oracle): K and V of each layer ``[heads, block_size, head_dim]`` with per-head fp32 scales for
-    FP8 ones, each part's byte count its shape's, and no other part."""
-    try:
-        lay, prec = header["layout"], header["precision"]
-        nl, h, bs, d = (lay[k] for k in ("num_layers", "num_kv_heads", "block_size", "head_dim"))
-        if not all(type(v) is int and 0 < v < 1 << 20 for v in (nl, h, bs, d)):
-            return False
-        want: dict[str, tuple[str | None, list[int]]] = {}
-        by_name = {p["name"]: p for p in header["parts"]}
-        if len(by_name) != len(header["parts"]):
-            return False
-        groups = [h] if prec.get("granularity", "head") == "head" else [h, -(-bs // prec["group_tokens"])]
-        for layer in range(nl):
-            for kv in ("k", "v"):
-                p = by_name.get(f"{kv}.{layer}")
-                if p is None:
-                    return False
-                want[p["name"]] = (None, [h, bs, d])
-                if p["dtype"] == "fp8_e4m3":
-                    want[f"{kv}_scale.{layer}"] = ("fp32", groups)
-        if set(by_name) != set(want):
-            return False
-        for name, (dtype, shape) in want.items():
-            p = by_name[name]
-            if p["shape"] != shape or (dtype is not None and p["dtype"] != dtype) or p["dtype"] not in STORAGE_DTYPES:
-                return False
-            if p["nbytes"] != int(np.prod(shape)) * STORAGE_DTYPES[p["dtype"]].itemsize:
-                return False
-        return True
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        return False
-
-
-def forged_header(data: bytes) -> dict[str, Any] | None:
-    """The header dict of a file :func:`forge_snapshot` made (``None`` for other bytes)."""
-    try:
-        return json.loads(pa.ipc.open_file(pa.py_buffer(data)).schema.metadata[META_HEADER])
-    except Exception:  # noqa: BLE001 - not a forged file
-        return None
-
-
-# -- the index --------------------------------------------------------------------------
-HOSTILE_CELLS = {
-    "size": [-1, 2**62, 1e308, "abc", b"\x00", None, 0],
-    "last_access": [1e308, -1e308, "x", None, float("inf")],
-    "expires": [1e308, -1e308, "x", None, float("-inf"), 0],
-    "state": ["weird", "", None, "pending", 7],
-    "pid": [2**62, -1, 0, 1, "x", None, 2**31],
-    "name": ["../../etc/passwd", "", "acme/zz/nothex.kvw", "x" * 5000, None, 3],
+_COMMON = [_raw_seed("empty", b""), _raw_seed("not UTF-8", b"\xff\xfe{\x80}"), _raw_seed("nested 2000 deep", NESTED),
+           _raw_seed("a 5000-digit number", BIG_NUMBER), _raw_seed("a list", b"[1, 2]"), _raw_seed("null", b"null")]
+SEEDS: dict[str, list[Seed]] = {
+    "owner": _COMMON + [
+        _doc_seed("no salt_id", lambda d: d.pop("salt_id", None) and None),
+        _doc_seed("salt_id null", lambda d: d.update(salt_id=None)),
+        _doc_seed("salt_id a number", lambda d: d.update(salt_id=7)),
+    ],
+    "plan": _COMMON + [
+        _doc_seed("created_at a string", lambda d: d.update(created_at="yesterday")),
+        _doc_seed("window.start a string", lambda d: d.update(window={"start": "x", "end": 1.0})),
+        _doc_seed("extra a string", lambda d: d.update(extra="x")),
+        _doc_seed("as_of NaN, created_at Infinity", lambda d: d.update(as_of=math.nan, created_at=math.inf)),
+        _doc_seed("an entry's score a string", lambda d: [e.update(score="high") for e in d.get("entries", [])] and None),
+    ],
+    "fleet": _COMMON + [
+        _doc_seed("written_at 1e300", lambda d: d.update(written_at=1e300)),
+        _doc_seed("written_at NaN", lambda d: d.update(written_at=math.nan)),
+        _doc_seed("negative ages", lambda d: d.update(age_s=[-1e6 for _ in d["age_s"]])),
+        _doc_seed("uses 10**12", lambda d: d.update(uses=[10**12 for _ in d["uses"]])),
+        _doc_seed("uses true", lambda d: d.update(uses=[True for _ in d["uses"]])),
+        _doc_seed("traffic_age NaN", lambda d: d.update(traffic_age=[math.nan for _ in d["traffic_age"]])),
+    ],
 }
-
-
-@st.composite
-def index_files(draw: st.DrawFn, raw: bytes, names: tuple[str, ...]) -> Hostile:
-    """The genuine index damaged as bytes, or a real SQLite file with a wrong schema or hostile rows."""
-    kind = draw(st.sampled_from(["bytes", "schema", "rows", "rows", "trigger"]))
-    if kind == "bytes":
-        return draw(byte_mutations(raw))
-    path = Path(f"/dev/shm/kvwarm-fuzz-index-{id(raw)}-{time.monotonic_ns()}.sqlite")
-    if not Path("/dev/shm").is_dir():
-        path = Path(f"/tmp/kvwarm-fuzz-index-{time.monotonic_ns()}.sqlite")
-    db = sqlite3.connect(path)
-    try:
-        if kind == "schema":
-            ddl = draw(st.sampled_from([
-                "CREATE TABLE other (x)",
-                "CREATE TABLE entries (x)",
-                "CREATE TABLE entries (name TEXT, size TEXT)",
-                "CREATE VIEW entries AS SELECT 1 AS name, 2 AS size, 3 AS last_access, 4 AS expires, 'ready' AS state, 5 AS pid",
-                "CREATE TABLE entries (name, size, last_access, expires, state, pid, extra NOT NULL)",
-            ]))
-            db.executescript(ddl)
-            how = f"schema: {ddl}"
-        else:
-            db.executescript("CREATE TABLE entries (name PRIMARY KEY, size, last_access, expires, state, pid)")
-            now = time.time()
-            rows = [[n, 1200, now, now + 3600, "ready", 0] for n in names]
-            cols = list(HOSTILE_CELLS)
-            changes = draw(st.lists(st.tuples(st.integers(0, len(rows) - 1), st.sampled_from(cols)), min_size=1,
-                                    max_size=4))
-            how_parts = []
-            for r, col in changes:
-                value = draw(st.sampled_from(HOSTILE_CELLS[col]))
-                rows[r][["name", "size", "last_access", "expires", "state", "pid"].index(col)] = value
-                how_parts.append(f"row {r} {col} = {value!r}"[:80])
-            db.executemany("INSERT OR REPLACE INTO entries VALUES (?, ?, ?, ?, ?, ?)", rows)
-            how = "rows: " + "; ".join(how_parts)
-            if kind == "trigger":
-                db.executescript("CREATE TRIGGER no_update BEFORE UPDATE ON entries BEGIN SELECT RAISE(ABORT, 'hostile'); END;"
-                                 "CREATE TRIGGER no_delete BEFORE DELETE ON entries BEGIN SELECT RAISE(ABORT, 'hostile'); END;")
-                how += "; triggers refuse every UPDATE and DELETE"
-        db.commit()
-    finally:
-        db.close()
-    data = path.read_bytes()
-    path.unlink()
-    return Hostile(f"index {how}", data)
