@@ -29,7 +29,7 @@ from store.format.encode import build_snapshot, snapshot_bytes
 from store.identity.fingerprint import ModelIdentity
 from store.identity.keys import block_chain
 from store.identity.tenant import Tenant
-from store.plan import plan_from_prefixes, publish_plan
+from store.plan import plan_from_prefixes
 from store.serving.fleet import FleetRecorder
 from store.tiers.base import object_name
 from store.tiers.store import Store
@@ -101,10 +101,7 @@ def build_template(root: Path) -> Template:
         store.put(ACME, snap)
         genuine[f"snapshot{b.index}"] = snapshot_bytes(snap)
         names.append(object_name("acme", b.key))
-    try:  # the plan as the pipeline publishes it (whatever its format is on this branch)
-        publish_plan(plan_from_prefixes("acme", [STORED], created_at=time.time()), store.tiers)
-    except Exception:  # noqa: BLE001 - a branch that publishes another way: hostile plans start from scratch
-        pass
+    publish(plan_from_prefixes("acme", [STORED], created_at=time.time()), store.tiers, key_root)
     recorder = FleetRecorder(store.tiers, OTHER_NODE)
     recorder.record(names)
     recorder.flush()
@@ -113,6 +110,19 @@ def build_template(root: Path) -> Template:
         if (nvme / rel).is_file():
             genuine[kind] = (nvme / rel).read_bytes()
     return Template(root, tuple(names), genuine)
+
+
+def publish(plan: Any, tiers: Any, key_root: Any) -> None:
+    """Publish ``plan`` as the pipeline does: keyed by the salted block keys where the published
+    plan holds no prompts (store.published_plan), else as it is (the format before issue 31)."""
+    try:
+        from store.published_plan import key_plan, publish_plan
+    except ImportError:
+        from store.plan import publish_plan  # type: ignore[attr-defined,no-redef]
+
+        publish_plan(plan, tiers)
+        return
+    publish_plan(key_plan(plan, lambda tenant, chat: key_root), tiers)
 
 
 def plant(nvme: Path, rel: str, data: bytes) -> Path:
