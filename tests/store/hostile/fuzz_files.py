@@ -25,6 +25,7 @@ import torch
 from hypothesis import strategies as st
 
 from store.config import KvwarmConfig, parse_config
+from store.config_sections import FleetMemoryConfig
 from store.format.encode import build_snapshot, snapshot_bytes
 from store.identity.fingerprint import ModelIdentity
 from store.identity.keys import block_chain
@@ -50,6 +51,8 @@ CONFIG_DOC: dict[str, Any] = {
     # the loader under test writes no fleet record of its own; a genuine record names at most 64 blocks
     "fleet_memory": {"enabled": False, "max_names": 64},
 }
+if "max_file_bytes" in FleetMemoryConfig.model_fields:  # where records are capped: at the least allowed
+    CONFIG_DOC["fleet_memory"]["max_file_bytes"] = 64 << 10
 
 #: where each file type lives under the template's local tier root
 PATHS = {

@@ -306,7 +306,8 @@ def oversized(draw: st.DrawFn, kind: str, genuine: bytes, shape: str) -> Hostile
     value a long string, or its lists grown; or a small one whose values claim huge sizes and counts.
 
     Genuine sizes: an owner record is ~70 bytes, a plan version 16, a fleet record at most
-    ``fleet_memory.max_names`` (64 here) names of ~100 bytes."""
+    ``fleet_memory.max_names`` (64 here) names of ~100 bytes (and where records are capped,
+    ``fleet_memory.max_file_bytes`` is its least, 64 KiB, below these files)."""
     size = draw(SIZES)
     doc = json.loads(genuine)
     if kind == "owner":
