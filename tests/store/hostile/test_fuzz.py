@@ -56,6 +56,8 @@ from tests.store.hostile.fuzz_forge import (
     oversized_snapshots, snapshot_mutations, snapshot_seeds,
 )
 
+#: where each example's store copy lives: memory where the host has it (the stores fsync their writes)
+SCRATCH = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
 _PHASES = (Phase.explicit, Phase.generate) + ((Phase.shrink,) if os.environ.get("KVWARM_FUZZ_SHRINK") else ())
 
 
@@ -93,7 +95,7 @@ def noted(hostile: Hostile) -> Iterator[None]:
 @contextlib.contextmanager
 def workspace(tpl: Template) -> Iterator[Path]:
     """A fresh copy of the template store; its local tier root."""
-    with tempfile.TemporaryDirectory(prefix="kvwarm-fuzz-") as d:
+    with tempfile.TemporaryDirectory(prefix="kvwarm-fuzz-", dir=SCRATCH) as d:
         yield tpl.copy_to(Path(d))
 
 
