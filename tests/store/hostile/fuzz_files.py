@@ -271,8 +271,8 @@ BIG_NUMBER = b'{"salt_id":' + b"1" * 5000 + b"}"  # past Python's 4300-digit lim
 class Seed:
     """A hostile record made from the genuine one (``make``), named for the test's id."""
 
-    def __init__(self, how: str, make: Callable[[bytes], bytes]) -> None:
-        self.how, self.make = how, make
+    def __init__(self, how: str, make: Callable[[bytes], bytes], *, refused: bool = True) -> None:
+        self.how, self.make, self.refused = how, make, refused  # refused: no reader may take it
 
     def __call__(self, genuine: bytes) -> Hostile:
         return Hostile(self.how, self.make(genuine))
@@ -281,11 +281,11 @@ class Seed:
         return self.how
 
 
-def _doc_seed(how: str, change: Callable[[dict], Any]) -> Seed:
+def _doc_seed(how: str, change: Callable[[dict], Any], *, refused: bool = True) -> Seed:
     def make(genuine: bytes) -> bytes:
         doc = json.loads(genuine)
         return dumps(change(doc) or doc)
-    return Seed(how, make)
+    return Seed(how, make, refused=refused)
 
 
 def _raw_seed(how: str, data: bytes) -> Seed:
@@ -311,7 +311,8 @@ SEEDS: dict[str, list[Seed]] = {
         _doc_seed("written_at 1e300", lambda d: d.update(written_at=1e300)),
         _doc_seed("written_at NaN", lambda d: d.update(written_at=math.nan)),
         _doc_seed("negative ages", lambda d: d.update(age_s=[-1e6 for _ in d["age_s"]])),
-        _doc_seed("uses 10**12", lambda d: d.update(uses=[10**12 for _ in d["uses"]])),
+        # no bound is named for uses: a huge count must not break a reader, refused or not
+        _doc_seed("uses 10**12", lambda d: d.update(uses=[10**12 for _ in d["uses"]]), refused=False),
         _doc_seed("uses true", lambda d: d.update(uses=[True for _ in d["uses"]])),
         _doc_seed("traffic_age NaN", lambda d: d.update(traffic_age=[math.nan for _ in d["traffic_age"]])),
     ],

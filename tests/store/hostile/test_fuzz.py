@@ -161,14 +161,17 @@ def new_agent(ld: KVLoader, now: float) -> NodeAgent:
                      clock=lambda: now)
 
 
-def check_fleet_uses(ld: KVLoader, now: float) -> None:
-    """What the fleet's records say, as the loader reads them: finite times, counts of the right type."""
-    for u in ld.fleet_uses(since=now - 7200):
+def check_fleet_uses(ld: KVLoader, now: float) -> int:
+    """What the fleet's records say, as the loader reads them: finite times, counts of the right type.
+    Returns how many uses were read."""
+    uses = ld.fleet_uses(since=now - 7200)
+    for u in uses:
         ns, _ = parse_object_name(u.name)
         assert ns in ("acme", "public")
         assert type(u.at) is float and math.isfinite(u.at) and u.at <= now + 86400, f"use at {u.at!r}"
         assert type(u.uses) is int and u.uses >= 1, f"uses {u.uses!r}"
         assert type(u.traffic_age) is int and u.traffic_age >= 0, f"traffic_age {u.traffic_age!r}"
+    return len(uses)
 
 
 def version_of(data: bytes) -> bytes:
@@ -176,16 +179,17 @@ def version_of(data: bytes) -> bytes:
 
 
 # -- never an exception ----------------------------------------------------------------
-def check_snapshot(tpl: Template, block: int, hostile: Hostile) -> None:
+def check_snapshot(tpl: Template, block: int, hostile: Hostile, *, bad: bool = False) -> None:
+    """The file in place of block ``block``; ``bad``: known unusable (a seed), whatever the reference says."""
     with workspace(tpl) as nvme:
         plant(nvme, f"objects/{tpl.names[block]}", hostile.data)
         rc = run_cli(nvme)
         with loader_on(nvme) as ld:
             served = check_lookup(ld)
     header = forged_header(hostile.data)
-    if header is not None and not geometry_consistent(header):
-        assert rc["verify"] == 1, "prefill store verify passed a snapshot whose layout disagrees with its parts"
-        assert served <= block, "lookup served a snapshot whose layout disagrees with its parts"
+    if bad or (header is not None and not geometry_consistent(header)):
+        assert rc["verify"] == 1, "prefill store verify passed a snapshot whose geometry is wrong"
+        assert served <= block, "lookup served a snapshot whose geometry is wrong"
 
 
 @fuzz(40)
@@ -198,7 +202,7 @@ def test_hostile_snapshot_is_a_counted_miss_and_verify_reports_bad_geometry(temp
 def test_seeded_snapshot_attack_is_a_counted_miss_and_verify_reports_it(template, i):
     block, hostile = snapshot_seeds(template.genuine)[i]
     with noted(hostile):
-        check_snapshot(template, block, hostile)
+        check_snapshot(template, block, hostile, bad=True)
 
 
 STRAY_NAMES = ["acme/zz/not-a-key.kvw", "acme/{key}.kvw", "acme/{kk}/{key}.kvw.kvw", "ACME/{kk}/{key}.kvw",
@@ -256,9 +260,18 @@ def genuine_plan(tpl: Template) -> bytes:
     return tpl.genuine.get("plan", b'{"kvwarm_plan": 2, "entries": []}')
 
 
-def check_plan(tpl: Template, which: str, hostile: Hostile, version: bytes) -> None:
+def _json_object(raw: bytes) -> bool:
+    try:
+        return isinstance(json.loads(raw), dict)
+    except (ValueError, RecursionError):
+        return False
+
+
+def check_plan(tpl: Template, which: str, hostile: Hostile, version: bytes, *, bad: bool = False) -> None:
     """A node follows the genuine plan; the published plan (``which``: the plan, its version, or
-    both) is replaced by hostile bytes; then the node ticks twice, and a new node starts on it."""
+    both) is replaced by hostile bytes; then the node ticks twice, and a new node starts on it.
+    A plan known bad (``bad``, or not a JSON object) published with its version is one counted error."""
+    counted = which == "plan" and (bad or not _json_object(hostile.data))
     with workspace(tpl) as nvme, loader_on(nvme) as ld:
         now = time.time()
         agent = new_agent(ld, now)
@@ -278,6 +291,8 @@ def check_plan(tpl: Template, which: str, hostile: Hostile, version: bytes) -> N
         fresh.start(now)
         fresh.tick(now + 31)
         assert fresh.figures.plan_errors <= 1
+        if counted:
+            assert errors == 1 and fresh.figures.plan_errors == 1, "a bad plan was not counted as a plan error"
 
 
 @st.composite
@@ -301,15 +316,17 @@ def test_hostile_plan_is_one_counted_error_and_the_agent_keeps_its_last_good_pla
 @pytest.mark.parametrize("seed", SEEDS["plan"], ids=repr)
 def test_seeded_plan_attack_is_a_counted_error(template, seed):
     hostile = seed(genuine_plan(template))
-    check_plan(template, "plan", hostile, version_of(hostile.data))
+    check_plan(template, "plan", hostile, version_of(hostile.data), bad=seed.refused)
 
 
-def check_fleet(tpl: Template, which: str, hostile: Hostile) -> None:
+def check_fleet(tpl: Template, which: str, hostile: Hostile, *, refused: bool = False) -> None:
+    """The record in place of the other node's; ``refused``: known bad, so nothing of it may be read."""
     with workspace(tpl) as nvme:
         plant(nvme, PATHS[which], hostile.data)
         with loader_on(nvme) as ld:
             now = time.time()
-            check_fleet_uses(ld, now)
+            read = check_fleet_uses(ld, now)
+            assert not (refused and read), f"{read} uses read from a bad fleet record"
             agent = new_agent(ld, now)
             agent.start(now)
             agent.tick(now + 31)
@@ -323,7 +340,7 @@ def test_hostile_fleet_record_is_skipped_and_what_is_read_is_bounded(template, w
 
 @pytest.mark.parametrize("seed", SEEDS["fleet"], ids=repr)
 def test_seeded_fleet_record_attack_is_skipped(template, seed):
-    check_fleet(template, "fleet", seed(template.genuine["fleet"]))
+    check_fleet(template, "fleet", seed(template.genuine["fleet"]), refused=seed.refused)
 
 
 def check_index(tpl: Template, hostile: Hostile) -> None:
