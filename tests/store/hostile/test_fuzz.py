@@ -29,8 +29,10 @@ import gc
 import hashlib
 import io
 import json
+import logging
 import math
 import os
+import sqlite3
 import tempfile
 import time
 import tracemalloc
@@ -43,6 +45,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from prefill.cli import main as prefill_main
+from store.errors import KvwarmError
 from store.serving.agent import AgentSettings, NodeAgent, StorePlans
 from store.serving.loader import KVLoader
 from store.serving.loader_node import LoaderNode
@@ -99,16 +102,37 @@ def workspace(tpl: Template) -> Iterator[Path]:
         yield tpl.copy_to(Path(d))
 
 
+class Untyped(logging.Handler):
+    """Exceptions kvwarm logged with their traceback that are none of the typed ones: what a
+    background thread (a prefetch stream, a fetch) caught as a crash instead of a miss."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        exc = record.exc_info[1] if record.exc_info else None
+        if exc is not None and not isinstance(exc, (KvwarmError, OSError, sqlite3.Error)):
+            self.seen.append(f"{record.name}: {record.getMessage()[:160]} ({type(exc).__name__}: {str(exc)[:160]})")
+
+
 @contextlib.contextmanager
 def loader_on(nvme: Path) -> Iterator[KVLoader]:
-    """A serving-side loader of acme on the store at ``nvme`` (opening and closing it must not raise either)."""
-    ld = KVLoader(f"file://{nvme}", tenant=ACME, model=MODEL, config=config(), pool_dir=nvme.parent / "pool",
-                  pool_bytes=64 << 20, fetch_workers=1, prefetch_streams=1, node_id=THIS_NODE)
+    """A serving-side loader of acme on the store at ``nvme``: opening it, its background threads
+    and closing it must not raise (or log an untyped exception) either."""
+    untyped = Untyped()
+    logging.getLogger("kvwarm").addHandler(untyped)
     try:
-        yield ld
+        ld = KVLoader(f"file://{nvme}", tenant=ACME, model=MODEL, config=config(), pool_dir=nvme.parent / "pool",
+                      pool_bytes=64 << 20, fetch_workers=1, prefetch_streams=1, node_id=THIS_NODE)
+        try:
+            yield ld
+        finally:
+            ld.prefetcher.wait_idle(30)
+            ld.close()
     finally:
-        ld.prefetcher.wait_idle(30)
-        ld.close()
+        logging.getLogger("kvwarm").removeHandler(untyped)
+    assert not untyped.seen, f"kvwarm logged exceptions it did not expect: {untyped.seen}"
 
 
 def run_cli(nvme: Path) -> dict[str, int]:
