@@ -227,6 +227,10 @@ def json_mutations(draw: st.DrawFn, raw: bytes) -> Hostile:
     return Hostile("json: " + "; ".join(how), dumps(doc))
 
 
+NESTED = b"[" * 2000 + b"]" * 2000  # past the JSON parsers' depth (RecursionError in the stdlib's)
+BIG_NUMBER = b'{"salt_id":' + b"1" * 5000 + b"}"  # past Python's 4300-digit limit (a plain ValueError)
+
+
 @st.composite
 def byte_mutations(draw: st.DrawFn, raw: bytes) -> Hostile:
     """``raw`` damaged as bytes: replaced, emptied, truncated, bits flipped, spliced, or nested past a parser's depth."""
@@ -252,8 +256,8 @@ def byte_mutations(draw: st.DrawFn, raw: bytes) -> Hostile:
     if kind == "nest":
         n = draw(st.sampled_from([2000, 100_000]))
         return Hostile(f"nested {n} deep", b"[" * n + b"]" * n)
-    if kind == "bigint":  # past Python's 4300-digit limit: json raises a plain ValueError
-        return Hostile("a 5000-digit number", b'{"salt_id":' + b"1" * 5000 + b"}")
+    if kind == "bigint":
+        return Hostile("a 5000-digit number", BIG_NUMBER)
     return Hostile("not UTF-8", b"\xff\xfe" + raw[: len(raw) // 2] + b"\xc3\x28")
 
 
@@ -264,8 +268,6 @@ def record_mutations(raw: bytes | None) -> st.SearchStrategy[Hostile]:
 
 
 # -- seeds: the issue's reproduced attacks and the parsers' limits, tried on every run ---------
-NESTED = b"[" * 2000 + b"]" * 2000  # past the JSON parsers' depth (RecursionError in the stdlib's)
-BIG_NUMBER = b'{"salt_id":' + b"1" * 5000 + b"}"  # past Python's 4300-digit limit (a plain ValueError)
 
 
 class Seed:
