@@ -83,18 +83,22 @@ def loader_on(nvme: Path) -> Iterator[KVLoader]:
     assert not untyped.seen, f"kvwarm logged exceptions it did not expect: {untyped.seen}"
 
 
-def run_cli(nvme: Path) -> dict[str, int]:
-    """``prefill store ls --long`` and ``prefill store verify --no-quarantine`` on the store: each exits
-    0, 1 or 2, and says why when not 0. Returns the exit status of each."""
+def run_cli(nvme: Path, *, public: bool = False) -> dict[str, int]:
+    """``prefill store ls --long`` (also of the public namespace with ``public``) and ``prefill store
+    verify --no-quarantine`` on the store: each exits 0, 1 or 2, and says why when not 0. Returns the
+    exit status of each."""
     out = {}
-    for args in (["ls", "--tenant", "acme", "--long"], ["verify", "--no-quarantine"]):
+    commands = [["ls", "--tenant", "acme", "--long"], ["verify", "--no-quarantine"]]
+    if public:
+        commands.insert(1, ["ls", "--tenant", "acme", "--namespace", "public"])
+    for args in commands:
         text = io.StringIO()
         with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
             rc = prefill_main(["store", *args, "--store", f"file://{nvme}",
                                "--config", str(nvme.parent / "config.json")])
         assert rc in (0, 1, 2), f"prefill store {args[0]} exited {rc}"
         assert rc == 0 or text.getvalue().strip(), f"prefill store {args[0]} exited {rc} without a message"
-        out[args[0]] = rc
+        out["ls public" if "public" in args else args[0]] = rc
     return out
 
 

@@ -128,7 +128,7 @@ def _same_owner(raw: bytes, genuine: bytes) -> bool:
 def check_owner(tpl: Template, which: str, hostile: Hostile) -> None:
     with workspace(tpl) as nvme:
         plant(nvme, PATHS[which], hostile.data)
-        run_cli(nvme)
+        run_cli(nvme, public=which == "owner_public")
         with loader_on(nvme) as ld:
             served = check_lookup(ld)
     if which == "owner" and not _same_owner(hostile.data, tpl.genuine["owner"]):
