@@ -303,6 +303,12 @@ def decode_json(data: bytes, source: str, cap: int = MAX_PLAN_BYTES) -> Any:
     """
     if len(data) > cap:
         raise PlanError(f"{source} is {len(data)} bytes, above the {cap}-byte limit of a plan")
+    # A plan's objects and lists each hold an entry's worth of text (a key is 64 characters): a file
+    # dense with them ({"entries": [[], [], ...]}) would cost ~30x its size once parsed. Refused unparsed.
+    containers = data.count(b"[") + data.count(b"{")
+    if containers > 64 + len(data) // 32:
+        raise PlanError(f"{source} holds {containers} JSON objects and lists in {len(data)} bytes: not a plan "
+                        "(a plan's entries are larger than that)")
     try:
         return json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

@@ -37,7 +37,9 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 
 def _loads(raw: bytes) -> Any:
-    if _fast_loads is not None:
+    # orjson takes a scratch buffer of several times a long document: a genuine header is a few KiB,
+    # and a long one (a hostile one) goes to the stdlib, whose objects cost about twice the text.
+    if _fast_loads is not None and len(raw) <= 1 << 16:
         try:
             return _fast_loads(raw)
         except ValueError:
@@ -110,6 +112,10 @@ def _parts(items: list[Any]) -> tuple[Part, ...]:
 _STRING_FIELDS = ("key", "parent_key", "root_key", "tenant", "salt_id", "tokens_sha256", "model_fingerprint",
                   "tokenizer_fingerprint", "chat_template_hash", "adapter_hash", "kv_dtype", "quant_scheme")
 _MAX_TOKEN = (1 << 32) - 1
+_MAX_STRING = 512  # a writer's longest is a hub id with its commit (`org/name@<40 hex>`), well under this
+#: The largest header a reader parses: the fixed fields, a block's token ids (65,536 at most, up to 11
+#: characters each) and a few hundred bytes a layer for parts and errors, with room to spare.
+MAX_HEADER_BYTES = 1 << 20
 
 
 def _real(value: object) -> bool:
@@ -124,8 +130,10 @@ def _check_fields(h: "SnapshotHeader") -> None:
         TypeError, ValueError: one does not (the caller calls the header corrupt).
     """
     for name in _STRING_FIELDS:
-        if type(getattr(h, name)) is not str:
-            raise TypeError(f"{name} must be a string")
+        if type(getattr(h, name)) is not str or len(getattr(h, name)) > _MAX_STRING:
+            raise TypeError(f"{name} must be a string of at most {_MAX_STRING} characters")
+    if len(h.token_ids) > h.layout.block_size:
+        raise ValueError(f"{len(h.token_ids)} token_ids, more than the layout's block_size {h.layout.block_size}")
     if any(type(t) is not int or not 0 <= t <= _MAX_TOKEN for t in h.token_ids):
         raise ValueError("token_ids must be integers in [0, 2**32)")
     for name in ("created_at", "expires_at"):
@@ -195,6 +203,9 @@ class SnapshotHeader:
     @staticmethod
     def from_json(raw: bytes, *, location: str = "") -> "SnapshotHeader":
         """Parse header bytes; raises :class:`UnknownFormatVersion` or :class:`SnapshotCorrupt`."""
+        if len(raw) > MAX_HEADER_BYTES:  # refused unparsed: what a header holds is bounded by its block
+            raise SnapshotCorrupt(f"header of {len(raw)} bytes, more than the {MAX_HEADER_BYTES} a snapshot's "
+                                  "header can hold", location=location)
         try:
             d: dict[str, Any] = _loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:

@@ -105,6 +105,10 @@ class Snapshot:
         self._source = None  # a mapped buffer is unmapped when its last view goes
 
 
+#: the part of a header that does not grow with its payload, with room to spare (a genuine one is ~2 KiB)
+HEADER_BASE_BYTES = 128 << 10
+
+
 def _open(source: pa.Buffer | pa.NativeFile, location: str) -> tuple[pa.ipc.RecordBatchFileReader, SnapshotHeader, bytes]:
     try:
         reader = pa.ipc.open_file(source)
@@ -114,6 +118,13 @@ def _open(source: pa.Buffer | pa.NativeFile, location: str) -> tuple[pa.ipc.Reco
     raw = meta.get(META_HEADER)
     if raw is None or SnapshotHeader.checksum(raw) != meta.get(META_CHECKSUM, b"").decode(errors="replace"):
         raise SnapshotCorrupt("header checksum mismatch or header missing", location=location)
+    # A header's numbers (token ids, shapes, errors) grow with its payload; one far larger than its
+    # payload can need is refused before parsing, which costs several times the text.
+    size = source.size if isinstance(source, pa.Buffer) else source.size()
+    payload = max(0, size - 2 * len(raw))  # the file holds the header twice (schema and footer)
+    if len(raw) > HEADER_BASE_BYTES + 8 * payload:
+        raise SnapshotCorrupt(f"header of {len(raw)} bytes for a payload of about {payload}: more than any "
+                              "genuine snapshot's", location=location)
     return reader, SnapshotHeader.from_json(raw, location=location), raw
 
 

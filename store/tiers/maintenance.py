@@ -124,7 +124,12 @@ def verify(store: Store, *, namespace: str | None = None, tenants: Mapping[str, 
         geometry: dict[str, tuple[str, Geometry]] = {}
         for entry in list(tier.entries(prefix)):
             report.checked += 1
-            reason = check_object(tier, entry.name, tenants, geometry)
+            try:
+                reason = check_object(tier, entry.name, tenants, geometry)
+            except ValueError as exc:  # a name no writer makes (copied in by hand): reported, left in place
+                report.bad.append((f"{tier.url} {entry.name}", f"stray file, not read: {exc}; remove it"))
+                store.stats.incr("corrupt")
+                continue
             if reason is None:
                 report.ok += 1
             elif reason == "encrypted":
