@@ -174,19 +174,21 @@ class Plan:
         return [e for e in self.entries if e.prefillable]
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kvwarm_plan": PLAN_VERSION, "created_at": self.created_at}
-        if self.as_of is not None:
-            out["as_of"] = self.as_of
-        if self.block_size is not None:
-            out["block_size"] = self.block_size
-        if self.model is not None:
-            out["model"] = self.model
-        if self.window_start is not None or self.window_end is not None:
-            out["window"] = {"start": self.window_start, "end": self.window_end}
-        if self.extra:
-            out["extra"] = self.extra
-        out["entries"] = [e.to_json() for e in self.entries]
-        return out
+        return {**header_json(self, "kvwarm_plan", PLAN_VERSION), "entries": [e.to_json() for e in self.entries]}
+
+
+def header_json(plan: Any, version_key: str, version: int) -> dict[str, Any]:
+    """A plan's own fields as the file holds them, before its entries (:class:`Plan` and
+    :class:`store.published_plan.PublishedPlan` write them alike)."""
+    out: dict[str, Any] = {version_key: version, "created_at": plan.created_at}
+    for name in ("as_of", "block_size", "model"):
+        if getattr(plan, name) is not None:
+            out[name] = getattr(plan, name)
+    if plan.window_start is not None or plan.window_end is not None:
+        out["window"] = {"start": plan.window_start, "end": plan.window_end}
+    if plan.extra:
+        out["extra"] = plan.extra
+    return out
 
 
 def check_header(plan: Any, where: str) -> None:

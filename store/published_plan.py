@@ -38,6 +38,7 @@ from store.plan import (
     check_header,
     check_text,
     decode_json,
+    header_json,
     is_number,
     plan_fields,
 )
@@ -138,16 +139,8 @@ class PublishedPlan:
         check_header(self, "published plan")
 
     def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"kvwarm_published_plan": PUBLISHED_VERSION, "created_at": self.created_at}
-        for name in ("as_of", "block_size", "model"):
-            if getattr(self, name) is not None:
-                out[name] = getattr(self, name)
-        if self.window_start is not None or self.window_end is not None:
-            out["window"] = {"start": self.window_start, "end": self.window_end}
-        if self.extra:
-            out["extra"] = self.extra
-        out["entries"] = [e.to_json() for e in self.entries]
-        return out
+        return {**header_json(self, "kvwarm_published_plan", PUBLISHED_VERSION),
+                "entries": [e.to_json() for e in self.entries]}
 
 
 #: the key root a tenant's prompts are keyed under (plain or through the chat template), or
