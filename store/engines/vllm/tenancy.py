@@ -105,6 +105,14 @@ class TenantBook:
         self.known = frozenset(config.tenants) | {default, PUBLIC}
         self._lock = threading.Lock()
         self._credentials: dict[str, Tenant] = {}
+        # A secret tenant's salt costs an scrypt (~50 ms): paid here, at start-up, not on vLLM's
+        # scheduler thread at the tenant's first request. A tenant whose variable is unset is left to
+        # :meth:`credentials`, which raises when (if ever) a request needs it, as before.
+        for name in sorted(self.known):
+            try:
+                self.credentials(name)
+            except ConfigError:
+                pass
 
     def resolve(self, cache_salt: str | None, kv_transfer_params: Mapping[str, Any] | None) -> RequestTenant:
         """The tenant of a request with this ``cache_salt`` and these ``kv_transfer_params``."""
