@@ -237,11 +237,12 @@ class LoaderConfig(_Section):
         "not yet encoded (pinned host memory on a GPU); a save that does not fit keeps its leading kvwarm blocks "
         "that do, and the rest is dropped and counted. Give it at least one engine step's prompt KV: "
         "max_num_batched_tokens x layers x 2 x KV heads x head dim x 2 bytes (1 GiB for an 8B model at 8,192 "
-        "tokens). Encoded blocks waiting for their S3 upload are bounded apart by the same number of bytes (so "
-        "write-back holds at most twice this); a block that finds that full stays on NVMe only.")
+        "tokens). Blocks read back from NVMe for their S3 upload are bounded apart by the same number of bytes (so "
+        "write-back holds at most twice this); the others wait in the node's upload backlog, on NVMe.")
     write_back_streams: int = Field(
         4, ge=1, le=64, description="Threads the vLLM connector's write-back uploads to S3 on (parallel PUTs); "
-        "blocks go to NVMe first, on the writer's own thread.")
+        "blocks go to NVMe first, on the writer's own thread, and wait in the node's persistent upload backlog "
+        "until a thread takes them, most valuable first.")
 
     def with_overrides(self, **given: Any) -> "LoaderConfig":
         """This section with each keyword that is not ``None`` in place of its value, validated

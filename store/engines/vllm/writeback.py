@@ -6,18 +6,18 @@ step is over; from a GPU into pinned host memory, with an event the writer waits
 them to :class:`WriteBack`. Its background thread does the rest, off the forward path: it
 reorders them into kvwarm's layout, skips blocks the store already holds, quantises at the
 configured precision (recording the error), and writes each block atomically to NVMe
-(:meth:`store.tiers.store.Store.put`, with the config's TTL and the tenant's salt), then hands
-it to :class:`store.engines.vllm.uploads.Uploads`, whose ``streams`` threads PUT it to the
-remote tiers (S3). So a restarted or new replica is warm from the store even for prefixes no
-plan named.
+(:meth:`store.tiers.store.Store.put`, with the config's TTL and the tenant's salt), then enqueues
+it in the node's persistent upload backlog (:class:`store.engines.vllm.uploads.Uploads`), whose
+``streams`` threads drain it to the remote tiers (S3), most valuable first. So a restarted or new
+replica is warm from the store even for prefixes no plan named.
 
 Bounded: at most ``max_bytes`` of copied blocks wait to be encoded; a save that does not fit
 keeps its leading kvwarm blocks that do (a block is found only after its parents) and the
 tail is dropped and counted (``write_back_dropped:queue_full``, in kvwarm blocks), never
-waited for. A job's copied bytes are freed once its blocks are encoded; the encoded
-snapshots waiting for S3 are bounded apart by ``max_bytes`` too, and a block that finds no
-upload room stays on NVMe only (``written_back_nvme_only``): a slow S3 never holds up the
-node's own tier. After S3 fails, blocks go to NVMe only for ``s3_backoff_s``.
+waited for. A job's copied bytes are freed once its blocks are encoded; the snapshots read
+back for their upload are bounded apart by ``max_bytes`` too, and a block waits in the upload
+backlog until the link takes it: a slow S3 never holds up the node's own tier. After S3
+fails, nothing is sent to it for ``s3_backoff_s``.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from store.tiers.base import object_name
 from store.tiers.store import Store
 
 log = logging.getLogger("kvwarm.vllm")
-#: Default bound on copied blocks waiting to be encoded (and, apart, on encoded ones waiting for S3).
+#: Default bound on copied blocks waiting to be encoded (and, apart, on uploads in flight).
 MAX_QUEUED_BYTES = 2 << 30
 #: Default upload threads (``loader.write_back_streams``).
 UPLOAD_STREAMS = 4
@@ -73,10 +73,10 @@ class WriteBack:
         ttl_s: the snapshots' lifetime.
         layout: the engine's KV layout.
         counters: where ``written_back_*`` and ``write_back_*`` are counted.
-        max_bytes: the most copied bytes that wait to be encoded, and apart the most encoded
-            bytes that wait for (or are in) an upload.
+        max_bytes: the most copied bytes that wait to be encoded, and apart the most bytes
+            read back for uploads in flight.
         streams: upload threads to the remote tiers.
-        s3_backoff_s: after S3 fails, NVMe only for this long.
+        s3_backoff_s: after S3 fails, nothing is sent to it for this long.
         clock: wall time (snapshot creation times).
     """
 
@@ -99,8 +99,9 @@ class WriteBack:
         self.counters = counters
         self.max_bytes = max_bytes
         self.clock = clock
-        self.uploads = (Uploads(Store(store.tiers[1:]), streams=streams, max_bytes=max_bytes, backoff_s=s3_backoff_s,
-                                counters=counters) if len(store.tiers) > 1 else None)
+        self.uploads = (Uploads(Store(store.tiers[1:]), local, streams=streams, max_bytes=max_bytes,
+                                backoff_s=s3_backoff_s, counters=counters, credentials=tenants.credentials,
+                                tenants=tenants.known, clock=clock) if len(store.tiers) > 1 else None)
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._queued = 0
@@ -203,8 +204,8 @@ class WriteBack:
                 continue
             self.counters.add("written_back_blocks")
             self.counters.add("written_back_bytes", snap.file_size)
-            if self.uploads is not None and not self.uploads.put(tenant, snap):
-                self.counters.add("written_back_nvme_only")  # no upload room, or S3 resting: NVMe only
+            if self.uploads is not None:
+                self.uploads.put(tenant, snap)  # waits in the upload backlog until the link takes it
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued save is written and uploaded (or ``timeout_s`` passed); whether it emptied."""
@@ -218,12 +219,12 @@ class WriteBack:
         return False
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Write and upload what is queued (up to ``timeout_s``; what is left then goes to NVMe only),
-        then stop every thread and release the store."""
+        """Write and upload what is queued (up to ``timeout_s``; what is left then waits in the upload
+        backlog for the next writer), then stop every thread and release the store."""
         self.drain(timeout_s)
         self._queue.put(None)
         if self.uploads is not None:
-            self.uploads.stop()  # what the writer still writes stays on NVMe only
+            self.uploads.stop()  # what the writer still writes waits in the backlog
         self._thread.join(timeout=5.0)
         if self.uploads is not None:
             self.uploads.close()
