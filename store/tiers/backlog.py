@@ -57,7 +57,8 @@ CREATE TABLE IF NOT EXISTS backlog (
     not_before REAL NOT NULL,     -- not tried again before this time (a failed upload's back-off)
     pid INTEGER NOT NULL          -- the process uploading it now (0: none)
 );
-CREATE INDEX IF NOT EXISTS backlog_order ON backlog(rank DESC, enqueued, name);
+-- the unclaimed rows (pid 0) in drain order: a claim walks it from the start
+CREATE INDEX IF NOT EXISTS backlog_order ON backlog(pid, rank DESC, enqueued, name);
 """
 #: what every row must hold (:func:`store.tiers.repair.repair` drops the others at open): a snapshot's
 #: object name (nothing that leads out of ``objects/``), a tenant name, and numbers within bounds

@@ -33,7 +33,7 @@ from store.engines.vllm.stats import Counters
 from store.errors import ConfigError, SnapshotError, StoreError, StoreFull, StoreUnavailable
 from store.format.encode import EncodedSnapshot
 from store.format.payload import map_file
-from store.format.snapshot import read_snapshot
+from store.format.snapshot import Snapshot, read_snapshot
 from store.identity.tenant import Tenant
 from store.serving.priority import lower_this_thread
 from store.serving.upload_rank import merged_rank
@@ -48,6 +48,27 @@ MAX_ATTEMPTS = 5
 POLL_S = 1.0
 #: how often the claims of dead processes on this node are released
 SWEEP_S = 30.0
+
+
+def read_back(tier: Tier, name: str, now: float) -> tuple[Snapshot | None, str | None]:
+    """The snapshot ``name`` read back from the node tier for its upload, checked whole
+    (payload checksums too), or ``None`` and why not: ``evicted`` (no such file), ``corrupt``
+    (it fails its checks: quarantined on the tier), ``expired`` (at ``now``). Its access is not
+    recorded: an upload is no use of the block, and must not keep it from the tier's LRU."""
+    try:
+        mapped = map_file(tier.path(name))
+    except FileNotFoundError:
+        return None, "evicted"
+    try:
+        snap = read_snapshot(mapped, location=tier.describe(name), verify_payload=True)
+    except SnapshotError as exc:
+        del mapped
+        tier.quarantine(name, f"{type(exc).__name__}: {exc} (read back for its upload)")
+        return None, "corrupt"
+    if snap.header.expired(now):
+        snap.close()
+        return None, "expired"
+    return snap, None
 
 
 class Uploads:
@@ -270,19 +291,10 @@ class Uploads:
             self.tenants = self.tenants - {row.tenant}
             self.backlog.release(row.name)
             return
+        snap, reason = read_back(self.local, row.name, self.clock())
+        if snap is None:
+            return self._drop(row, reason or "evicted")
         try:
-            mapped = map_file(self.local.path(row.name))
-        except FileNotFoundError:
-            return self._drop(row, "evicted")
-        try:
-            snap = read_snapshot(mapped, location=self.local.describe(row.name), verify_payload=True)
-        except SnapshotError as exc:
-            mapped = None
-            self.local.quarantine(row.name, f"{type(exc).__name__}: {exc} (read back for its upload)")
-            return self._drop(row, "corrupt")
-        try:
-            if snap.header.expired(self.clock()):
-                return self._drop(row, "expired")
             payload = snap.payload
             assert payload is not None
             wrote = self._send(tenant, EncodedSnapshot(snap.header, payload[0]), row)
