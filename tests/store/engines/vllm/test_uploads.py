@@ -208,6 +208,30 @@ def test_a_backlog_left_by_a_process_killed_mid_drain_is_drained_by_the_next(tmp
         up.close()
 
 
+def test_after_a_damaged_backlog_file_the_blocks_on_nvme_only_are_found_and_uploaded(tmp_path) -> None:
+    local, far = _tiers(tmp_path)
+    first = uploads(local, Store([far]))
+    first.stop()  # the process stops before it uploads anything
+    snaps = snapshots(4)
+    names = [write(local, first, s) for s in snaps]
+    first.close()
+    assert Store([far]).put(ACME, snaps[0])  # one reached S3 some other way
+    path = first.backlog.path
+    for suffix in ("-wal", "-shm"):
+        path.with_name(path.name + suffix).unlink(missing_ok=True)
+    path.write_bytes(b"\0garbage" * 512)  # the backlog's file is damaged: its rows are lost
+    again = uploads(local, Store([far]), streams=2)
+    try:
+        assert again.backlog.damaged
+        wait_for(lambda: again.counters.totals().get("upload_backlog_rescanned") == 4, "the tier rescanned")
+        assert again.drain(time.monotonic() + HANG_S)
+        totals = again.counters.totals()
+        assert totals["upload_present"] == 1 and totals["written_back_uploads"] == 3
+        assert all(far.exists(n) for n in names)
+    finally:
+        again.close()
+
+
 @pytest.mark.s3
 def test_a_backlog_drains_into_real_s3_after_a_restart_and_the_blocks_read_back(tmp_path, s3_url, s3_config) -> None:
     from store.config import StoreConfig
