@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Collection, Iterable, Mapping
 
-from store.errors import StoreFull
+from store.errors import StoreError, StoreFull
 from store.tiers.base import Entry, parse_object_name
 from store.tiers.index import pid_alive
 from store.tiers.metadir import make_dirs
@@ -123,20 +123,26 @@ class UploadBacklog:
         if path is None:
             self._sqlite = LocalDB.private(_SCHEMA, name="backlog")
         else:
-            make_dirs(path.parent)
             self._sqlite = LocalDB(path, _SCHEMA, synchronous="NORMAL", timeout_s=timeout_s)
             try:
+                make_dirs(path.parent)
                 self._sqlite.db()
-            except (StoreFull, sqlite3.Error) as exc:  # a full disk, no permission: write-back goes on
+            except (StoreFull, sqlite3.Error, OSError) as exc:  # a full disk, no permission: write-back goes on
                 log.error("the upload backlog %s cannot be opened (%s); it lives in this process's memory until "
                           "restart: free space on that disk (or make it writable) so that a restart keeps it",
                           path, exc)
                 self._sqlite = LocalDB.private(_SCHEMA, name="backlog")
                 self.persistent = False
         #: claims released at open (a dead process's, or an earlier process's under this pid)
-        self.released = self.release_dead(own=True)
+        self.released = 0
         #: rows found waiting at open (an earlier process's, or another's on this node)
-        self.resumed = self.count()
+        self.resumed = 0
+        try:
+            self.released = self.release_dead(own=True)
+            self.resumed = self.count()
+        except (StoreError, sqlite3.Error) as exc:  # locked past its timeout, the disk full: a later sweep does it
+            log.warning("the upload backlog %s could not be read at open (%s); its rows wait for a later look",
+                        path, exc)
 
     @classmethod
     def of_tier(cls, root: Path, *, clock: Callable[[], float] = time.time) -> "UploadBacklog":

@@ -116,8 +116,8 @@ class Uploads:
         self.backlog = backlog
         if self.backlog.resumed:
             counters.add("upload_backlog_resumed", self.backlog.resumed)
-            log.info("kvwarm write-back: %d block(s) (%d bytes) wait in the upload backlog from before; drained "
-                     "first-ranked first", self.backlog.resumed, self.backlog.size())
+            log.info("kvwarm write-back: %d block(s) wait in the upload backlog from before; drained most valuable "
+                     "first", self.backlog.resumed)
         self._rank_lock = threading.Lock()
         self._rankings: dict[str, dict[str, float]] = {}
         self._cond = threading.Condition()
