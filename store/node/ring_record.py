@@ -41,7 +41,8 @@ class RecordMeta:
         token_count: tokens the block covers.
         layer_count: layers its KV covers.
         precision_id: the storage precision's id (the node maps it to a ``Precision``).
-        errors: measured quantisation errors (e.g. K and V relative L2 per layer), <= 336 values.
+        errors: measured quantisation errors (e.g. K and V relative L2 per layer), <= 336 values,
+            kept as float32.
     """
 
     namespace: str
@@ -62,7 +63,8 @@ class RecordMeta:
                 raise ValueError(f"{name} must be an int in [0, 2**32); got {v!r}")
         if len(self.errors) > MAX_ERRORS:
             raise RecordTooLarge(f"{len(self.errors)} error values; a ring record holds at most {MAX_ERRORS}")
-        object.__setattr__(self, "errors", tuple(float(e) for e in self.errors))
+        # float32, as the descriptor holds them: a record read back equals the one written
+        object.__setattr__(self, "errors", tuple(np.asarray(self.errors, dtype=np.float32).tolist()))
 
 
 def parts_crc(parts: tuple[Any, ...]) -> int:
