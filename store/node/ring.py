@@ -103,7 +103,7 @@ class Ring:
         verify: whether records carry a CRC32 that the consumer checks.
     """
 
-    def __init__(self, path: str, fd: int, mm: "mmap.mmap", layout: RingLayout, verify: bool) -> None:
+    def __init__(self, path: str, fd: int, mm: mmap.mmap, layout: RingLayout, verify: bool) -> None:
         self.path = path
         self.layout = layout
         self.verify = verify
@@ -123,7 +123,7 @@ class Ring:
 
     @classmethod
     def create(cls, path: str | os.PathLike, nbytes: int, *, slot_count: int = 256, verify: bool | None = None,
-               mode: int = 0o600) -> "Ring":
+               mode: int = 0o600) -> Ring:
         """Make a new, empty ring file at ``path`` holding ``nbytes`` of record data (and
         ``slot_count`` records) at once, and map it. The file is built under a temporary name and
         renamed into place, so an attacher never sees a half-made ring; a ring already at ``path``
@@ -164,7 +164,7 @@ class Ring:
         return cls(path, fd, mm, layout, verify)
 
     @classmethod
-    def attach(cls, path: str | os.PathLike) -> "Ring":
+    def attach(cls, path: str | os.PathLike) -> Ring:
         """Map an existing ring (the node attaching to an engine's ring, or a restarted engine).
 
         Raises:
@@ -186,14 +186,14 @@ class Ring:
             raise
         return cls(path, fd, mm, layout, bool(int(header["flags"]) & FLAG_VERIFY))
 
-    def writer(self) -> "RingWriter":
+    def writer(self) -> RingWriter:
         """Become the ring's producer (raises ``RingBusy`` while another live process is)."""
         from store.node.ring_writer import RingWriter
 
         self._take_end("writer")
         return RingWriter(self)
 
-    def reader(self) -> "RingReader":
+    def reader(self) -> RingReader:
         """Become the ring's consumer (raises ``RingBusy`` while another live process is)."""
         from store.node.ring_reader import RingReader
 
@@ -234,7 +234,7 @@ class Ring:
         except FileNotFoundError:
             pass
 
-    def __enter__(self) -> "Ring":
+    def __enter__(self) -> Ring:
         return self
 
     def __exit__(self, *exc: object) -> None:

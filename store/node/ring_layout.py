@@ -100,7 +100,7 @@ class RingLayout:
             raise ConfigError(f"a ring's slot_count must be between 1 and {1 << 20}; got {self.slot_count}")
 
     @classmethod
-    def for_capacity(cls, nbytes: int, slot_count: int) -> "RingLayout":
+    def for_capacity(cls, nbytes: int, slot_count: int) -> RingLayout:
         """The layout whose arena holds ``nbytes`` (rounded up to 64)."""
         return cls(arena_bytes=_round_up(max(int(nbytes), ALIGN), ALIGN), slot_count=int(slot_count))
 

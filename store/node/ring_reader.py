@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from store.node.ring_errors import RingBusy
 from store.node.ring_layout import SLOT_ABANDONED
@@ -26,7 +27,7 @@ class RingReader:
             rings on weakly ordered CPUs); it is tried again on the next poll.
     """
 
-    def __init__(self, ring: "Ring") -> None:
+    def __init__(self, ring: Ring) -> None:
         if not try_hold(ring._fd, RingEnd.CONSUMER):
             ring._end = None
             raise RingBusy(f"ring {ring.path} already has a live consumer (pid {int(ring.words['consumer_pid'][0])}): "

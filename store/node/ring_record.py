@@ -94,9 +94,9 @@ class Slot:
     :meth:`abandon`: the consumer hands records out in order and waits at an open slot.
     """
 
-    __slots__ = ("_writer", "seq", "index", "_parts", "_open")
+    __slots__ = ("_open", "_parts", "_writer", "index", "seq")
 
-    def __init__(self, writer: "RingWriter", seq: int, index: int, parts: tuple[np.ndarray, ...]) -> None:
+    def __init__(self, writer: RingWriter, seq: int, index: int, parts: tuple[np.ndarray, ...]) -> None:
         self._writer = writer
         self.seq = seq
         self.index = index

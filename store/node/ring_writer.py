@@ -26,7 +26,7 @@ class RingWriter:
         full_answers: reservations answered ``None`` (the caller counts its drops as ``ring_full``).
     """
 
-    def __init__(self, ring: "Ring") -> None:
+    def __init__(self, ring: Ring) -> None:
         if not try_hold(ring._fd, RingEnd.PRODUCER):
             ring._end = None
             raise RingBusy(f"ring {ring.path} already has a live producer (pid {int(ring.words['producer_pid'][0])}); "

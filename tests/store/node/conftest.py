@@ -4,7 +4,7 @@ from __future__ import annotations
 import glob
 import os
 import uuid
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 

@@ -119,7 +119,7 @@ def test_a_slot_can_be_filled_in_place_through_its_part_view(ring_path) -> None:
 
 
 def test_each_end_is_held_by_one_open_at_a_time(ring_path) -> None:
-    writer, reader = _ends(ring_path, 4096)
+    writer, _reader = _ends(ring_path, 4096)
     with pytest.raises(RingBusy, match="live producer"):
         Ring.attach(ring_path).writer()
     with pytest.raises(RingBusy, match="live consumer"):
