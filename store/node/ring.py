@@ -33,8 +33,8 @@ after the copies it publishes have returned, so no compiler reorders them.
   reads of it are done. Nothing more is needed, and a part costs one ``memcpy``.
 - Weakly ordered CPUs (aarch64, POWER) may make the commit word visible before the data, and
   Python has no fence to call. There a ring is created with ``verify`` (the default off x86):
-  the producer stores a CRC32 of the parts in the descriptor before the commit word, and the
-  consumer recomputes it after seeing the commit, a seqlock-style check. A mismatch means the
+  the producer stores a CRC32 of the parts and the metadata in the descriptor before the commit
+  word, and the consumer recomputes it after seeing the commit, a seqlock-style check. A mismatch means the
   stores have not all arrived yet: the record is not handed out on this poll (counted in
   ``RingReader.unsettled``) and is tried again on the next. The space is only reused after a
   release, which the consumer writes after its CRC pass has read every byte.
@@ -63,7 +63,8 @@ import mmap
 import os
 import platform
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -79,11 +80,15 @@ from store.node.ring_layout import (
     RingLayout,
 )
 from store.node.ring_lock import RingEnd, is_held, let_go
+from store.node.ring_record import parts_crc
 
 if TYPE_CHECKING:
     from store.node.ring_reader import RingReader
     from store.node.ring_writer import RingWriter
 
+# descriptor bytes [start, check) and [flags, end): what a record is, less the words written apart
+_CRC_FIELDS = (DESCRIPTOR_DTYPE.fields["start"][1], DESCRIPTOR_DTYPE.fields["check"][1],
+               DESCRIPTOR_DTYPE.fields["flags"][1])
 _TSO_MACHINES = frozenset({"x86_64", "amd64", "i386", "i686"})
 
 
@@ -120,6 +125,13 @@ class Ring:
         table = np.ndarray((layout.slot_count,), DESCRIPTOR_DTYPE, buffer=mm, offset=layout.table_offset)
         self.table = {name: table[name] for name in DESCRIPTOR_DTYPE.names}
         self.arena = np.ndarray((layout.arena_bytes,), np.uint8, buffer=mm, offset=layout.arena_offset)
+        self._rows = np.ndarray((layout.slot_count, DESCRIPTOR_BYTES), np.uint8, buffer=mm, offset=layout.table_offset)
+
+    def record_crc(self, index: int, parts: Sequence[Any]) -> int:
+        """The ``verify`` check of the record in slot ``index``: CRC32 over its parts and every
+        descriptor field the consumer reads (all but the commit, reserve, generation and check words)."""
+        row = self._rows[index]
+        return parts_crc((*parts, row[_CRC_FIELDS[0]:_CRC_FIELDS[1]], row[_CRC_FIELDS[2]:]))
 
     @classmethod
     def create(cls, path: str | os.PathLike, nbytes: int, *, slot_count: int = 256, verify: bool | None = None,
@@ -218,7 +230,7 @@ class Ring:
         mm, self._mm = self._mm, None
         self.words = {}
         self.table = {}
-        self.header = self.arena = None  # type: ignore[assignment]
+        self.header = self.arena = self._rows = None  # type: ignore[assignment]
         try:
             mm.close()
         except BufferError:

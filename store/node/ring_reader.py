@@ -6,9 +6,9 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from store.node.ring_errors import RingBusy
-from store.node.ring_layout import SLOT_ABANDONED
+from store.node.ring_layout import MAX_PARTS, SLOT_ABANDONED
 from store.node.ring_lock import RingEnd, try_hold
-from store.node.ring_record import Record, RecordMeta, parts_crc
+from store.node.ring_record import Record, RecordMeta
 
 if TYPE_CHECKING:
     from store.node.ring import Ring
@@ -77,10 +77,11 @@ class RingReader:
                 self._settle(seq)
                 self._next = seq + 1
                 continue
-            record = self._record(seq, i)
-            if self.ring.verify and parts_crc(record.parts) != int(t["check"][i]):
+            parts = self._parts(i)
+            if self.ring.verify and self.ring.record_crc(i, parts) != int(t["check"][i]):
                 self.unsettled += 1
                 return
+            record = Record(seq=seq, meta=self._meta(i), parts=parts)
             self._next = seq + 1
             given += 1
             yield record
@@ -109,15 +110,17 @@ class RingReader:
         the ring and :meth:`Ring.unlink` it."""
         return self.pending == 0 and not self.ring.producer_alive()
 
-    def _record(self, seq: int, i: int) -> Record:
+    def _parts(self, i: int) -> tuple[memoryview, ...]:
         t = self.ring.table
-        n = int(t["nparts"][i])
-        lens = t["part_len"][i, :n].tolist()
-        offs = t["part_off"][i, :n].tolist()
+        n = min(int(t["nparts"][i]), MAX_PARTS)
         base = int(t["start"][i]) % self._arena_bytes
-        parts = tuple(self._mv[base + o: base + o + ln] for o, ln in zip(offs, lens))
+        return tuple(self._mv[base + o: base + o + ln]
+                     for o, ln in zip(t["part_off"][i, :n].tolist(), t["part_len"][i, :n].tolist()))
+
+    def _meta(self, i: int) -> RecordMeta:
+        t = self.ring.table
         nerrors = int(t["nerrors"][i])
-        meta = RecordMeta(
+        return RecordMeta(
             namespace=bytes(t["namespace"][i]).decode("utf-8"),
             key=bytes(t["key"][i]).decode("utf-8"),
             parent_key=bytes(t["parent_key"][i]).decode("utf-8"),
@@ -126,7 +129,6 @@ class RingReader:
             precision_id=int(t["precision_id"][i]),
             errors=tuple(t["errors"][i, :nerrors].tolist()),
         )
-        return Record(seq=seq, meta=meta, parts=parts)
 
     def _settle(self, seq: int) -> None:
         self._settled.add(seq)
@@ -140,7 +142,10 @@ class RingReader:
             read_pos = int(t["end"][tail % self._slots])
             tail += 1
         self._tail = tail
+        # Both after every read of the released records. tail_seq first: a consumer killed between
+        # the two leaves read_pos behind (less room, for a while), never ahead of records a new
+        # consumer will deliver again.
         w = self.ring.words
+        w["tail_seq"][0] = tail
         if read_pos is not None:
             w["read_pos"][0] = read_pos
-        w["tail_seq"][0] = tail  # after every read of the released records

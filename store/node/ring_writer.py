@@ -9,10 +9,13 @@ import numpy as np
 from store.node.ring_errors import RecordTooLarge, RingBusy
 from store.node.ring_layout import MAX_PARTS, SLOT_ABANDONED, record_extent
 from store.node.ring_lock import RingEnd, try_hold
-from store.node.ring_record import RecordMeta, Slot, parts_crc
+from store.node.ring_record import RecordMeta, Slot
 
 if TYPE_CHECKING:
     from store.node.ring import Ring
+
+#: the reason a caller counts for a block it drops on a ``None`` answer from :meth:`RingWriter.reserve`
+RING_FULL = "ring_full"
 
 
 class RingWriter:
@@ -109,7 +112,7 @@ class RingWriter:
             if meta.errors:
                 t["errors"][i, :len(meta.errors)] = np.asarray(meta.errors, dtype=np.float32)
             if self.ring.verify:
-                t["check"][i] = parts_crc(tuple(slot._parts))
+                t["check"][i] = self.ring.record_crc(i, slot._parts)
         t["commit"][i] = slot.seq + 1  # last: the record is whole from here on
 
     @property

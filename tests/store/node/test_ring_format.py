@@ -85,3 +85,15 @@ def test_a_plain_ring_hands_records_out_without_a_checksum(ring_path) -> None:
     assert not reader.ring.verify and int(reader.ring.table["check"][0]) == 0
     (rec,) = reader.poll()
     assert np.array_equal(rec.array(1, np.float32), np.arange(16, dtype=np.float32))
+
+
+def test_a_verify_ring_holds_back_a_record_whose_metadata_has_not_all_arrived(ring_path) -> None:
+    writer = Ring.create(ring_path, 1 << 16, verify=True).writer()
+    reader = Ring.attach(ring_path).reader()
+    write_record(writer, 0, 100)
+    keys = writer.ring.table["key"]
+    keys[0] = b"stale-key"
+    assert list(reader.poll()) == [] and reader.unsettled == 1
+    keys[0] = b"key-0"
+    (rec,) = reader.poll()
+    check(rec, 0, 100)
