@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -85,6 +86,24 @@ class RingReader:
             self._next = seq + 1
             given += 1
             yield record
+
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep until the producer has reserved a record this reader has not handed out (or left
+        slots behind), at most ``timeout_s``; True when a :meth:`poll` may find something.
+
+        It polls one word with a backoff from 50 us to 1 ms, so an idle node costs no core and a
+        busy one sees a record within about a millisecond; the producer pays nothing for it.
+        """
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        head = self.ring.words["head_seq"]
+        pause = 50e-6
+        while int(head[0]) <= self._next:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 1e-3)
+        return True
 
     def release(self, record: Record) -> None:
         """Done with ``record`` (stored, or given up): its space may be reused by the producer.

@@ -75,6 +75,22 @@ def produce(path: str, sizes: list[int], result: str) -> None:
     Path(result).write_text(json.dumps({"full_answers": writer.full_answers, "pid": os.getpid()}))
 
 
+def size_of(k: int) -> int:
+    """Record ``k``'s first-part size in :func:`produce_forever`'s stream (0 to ~30 KB, uneven)."""
+    return (k * 7919) % 30_011
+
+
+def produce_forever(path: str, first_k: int) -> None:
+    """Write records ``first_k``, ``first_k + 1``, ... of :func:`size_of` sizes until killed."""
+    writer = Ring.attach(path).writer()
+    k = first_k
+    while True:
+        if write_record(writer, k, size_of(k)) is None:
+            time.sleep(0)
+        else:
+            k += 1
+
+
 def produce_then_hang(path: str, committed: int, nbytes: int, gate: str, commit_after: bool) -> None:
     """Commit ``committed`` records, reserve and fill one more without committing it, and hang.
     With ``commit_after``, reserve and commit one further record behind the open one first."""

@@ -140,3 +140,28 @@ def test_record_metadata_is_bounded_by_the_descriptor() -> None:
         RecordMeta(namespace="n", key="k", errors=(0.0,) * 337)
     with pytest.raises(ValueError, match="token_count"):
         RecordMeta(namespace="n", key="k", token_count=-1)
+
+
+def test_wait_returns_once_a_producer_in_another_process_has_written(ring_path, tmp_path) -> None:
+    Ring.create(ring_path, 1 << 16).close()
+    reader = Ring.attach(ring_path).reader()
+    assert reader.wait(0) is False  # nothing yet, and it does not sleep past its timeout
+    proc = spawn(produce, ring_path, [100, 200], str(tmp_path / "result.json"))
+    got = []
+    while len(got) < 2:
+        assert reader.wait(60), "the producer's records never came"
+        for rec in reader.poll():
+            check(rec, rec.seq, [100, 200][rec.seq])
+            got.append(rec)
+    proc.join(60)
+    assert proc.exitcode == 0 and reader.wait(0) is False
+
+
+def test_unlink_removes_only_the_ring_it_mapped(ring_path) -> None:
+    old = Ring.attach(Ring.create(ring_path, 4096).path)
+    new = Ring.create(ring_path, 8192)  # an engine restarted and made a fresh ring at the same path
+    old.unlink()
+    assert Ring.attach(ring_path).layout.arena_bytes == 8192  # still there: not old's file
+    new.unlink()
+    with pytest.raises(FileNotFoundError):
+        Ring.attach(ring_path)
