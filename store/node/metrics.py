@@ -70,7 +70,7 @@ class NodeCollector(Collector):
             copies.add_metric([outcome], n)
         yield copies
         for name, value in self.gauges().items():
-            g = GaugeMetricFamily(f"kvwarm_node_{name}", _GAUGES.get(name, name))
+            g = GaugeMetricFamily(f"kvwarm_node_{name}", GAUGES.get(name, name))
             g.add_metric([], value)
             yield g
         info = GaugeMetricFamily("kvwarm_node_info", "The node's kvwarm version and store settings' fingerprint.",
@@ -79,7 +79,7 @@ class NodeCollector(Collector):
         yield info
 
 
-_GAUGES = {
+GAUGES = {
     "clients": "Clients connected now.",
     "tier_bytes": "Bytes the node tier holds (snapshots and writes in flight).",
     "copies_queued": "Chains waiting to be copied from the shared tier.",
