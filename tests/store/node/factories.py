@@ -17,11 +17,11 @@ REPO = Path(__file__).resolve().parents[3]
 HANG_S = 60.0
 
 
-def node_config(store: Path, sock: Path, **sections: dict[str, Any]) -> KvwarmConfig:
-    """A config on ``store`` with its node at ``sock``: any free metrics port, GC every hour unless given."""
+def node_config(tier: Path, sock: Path, **sections: dict[str, Any]) -> KvwarmConfig:
+    """A config on the node tier ``tier`` with its node at ``sock``: any free metrics port, GC every hour unless given."""
     node = {"socket": str(sock), "metrics_port": 0, "gc_interval_s": 3600.0, **sections.pop("node", {})}
     kv = {"block_size": 16, **sections.pop("kv_cache", {})}
-    store_section = {"url": f"file://{store}", **sections.pop("store", {})}
+    store_section = {"url": f"file://{tier}", **sections.pop("store", {})}
     return parse_config({"store": store_section, "node": node, "kv_cache": kv, **sections})
 
 
