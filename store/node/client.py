@@ -62,7 +62,7 @@ class NodeClient:
 
     def __init__(self, config: KvwarmConfig, store_url: str | None = None, *,
                  socket: str | os.PathLike[str] | None = None, autostart: bool | None = None,
-                 timeout_s: float = 5.0, start_timeout_s: float = 60.0, version: str | None = None) -> None:
+                 timeout_s: float = 2.0, start_timeout_s: float = 60.0, version: str | None = None) -> None:
         self.config = config
         self.store_url = store_url
         self.path = socket_path(config, socket)

@@ -64,6 +64,11 @@ class Copier:
             self._cv.notify()
         return len(chain)
 
+    def queued(self) -> int:
+        """Chains waiting to be copied."""
+        with self._cv:
+            return len(self._queue)
+
     def wait_idle(self, timeout: float) -> bool:
         """Wait until nothing is queued or copying (tests, shutdown); ``False`` on timeout."""
         end = time.monotonic() + timeout

@@ -14,13 +14,13 @@ import sqlite3
 from typing import Any, Sequence
 
 from store.identity.tenant import PUBLIC
+from store.node.copier import Copier
 from store.plan import Plan
 from store.published_plan import PublishedPlan
 from store.serving.fleet_file import read_fleet
 from store.serving.urgency import PlanChain, UseLike
 from store.tiers.base import Tier, object_name
 from store.tiers.stats import StoreStats
-from store.node.copier import Copier
 
 log = logging.getLogger("kvwarm.node")
 

@@ -28,6 +28,13 @@ COUNTERS = {
     "errors": "Requests the node answered with an error.",
 }
 
+#: the node's gauges, with their help text
+GAUGES = {
+    "clients": "Clients connected now.",
+    "tier_bytes": "Bytes the node tier holds (snapshots and writes in flight).",
+    "copies_queued": "Chains waiting to be copied from the shared tier.",
+}
+
 
 class NodeCounters:
     """The node's counts (thread-safe)."""
@@ -42,6 +49,14 @@ class NodeCounters:
             raise KeyError(f"unknown node counter {name!r}; one of {', '.join(COUNTERS)}")
         with self._lock:
             self._c[name] += n
+
+    def add(self, **counts: int) -> None:
+        """Add to several counters at once (one lock for a request's counts)."""
+        bad = set(counts) - set(COUNTERS)
+        if bad:
+            raise KeyError(f"unknown node counters {sorted(bad)}; one of {', '.join(COUNTERS)}")
+        with self._lock:
+            self._c.update(counts)
 
     def snapshot(self) -> dict[str, int]:
         """Every counter's value now."""
@@ -77,13 +92,6 @@ class NodeCollector(Collector):
                                  labels=sorted(self.info))
         info.add_metric([self.info[k] for k in sorted(self.info)], 1)
         yield info
-
-
-GAUGES = {
-    "clients": "Clients connected now.",
-    "tier_bytes": "Bytes the node tier holds (snapshots and writes in flight).",
-    "copies_queued": "Chains waiting to be copied from the shared tier.",
-}
 
 
 def node_registry(collector: NodeCollector) -> CollectorRegistry:

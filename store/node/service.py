@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 import threading
 import time
 from typing import Any
@@ -20,8 +21,8 @@ from store.config import KvwarmConfig
 from store.errors import ConfigError, StoreError
 from store.identity.tenant import PUBLIC, Tenant
 from store.node.copier import Copier
-from store.node.handshake import Handshake
 from store.node.hands import StoreHands
+from store.node.handshake import Handshake
 from store.node.metrics import NodeCollector, NodeCounters, node_registry
 from store.node.protocol import Keys
 from store.serving.agent import AgentSettings, AgentThread, NodeAgent, StorePlans
@@ -69,6 +70,7 @@ class NodeService:
             raise ConfigError(f"store.url: the node needs a local directory first (file://...), got {tiers[0].url!r}")
         self.store = Store(tiers)
         self.local = tiers[0]
+        self._objects = str(self.local.path("x"))[:-2]  # the directory object names are relative to
         self.counters = NodeCounters()
         self.copier = Copier(self.local, [t for t in tiers if t.remote], _tenants(config))
         fm = config.fleet_memory
@@ -94,13 +96,18 @@ class NodeService:
     # -- requests --------------------------------------------------------------
     def lookup(self, req: Keys) -> list[str]:
         """The files of the leading ``req.keys`` the node tier holds (existence only: the engine's
-        load checks each snapshot it maps)."""
-        names = [object_name(req.namespace, k) for k in req.keys]
-        n = self.local.probe(names)
-        self.counters.incr("lookups")
-        self.counters.incr("lookup_blocks", len(names))
-        self.counters.incr("lookup_hits", n)
-        return [str(self.local.path(name)) for name in names[:n]]
+        load checks each snapshot it maps). One ``stat`` per key up to the first missing one."""
+        paths = []
+        for key in req.keys:  # the names as object_name() makes them; the request's fields are checked already
+            path = f"{self._objects}/{req.namespace}/{key[:2]}/{key}.kvw"
+            try:
+                if not stat.S_ISREG(os.stat(path).st_mode):
+                    break
+            except OSError:
+                break
+            paths.append(path)
+        self.counters.add(lookups=1, lookup_blocks=len(req.keys), lookup_hits=len(paths))
+        return paths
 
     def prefetch(self, req: Keys) -> int:
         """Queue the chain's copy from the shared tier (behind the agent's); returns the blocks queued."""
@@ -171,7 +178,7 @@ class NodeService:
             used = float(self.local.usage())  # type: ignore[attr-defined]
         except (AttributeError, OSError, StoreError):
             used = 0.0
-        return {"clients": float(self.clients), "tier_bytes": used, "copies_queued": float(len(self.copier._queue))}
+        return {"clients": float(self.clients), "tier_bytes": used, "copies_queued": float(self.copier.queued())}
 
     def close(self) -> None:
         """Stop the agent, the copies, GC and the endpoint; write fleet memory once more."""
