@@ -9,18 +9,19 @@ what ``store/engines/vllm/probe.py`` does without a node). Reported per way: the
 client, until its hello). The last line is one JSON object; ``targets``: a lookup's p99 through
 the node within the 0.3 ms the issue gives kvwarm's whole step inside vLLM's process.
 
-    PYTHONPATH=$PWD python bench/node_bench.py --blocks 64 --n 2000
+    PYTHONPATH=$PWD python bench/node_bench.py --blocks 64 --n 2000 [--results DIR]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench.lib.results import Run, add_results_option, variant_of
 from store.config import parse_config
 from store.identity.keys import block_chain
 from store.node import NodeClient
@@ -45,7 +46,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=64, help="blocks per chain asked")
     ap.add_argument("--n", type=int, default=2000, help="lookups per way")
+    add_results_option(ap)
     args = ap.parse_args()
+    run = Run("node", __file__, sys.argv[1:])
     bs = 16
     with tempfile.TemporaryDirectory(prefix="kvnb", dir="/tmp") as tmp:
         cfg = parse_config({"store": {"url": f"file://{tmp}/nvme"}, "kv_cache": {"block_size": bs},
@@ -78,12 +81,13 @@ def main() -> None:
             stop(pid, signal.SIGTERM)
             gone(pid, 30.0)
     worst = max(figures["node_held"][1], figures["node_absent"][1])
-    print(json.dumps({
+    run.finish({
         "blocks": args.blocks, "lookups": args.n, "node_start_s": round(start_s, 3),
         **{f"{k}_p50_us": round(v[0], 1) for k, v in figures.items()},
         **{f"{k}_p99_us": round(v[1], 1) for k, v in figures.items()},
         "targets": {"node_lookup_p99_le_300us": {"target_us": TARGET_P99_US, "value_us": round(worst, 1),
-                                                 "met": worst <= TARGET_P99_US}}}))
+                                                 "met": worst <= TARGET_P99_US}}},
+               args.results, variant_of(args))
 
 
 if __name__ == "__main__":
