@@ -50,7 +50,9 @@ class Copier:
     def replace(self, chains: Sequence[Sequence[str]]) -> None:
         """Copy ``chains`` (each in prefix order) in place of what is queued."""
         with self._cv:
-            self.counts["superseded"] += sum(len(c) for c in self._queue)
+            dropped = sum(len(c) for c in self._queue)
+            if dropped:
+                self.counts["superseded"] += dropped
             self._queue.clear()
             self._queue.extend(tuple(c) for c in chains if c)
             self._cv.notify()

@@ -30,13 +30,9 @@ from store.node.protocol import (
     send_frame,
 )
 from store.node.service import NodeService
+from store.node.spawn import lock_path
 
 log = logging.getLogger("kvwarm.node")
-
-
-def lock_path(sock: Path) -> Path:
-    """The lock a running node holds beside its socket."""
-    return sock.with_name(sock.name + ".node.lock")
 
 
 class _Handler(socketserver.BaseRequestHandler):

@@ -23,6 +23,33 @@ from store.errors import NodeUnavailable
 log = logging.getLogger("kvwarm.node")
 
 
+def lock_path(sock: Path) -> Path:
+    """The lock a running node holds beside its socket (its pid inside)."""
+    return sock.with_name(sock.name + ".node.lock")
+
+
+def node_holds_lock(sock: Path) -> bool:
+    """Whether a node process holds the socket's lock (it runs, or is starting and not yet listening)."""
+    try:
+        with open(lock_path(sock), "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_UN)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def _wait_answers(path: Path, timeout_s: float) -> bool:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if answers(path):
+            return True
+        time.sleep(0.05)
+    return False
+
+
 def answers(path: Path) -> bool:
     """Whether something accepts connections at the socket ``path``."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -60,6 +87,11 @@ def start_node(path: Path, config: KvwarmConfig, store_url: str | None = None, *
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if answers(path):
             return None
+        if node_holds_lock(path):  # a node is starting (`prefill node` by hand, a service): wait for it
+            if _wait_answers(path, timeout_s):
+                return None
+            raise NodeUnavailable(f"a kvwarm node holds {lock_path(path)} but did not answer at {path} within "
+                                  f"{timeout_s:.0f} s; see its log, or stop it")
         cmd = [sys.executable, "-m", "store.node", "--socket", str(path), "--config", str(write_config(config, path))]
         if store_url:
             cmd += ["--store", store_url]
