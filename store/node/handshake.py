@@ -86,8 +86,8 @@ class Handshake:
         if client.version != self.version:
             raise NodeRefused(
                 f"the kvwarm node at {where} runs kvwarm {self.version}, this process kvwarm {client.version}: "
-                "one machine runs one kvwarm version; stop the node (it is restarted with this version) or "
-                "install the node's version here")
+                "one machine runs one kvwarm version: stop the node (a client then starts one of its own version "
+                "with node.autostart) or install the node's version here")
         keys = sorted(set(self.settings) | set(client.settings))
         differ = [f"{k} = {client.settings.get(k)!r} here vs {self.settings.get(k)!r} in the node"
                   for k in keys if client.settings.get(k) != self.settings.get(k)]

@@ -47,7 +47,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 send_frame(sock, Op.ERROR, b"the first frame must be a hello")
                 return
             try:
-                service.handshake.check(Handshake.decode(body), where=str(self.server.path))
+                service.handshake.check(Handshake.decode(body), where=f"{self.server.path} (pid {os.getpid()})")
             except NodeRefused as exc:
                 service.counters.incr("hellos_refused")
                 send_frame(sock, Op.REFUSED, str(exc).encode())
