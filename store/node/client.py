@@ -143,8 +143,10 @@ class NodeClient:
             time.sleep(0.05)
         return self._sock is not None
 
-    def _reconnect_later(self) -> None:
-        """Reconnect on a thread of its own (one at a time), retrying with a growing pause."""
+    def reconnect_in_background(self) -> None:
+        """Reconnect on a thread of its own (one at a time), retrying with a growing pause (0.1 s to 5 s),
+        starting a node when ``autostart``; what a failed request does, and what a process whose
+        :meth:`connect` failed at start-up calls to keep trying. A refusal stops the retries."""
         with self._lock:
             if self._closed or (self._reconnecting is not None and self._reconnecting.is_alive()):
                 return
@@ -186,10 +188,10 @@ class NodeClient:
         if sock is None:
             if refused is not None:
                 raise refused
-            self._reconnect_later()
+            self.reconnect_in_background()
             raise NodeUnavailable(f"not connected to the kvwarm node at {self.path} (reconnecting)")
         if reason is not None:
-            self._reconnect_later()
+            self.reconnect_in_background()
             raise NodeUnavailable(f"the kvwarm node at {self.path} went away ({reason}); reconnecting")
         if rop == Op.ERROR:
             raise NodeUnavailable(f"the kvwarm node at {self.path} could not answer: {reply.decode(errors='replace')}")
