@@ -315,6 +315,27 @@ class AgentConfig(_Section):
         "prefetch_streams.")
 
 
+class NodeConfig(_Section):
+    """The kvwarm node process (``prefill node``): one per machine, shared by its engines (docs/guides/node.md)."""
+
+    socket: Optional[str] = Field(
+        None, description="The node's Unix socket. Default: $XDG_RUNTIME_DIR/kvwarm/node.sock where that variable "
+        "is set, else node.sock under kvwarm's home ($KVWARM_HOME, else ~/.cache/kvwarm). At most 100 bytes long.")
+    autostart: bool = Field(
+        True, description="A client (the vLLM connector, a KVLoader) that finds no node at the socket starts one "
+        "itself, detached, with this configuration (one at a time: a lock beside the socket).")
+    metrics_port: Optional[int] = Field(
+        9477, ge=0, le=65535, description="The node's Prometheus endpoint (http://0.0.0.0:PORT/metrics); 0 picks a "
+        "free port (reported by the node's stats), null serves none. A port in use is logged and the node runs "
+        "without one.")
+    gc_interval_s: float = Field(
+        600.0, gt=0, description="How often the node collects the node tier's garbage (expired snapshots, anything "
+        "over store.nvme_cap, crash leftovers).")
+    agent: bool = Field(
+        True, description="Run the node agent: follow the plans the pipeline publishes to the store and warm from "
+        "the fleet's memory, for every namespace the plans and the configured tenants name.")
+
+
 class MonitoringConfig(_Section):
     """Prices for the economics family of ``prefill report`` and the flows' report."""
 
