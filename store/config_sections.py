@@ -324,6 +324,10 @@ class NodeConfig(_Section):
     autostart: bool = Field(
         True, description="A client (the vLLM connector, a KVLoader) that finds no node at the socket starts one "
         "itself, detached, with this configuration (one at a time: a lock beside the socket).")
+    autostart_idle_s: Optional[float] = Field(
+        900.0, gt=0, description="A node a client started exits after this many seconds with no client connected "
+        "(long enough to outlive an engine's restart); null: it serves until stopped. A node run by `prefill node` "
+        "serves until stopped unless given --exit-idle.")
     metrics_port: Optional[int] = Field(
         9477, ge=0, le=65535, description="The node's Prometheus endpoint (http://0.0.0.0:PORT/metrics); 0 picks a "
         "free port (reported by the node's stats), null serves none. A port in use is logged and the node runs "

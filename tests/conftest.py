@@ -65,3 +65,41 @@ def raw_s3(seaweed, s3_credentials):
 
     return s3fs.S3FileSystem(key="test", secret="test", client_kwargs={"endpoint_url": seaweed.endpoint},
                              skip_instance_cache=True, use_listings_cache=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def node_runtime_dir():
+    """The session's ``$XDG_RUNTIME_DIR``: where a kvwarm node a client starts on its own (the connector's
+    ``node.autostart``) puts its socket, instead of the user's; such nodes are stopped at the end."""
+    import os
+    import shutil
+    import signal
+    import tempfile
+    import time
+    from pathlib import Path
+
+    old = os.environ.get("XDG_RUNTIME_DIR")
+    d = Path(tempfile.mkdtemp(prefix="kvrt", dir="/tmp"))
+    os.environ["XDG_RUNTIME_DIR"] = str(d)
+    try:
+        yield d
+    finally:
+        if old is None:
+            os.environ.pop("XDG_RUNTIME_DIR", None)
+        else:
+            os.environ["XDG_RUNTIME_DIR"] = old
+        for lock in d.rglob("*.node.lock"):
+            try:
+                pid = int(lock.read_text().split()[0])
+                os.kill(pid, signal.SIGTERM)
+            except (ValueError, IndexError, OSError):
+                continue
+            for _ in range(100):
+                try:
+                    os.kill(pid, 0)
+                except OSError:
+                    break
+                time.sleep(0.1)
+            else:
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(d, ignore_errors=True)

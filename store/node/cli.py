@@ -1,6 +1,7 @@
 """``prefill node``: run the machine's kvwarm node process (also ``python -m store.node``).
 
-    prefill node [--config FILE] [--store URL] [--socket PATH] [--metrics-port N] [--gc-interval S] [--no-agent]
+    prefill node [--config FILE] [--store URL] [--socket PATH] [--metrics-port N] [--gc-interval S] [--exit-idle S]
+                 [--no-agent]
 
 It serves until SIGTERM or SIGINT, then closes its socket, writes fleet memory once more and
 exits 0. Exit 1 when another node already serves the socket, 2 for a bad configuration.
@@ -29,6 +30,8 @@ def _add_options(p: argparse.ArgumentParser) -> None:
                    "0: any free port; -1: none)")
     p.add_argument("--gc-interval", type=float, metavar="S", help="seconds between GCs of the node tier "
                    "(default: node.gc_interval_s)")
+    p.add_argument("--exit-idle", type=float, metavar="S", help="exit after S seconds with no client connected "
+                   "(what a node a client starts is given: node.autostart_idle_s; default: serve until stopped)")
     p.add_argument("--no-agent", action="store_true", help="do not follow published plans or warm from the fleet's "
                    "memory (default: node.agent)")
 
@@ -68,7 +71,9 @@ def run_node(args: argparse.Namespace) -> int:
           f"metrics port {server.service.metrics_port})", flush=True)
     try:
         while not done.wait(0.5):
-            pass
+            if args.exit_idle is not None and server.service.idle_for() >= args.exit_idle:
+                log.info("kvwarm node: no client for %.0f s, exiting", args.exit_idle)
+                break
     finally:
         server.shutdown()
         server.close()

@@ -164,8 +164,8 @@ class NodeClient:
             except NodeRefused as exc:
                 log.error("kvwarm node: %s", exc)
                 return
-            except NodeUnavailable as exc:
-                log.warning("kvwarm node: %s; retrying in %.1f s", exc, pause)
+            except NodeUnavailable as exc:  # said once; the retries go on quietly (a node may be started later)
+                log.log(logging.WARNING if pause == 0.1 else logging.DEBUG, "kvwarm node: %s; retrying", exc)
             time.sleep(pause)
             pause = min(pause * 2, 5.0)
 
@@ -186,8 +186,8 @@ class NodeClient:
                 else:
                     reason = None
         if sock is None:
-            if refused is not None:
-                raise refused
+            if refused is not None:  # a new one each time: re-raising one instance grows its traceback
+                raise NodeRefused(str(refused)) from None
             self.reconnect_in_background()
             raise NodeUnavailable(f"not connected to the kvwarm node at {self.path} (reconnecting)")
         if reason is not None:

@@ -80,6 +80,7 @@ class NodeService:
         self.last_gc: GcReport | None = None
         self.clients = 0
         self._clients_lock = threading.Lock()
+        self._idle_since: float | None = time.monotonic()
         self._stop = threading.Event()
         self._agent: AgentThread | None = None
         if config.node.agent if agent is None else agent:
@@ -124,6 +125,13 @@ class NodeService:
         """A client connected (+1) or left (-1)."""
         with self._clients_lock:
             self.clients += delta
+            self._idle_since = time.monotonic() if self.clients == 0 else None
+
+    def idle_for(self) -> float:
+        """Seconds since the last client left (since start when none came); 0 while one is connected."""
+        with self._clients_lock:
+            since = self._idle_since
+        return 0.0 if since is None else time.monotonic() - since
 
     def stats(self) -> dict[str, Any]:
         """The node's counters and state (JSON-able)."""

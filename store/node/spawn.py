@@ -95,6 +95,8 @@ def start_node(path: Path, config: KvwarmConfig, store_url: str | None = None, *
         cmd = [sys.executable, "-m", "store.node", "--socket", str(path), "--config", str(write_config(config, path))]
         if store_url:
             cmd += ["--store", store_url]
+        if config.node.autostart_idle_s is not None:
+            cmd += ["--exit-idle", repr(float(config.node.autostart_idle_s))]
         logfile = path.with_name(path.name + ".log")
         with open(logfile, "ab") as out:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,

@@ -33,6 +33,7 @@ from store.engines.vllm.audit import Check, CrossTenantAudit
 from store.engines.vllm.costs import CostModel, default_prefill
 from store.engines.vllm.fetches import RemoteFetches
 from store.engines.vllm.memory import EngineMemory
+from store.engines.vllm.nodes import node_client
 from store.engines.vllm.metadata import LoadSpec, SaveSpec, StepPlan, WorkerReport
 from store.engines.vllm.planning import (
     computes_of,
@@ -85,8 +86,9 @@ class SchedulerRole:
         self.tenants = TenantBook(cfg, settings.tenant)
         tiers = tiers_from_url(settings.store_url, cfg.store)
         precision = cfg.kv_cache.precision()
+        self.node = node_client(settings)
         self.probe = StoreProbe(Store(tiers[:1]), identities, precision, self.kv_block, self.tenants,
-                                public_prefixes=cfg.loader.public_prefixes)
+                                public_prefixes=cfg.loader.public_prefixes, node=self.node)
         self.memory = EngineMemory.open(settings, tiers, self.probe)
         self.fetches = RemoteFetches(Store(tiers), self.tenants, mode=cfg.loader.fetch_mode,
                                      timeout_s=cfg.loader.sync_fetch_timeout_s, backoff_s=cfg.loader.s3_backoff_s,
@@ -371,6 +373,8 @@ class SchedulerRole:
         out = dict(self.counters.totals())
         merge(out, self._worker_totals)
         out["requests_tracked"] = len(self.tracker)
+        out["node"] = {"connected": self.node is not None and self.node.connected,
+                       "fallbacks": self.probe.node_fallbacks}
         out["estimates"] = self.costs.as_dict()
         return out
 
@@ -381,3 +385,5 @@ class SchedulerRole:
         if self.memory is not None:
             self.memory.close()
         self.probe.local.close()
+        if self.node is not None:
+            self.node.close()

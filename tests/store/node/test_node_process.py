@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import signal
 import threading
+import traceback
 import urllib.request
 
 import pytest
@@ -11,7 +12,8 @@ from store.errors import NodeRefused, NodeUnavailable
 from store.node import NodeClient
 from store.tiers.store import Store
 from tests.store.factories import ACME, make_chain, make_root, make_snapshot
-from tests.store.node.factories import eventually, gone, node_config, start_prefill_node, stop, write_config
+from store.node.spawn import answers
+from tests.store.node.factories import HANG_S, eventually, gone, node_config, start_prefill_node, stop, write_config
 
 
 def stored_chain(url: str, config, n: int, held: int) -> tuple[list[str], object]:  # type: ignore[no-untyped-def]
@@ -68,6 +70,17 @@ def test_a_node_refuses_another_version_and_another_config_naming_them(tmp_path,
     with NodeClient(config) as client:
         client.connect()
         assert client.stats()["hellos_refused"] == 3
+    # a refused client answers every later request with the refusal at once (the connector's probe then asks
+    # the tier itself), each a fresh error: one instance re-raised grows its traceback (and memory) without end
+    refused_client = NodeClient(other, autostart=False)
+    with pytest.raises(NodeRefused):
+        refused_client.connect()
+    depths = []
+    for _ in range(50):
+        with pytest.raises(NodeRefused, match="kv_cache.block_size = 32 here vs 16") as again:
+            refused_client.lookup("public", ["ab" * 32])
+        depths.append(len(traceback.extract_tb(again.value.__traceback__)))
+    assert depths[0] == depths[-1]
 
 
 def test_a_second_node_on_the_same_socket_refuses_to_start(tmp_path, sock_dir, node_pids):
@@ -169,3 +182,21 @@ def test_records_reach_fleet_memory(tmp_path, sock_dir, node_pids):
 
     tiers = tiers_from_url(config.store.url, config.store)
     assert {u.name for u in read_fleet(tiers, ["acme"], since=0)} == {f"acme/{k[:2]}/{k}.kvw" for k in keys}
+
+
+def test_a_node_given_exit_idle_serves_while_a_client_is_connected_and_exits_after_the_last_leaves(
+        tmp_path, sock_dir, node_pids):
+    """What a node a client starts is given (node.autostart_idle_s): it outlives an engine's restart, not the machine's
+    last engine by long."""
+    sock = sock_dir / "n.sock"
+    config = node_config(tmp_path / "store", sock)
+    proc = start_prefill_node(write_config(config, tmp_path / "kvwarm.json"), sock, "--exit-idle", "1")
+    node_pids.append(proc.pid)
+    with NodeClient(config, autostart=False) as client:
+        client.connect()
+        for _ in range(30):  # 3 s connected: longer than the idle limit
+            assert client.lookup("public", ["ab" * 32]).count == 0
+            threading.Event().wait(0.1)
+        assert proc.poll() is None
+    assert proc.wait(timeout=HANG_S) == 0
+    assert not answers(sock)
