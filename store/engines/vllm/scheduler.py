@@ -33,8 +33,8 @@ from store.engines.vllm.audit import Check, CrossTenantAudit
 from store.engines.vllm.costs import CostModel, default_prefill
 from store.engines.vllm.fetches import RemoteFetches
 from store.engines.vllm.memory import EngineMemory
-from store.engines.vllm.nodes import node_client
 from store.engines.vllm.metadata import LoadSpec, SaveSpec, StepPlan, WorkerReport
+from store.engines.vllm.nodes import node_client
 from store.engines.vllm.planning import (
     computes_of,
     kv_blocks_spanned,

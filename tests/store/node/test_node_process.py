@@ -10,9 +10,9 @@ import pytest
 
 from store.errors import NodeRefused, NodeUnavailable
 from store.node import NodeClient
+from store.node.spawn import answers
 from store.tiers.store import Store
 from tests.store.factories import ACME, make_chain, make_root, make_snapshot
-from store.node.spawn import answers
 from tests.store.node.factories import HANG_S, eventually, gone, node_config, start_prefill_node, stop, write_config
 
 
