@@ -11,8 +11,9 @@ It runs in vLLM's worker, beside the model, and only moves bytes the scheduler p
   engine blocks vLLM assigned.
   Synchronous: vLLM runs the forward after it (docs/guides/engines.md says why). Whatever was not loaded
   (a snapshot gone, corrupt, expired) is reported by engine block id, and vLLM recomputes it.
-- :meth:`WorkerRole.after_forward`: copies the blocks of each save out of the cache and hands them to
-  :class:`store.engines.vllm.writeback.WriteBack`, only as far as they hold valid KV
+- :meth:`WorkerRole.after_forward`: stores the blocks of the step's saves out of the cache (one gather and
+  FP8 quantise per layer, where the cache lives) for :class:`store.engines.vllm.writeback.WriteBack`, only
+  as far as they hold valid KV
   (:class:`store.engines.vllm.validity.BlockLedger`: a failed load poisons every block computed
   over it, in any request); times the step for the scheduler's prefill estimate.
 - :meth:`WorkerRole.prefetch`: at start-up, the plan's prefixes into the node's pool (``KVLoader.prefetch``,
@@ -307,10 +308,10 @@ class WorkerRole:
             log.exception("kvwarm: could not follow this step's blocks; write-back stops")
             self.ledger.blind = True
         if self.writer is not None and self.layout is not None:
-            for planned in plan.saves:
-                spec = self._valid_part(planned)  # the queue may take only its head: the tail is reported
-                cut = None if spec is None else self.writer.copy_out(spec, self.caches)
-                if cut is not None:
+            specs = [spec for spec in map(self._valid_part, plan.saves) if spec is not None]
+            # one gather and quantise per layer for every save; the queue may take only a save's head
+            for spec, cut in zip(specs, self.writer.copy_out_step(specs, self.caches) if specs else ()):
+                if cut is not None:  # the tail is reported
                     self._report.refused[spec.req_id] = min(cut, self._report.refused.get(spec.req_id, cut))
         tokens = plan.prompt_tokens + plan.other_tokens
         if plan.prompt_tokens >= PREFILL_MIN_TOKENS and plan.prompt_tokens >= PREFILL_SHARE * tokens:
