@@ -2,7 +2,7 @@
 
 The same engine caches (random KV, every CPU-testable layout, bf16/fp16/fp32) go through
 :class:`store.engines.vllm.writeback.WriteBack` (one gather and quantise per layer for a step's saves)
-and through the path it replaced (:mod:`tests.store.engines.vllm.old_writeback`); every file on NVMe
+and through the path it replaced (:mod:`bench.lib.old_writeback`); every file on NVMe
 equals the old snapshot's bytes, header (scales' checksums, the measured errors) and payload alike.
 
 An fp32 engine cache is the exception, in the last bits of the recorded error only: the old path
@@ -32,7 +32,7 @@ from store.tiers.base import object_name
 from store.tiers.local import LocalTier
 from store.tiers.store import Store
 from tests.hang_guard import HANG_S
-from tests.store.engines.vllm.old_writeback import old_snapshots
+from bench.lib.old_writeback import old_snapshots
 from tests.store.engines.vllm.worker_setup import EB, IDENT, KB, NB, D, H, cfg, tokens
 from tests.store.kernels.engine_caches import layout, random_cache
 
