@@ -31,7 +31,8 @@ from store.format.precision import FP8_MAX, STORAGE_DTYPES, Precision
 if TYPE_CHECKING:
     from store.engines.vllm.layout import EngineLayout
 
-_FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+#: The fp32 value of every FP8 (e4m3) byte: the bits of ``Tensor.to(torch.float32)``, as a table.
+FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def block_ids(ids: Sequence[int] | torch.Tensor, device: torch.device | str) -> 
     return torch.as_tensor(ids, dtype=torch.long).to(device, non_blocking=True)
 
 
-def _views(cache: torch.Tensor, layout: EngineLayout) -> tuple[torch.Tensor, torch.Tensor]:
+def block_views(cache: torch.Tensor, layout: EngineLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of every engine block, each a strided ``[num_blocks, kv_heads, block_size, head_dim]`` view."""
     H, B, D, nb = layout.num_kv_heads, layout.block_size, layout.head_dim, layout.num_blocks
     if layout.kind == "cpu_vec":  # per (block, head): K^T [D, B], then V [B, D]
@@ -137,7 +138,7 @@ def gather_kv(cache: torch.Tensor, layout: EngineLayout, ids: torch.Tensor,
         sources = [cache.view(layout.num_blocks, layout.block_elements)] * 2
         indices = [[rows, where[0]], [rows, where[1]]]
     else:
-        sources = list(_views(cache, layout))
+        sources = list(block_views(cache, layout))
         indices = [list(_index(ids, layout, ratio))] * 2
     out = []
     for src, idx in zip(sources, indices):
@@ -179,7 +180,7 @@ def quantise_blocks(x: torch.Tensor, precision: Precision,
     q.clamp_(-FP8_MAX, FP8_MAX)
     stored = q.to(torch.float8_e4m3fn)
     # back to fp32 (the bits of Tensor.to: the table holds the 256 FP8 values), then dequantize's product
-    table = _FP8_VALUES.to(x.device)
+    table = FP8_VALUES.to(x.device)
     back = torch.index_select(table, 0, stored.view(torch.uint8).reshape(-1).to(torch.int32), out=q.view(-1))
     back = back.view(n, heads, tokens, dim).mul_(wide).sub_(xf)
     return stored, scale.contiguous(), _norm(back), _norm(xf)
