@@ -131,17 +131,16 @@ def gather_kv(cache: torch.Tensor, layout: EngineLayout, ids: torch.Tensor,
         raise ValueError(f"{ids.shape[0]} engine blocks are not whole kvwarm blocks of {ratio} engine blocks")
     H, B, D = layout.num_kv_heads, layout.block_size, layout.head_dim
     n = ids.shape[0] // ratio
-    if layout.kind == "cpu_permuted":
+    if layout.kind == "cpu_permuted":  # whole blocks (one row copy each), then their elements in kvwarm's order
         assert layout.index is not None
-        where = layout.index.to(cache.device).view(2, 1, H, 1, B, D)
-        rows = ids.view(n, 1, ratio, 1, 1)
-        sources = [cache.view(layout.num_blocks, layout.block_elements)] * 2
-        indices = [[rows, where[0]], [rows, where[1]]]
-    else:
-        sources = list(block_views(cache, layout))
-        indices = [list(_index(ids, layout, ratio))] * 2
+        E = layout.block_elements
+        rows = cache.view(layout.num_blocks, E).index_select(0, ids).view(n, ratio * E)
+        index = layout.index.to(cache.device)
+        return tuple(rows.index_select(1, (torch.arange(ratio, device=cache.device).view(1, ratio, 1, 1) * E
+                                           + index[half].view(H, 1, B, D)).reshape(-1)).view(n, H, ratio * B, D)
+                     for half in (0, 1))  # type: ignore[return-value]
     out = []
-    for src, idx in zip(sources, indices):
+    for src, idx in zip(block_views(cache, layout), [list(_index(ids, layout, ratio))] * 2):
         # into contiguous memory: advanced indexing alone lays its result out as its (strided) source
         got = torch.empty((n, H, ratio, B, D), dtype=cache.dtype, device=cache.device)
         torch.ops.aten.index.Tensor_out(src, idx, out=got)
