@@ -33,7 +33,7 @@ def dequantise_blocks(stored: torch.Tensor, scale: torch.Tensor | None, out: tor
     Raises:
         ValueError: per-group scales without ``group_tokens``.
     """
-    n, heads, tokens, dim = stored.shape
+    n, heads, tokens, _ = stored.shape
     if scale is None:
         out.copy_(stored.reshape(out.shape))  # Tensor.to's conversion, as dequantize makes it
         return

@@ -49,7 +49,7 @@ from store.tiers.base import object_name
 from store.tiers.store import Store
 
 log = logging.getLogger("kvwarm.vllm")
-#: Default bound on copied blocks waiting to be encoded (and, apart, on encoded ones waiting for S3).
+#: Default bound on stored blocks waiting to be written (and, apart, on encoded ones waiting for S3).
 MAX_QUEUED_BYTES = 2 << 30
 #: Default upload threads (``loader.write_back_streams``).
 UPLOAD_STREAMS = 4
@@ -75,8 +75,8 @@ class WriteBack:
         ttl_s: the snapshots' lifetime.
         layout: the engine's KV layout.
         counters: where ``written_back_*`` and ``write_back_*`` are counted.
-        max_bytes: the most copied bytes that wait to be encoded, and apart the most encoded
-            bytes that wait for (or are in) an upload.
+        max_bytes: the most stored bytes (K, V and scales of every layer) that wait to be written, and
+            apart the most encoded bytes that wait for (or are in) an upload.
         streams: upload threads to the remote tiers.
         s3_backoff_s: after S3 fails, NVMe only for this long.
         clock: wall time (snapshot creation times).
@@ -112,13 +112,13 @@ class WriteBack:
 
     @property
     def queued_bytes(self) -> int:
-        """Copied bytes waiting to be encoded now."""
+        """Stored bytes waiting to be written now."""
         with self._lock:
             return self._queued
 
     @property
     def peak_bytes(self) -> int:
-        """The most copied bytes that have waited at once."""
+        """The most stored bytes that have waited at once."""
         with self._lock:
             return self._peak
 

@@ -42,7 +42,7 @@ def stored(n: int, tokens: int, precision: Precision, seed: int, heads: int = H,
 def reference(cache, lay, ids, parts, precision, skip) -> torch.Tensor:
     """The cache after today's load: each block dequantised alone, then write_layer of the engine blocks."""
     k, ks, v, vs = parts
-    n, _, tokens, _ = k.shape
+    n = k.shape[0]
     deq = [torch.cat([dequantize(x[j], None if s is None else s[j], lay.dtype, precision.group_tokens)
                       for j in range(n)], dim=1) for x, s in ((k, ks), (v, vs))]
     lo, hi = skip * lay.block_size, (skip + len(ids)) * lay.block_size

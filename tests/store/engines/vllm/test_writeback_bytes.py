@@ -20,19 +20,19 @@ from dataclasses import replace
 import pytest
 import torch
 
+from bench.lib.old_writeback import old_snapshots
 from store.engines.vllm.metadata import SaveSpec
 from store.engines.vllm.stats import Counters
 from store.engines.vllm.tenancy import TenantBook
 from store.engines.vllm.writeback import WriteBack
 from store.format.encode import snapshot_bytes
-from store.format.snapshot import read_snapshot
 from store.format.precision import Precision
+from store.format.snapshot import read_snapshot
 from store.identity.keys import block_chain
 from store.tiers.base import object_name
 from store.tiers.local import LocalTier
 from store.tiers.store import Store
 from tests.hang_guard import HANG_S
-from bench.lib.old_writeback import old_snapshots
 from tests.store.engines.vllm.worker_setup import EB, IDENT, KB, NB, D, H, cfg, tokens
 from tests.store.kernels.engine_caches import layout, random_cache
 
