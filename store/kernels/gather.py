@@ -164,7 +164,7 @@ def quantise_blocks(x: torch.Tensor, precision: Precision,
         back = stored.to(torch.float32)
         return stored, None, _norm(back - xf), _norm(xf)
     if precision.granularity == "head":
-        amax = xf.abs().amax(dim=(-2, -1))
+        amax = _abs_max(xf, (-2, -1))
         scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
         q = torch.div(xf, scale[..., None, None])
         wide = scale[..., None, None]
@@ -172,7 +172,7 @@ def quantise_blocks(x: torch.Tensor, precision: Precision,
         g = precision.group_tokens
         groups = -(-tokens // g)
         xp = torch.nn.functional.pad(xf, (0, 0, 0, groups * g - tokens)).view(n, heads, groups, g, dim)
-        amax = xp.abs().amax(dim=(-2, -1))
+        amax = _abs_max(xp, (-2, -1))
         scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
         q = torch.div(xp, scale[..., None, None]).view(n, heads, groups * g, dim)[:, :, :tokens].contiguous()
         wide = scale.repeat_interleave(g, dim=-1)[..., :tokens, None]
@@ -183,6 +183,12 @@ def quantise_blocks(x: torch.Tensor, precision: Precision,
     back = torch.index_select(table, 0, stored.view(torch.uint8).reshape(-1).to(torch.int32), out=q.view(-1))
     back = back.view(n, heads, tokens, dim).mul_(wide).sub_(xf)
     return stored, scale.contiguous(), _norm(back), _norm(xf)
+
+
+def _abs_max(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """``x.abs().amax(dims)`` from two read-only reductions, without the ``abs`` copy: the same value
+    (a NaN anywhere is NaN, as both propagate it; a signed zero is no scale: ``amax > 0`` is false)."""
+    return torch.maximum(x.amax(dim=dims), x.amin(dim=dims).neg_())
 
 
 def _norm(x: torch.Tensor) -> torch.Tensor:

@@ -120,3 +120,21 @@ def test_any_small_geometry_agrees_with_the_codec(kind, heads, block, dim, ratio
         part = got.block(j)
         assert_codec((part.k, part.k_scale, float(got.errors[0, j])), k, precision, 0)
         assert_codec((part.v, part.v_scale, float(got.errors[1, j])), v, precision, 0)
+
+
+@pytest.mark.parametrize("name", ["fp8-head", "fp8-group12"])
+def test_odd_values_are_stored_as_the_codec_stores_them(name: str) -> None:
+    precision = PRECISIONS[name]
+    x = torch.randn((5, H, 2 * B, D))
+    x[0, 0, 3, 1] = float("nan")
+    x[1, 1, 0, 0] = float("inf")
+    x[2, 0, 5, 2] = -float("inf")
+    x[3] = -0.0  # only negative zeros: no scale
+    x[4, 0] = 1e-44  # subnormal amax: the scale underflows
+    stored, scale, num, den = quantise_blocks(x, precision, 0)
+    for j in range(5):
+        q, s = quantize(x[j], precision, 0)
+        assert torch.equal(bits(stored[j]), bits(q)) and torch.equal(bits(scale[j]), bits(s))
+        want = relative_error(x[j], dequantize(q, s, torch.float32, precision.group_tokens))
+        got = float(num[j]) / float(den[j]) if float(den[j]) > 0 else float(num[j])
+        assert got == want or (got != got and want != want)  # NaN where the codec records NaN
