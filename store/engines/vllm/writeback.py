@@ -173,6 +173,7 @@ class WriteBack:
         except BaseException:
             with self._lock:
                 self._queued -= nbytes
+            self.counters.add("write_back_dropped", rows, reason="error")  # nothing dropped without a count
             raise
         self._queue.put(_Job(tuple(saves), layers, nbytes, ready))
         return cuts

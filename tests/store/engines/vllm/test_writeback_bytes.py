@@ -86,3 +86,17 @@ def test_a_steps_saves_are_written_byte_for_byte_as_before(tmp_path, kind: str, 
         assert files == 8 and writer.counters.totals()["written_back_blocks"] == 8
     finally:
         writer.close()
+
+
+def test_a_step_whose_kernels_fail_is_counted_dropped_and_releases_its_room(tmp_path) -> None:
+    lay = layout("cpu_vec", blocks=NB, heads=H, block=EB, dim=D, dtype=torch.bfloat16)
+    c = cfg()
+    writer = WriteBack(Store([LocalTier(tmp_path / "nvme", cap_bytes=1 << 30)]), TenantBook(c, "acme"), (IDENT, None),
+                       Precision(), kv_block=KB, ttl_s=3600.0, layout=lay, counters=Counters())
+    save = SaveSpec("a", "acme", False, 0, tuple(tokens(2 * KB, seed=1)), tuple(range(2 * RATIO)))
+    try:
+        with pytest.raises(RuntimeError):  # a cache of another geometry than the layout's
+            writer.copy_out_step([save], [torch.zeros(3, 5)])
+        assert writer.queued_bytes == 0 and writer.counters.totals()["write_back_dropped:error"] == 2
+    finally:
+        writer.close()
