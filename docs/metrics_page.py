@@ -52,6 +52,24 @@ def _connector_tables() -> tuple[str, dict[str, str], dict[str, tuple[str, tuple
     return names["PREFIX"], names["COUNTERS"], names["LABELLED"], hist
 
 
+def _node_section() -> list[str]:
+    """The node process's series (store/node/metrics.py)."""
+    from store.node.metrics import COUNTERS, GAUGES
+
+    lines = ["## The node process (`prefill node`)", "",
+             "On the node's own endpoint, `http://HOST:PORT/metrics` (`node.metrics_port`;",
+             "[the node guide](../guides/node.md)).", "",
+             "| series | type | labels | help |", "|---|---|---|---|"]
+    lines += [f"| `kvwarm_node_{n}_total` | counter | | {_cell(h)} |" for n, h in COUNTERS.items()]
+    lines += ["| `kvwarm_node_copies_total` | counter | `outcome` | Copies from the shared tier into the node tier, "
+              "by outcome (`copied`, `present`, `absent`, `expired`, `mismatch`, `refused`, `unavailable`, "
+              "`write_failed`, `bad_name`, `superseded`). |"]
+    lines += [f"| `kvwarm_node_{n}` | gauge | | {_cell(h)} |" for n, h in GAUGES.items()]
+    lines += ["| `kvwarm_node_info` | gauge | `fingerprint`, `node_id`, `version` | The node's kvwarm version and "
+              "store settings' fingerprint (always 1). |"]
+    return lines
+
+
 def metrics_md() -> str:
     from store.miss import MissReason
     from store.serving.metrics import LATENCY_BUCKETS, STAGES
@@ -83,4 +101,5 @@ def metrics_md() -> str:
     lines += [f"- `{prefix}{n}_total`: " + ", ".join(_code(r) for r in reasons) + ";" for n, (_, reasons) in
               labelled.items()]
     lines[-1] = lines[-1].rstrip(";") + "."
-    return HEADER.format(source="store/serving/metrics.py and store/engines/vllm/prom.py") + "\n".join(lines) + "\n"
+    lines += ["", *_node_section()]
+    return HEADER.format(source="store/serving/metrics.py, store/engines/vllm/prom.py and store/node/metrics.py") + "\n".join(lines) + "\n"

@@ -3,6 +3,7 @@
     prefill warm ...    prefill prefixes into FP8 KV snapshots (see ``prefill warm -h``)
     prefill simulate .. replay a trace against reactive, prewarmed and optimal caches
     prefill store ...   inspect, maintain and audit a snapshot store (see ``prefill store -h``)
+    prefill node        run the machine's kvwarm node process (see ``prefill node -h``)
     prefill demo        write a snapshot from a tiny model and read it back
     prefill report ...  monitoring families of a pipeline run (see ``prefill report -h``)
 """
@@ -32,10 +33,12 @@ def build_parser() -> argparse.ArgumentParser:
     from prefill.models import load_tokenizer
     from prefill.report_cli import add_report_command
     from prefill.warm import add_warm_command
+    from store.node.cli import add_node_command
 
     add_warm_command(sub)
     add_simulate_command(sub, load_tokenizer=load_tokenizer)
     add_store_commands(sub, extra=(add_audit_command,))
+    add_node_command(sub)
     add_report_command(sub)
     add_demo_command(sub)
     return parser

@@ -32,6 +32,7 @@ from store.config_sections import (
     KvCacheConfig,
     LoaderConfig,
     MonitoringConfig,
+    NodeConfig,
     S3Config,
     StoreConfig,
     TenantConfig,
@@ -42,7 +43,7 @@ from store.identity.tenant import PUBLIC, Tenant, check_tenant_name
 from store.tenant_secrets import SALT_KEYS, check_strength, salt_keys, salt_map, tenant_cache_salts
 
 __all__ = ["AgentConfig", "CONFIG_ENV", "FleetMemoryConfig", "KvCacheConfig", "KvwarmConfig", "LoaderConfig",
-           "MonitoringConfig", "S3Config", "StoreConfig",
+           "MonitoringConfig", "NodeConfig", "S3Config", "StoreConfig",
            "TenantConfig", "load_config", "parse_config", "with_values"]
 
 #: environment variable naming the config file when none is passed
@@ -61,6 +62,7 @@ class KvwarmConfig(_Section):
         FleetMemoryConfig(), description="What serving nodes record of the blocks they serve, for nodes that start "
         "later (docs/reference/fleet.md).")
     agent: AgentConfig = Field(AgentConfig(), description="The serving node's agent: the plan and the fleet's memory.")
+    node: NodeConfig = Field(NodeConfig(), description="The kvwarm node process: its socket, metrics and GC.")
     monitoring: MonitoringConfig = Field(MonitoringConfig(), description="Prices for the reports' economics.")
     tenants: dict[str, TenantConfig] = Field(
         {}, description="One entry per tenant name (1-63 characters of a-z 0-9 _ . -); 'public' is the shared "

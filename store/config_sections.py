@@ -238,11 +238,12 @@ class LoaderConfig(_Section):
         "and not yet written; a save that does not fit keeps its leading kvwarm blocks that do, and the rest is "
         "dropped and counted. Give it at least one engine step's prompt KV as stored: max_num_batched_tokens x "
         "layers x 2 x KV heads x head dim x 1 byte for FP8 (0.5 GiB for an 8B model at 8,192 tokens; twice that "
-        "for bf16 storage). Encoded blocks waiting for their S3 upload are bounded apart by the same number of bytes (so "
-        "write-back holds at most twice this); a block that finds that full stays on NVMe only.")
+        "for bf16 storage). Blocks read back from NVMe for their S3 upload are bounded apart by the same number of "
+        "bytes (so write-back holds at most twice this); the others wait in the node's upload backlog, on NVMe.")
     write_back_streams: int = Field(
         4, ge=1, le=64, description="Threads the vLLM connector's write-back uploads to S3 on (parallel PUTs); "
-        "blocks go to NVMe first, on the writer's own thread.")
+        "blocks go to NVMe first, on the writer's own thread, and wait in the node's persistent upload backlog "
+        "until a thread takes them, most valuable first.")
 
     def with_overrides(self, **given: Any) -> "LoaderConfig":
         """This section with each keyword that is not ``None`` in place of its value, validated
@@ -313,6 +314,27 @@ class AgentConfig(_Section):
         7.0e8, gt=0, description="The node's read rate from the shared (S3) tier, which sizes the warm-up to what "
         "can land before it is needed. Default: AWS's guidance of 85-90 MB/s per S3 connection, times the 8 "
         "prefetch_streams.")
+
+
+class NodeConfig(_Section):
+    """The kvwarm node process (``prefill node``): one per machine, shared by its engines (docs/guides/node.md)."""
+
+    socket: Optional[str] = Field(
+        None, description="The node's Unix socket. Default: $XDG_RUNTIME_DIR/kvwarm/node.sock where that variable "
+        "is set, else node.sock under kvwarm's home ($KVWARM_HOME, else ~/.cache/kvwarm). At most 100 bytes long.")
+    autostart: bool = Field(
+        True, description="A client (the vLLM connector, a KVLoader) that finds no node at the socket starts one "
+        "itself, detached, with this configuration (one at a time: a lock beside the socket).")
+    metrics_port: Optional[int] = Field(
+        9477, ge=0, le=65535, description="The node's Prometheus endpoint (http://0.0.0.0:PORT/metrics); 0 picks a "
+        "free port (reported by the node's stats), null serves none. A port in use is logged and the node runs "
+        "without one.")
+    gc_interval_s: float = Field(
+        600.0, gt=0, description="How often the node collects the node tier's garbage (expired snapshots, anything "
+        "over store.nvme_cap, crash leftovers).")
+    agent: bool = Field(
+        True, description="Run the node agent: follow the plans the pipeline publishes to the store and warm from "
+        "the fleet's memory, for every namespace the plans and the configured tenants name.")
 
 
 class MonitoringConfig(_Section):

@@ -84,3 +84,12 @@ class StoreUnavailable(StoreError, OperationalError):
 
 class StoreFull(StoreError, OperationalError):
     """A write cannot fit under the tier's byte cap, even after eviction."""
+
+
+class NodeUnavailable(StoreError, OperationalError):
+    """No kvwarm node process answers at its socket (none runs, it died, or it did not start in time)."""
+
+
+class NodeRefused(StoreError, BadInputError):
+    """The kvwarm node process at the socket runs another kvwarm version or another store configuration.
+    The message names the version or the settings that differ."""

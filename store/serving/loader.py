@@ -20,7 +20,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import logging
 import os
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Literal, Sequence
@@ -30,18 +29,20 @@ import torch
 from prometheus_client import CollectorRegistry
 
 from store.config import KvwarmConfig, load_config
-from store.errors import StoreError, StoreRecordInvalid, StoreUnavailable, TenantAccessDenied
+from store.errors import StoreRecordInvalid, StoreUnavailable, TenantAccessDenied
 from store.identity.fingerprint import ModelIdentity, identity_from_dir
 from store.identity.keys import Block, KeyRoot, block_chain
 from store.identity.tenant import PUBLIC, PUBLIC_TENANT, Tenant
 from store.kernels.dequant import Dequantizer, DequantMode
 from store.miss import MissReason, reason_of
+from store.node.client import NodeClient
 from store.plan import Plan
 from store.serving.fetch import ERRORS, RemoteFetcher, Scope
 from store.serving.fleet import FleetRecorder, Use, read_fleet
 from store.serving.hit import LoaderHit
 from store.serving.mapper import PoolMapper
-from store.serving.metrics import LoaderMetrics
+from store.serving.metrics import LoaderMetrics, loader_stats
+from store.serving.node_link import NodeLink
 from store.serving.pool import PoolAttachRefused, SnapshotPool, default_pool_dir, readahead
 from store.serving.prefetch import Prefetcher, PrefetchResult, plan_chains
 from store.serving.remote import open_clients, warm_up
@@ -96,6 +97,9 @@ class KVLoader:
             records what this node serves (docs/reference/fleet.md).
         fleet: a recorder shared by the process's loaders (one per tenant and chat keying: they must
             share one, or their files of a namespace overwrite each other); its owner closes it.
+        node: the machine's node process (docs/guides/node.md): a connected ``NodeClient``, or ``"auto"``
+            for the one at ``node.socket`` when it answers now (none is started). Lookups, copies from S3 and
+            fleet records then go through it; each call works alone when it is away. Default: alone.
         clock: time source (TTL, LRU).
     """
 
@@ -107,7 +111,8 @@ class KVLoader:
                  verify_payload: bool | None = None, registry: CollectorRegistry | None = None,
                  fetch_workers: int | None = None, prefetch_streams: int | None = None,
                  dequant: DequantMode | Dequantizer | None = None, node_id: str | None = None,
-                 fleet: FleetRecorder | None = None, clock: Callable[[], float] = time.time) -> None:
+                 fleet: FleetRecorder | None = None, node: NodeClient | Literal["auto"] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.config = config if isinstance(config, KvwarmConfig) else load_config(config)
         # keywords left as None take the config's loader section; the rest are checked as it is
         d = self.config.loader.with_overrides(
@@ -163,6 +168,7 @@ class KVLoader:
                                      metrics=self.metrics)
         self.dequantizer = dequant if isinstance(dequant, Dequantizer) else Dequantizer(
             d.dequant, self._executor, staging_bytes=int(d.staging_bytes))
+        self.node = NodeLink.open(node, self.config, store_url)
         self._closed = False
         if self.fetcher.has_remote and self.fetch_mode == "sync":  # a sync lookup waits for S3: connect first
             public = [PUBLIC] if self._public is not None else []
@@ -278,7 +284,7 @@ class KVLoader:
                 if got > count:
                     count, tier = got, self.fetcher.remote_kind
             else:
-                self.fetcher.schedule(scope, blocks[count:])
+                self.node.fetch(scope, blocks[count:], self.fetcher.schedule)
                 reason = MissReason.FETCH_SCHEDULED
         if count == 0:
             return None, reason or MissReason.ABSENT
@@ -324,8 +330,9 @@ class KVLoader:
         return self.prefetcher.run(chains, skipped, map_ahead=self._map_ahead if map_ahead else None)
 
     def _probe_local(self, chain: list[Block], scope: Scope) -> int:
-        """Leading blocks of ``chain`` in the local tiers (no network)."""
-        return self.store.probe(self.tenant, chain, scope.root, local_only=True).count
+        """Leading blocks of ``chain`` in the local tiers (no network): the node's answer where one runs."""
+        return self.node.probe(scope, chain, lambda: self.store.probe(self.tenant, chain, scope.root,
+                                                                      local_only=True).count)
 
     def _map_ahead(self, chain: list[Block], scope: Scope) -> int:
         """Read ``chain``'s files ahead, map and admit them (pinned only for this call)."""
@@ -352,6 +359,8 @@ class KVLoader:
         if self.fleet is None or self._closed:
             return
         scope = scope or self._own
+        if self.node.record(scope, blocks):
+            return
         self.fleet.record([b if isinstance(b, str) else object_name(scope.ns, b.key) for b in blocks])
         self.fleet.flush_when_due(self._executor)
 
@@ -365,17 +374,7 @@ class KVLoader:
     # -- reporting and shutdown ----------------------------------------------
     def stats(self) -> dict[str, Any]:
         """The loader's figures as a dict (the same as its Prometheus metrics, plus pool state)."""
-        out = self.metrics.as_dict()
-        try:
-            out.update(pool_bytes_in_use=self.pool.usage(), pool_budget_bytes=self.pool.budget(),
-                       pool_pinned_bytes=self.pool.pinned_bytes(), pool_instances=len(self.pool.instances()))
-        except (sqlite3.Error, StoreError) as exc:
-            log.warning("pool state unavailable: %s", exc)
-        out.update(attached=self.pool.attached, pool_private=self.pool.private, fetch_mode=self.fetch_mode,
-                   s3_backoff=self.fetcher.has_remote and not self.fetcher.usable(), mapped_here=len(self.mapper),
-                   bookkeeping_unwritten=sum(t.bookkeeping_unwritten() for t in self.store.tiers),
-                   store=self.store.stats.as_dict(), fleet=self.fleet.stats.as_dict() if self.fleet else {})
-        return out
+        return loader_stats(self)
 
     def close(self) -> None:
         """Stop background work, release the pool attachment and the store (idempotent)."""
@@ -384,6 +383,7 @@ class KVLoader:
         self._closed = True
         # the prefetch streams stop after the block each is copying, and are joined: none
         # writes to the store once it is closed; their futures resolve with what was done
+        self.node.close()
         self.prefetcher.close()
         self.fetcher.close()  # a lookup's fetch lands nothing more (its GETs in flight are discarded)
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -13,14 +13,19 @@ store that refuses them (:class:`store.tiers.stats.StoreStats`); the loader's
 """
 from __future__ import annotations
 
+import logging
 import math
+import sqlite3
 from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, Metric
 
+from store.errors import StoreError
 from store.miss import MissReason
 from store.tiers.stats import StoreStats
+
+log = logging.getLogger("kvwarm.loader")
 
 #: Operations whose latency the histogram records (its ``stage`` label).
 STAGES = ("lookup", "to_dynamic_cache", "copy_into_paged")
@@ -173,3 +178,22 @@ class LoaderMetrics:
                 out["latency"][stage] = {"count": int(cum[-1][1]), "p50_s": _upper_bound(cum, 0.5),
                                          "p99_s": _upper_bound(cum, 0.99)}
         return out
+
+
+def loader_stats(loader: Any) -> dict[str, Any]:
+    """A :class:`store.serving.loader.KVLoader`'s figures as a dict: its metrics (:meth:`LoaderMetrics.as_dict`),
+    its pool's state, and whether it works through the node process (``node``: the node's pid or ``None``;
+    ``node_fallbacks``: calls that worked alone while the node was away)."""
+    out = loader.metrics.as_dict()
+    try:
+        out.update(pool_bytes_in_use=loader.pool.usage(), pool_budget_bytes=loader.pool.budget(),
+                   pool_pinned_bytes=loader.pool.pinned_bytes(), pool_instances=len(loader.pool.instances()))
+    except (sqlite3.Error, StoreError) as exc:
+        log.warning("pool state unavailable: %s", exc)
+    client = loader.node.client
+    out.update(attached=loader.pool.attached, pool_private=loader.pool.private, fetch_mode=loader.fetch_mode,
+               s3_backoff=loader.fetcher.has_remote and not loader.fetcher.usable(), mapped_here=len(loader.mapper),
+               bookkeeping_unwritten=sum(t.bookkeeping_unwritten() for t in loader.store.tiers),
+               store=loader.store.stats.as_dict(), fleet=loader.fleet.stats.as_dict() if loader.fleet else {},
+               node=client.node.get("pid") if client is not None else None, node_fallbacks=loader.node.fallbacks)
+    return out

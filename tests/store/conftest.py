@@ -1,6 +1,10 @@
 """Fixtures shared by the store tests."""
 from __future__ import annotations
 
+import shutil
+import signal
+import tempfile
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -42,3 +46,28 @@ def own_s3(tmp_path, monkeypatch):
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A directory with a short path, for a node's Unix socket (whose path holds at most 107 bytes)."""
+    d = Path(tempfile.mkdtemp(prefix="kvn", dir="/tmp"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def node_pids() -> Iterator[list[int]]:
+    """Pids of kvwarm node processes the test started (directly or through a client): stopped by pid at the end."""
+    from tests.store.node.factories import gone, stop
+
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        stop(pid, signal.SIGTERM)
+    for pid in pids:
+        if not gone(pid, 20.0):
+            stop(pid, signal.SIGKILL)
+            gone(pid, 5.0)

@@ -9,7 +9,9 @@ the plan's version every ``agent.poll_s`` and applies a new plan when one is pub
 new priorities, new copies, superseded copies cancelled. No restart is needed to take a plan.
 The published plan names blocks by key (:mod:`store.published_plan`); a plan that cannot be
 used counts ``agent_plan_errors`` (the agent keeps its last good plan), and entries keyed
-under another root than a loader's count ``agent_plan_entries_skipped``.
+under another root than a loader's count ``agent_plan_entries_skipped``. Each ranking also
+orders the write-back's upload backlog (:meth:`store.engines.vllm.uploads.Uploads.set_ranking`):
+the blocks the plan and the fleet value most go to S3 first.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from store.engines.vllm.settings import LATEST, ConnectorSettings
 from store.identity.tenant import PUBLIC
 from store.serving.agent import AgentSettings, AgentThread, FilePlan, NodeAgent, PlanSource, StorePlans
 from store.serving.loader_node import LoaderNode
+from store.serving.upload_rank import upload_ranks
 from store.tiers.registry import tiers_from_url
 
 if TYPE_CHECKING:
@@ -77,7 +80,9 @@ def start_agents(worker: "WorkerRole", settings: ConnectorSettings,
             node = LoaderNode(loader, chat=chat, public=tenant == worker.tenants.default, tokenizer=encode,
                               on_result=lambda r: _prefetched(counters, r),
                               on_skipped=lambda n: counters.add("agent_plan_entries_skipped", n))
-            agents.append(NodeAgent(node, source, agent_settings, listener=lambda w: _applied(counters, w),
+            ranked = f"agent:{tenant}:{'chat' if chat else 'plain'}"
+            agents.append(NodeAgent(node, source, agent_settings,
+                                    listener=lambda w, ranked=ranked: _applied(counters, w, worker, ranked),
                                     on_plan_error=lambda _: counters.add("agent_plan_errors")))
     if not agents:
         return None
@@ -94,6 +99,9 @@ def _prefetched(counters: Any, result: "PrefetchResult") -> None:
         counters.add("prefetch_superseded", result.superseded)
 
 
-def _applied(counters: Any, warm: "Warmup[Any]") -> None:
+def _applied(counters: Any, warm: "Warmup[Any]", worker: "WorkerRole", source: str) -> None:
     counters.add("agent_rankings")
     counters.add("agent_copies_queued", len(warm.order))
+    uploads = worker.writer.uploads if worker.writer is not None else None
+    if uploads is not None:  # the write-back's upload backlog drains the blocks this ranking values first
+        uploads.set_ranking(source, upload_ranks(warm.wanted))

@@ -8,6 +8,11 @@ the tokens), then the same two under ``public`` (when ``loader.public_prefixes``
 Existence only: no mapping, no pin, no header read (vLLM asks again at every step a request
 waits). The worker's load checks every snapshot it maps; what fails there is recomputed. Never
 raises for store trouble: a failure is a hit of 0 blocks with its reason.
+
+With the machine's node process (``node``: a :class:`store.node.client.NodeClient`), each chain's
+existence is one local round trip to it (keys out, a count back: no SQLite, no file I/O on vLLM's
+thread); while the node is away (killed, restarting) the probe asks the NVMe tier itself, as it
+does without one, and the client reconnects on its own thread.
 """
 from __future__ import annotations
 
@@ -20,11 +25,12 @@ from typing import Sequence
 import numpy as np
 
 from store.engines.vllm.tenancy import TenantBook
-from store.errors import StoreError, TenantAccessDenied
+from store.errors import NodeRefused, NodeUnavailable, StoreError, TenantAccessDenied
 from store.format.precision import Precision
 from store.identity.fingerprint import ModelIdentity
 from store.identity.keys import Block, KeyRoot, block_chain
-from store.identity.tenant import PUBLIC
+from store.identity.tenant import PUBLIC, Tenant
+from store.node.client import NodeClient
 from store.serving.fetch import Scope
 from store.tiers.store import Store
 
@@ -61,16 +67,20 @@ class StoreProbe:
         block_size: kvwarm's block size.
         tenants: the tenants this engine serves.
         public_prefixes: also try ``public``'s chains.
+        node: the machine's node process, asked first (see the module).
     """
 
     def __init__(self, local: Store, identities: tuple[ModelIdentity, ModelIdentity | None], precision: Precision,
-                 block_size: int, tenants: TenantBook, *, public_prefixes: bool = True) -> None:
+                 block_size: int, tenants: TenantBook, *, public_prefixes: bool = True,
+                 node: NodeClient | None = None) -> None:
         self.local = local
         self.identities = identities
         self.precision = precision
         self.block_size = block_size
         self.tenants = tenants
         self.public_prefixes = public_prefixes
+        self.node = node
+        self.node_fallbacks = 0  # probes the NVMe tier answered because the node was away
         self._lock = threading.Lock()
         self._roots: dict[tuple[str, bool], KeyRoot] = {}
 
@@ -111,7 +121,7 @@ class StoreProbe:
                 caller = self.tenants.credentials(tenant)
                 root = self.root(ns, chat)
                 blocks = block_chain(root, token_ids)
-                n = self.local.probe(caller, blocks, root).count
+                n = self._held(caller, ns, blocks, root)
             except TenantAccessDenied as exc:
                 log.warning("probe refused: %s", exc)
                 if best.blocks == 0:
@@ -127,6 +137,16 @@ class StoreProbe:
             if best.blocks == full:
                 break
         return best
+
+    def _held(self, caller: Tenant, ns: str, blocks: list[Block], root: KeyRoot) -> int:
+        """Leading ``blocks`` of ``ns``'s chain the NVMe tier holds: the node's answer, else the tier's."""
+        if self.node is not None:
+            try:
+                return self.node.lookup(ns, [b.key for b in blocks]).count
+            except (NodeUnavailable, NodeRefused) as exc:
+                self.node_fallbacks += 1
+                log.debug("the kvwarm node is away (%s): probing the NVMe tier", exc)
+        return self.local.probe(caller, blocks, root).count
 
     def held_by_others(self, tenant: str, token_ids: Sequence[int] | np.ndarray) -> list[str]:
         """The other tenants of this engine whose chains hold the prompt's first block.

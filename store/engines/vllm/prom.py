@@ -34,10 +34,13 @@ COUNTERS = {
     "bytes_loaded": "Stored bytes read by loads.",
     "written_back_blocks": "Blocks the engine computed, written to the store (write-back, not prefill).",
     "written_back_bytes": "Bytes of written-back snapshots.",
-    "written_back_uploads": "Written-back blocks the upload streams put in the remote tier (S3); the rest of "
-                            "written_back_blocks are on NVMe only (S3 resting after a failure, or holding them).",
-    "written_back_nvme_only": "Written-back blocks left on NVMe only when written: the uploads' room was full "
-                              "(S3 slower than the engine computes), or S3 was resting after a failure.",
+    "written_back_uploads": "Written-back blocks the upload streams put in the remote tier (S3), drained from the "
+                            "upload backlog (this process's or one an earlier process left).",
+    "upload_present": "Upload backlog entries whose block the remote tier (S3) held already: nothing sent.",
+    "upload_backlog_resumed": "Blocks found waiting in the node's upload backlog when a writer started (left by an "
+                              "earlier process, or another's on the node); drained like any.",
+    "upload_backlog_rescanned": "Blocks on NVMe enqueued again after the upload backlog's file was found damaged "
+                                "(those S3 holds are then skipped, counted upload_present).",
     "prefetched_blocks": "Blocks the node agent's prefetches mapped into the node's pool.",
     "prefetch_copied_blocks": "Blocks the node agent's prefetches copied from S3 into NVMe.",
     "prefetch_superseded": "Prefixes a prefetch never started because a newer plan replaced it.",
@@ -58,8 +61,13 @@ LABELLED = {
                       MISS_REASONS),
     "write_back_skipped": ("Blocks not written back, by reason (present: the store had them).", ("present",)),
     "write_back_dropped": ("Blocks dropped by write-back, by reason (queue_full: kvwarm blocks at the tail of a "
-                           "save the copy queue could not take; error: a block not written, or its upload failed).",
+                           "save the copy queue could not take; error: a block not written to NVMe).",
                            ("queue_full", "error")),
+    "upload_dropped": ("Written-back blocks that left the upload backlog without reaching the remote tier (S3), by "
+                       "reason (evicted: gone from NVMe before their turn; expired; corrupt: the NVMe copy failed its "
+                       "checks and was quarantined; error: refused at every attempt; no_space, unrecorded: the "
+                       "backlog could not record them, the disk full or its database unusable).",
+                       ("evicted", "expired", "corrupt", "error", "no_space", "unrecorded")),
 }
 PREFIX = "kvwarm_connector_"
 

@@ -8,18 +8,18 @@ stored bytes, scales and errors go to host memory (from a GPU into pinned memory
 writer waits for), before the engine may reuse the blocks. The background thread does the rest, off
 the forward path: it skips blocks the store already holds, lays each block out as a snapshot
 (:func:`store.format.encode.encode_snapshot`, no second quantisation) and writes it atomically to NVMe
-(:meth:`store.tiers.store.Store.put`, with the config's TTL and the tenant's salt), then hands
-it to :class:`store.engines.vllm.uploads.Uploads`, whose ``streams`` threads PUT it to the
-remote tiers (S3). So a restarted or new replica is warm from the store even for prefixes no
-plan named.
+(:meth:`store.tiers.store.Store.put`, with the config's TTL and the tenant's salt), then enqueues
+it in the node's persistent upload backlog (:class:`store.engines.vllm.uploads.Uploads`), whose
+``streams`` threads drain it to the remote tiers (S3), most valuable first. So a restarted or new
+replica is warm from the store even for prefixes no plan named.
 
 Bounded: at most ``max_bytes`` of stored blocks wait to be written; a save that does not fit
 keeps its leading kvwarm blocks that do (a block is found only after its parents) and the
 tail is dropped and counted (``write_back_dropped:queue_full``, in kvwarm blocks), never
-waited for. A job's bytes are freed once its blocks are encoded; the encoded
-snapshots waiting for S3 are bounded apart by ``max_bytes`` too, and a block that finds no
-upload room stays on NVMe only (``written_back_nvme_only``): a slow S3 never holds up the
-node's own tier. After S3 fails, blocks go to NVMe only for ``s3_backoff_s``.
+waited for. A job's bytes are freed once its blocks are encoded; the snapshots read
+back for their upload are bounded apart by ``max_bytes`` too, and a block waits in the upload
+backlog until the link takes it: a slow S3 never holds up the node's own tier. After S3
+fails, nothing is sent to it for ``s3_backoff_s``.
 """
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ from store.tiers.base import object_name
 from store.tiers.store import Store
 
 log = logging.getLogger("kvwarm.vllm")
-#: Default bound on stored blocks waiting to be written (and, apart, on encoded ones waiting for S3).
+#: Default bound on stored blocks waiting to be written (and, apart, on uploads in flight).
 MAX_QUEUED_BYTES = 2 << 30
 #: Default upload threads (``loader.write_back_streams``).
 UPLOAD_STREAMS = 4
@@ -76,9 +76,9 @@ class WriteBack:
         layout: the engine's KV layout.
         counters: where ``written_back_*`` and ``write_back_*`` are counted.
         max_bytes: the most stored bytes (K, V and scales of every layer) that wait to be written, and
-            apart the most encoded bytes that wait for (or are in) an upload.
+            apart the most bytes read back for uploads in flight.
         streams: upload threads to the remote tiers.
-        s3_backoff_s: after S3 fails, NVMe only for this long.
+        s3_backoff_s: after S3 fails, nothing is sent to it for this long.
         clock: wall time (snapshot creation times).
     """
 
@@ -101,8 +101,9 @@ class WriteBack:
         self.counters = counters
         self.max_bytes = max_bytes
         self.clock = clock
-        self.uploads = (Uploads(Store(store.tiers[1:]), streams=streams, max_bytes=max_bytes, backoff_s=s3_backoff_s,
-                                counters=counters) if len(store.tiers) > 1 else None)
+        self.uploads = (Uploads(Store(store.tiers[1:]), local, streams=streams, max_bytes=max_bytes,
+                                backoff_s=s3_backoff_s, counters=counters, credentials=tenants.credentials,
+                                tenants=tenants.known, clock=clock) if len(store.tiers) > 1 else None)
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._queued = 0
@@ -236,8 +237,8 @@ class WriteBack:
                 continue
             self.counters.add("written_back_blocks")
             self.counters.add("written_back_bytes", snap.file_size)
-            if self.uploads is not None and not self.uploads.put(tenant, snap):
-                self.counters.add("written_back_nvme_only")  # no upload room, or S3 resting: NVMe only
+            if self.uploads is not None:
+                self.uploads.put(tenant, snap)  # waits in the upload backlog until the link takes it
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued save is written and uploaded (or ``timeout_s`` passed); whether it emptied."""
@@ -251,12 +252,12 @@ class WriteBack:
         return False
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Write and upload what is queued (up to ``timeout_s``; what is left then goes to NVMe only),
-        then stop every thread and release the store."""
+        """Write and upload what is queued (up to ``timeout_s``; what is left then waits in the upload
+        backlog for the next writer), then stop every thread and release the store."""
         self.drain(timeout_s)
         self._queue.put(None)
         if self.uploads is not None:
-            self.uploads.stop()  # what the writer still writes stays on NVMe only
+            self.uploads.stop()  # what the writer still writes waits in the backlog
         self._thread.join(timeout=5.0)
         if self.uploads is not None:
             self.uploads.close()

@@ -1,13 +1,16 @@
-"""The write-back writer: partial saves, uploads on several streams, the bounds, S3's back-off.
+"""The write-back writer: partial saves, uploads on several streams, the bounds, S3's back-off,
+and the upload backlog that outlives the writer.
 
 Over real tiers on disk: NVMe, and a second directory the store takes for the remote tier,
 whose writes can be held (to keep uploads in flight together) or made to fail as an
-unreachable S3 does. The engine's caches are CPU tensors in vLLM's CPU layout.
+unreachable S3 does (tests/store/engines/vllm/far_tier.py). The engine's caches are CPU
+tensors in vLLM's CPU layout.
 """
 from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,50 +21,18 @@ from store.engines.vllm.paging import write_layer
 from store.engines.vllm.stats import Counters
 from store.engines.vllm.tenancy import TenantBook
 from store.engines.vllm.writeback import WriteBack
-from store.errors import StoreUnavailable
 from store.identity.keys import block_chain
 from store.tiers.base import object_name
 from store.tiers.local import LocalTier
 from store.tiers.store import Store
 from tests.hang_guard import HANG_S
+from tests.store.engines.vllm.far_tier import FarDir
 from tests.store.engines.vllm.worker_setup import EB, IDENT, KB, NB, D, H, L, cfg, expected, tokens
 
 RATIO = KB // EB
 LAYOUT = EngineLayout("cpu_vec", NB, H, EB, D, torch.bfloat16)
 #: copied bytes of one kvwarm block (every layer)
 BLOCK = L * RATIO * LAYOUT.block_bytes
-
-
-class FarDir(LocalTier):
-    """A directory the store takes for a remote tier. Its writes count how many are in flight at
-    once and wait while ``held`` is clear (the wait's bound is a hang guard); with ``down`` they
-    fail as an unreachable S3 does."""
-
-    remote = True
-    kind = "s3"
-
-    def __init__(self, root) -> None:
-        super().__init__(root, cap_bytes=1 << 30)
-        self.held = threading.Event()
-        self.held.set()
-        self.down = False
-        self.inflight = self.most = self.attempts = 0
-        self._lock = threading.Lock()
-
-    def write(self, name, data, *, expires_at):
-        with self._lock:
-            self.attempts += 1
-            self.inflight += 1
-            self.most = max(self.most, self.inflight)
-        try:
-            if not self.held.wait(HANG_S):
-                raise AssertionError("the test never released the held uploads")
-            if self.down:
-                raise StoreUnavailable(f"{self.kind} is unreachable (the test took it down)")
-            return super().write(name, data, expires_at=expires_at)
-        finally:
-            with self._lock:
-                self.inflight -= 1
 
 
 def _caches(blocks: int) -> list[torch.Tensor]:
@@ -74,12 +45,13 @@ def _caches(blocks: int) -> list[torch.Tensor]:
     return caches
 
 
-def _writer(tmp_path, *, remote: FarDir | None = None, max_bytes: int, streams: int = 4) -> WriteBack:
+def _writer(tmp_path: Path, *, remote: FarDir | None = None, max_bytes: int, streams: int = 4,
+            s3_backoff_s: float = 3600.0) -> WriteBack:
     c = cfg()
     tiers = [LocalTier(tmp_path / "nvme", cap_bytes=1 << 30)] + ([remote] if remote is not None else [])
     return WriteBack(Store(tiers), TenantBook(c, "acme"), (IDENT, None), c.kv_cache.precision(), kv_block=KB,
                      ttl_s=3600.0, layout=LAYOUT, counters=Counters(), max_bytes=max_bytes, streams=streams,
-                     s3_backoff_s=3600.0)
+                     s3_backoff_s=s3_backoff_s)
 
 
 def _save(req: str, ids: list[int], blocks: int) -> SaveSpec:
@@ -140,53 +112,63 @@ def test_uploads_to_a_slow_remote_tier_run_on_several_streams_and_never_hold_up_
         for req, ids in saves[:2]:
             assert writer.copy_out(_save(req, ids, 2), caches) is None
         _wait(lambda: far.inflight == 3, "three uploads in flight at once")
-        # while they wait, the saves that come now are written to NVMe whole; their uploads find the
-        # upload room full and stay on NVMe only
+        # while they wait, the saves that come now are written to NVMe whole; their blocks wait in
+        # the upload backlog
         for i, (req, ids) in enumerate(saves[2:], start=3):
             assert writer.copy_out(_save(req, ids, 2), caches) is None
             _wait(lambda i=i: writer.counters.totals().get("written_back_blocks", 0) == 2 * i, "its NVMe writes")
+        assert writer.uploads.waiting() == 2 * len(saves)  # three in flight, every other one waiting
         assert writer.uploads.queued_bytes <= writer.max_bytes and writer.queued_bytes <= writer.max_bytes
         far.held.set()
         assert writer.drain(HANG_S)
         assert far.most == 3 and writer.uploads.peak_bytes <= writer.max_bytes
         totals = writer.counters.totals()
-        assert "write_back_dropped:queue_full" not in totals
-        assert totals["written_back_uploads"] + totals["written_back_nvme_only"] == 2 * len(saves)
-        assert 3 <= totals["written_back_uploads"] < 2 * len(saves)
-        for _, ids in saves:  # every block on NVMe; in S3, those that found upload room
-            assert all(writer.local.exists(x) for x in _names(ids, 2))
-        assert sum(far.exists(x) for _, ids in saves for x in _names(ids, 2)) == totals["written_back_uploads"]
+        assert "write_back_dropped:queue_full" not in totals and "upload_dropped:evicted" not in totals
+        assert totals["written_back_uploads"] == 2 * len(saves) and writer.uploads.waiting() == 0
+        for _, ids in saves:  # every block on NVMe, and in S3
+            assert all(writer.local.exists(x) and far.exists(x) for x in _names(ids, 2))
     finally:
         far.held.set()
         writer.close()
     assert not any(t.is_alive() for t in threading.enumerate() if t.name.startswith("kvwarm-upload"))
 
 
-def test_when_s3_fails_mid_run_write_back_goes_on_to_nvme_only(tmp_path) -> None:
+def test_when_s3_fails_mid_run_blocks_wait_in_the_backlog_and_a_later_writer_uploads_them(tmp_path) -> None:
     far = FarDir(tmp_path / "far")
     caches = _caches(3)
     writer = _writer(tmp_path, remote=far, max_bytes=1 << 20, streams=2)
+    first, second, third = tokens(3 * KB, seed=21), tokens(3 * KB, seed=22), tokens(3 * KB, seed=23)
     try:
-        first, second, third = tokens(3 * KB, seed=21), tokens(3 * KB, seed=22), tokens(3 * KB, seed=23)
         assert writer.copy_out(_save("a", first, 3), caches) is None and writer.drain(HANG_S)
         assert all(far.exists(n) for n in _names(first, 3))
         far.down = True
         asked = far.attempts
-        assert writer.copy_out(_save("b", second, 3), caches) is None and writer.drain(HANG_S)
+        assert writer.copy_out(_save("b", second, 3), caches) is None
+        assert not writer.drain(HANG_S)  # S3 rests: what is left waits
         assert writer.uploads is not None and writer.uploads.resting()
         assert far.attempts - asked <= 2  # the uploads in flight when it failed; none after
         far.down = False
         asked = far.attempts
-        assert writer.copy_out(_save("c", third, 3), caches) is None and writer.drain(HANG_S)
+        assert writer.copy_out(_save("c", third, 3), caches) is None and not writer.drain(HANG_S)
         assert far.attempts == asked  # S3 rests for s3_backoff_s: not asked again yet
-        for ids in (second, third):  # on NVMe, not in S3
+        for ids in (second, third):  # on NVMe, not in S3: waiting in the backlog
             names = _names(ids, 3)
             assert all(writer.local.exists(n) for n in names) and not any(far.exists(n) for n in names)
+        assert writer.uploads.waiting() == 6
         totals = writer.counters.totals()
         assert totals["written_back_blocks"] == 9 and totals["written_back_uploads"] == 3
-        assert "write_back_dropped:error" not in totals  # unreachable is not an error: S3 rests
+        assert not any(k.startswith(("write_back_dropped", "upload_dropped")) for k in totals)
     finally:
         writer.close()
+    # the node restarts: its writer finds the backlog, and drains it once S3 answers
+    again = _writer(tmp_path, remote=FarDir(tmp_path / "far"), max_bytes=1 << 20, streams=2, s3_backoff_s=0.0)
+    try:
+        assert again.drain(HANG_S)
+        totals = again.counters.totals()
+        assert totals["upload_backlog_resumed"] == 6 and totals["written_back_uploads"] == 6
+        assert all(far.exists(n) for ids in (second, third) for n in _names(ids, 3))
+    finally:
+        again.close()
 
 
 def test_close_writes_and_uploads_what_is_queued_then_stops_every_thread(tmp_path) -> None:

@@ -1,0 +1,89 @@
+"""The node's copies into its tier: checked as verify checks, opened with the tenant's key, a chain stopped at
+its first failure. A second local directory stands in for S3 (the copier asks only read())."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from store.format.encode import snapshot_bytes
+from store.identity.tenant import Tenant
+from store.node.copier import Copier
+from store.tiers.base import object_name
+from store.tiers.crypto import seal
+from store.tiers.local import LocalTier
+from tests.store.factories import ACME, make_chain, make_root, make_snapshot
+
+KEY = os.urandom(32)
+SEALED = dataclasses.replace(Tenant.derive("acme", "acme-secret"), encryption_key=KEY)
+
+
+def tiers(tmp_path) -> tuple[LocalTier, LocalTier]:  # type: ignore[no-untyped-def]
+    return LocalTier(tmp_path / "node", cap_bytes=1 << 30), LocalTier(tmp_path / "shared", cap_bytes=1 << 30)
+
+
+def put(tier: LocalTier, name: str, data: bytes) -> None:
+    tier.write(name, data, expires_at=2e9)
+
+
+def test_a_chain_is_copied_in_order_and_checked(tmp_path):
+    node, shared = tiers(tmp_path)
+    root = make_root(ACME)
+    chain = make_chain(root, 4)
+    names = [object_name("acme", b.key) for b in chain]
+    for block, name in zip(chain[:3], names[:3]):
+        put(shared, name, snapshot_bytes(make_snapshot(root, block)))
+    put(node, names[0], snapshot_bytes(make_snapshot(root, chain[0])))
+    copier = Copier(node, [shared], {})
+    try:
+        assert copier.add(names) == 4
+        assert copier.wait_idle(60)
+        assert [node.exists(n) for n in names] == [True, True, True, False]
+        assert dict(copier.counts) == {"present": 1, "copied": 2, "absent": 1}
+        # the copy is the shared tier's file, byte for byte
+        assert node.read(names[1]).to_pybytes() == shared.read(names[1]).to_pybytes()
+    finally:
+        copier.close()
+
+
+def test_a_misnamed_expired_or_sealed_object_is_not_copied_and_stops_its_chain(tmp_path):
+    node, shared = tiers(tmp_path)
+    root = make_root(ACME)
+    a, b, c, d = make_chain(root, 4)
+    misnamed = object_name("acme", b.key)
+    put(shared, misnamed, snapshot_bytes(make_snapshot(root, a)))  # a's bytes under b's name
+    expired = object_name("acme", c.key)
+    put(shared, expired, snapshot_bytes(make_snapshot(root, c, ttl_s=1, created_at=0.0)))
+    sealed = object_name("acme", d.key)
+    open_bytes = snapshot_bytes(make_snapshot(root, d))
+    put(shared, sealed, seal(KEY, sealed, open_bytes))
+    after = object_name("acme", make_chain(root, 5)[4].key)
+    put(shared, after, snapshot_bytes(make_snapshot(root, make_chain(root, 5)[4])))
+    alone = Copier(node, [shared], {})
+    try:
+        for name in (misnamed, expired, sealed):
+            alone.add([name, after])
+        assert alone.wait_idle(60)
+        assert dict(alone.counts) == {"mismatch": 1, "expired": 1, "refused": 1}  # `after` never tried
+        assert not any(node.exists(n) for n in (misnamed, expired, sealed, after))
+    finally:
+        alone.close()
+    keyed = Copier(node, [shared], {"acme": SEALED})
+    try:
+        keyed.add([sealed])
+        assert keyed.wait_idle(60)
+        assert dict(keyed.counts) == {"copied": 1}
+        assert node.read(sealed).to_pybytes() == open_bytes  # stored open: mappable
+    finally:
+        keyed.close()
+
+
+def test_without_a_shared_tier_a_hint_queues_nothing_and_an_order_finds_nothing(tmp_path):
+    node, shared = tiers(tmp_path)
+    copier = Copier(node, [], {})
+    try:
+        assert copier.add([object_name("acme", "ab" * 32)]) == 0
+        copier.replace([[object_name("acme", "cd" * 32)]])
+        assert copier.wait_idle(60)
+        assert dict(copier.counts) == {"absent": 1}
+    finally:
+        copier.close()
