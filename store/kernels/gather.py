@@ -135,10 +135,13 @@ def gather_kv(cache: torch.Tensor, layout: EngineLayout, ids: torch.Tensor,
         assert layout.index is not None
         E = layout.block_elements
         rows = cache.view(layout.num_blocks, E).index_select(0, ids).view(n, ratio * E)
-        index = layout.index.to(cache.device)
-        return tuple(rows.index_select(1, (torch.arange(ratio, device=cache.device).view(1, ratio, 1, 1) * E
-                                           + index[half].view(H, 1, B, D)).reshape(-1)).view(n, H, ratio * B, D)
-                     for half in (0, 1))  # type: ignore[return-value]
+        out = []
+        for half, run in enumerate(layout.index_runs):  # runs of consecutive elements move together
+            starts = layout.index[half, ..., ::run].to(cache.device) // run  # [H, B, D / run]
+            where = torch.arange(ratio, device=cache.device).view(1, ratio, 1, 1) * (E // run) + starts.unsqueeze(1)
+            pieces = rows.view(n, ratio * E // run, run).index_select(1, where.reshape(-1))
+            out.append(pieces.view(n, H, ratio * B, D))
+        return out[0], out[1]
     out = []
     for src, idx in zip(block_views(cache, layout), [list(_index(ids, layout, ratio))] * 2):
         # into contiguous memory: advanced indexing alone lays its result out as its (strided) source

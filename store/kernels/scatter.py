@@ -75,9 +75,11 @@ def dequantise_scatter(cache: torch.Tensor, layout: EngineLayout, ids: torch.Ten
         blocks = torch.empty((n * ratio, H, B, D), dtype=cache.dtype, device=cache.device)
         dequantise_blocks(x, scale, blocks.view(n, ratio, H, B, D).transpose(1, 2), group_tokens)
         part = blocks[skip:skip + m]
-        if layout.kind == "cpu_permuted":
+        if layout.kind == "cpu_permuted":  # runs of consecutive elements move together
             assert layout.index is not None
-            where = layout.index.to(cache.device)[half].view(1, H, B, D)
-            cache.view(layout.num_blocks, layout.block_elements).index_put_((ids.view(m, 1, 1, 1), where), part)
+            run = layout.index_runs[half]
+            starts = (layout.index[half, ..., ::run].to(cache.device) // run).unsqueeze(0)  # [1, H, B, D / run]
+            cache.view(layout.num_blocks, layout.block_elements // run, run).index_put_(
+                (ids.view(m, 1, 1, 1), starts), part.view(m, H, B, D // run, run))
         else:
             block_views(cache, layout)[half].index_put_((ids,), part)

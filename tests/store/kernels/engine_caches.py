@@ -12,13 +12,15 @@ from store.engines.vllm.layout import EngineLayout
 KINDS = ("cpu_vec", "cpu_permuted", "split", "kv_first")
 
 
-def layout(kind: str, *, blocks: int, heads: int, block: int, dim: int, dtype: torch.dtype,
-           seed: int = 0) -> EngineLayout:
-    """A layout of ``kind``; ``cpu_permuted`` gets a random in-block order (a permutation of every element)."""
+def layout(kind: str, *, blocks: int, heads: int, block: int, dim: int, dtype: torch.dtype, seed: int = 0,
+           run: int = 1) -> EngineLayout:
+    """A layout of ``kind``; ``cpu_permuted`` gets a random in-block order: a permutation of every element, or
+    with ``run`` (dividing ``dim``) of aligned runs of ``run`` consecutive elements (as tile packings keep)."""
     index = None
     if kind == "cpu_permuted":
         g = torch.Generator().manual_seed(seed)
-        index = torch.randperm(2 * heads * block * dim, generator=g).view(2, heads, block, dim)
+        starts = torch.randperm(2 * heads * block * dim // run, generator=g) * run
+        index = (starts.view(-1, 1) + torch.arange(run)).view(2, heads, block, dim)
     return EngineLayout(kind, blocks, heads, block, dim, dtype, index)
 
 

@@ -138,3 +138,20 @@ def test_odd_values_are_stored_as_the_codec_stores_them(name: str) -> None:
         want = relative_error(x[j], dequantize(q, s, torch.float32, precision.group_tokens))
         got = float(num[j]) / float(den[j]) if float(den[j]) > 0 else float(num[j])
         assert got == want or (got != got and want != want)  # NaN where the codec records NaN
+
+
+@pytest.mark.parametrize("run", [1, 2, 8])
+@pytest.mark.parametrize("vec_order", [False, True])
+def test_a_permuted_layout_moves_its_runs_of_elements_together_and_gives_the_same_blocks(run, vec_order) -> None:
+    from store.engines.vllm.layout import EngineLayout, vec_index
+
+    lay = layout("cpu_permuted", blocks=NB, heads=H, block=B, dim=D, dtype=torch.bfloat16, seed=run, run=run)
+    if vec_order:  # the vec order as a permutation: K transposed (runs of 1), V by whole rows of D
+        lay = EngineLayout("cpu_permuted", NB, H, B, D, torch.bfloat16, vec_index(H, B, D))
+    assert lay.index_runs == ((1, D) if vec_order else (run, run))
+    cache = random_cache(lay, seed=run)
+    ids = [4, 11, 0, 7]
+    k, v = gather_kv(cache, lay, block_ids(ids, "cpu"), 2)
+    for j in range(2):
+        rk, rv = read_layer(cache, lay, ids[2 * j:2 * j + 2])
+        assert torch.equal(bits(k[j]), bits(rk)) and torch.equal(bits(v[j]), bits(rv))

@@ -113,3 +113,16 @@ def test_any_small_geometry_loads_as_today(kind, heads, block, dim, ratio, n, gr
     dequantise_scatter(cache, lay, block_ids(ids, "cpu"), k=k, k_scale=ks, v=v, v_scale=vs, skip=skip,
                        group_tokens=precision.group_tokens)
     assert same_bits(cache, want)
+
+
+@pytest.mark.parametrize("run", [2, 8])
+def test_a_permuted_layout_with_runs_is_written_as_today(run) -> None:
+    precision = Precision()
+    lay = layout("cpu_permuted", blocks=NB, heads=H, block=B, dim=D, dtype=torch.bfloat16, seed=run, run=run)
+    cache = random_cache(lay, seed=run)
+    parts = stored(2, 2 * B, precision, seed=run)
+    ids = [5, 12, 3]
+    want = reference(cache, lay, ids, parts, precision, 1)
+    k, ks, v, vs = parts
+    dequantise_scatter(cache, lay, block_ids(ids, "cpu"), k=k, k_scale=ks, v=v, v_scale=vs, skip=1)
+    assert same_bits(cache, want)
