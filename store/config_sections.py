@@ -233,12 +233,13 @@ class LoaderConfig(_Section):
         ByteSize(64 << 20), description="Most pinned host memory a process keeps for moving stored KV to a GPU "
         "(two slots used in turn; a larger load goes through in pieces), e.g. '64MiB'.")
     write_back_queue_bytes: Bytes = Field(
-        ByteSize(2 << 30), description="Most bytes of blocks the vLLM connector has copied out for write-back and "
-        "not yet encoded (pinned host memory on a GPU); a save that does not fit keeps its leading kvwarm blocks "
-        "that do, and the rest is dropped and counted. Give it at least one engine step's prompt KV: "
-        "max_num_batched_tokens x layers x 2 x KV heads x head dim x 2 bytes (1 GiB for an 8B model at 8,192 "
-        "tokens). Blocks read back from NVMe for their S3 upload are bounded apart by the same number of bytes (so "
-        "write-back holds at most twice this); the others wait in the node's upload backlog, on NVMe.")
+        ByteSize(2 << 30), description="Most bytes of blocks the vLLM connector has stored out of its cache for "
+        "write-back (quantised where the cache lives: the stored bytes and scales, in pinned host memory on a GPU) "
+        "and not yet written; a save that does not fit keeps its leading kvwarm blocks that do, and the rest is "
+        "dropped and counted. Give it at least one engine step's prompt KV as stored: max_num_batched_tokens x "
+        "layers x 2 x KV heads x head dim x 1 byte for FP8 (0.5 GiB for an 8B model at 8,192 tokens; twice that "
+        "for bf16 storage). Blocks read back from NVMe for their S3 upload are bounded apart by the same number of "
+        "bytes (so write-back holds at most twice this); the others wait in the node's upload backlog, on NVMe.")
     write_back_streams: int = Field(
         4, ge=1, le=64, description="Threads the vLLM connector's write-back uploads to S3 on (parallel PUTs); "
         "blocks go to NVMe first, on the writer's own thread, and wait in the node's persistent upload backlog "

@@ -33,7 +33,7 @@ from store.format.precision import dequantize
 from store.format.runs import NP_SAME_SIZE, PayloadPlan, payload_plan
 from store.kernels import memory
 from store.kernels.plain import copy_plain
-from store.kernels.staging import STAGING_BYTES, Staging, gather_to_device
+from store.kernels.staging import STAGING_BYTES, Staging, stage_runs
 from store.kernels.table import bits_dtype, gather_parts, gather_payloads, native_isa
 
 if TYPE_CHECKING:
@@ -132,17 +132,22 @@ class Dequantizer:
         """Uniform runs (FP8 with per-head scales, or unscaled) to ``[runs, heads, n*bs, dim]`` on ``dev``.
 
         The stored bytes are gathered from the mappings into a reused (pinned) host buffer
-        and sent on (:func:`store.kernels.staging.gather_to_device`); the dequantisation runs on the
+        and sent on (:func:`store.kernels.staging.stage_runs`); the dequantisation runs on the
         device.
         """
-        m, n = len(parts), len(parts[0])
-        stored0, scale0 = parts[0][0]
-        dst = gather_to_device([p.view(torch.uint8) for run in parts for p, _ in run], dev, self._staging)
-        stored = dst.view(stored0.dtype).view(m, n, *stored0.shape)
-        if scale0 is None:
-            return stored.to(dtype).permute(0, 2, 1, 3, 4).reshape(m, stored0.shape[0], n * stored0.shape[1], -1)
-        scales = torch.stack([s for run in parts for _, s in run]).view(m, n, -1).to(dev)  # type: ignore[misc]
+        staged = self.stage(parts, dev)
+        assert staged is not None, "_to_device takes uniform runs"
+        stored, scales = staged
+        m, n, heads, bs, _ = stored.shape
+        if scales is None:
+            return stored.to(dtype).permute(0, 2, 1, 3, 4).reshape(m, heads, n * bs, -1)
         return _fp8_layers(stored, scales, dtype)
+
+    def stage(self, parts: Sequence[Sequence["BlockPart"]],
+              dev: torch.device) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """Uniform runs of stored parts moved to ``dev`` as stored, through this dequantiser's staging
+        (:func:`store.kernels.staging.stage_runs`); ``None`` for runs that are not uniform."""
+        return stage_runs(parts, dev, self._staging)
 
     def _compiled(self) -> Callable[..., torch.Tensor]:
         with self._lock:

@@ -172,3 +172,30 @@ def gather_to_device(raw: Sequence[torch.Tensor], dev: torch.device, staging: St
                 event.record(torch.cuda.current_stream(dev))
             staging.release(slot, event)
     return dst
+
+
+def stage_runs(runs: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor | None]]], dev: torch.device,
+               staging: Staging) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """Runs of stored parts (``runs[j]``: ``n`` blocks' ``(part, scales)``) moved to ``dev`` as they are stored:
+    ``[runs, n, heads, tokens, dim]`` in the stored dtype, and their scales ``[runs, n, heads]`` (``None``
+    unquantised), through :func:`gather_to_device`.
+
+    Only uniform runs of host parts qualify: every part of one shape and dtype, FP8 with per-head scales
+    or unscaled. ``None`` for anything else (the caller dequantises part by part).
+    """
+    stored0, scale0 = runs[0][0]
+    n = len(runs[0])
+    fp8 = stored0.dtype == torch.float8_e4m3fn and scale0 is not None and scale0.dim() == 1
+    uniform = (stored0.device.type == "cpu" and (fp8 or scale0 is None)
+               and all(len(run) == n and all(p.shape == stored0.shape and p.dtype == stored0.dtype
+                                             and (s is None) == (scale0 is None)
+                                             and (s is None or s.shape == scale0.shape) for p, s in run)
+                       for run in runs))
+    if not uniform:
+        return None
+    dst = gather_to_device([p.view(torch.uint8) for run in runs for p, _ in run], dev, staging)
+    stored = dst.view(stored0.dtype).view(len(runs), n, *stored0.shape)
+    if scale0 is None:
+        return stored, None
+    scales = torch.stack([s for run in runs for _, s in run]).view(len(runs), n, -1)  # type: ignore[misc]
+    return stored, scales.to(dev)

@@ -205,6 +205,28 @@ class LoaderHit:
         runs = [self._parts(i, name, blocks, share) for i in chosen for name in ("k", "v")]
         return dq.layers(runs, tokens, dtype, device, g)
 
+    def stored(self, *, first_block: int, blocks: int, device: str | torch.device, layer: int,
+               heads: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """One layer's K and V of ``blocks`` blocks from ``first_block``, moved to ``device`` as stored (FP8
+        bytes, not dequantised): ``[2 (K, V), blocks, kv_heads, block_size, head_dim]`` and the scales
+        ``[2, blocks, kv_heads]`` (``None`` unquantised), for :func:`store.kernels.scatter.dequantise_scatter`.
+
+        ``heads`` as for :meth:`dequantized`. ``None`` where the parts are not uniform (per-group scales,
+        or the layer kept unquantised beside FP8 ones in another dtype): :meth:`dequantized` then.
+
+        Raises:
+            ValueError: the blocks are outside the hit, or ``layer``/``heads`` are not the snapshots'.
+            RuntimeError: the hit was released.
+        """
+        self._check_live()
+        (chosen,), share = self._share([layer], heads)
+        span = slice(first_block, first_block + blocks)
+        if first_block < 0 or blocks <= 0 or first_block + blocks > len(self.snapshots):
+            raise ValueError(f"{blocks} blocks from block {first_block} are outside this hit of "
+                             f"{len(self.snapshots)} blocks")
+        runs = [self._parts(chosen, name, span, share) for name in ("k", "v")]
+        return self._loader.dequantizer.stage(runs, torch.device(device))
+
     def copy_into_paged(self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], *,
                         partial: bool = False) -> int:
         """Fill vLLM-layout paged caches (per layer ``[2, num_blocks, block_size, kv_heads, head_dim]``).

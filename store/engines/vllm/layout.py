@@ -22,6 +22,7 @@ Pure tensor maths, no vLLM: :mod:`store.engines.vllm.paging` moves blocks in and
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Sequence
 
 import torch
@@ -69,6 +70,14 @@ class EngineLayout:
     def block_bytes(self) -> int:
         """Bytes of one block of one layer."""
         return self.block_elements * self.dtype.itemsize
+
+    @cached_property
+    def index_runs(self) -> tuple[int, int]:
+        """``cpu_permuted`` only: for K and V, the longest run ``L`` (a power of two dividing ``head_dim``) such
+        that every ``L`` consecutive dims of a head and token lie at consecutive offsets, starting at a multiple
+        of ``L``: the blocks can then be moved ``L`` elements at a time. 1 where no run is longer."""
+        assert self.index is not None, "index_runs is for the cpu_permuted layout"
+        return run_length(self.index[0]), run_length(self.index[1])
 
 
 def _describe(tensors: Sequence[torch.Tensor]) -> str:
@@ -122,6 +131,19 @@ def detect_layout(tensors: Sequence[torch.Tensor], *, backend: str, isa: str | N
     raise UnsupportedLayout(f"unknown KV cache layout from backend {backend!r}: {seen}; kvwarm knows "
                             f"[num_blocks, {H}, {B}, {2 * D}] and [2, num_blocks, {B}, {H}, {D}] "
                             f"(kv_heads {H}, block_size {B}, head_dim {D})")
+
+
+def run_length(index: torch.Tensor) -> int:
+    """The longest power-of-two ``L`` dividing the last dimension of ``index`` (offsets) such that each aligned
+    group of ``L`` entries along it is ``start, start + 1, ...`` with ``start`` a multiple of ``L``."""
+    dim, run = index.shape[-1], 1
+    while dim % (2 * run) == 0:
+        groups = index.reshape(-1, 2 * run)
+        if not (bool((groups[:, 0] % (2 * run) == 0).all())
+                and torch.equal(groups - groups[:, :1], torch.arange(2 * run).expand_as(groups))):
+            break
+        run *= 2
+    return run
 
 
 def vec_index(num_kv_heads: int, block_size: int, head_dim: int) -> torch.Tensor:

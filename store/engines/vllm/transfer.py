@@ -143,6 +143,7 @@ class OpenLoad:
         kv: every layer's K and V, dequantised at once (the CPU); ``None``: layer by layer (a GPU).
         fail_from: the first of ``ids`` reported failed whatever was written (a write that raised:
             0), else ``None``.
+        device_ids: ``ids`` as a tensor on the caches' device (made by the first layer that needs it).
     """
 
     spec: LoadSpec
@@ -155,6 +156,7 @@ class OpenLoad:
     started: float
     kv: list[torch.Tensor] | None = None
     fail_from: int | None = None
+    device_ids: torch.Tensor | None = None
 
 
 def run_loads(opened: Sequence[OpenLoad | LoadResult], job: StepLoad, *,

@@ -8,11 +8,13 @@ It runs in vLLM's worker, beside the model, and only moves bytes the scheduler p
   dequantises the needed blocks of this worker's share into the engine's KV dtype (its layers, by their
   global numbers, under pipeline parallel; its KV heads under tensor parallel; the native FP8 table
   gather where built), and :func:`store.engines.vllm.paging.write_layer` writes each layer into the
-  engine blocks vLLM assigned.
+  engine blocks vLLM assigned; on a device, each layer's stored bytes go there as they are and one
+  :func:`store.kernels.scatter.dequantise_scatter` per layer writes them into the blocks.
   Synchronous: vLLM runs the forward after it (docs/guides/engines.md says why). Whatever was not loaded
   (a snapshot gone, corrupt, expired) is reported by engine block id, and vLLM recomputes it.
-- :meth:`WorkerRole.after_forward`: copies the blocks of each save out of the cache and hands them to
-  :class:`store.engines.vllm.writeback.WriteBack`, only as far as they hold valid KV
+- :meth:`WorkerRole.after_forward`: stores the blocks of the step's saves out of the cache (one gather and
+  FP8 quantise per layer, where the cache lives) for :class:`store.engines.vllm.writeback.WriteBack`, only
+  as far as they hold valid KV
   (:class:`store.engines.vllm.validity.BlockLedger`: a failed load poisons every block computed
   over it, in any request); times the step for the scheduler's prefill estimate.
 - :meth:`WorkerRole.prefetch`: at start-up, the plan's prefixes into the node's pool (``KVLoader.prefetch``,
@@ -42,6 +44,8 @@ from store.engines.vllm.validity import BlockLedger
 from store.engines.vllm.writeback import WriteBack
 from store.identity.fingerprint import ModelIdentity
 from store.kernels.dequant import Dequantizer
+from store.kernels.gather import block_ids
+from store.kernels.scatter import dequantise_scatter
 from store.serving.loader import KVLoader
 from store.tiers.registry import tiers_from_url
 from store.tiers.store import Store
@@ -135,6 +139,7 @@ class WorkerRole:
         self.layout = layout
         self._layers = held
         self._write: BlockWriter = writer or (lambda cache, ids, k, v: write_layer(cache, layout, ids, k, v))
+        self._scatter = writer is None  # a device load may then dequantise straight into the blocks
         if self._thread is None and self.caches and self.caches[0].device.type != "cpu":
             # a GPU worker loads beside the forward; a CPU worker in start_load_kv (beside, both were slower)
             self._thread = LoadThread(self.caches[0].device)
@@ -280,8 +285,19 @@ class WorkerRole:
         if op.kv is not None:
             k, v = op.kv[2 * index], op.kv[2 * index + 1]
         else:
+            cache = self.caches[index]
+            staged = None if not self._scatter else op.hit.stored(  # the stored bytes moved to the device as they are
+                first_block=op.first, blocks=-(-tokens // self.kv_block), device=cache.device,
+                layer=self._layers[index], heads=self._heads)
+            if staged is not None:  # then one dequantise and scatter per K and V into the engine's blocks
+                (sk, sv), scales = staged[0], staged[1]
+                op.device_ids = block_ids(op.ids, cache.device) if op.device_ids is None else op.device_ids
+                dequantise_scatter(cache, self.layout, op.device_ids, k=sk, k_scale=None if scales is None else scales[0],
+                                   v=sv, v_scale=None if scales is None else scales[1],
+                                   skip=op.offset // self.engine_block)
+                return
             k, v = op.hit.dequantized(self.layout.dtype, first_block=op.first, tokens=tokens,
-                                      device=self.caches[index].device, layers=[self._layers[index]], heads=self._heads)
+                                      device=cache.device, layers=[self._layers[index]], heads=self._heads)
         self._write(self.caches[index], op.ids, k[:, op.offset:], v[:, op.offset:])
 
     def _close(self, op: OpenLoad) -> LoadResult:
@@ -307,10 +323,10 @@ class WorkerRole:
             log.exception("kvwarm: could not follow this step's blocks; write-back stops")
             self.ledger.blind = True
         if self.writer is not None and self.layout is not None:
-            for planned in plan.saves:
-                spec = self._valid_part(planned)  # the queue may take only its head: the tail is reported
-                cut = None if spec is None else self.writer.copy_out(spec, self.caches)
-                if cut is not None:
+            specs = [spec for spec in map(self._valid_part, plan.saves) if spec is not None]
+            # one gather and quantise per layer for every save; the queue may take only a save's head
+            for spec, cut in zip(specs, self.writer.copy_out_step(specs, self.caches) if specs else ()):
+                if cut is not None:  # the tail is reported
                     self._report.refused[spec.req_id] = min(cut, self._report.refused.get(spec.req_id, cut))
         tokens = plan.prompt_tokens + plan.other_tokens
         if plan.prompt_tokens >= PREFILL_MIN_TOKENS and plan.prompt_tokens >= PREFILL_SHARE * tokens:

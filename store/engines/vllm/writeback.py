@@ -1,20 +1,22 @@
 """Write-back: the full prompt blocks the engine computed go to the store as ordinary snapshots.
 
-After a step's forward, the worker copies the blocks a :class:`store.engines.vllm.metadata.SaveSpec`
-names out of the engine's cache (one indexed copy per layer: the engine may reuse them once the
-step is over; from a GPU into pinned host memory, with an event the writer waits for) and hands
-them to :class:`WriteBack`. Its background thread does the rest, off the forward path: it
-reorders them into kvwarm's layout, skips blocks the store already holds, quantises at the
-configured precision (recording the error), and writes each block atomically to NVMe
+After a step's forward, :meth:`WriteBack.copy_out_step` stores the blocks the step's
+:class:`store.engines.vllm.metadata.SaveSpec` s name where the cache lives: per layer, one gather of
+every save's engine blocks and one quantise at the configured precision, with each block's error
+(:func:`store.kernels.gather.gather_quantise`: the bits the codec makes of each block alone). Only the
+stored bytes, scales and errors go to host memory (from a GPU into pinned memory, with an event the
+writer waits for), before the engine may reuse the blocks. The background thread does the rest, off
+the forward path: it skips blocks the store already holds, lays each block out as a snapshot
+(:func:`store.format.encode.encode_snapshot`, no second quantisation) and writes it atomically to NVMe
 (:meth:`store.tiers.store.Store.put`, with the config's TTL and the tenant's salt), then enqueues
 it in the node's persistent upload backlog (:class:`store.engines.vllm.uploads.Uploads`), whose
 ``streams`` threads drain it to the remote tiers (S3), most valuable first. So a restarted or new
 replica is warm from the store even for prefixes no plan named.
 
-Bounded: at most ``max_bytes`` of copied blocks wait to be encoded; a save that does not fit
+Bounded: at most ``max_bytes`` of stored blocks wait to be written; a save that does not fit
 keeps its leading kvwarm blocks that do (a block is found only after its parents) and the
 tail is dropped and counted (``write_back_dropped:queue_full``, in kvwarm blocks), never
-waited for. A job's copied bytes are freed once its blocks are encoded; the snapshots read
+waited for. A job's bytes are freed once its blocks are encoded; the snapshots read
 back for their upload are bounded apart by ``max_bytes`` too, and a block waits in the upload
 backlog until the link takes it: a slow S3 never holds up the node's own tier. After S3
 fails, nothing is sent to it for ``s3_backoff_s``.
@@ -32,22 +34,22 @@ import torch
 
 from store.engines.vllm.layout import EngineLayout
 from store.engines.vllm.metadata import SaveSpec
-from store.engines.vllm.paging import take_blocks, unpack_blocks
 from store.engines.vllm.stats import Counters
 from store.engines.vllm.tenancy import TenantBook
 from store.engines.vllm.uploads import Uploads
 from store.errors import StoreError
-from store.format.encode import build_snapshot
+from store.format.encode import encode_snapshot
 from store.format.header import WRITE_BACK
 from store.format.precision import Precision
 from store.identity.fingerprint import ModelIdentity
 from store.identity.keys import block_chain
+from store.kernels.gather import StoredBlocks, block_ids, gather_quantise, stored_block_bytes
 from store.serving.priority import lower_this_thread
 from store.tiers.base import object_name
 from store.tiers.store import Store
 
 log = logging.getLogger("kvwarm.vllm")
-#: Default bound on copied blocks waiting to be encoded (and, apart, on uploads in flight).
+#: Default bound on stored blocks waiting to be written (and, apart, on uploads in flight).
 MAX_QUEUED_BYTES = 2 << 30
 #: Default upload threads (``loader.write_back_streams``).
 UPLOAD_STREAMS = 4
@@ -55,8 +57,8 @@ UPLOAD_STREAMS = 4
 
 @dataclass(frozen=True)
 class _Job:
-    spec: SaveSpec
-    layers: list[torch.Tensor]  # per layer, the engine blocks as take_blocks copied them (host memory)
+    saves: tuple[tuple[SaveSpec, int], ...]  # each save and its first block's row in ``layers``
+    layers: list[StoredBlocks]  # per layer, every save's blocks as stored (host memory)
     nbytes: int
     ready: Any = None  # a CUDA event after the copies into ``layers``; None: they are done
 
@@ -73,8 +75,8 @@ class WriteBack:
         ttl_s: the snapshots' lifetime.
         layout: the engine's KV layout.
         counters: where ``written_back_*`` and ``write_back_*`` are counted.
-        max_bytes: the most copied bytes that wait to be encoded, and apart the most bytes
-            read back for uploads in flight.
+        max_bytes: the most stored bytes (K, V and scales of every layer) that wait to be written, and
+            apart the most bytes read back for uploads in flight.
         streams: upload threads to the remote tiers.
         s3_backoff_s: after S3 fails, nothing is sent to it for this long.
         clock: wall time (snapshot creation times).
@@ -111,51 +113,71 @@ class WriteBack:
 
     @property
     def queued_bytes(self) -> int:
-        """Copied bytes waiting to be encoded now."""
+        """Stored bytes waiting to be written now."""
         with self._lock:
             return self._queued
 
     @property
     def peak_bytes(self) -> int:
-        """The most copied bytes that have waited at once."""
+        """The most stored bytes that have waited at once."""
         with self._lock:
             return self._peak
 
     def copy_out(self, spec: SaveSpec, caches: Sequence[torch.Tensor]) -> int | None:
-        """Copy the save's engine blocks out of every layer's cache (into host memory) and queue them,
-        as many leading kvwarm blocks as fit. Call after the step's forward.
+        """:meth:`copy_out_step` of one save: ``None`` when it is queued whole, else its first block not queued."""
+        return self.copy_out_step([spec], caches)[0]
 
-        Returns ``None`` when the whole save is queued, else the first kvwarm block not queued
-        (it and the rest are counted ``write_back_dropped:queue_full``): what the scheduler may
-        plan again. From a GPU the copies run on the current (the forward's) stream, after it;
-        the writer waits for an event recorded after them.
+    def copy_out_step(self, specs: Sequence[SaveSpec], caches: Sequence[torch.Tensor]) -> list[int | None]:
+        """Store the step's saves out of every layer's cache (one gather and quantise per layer for all of
+        them, where the caches live) and queue the stored bytes, of each save as many leading kvwarm
+        blocks as fit. Call after the step's forward.
+
+        Returns, per save, ``None`` when it is queued whole, else its first kvwarm block not queued
+        (it and the rest are counted ``write_back_dropped:queue_full``): what the scheduler may plan
+        again. On a GPU the kernels and the copies to pinned host memory run on the current (the
+        forward's) stream, after it; the writer waits for an event recorded after them.
         """
         ratio = self.kv_block // self.layout.block_size
-        blocks = len(spec.block_ids) // ratio
-        each = len(caches) * ratio * self.layout.block_bytes  # copied bytes of one kvwarm block
-        with self._lock:
-            fit = blocks if each == 0 else max(0, min(blocks, (self.max_bytes - self._queued) // each))
-            nbytes = fit * each
-            self._queued += nbytes
-            self._peak = max(self._peak, self._queued)
-        if fit < blocks:
-            self.counters.add("write_back_dropped", blocks - fit, reason="queue_full")
-        if fit == 0:
-            return spec.first
-        part = spec if fit == blocks else replace(spec, token_ids=spec.token_ids[: (spec.first + fit) * self.kv_block],
-                                                  block_ids=spec.block_ids[: fit * ratio])
+        each = stored_block_bytes(self.precision, len(caches), self.layout.num_kv_heads, self.kv_block,
+                                  self.layout.head_dim)  # stored bytes of one kvwarm block (every layer)
+        cuts: list[int | None] = []
+        saves: list[tuple[SaveSpec, int]] = []
+        rows = nbytes = 0
+        for spec in specs:
+            blocks = len(spec.block_ids) // ratio
+            with self._lock:
+                fit = blocks if each == 0 else max(0, min(blocks, (self.max_bytes - self._queued) // each))
+                self._queued += fit * each
+                self._peak = max(self._peak, self._queued)
+            nbytes += fit * each
+            if fit < blocks:
+                self.counters.add("write_back_dropped", blocks - fit, reason="queue_full")
+            cuts.append(None if fit == blocks else spec.first + fit)
+            if fit:
+                part = spec if fit == blocks else replace(
+                    spec, token_ids=spec.token_ids[: (spec.first + fit) * self.kv_block],
+                    block_ids=spec.block_ids[: fit * ratio])
+                saves.append((part, rows))
+                rows += fit
+        if not saves:
+            return cuts
         try:
-            layers = [take_blocks(c, self.layout, part.block_ids, host=True) for c in caches]
+            device = caches[0].device
+            ids = block_ids([b for part, _ in saves for b in part.block_ids[: (len(part.block_ids) // ratio) * ratio]],
+                            device)
+            layers = [gather_quantise(c, self.layout, ids, ratio=ratio, precision=self.precision,
+                                      layer=i).to_host() for i, c in enumerate(caches)]
             ready = None
-            if caches and caches[0].device.type == "cuda":
+            if device.type == "cuda":
                 ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(caches[0].device))
+                ready.record(torch.cuda.current_stream(device))
         except BaseException:
             with self._lock:
                 self._queued -= nbytes
+            self.counters.add("write_back_dropped", rows, reason="error")  # nothing dropped without a count
             raise
-        self._queue.put(_Job(part, layers, nbytes, ready))
-        return None if fit == blocks else spec.first + fit
+        self._queue.put(_Job(tuple(saves), layers, nbytes, ready))
+        return cuts
 
     def _run(self) -> None:
         lower_this_thread()  # the encoding yields the cores to the forward
@@ -166,7 +188,7 @@ class WriteBack:
             try:
                 self._write(job)
             except Exception:  # noqa: BLE001 - the writer thread must outlive any one bad save
-                log.exception("kvwarm write-back of request %s failed", job.spec.req_id)
+                log.exception("kvwarm write-back of request(s) %s failed", [s.req_id for s, _ in job.saves])
                 self.counters.add("write_back_dropped", reason="error")
             finally:
                 with self._lock:
@@ -177,22 +199,33 @@ class WriteBack:
     def _write(self, job: _Job) -> None:
         if job.ready is not None:
             job.ready.synchronize()  # the device-to-host copies of this job, not a stream
-        spec = job.spec
+        errors = [layer.errors.tolist() for layer in job.layers]  # per layer, [K's, V's] per block
+        for spec, row in job.saves:
+            try:
+                self._write_save(spec, job.layers, errors, row)
+            except Exception:  # noqa: BLE001 - one bad save must not cost the step's others
+                log.exception("kvwarm write-back of request %s failed", spec.req_id)
+                self.counters.add("write_back_dropped", reason="error")
+
+    def _write_save(self, spec: SaveSpec, layers: list[StoredBlocks], errors: list[list[list[float]]],
+                    row: int) -> None:
+        """Write one save's blocks, stored in rows ``row ..`` of ``layers``."""
         tenant = self.tenants.credentials(spec.tenant)
         identity = self.identities[1] if spec.chat else self.identities[0]
         if identity is None:
             raise ValueError("a chat-keyed save for a model without a chat template")
         root = identity.key_root(self.precision, self.kv_block, tenant.salt)
         blocks = block_chain(root, spec.token_ids)[spec.first:]
-        kv = [unpack_blocks(t, self.layout) for t in job.layers]  # per layer, [heads, n * kv_block, dim]
-        for j, block in enumerate(blocks):
+        for j, block in enumerate(blocks, start=row):
             if self.local.exists(object_name(spec.tenant, block.key)):
                 self.counters.add("write_back_skipped", reason="present")
                 continue
-            part = slice(j * self.kv_block, (j + 1) * self.kv_block)
-            snap = build_snapshot(root=root, block=block, tenant=spec.tenant,
-                                  kv=[(k[:, part], v[:, part]) for k, v in kv], precision=self.precision,
-                                  created_at=self.clock(), ttl_s=self.ttl_s, source=WRITE_BACK)
+            snap = encode_snapshot(root=root, block=block, tenant=spec.tenant,
+                                   layers=[layer.block(j) for layer in layers],
+                                   errors={"k_rel_l2": [e[0][j] for e in errors],
+                                           "v_rel_l2": [e[1][j] for e in errors]},
+                                   precision=self.precision, created_at=self.clock(), ttl_s=self.ttl_s,
+                                   source=WRITE_BACK)
             try:
                 wrote = self._local_only.put(tenant, snap)
             except StoreError as exc:  # full, refused: this block is not written

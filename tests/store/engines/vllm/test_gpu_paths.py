@@ -68,3 +68,28 @@ def test_a_load_into_gpu_caches_layer_by_layer_and_its_write_back(tmp_path, monk
         assert w.counters.totals().get("write_back_skipped:present") == 2  # read back through pinned memory
     finally:
         w.close()
+
+
+def test_the_batched_kernels_on_the_gpu_give_the_cpu_bits() -> None:
+    from store.format.precision import Precision
+    from store.kernels.gather import block_ids, gather_quantise
+    from store.kernels.scatter import dequantise_scatter
+
+    cache = (torch.randn(NB, EB, H, 2 * D) * 3).to(torch.bfloat16).transpose(1, 2)  # CUDA's NHD strides
+    layout = EngineLayout("split", NB, H, EB, D, torch.bfloat16)
+    ids = [9, 2, 5, 0, 7, 3]
+    for precision in (Precision(), Precision(granularity="head_group", group_tokens=8)):
+        want = gather_quantise(cache, layout, block_ids(ids, "cpu"), ratio=KB // EB, precision=precision, layer=0)
+        got = gather_quantise(cache.cuda(), layout, block_ids(ids, "cuda"), ratio=KB // EB, precision=precision,
+                              layer=0).to_host()
+        torch.cuda.synchronize()
+        assert torch.equal(got.k.view(torch.uint8), want.k.view(torch.uint8))
+        assert torch.equal(got.v.view(torch.uint8), want.v.view(torch.uint8))
+        assert torch.equal(got.k_scale, want.k_scale) and torch.equal(got.v_scale, want.v_scale)
+        assert torch.allclose(got.errors, want.errors, rtol=1e-5, atol=0)  # CUDA's reductions: not the same sums
+        host, dev = cache.clone(), cache.cuda()
+        for target, where in ((host, "cpu"), (dev, "cuda")):
+            dequantise_scatter(target, layout, block_ids(ids[::-1], where), k=want.k.to(where), v=want.v.to(where),
+                               k_scale=want.k_scale.to(where), v_scale=want.v_scale.to(where),
+                               group_tokens=precision.group_tokens)
+        assert torch.equal(dev.cpu(), host)

@@ -1,0 +1,220 @@
+"""Write-back's device kernel: one layer's engine blocks gathered and stored as the codec stores them.
+
+For one layer's engine cache and the engine block ids of ``n`` kvwarm blocks (``ratio`` engine
+blocks each, in token order), :func:`gather_quantise` makes, with a handful of whole-tensor
+operations wherever the cache lives (CPU or CUDA; no host synchronisation, no loop over blocks):
+
+- the stored K and V of each block, ``[n, kv_heads, kv_block, head_dim]`` (FP8 e4m3, or the
+  unquantised dtype of bf16/fp16/fp32 storage and of the layers mixed precision keeps), and their
+  fp32 scales (``[n, kv_heads]``, or ``[n, kv_heads, groups]`` for ``head_group``): the bits
+  :func:`store.format.precision.quantize` makes for each block alone;
+- each block's relative L2 error, K's and V's (``[2, n]``, float64): the number
+  :func:`store.format.encode.build_snapshot` records, ``relative_error(x, dequantize(q, scale))``
+  (the norms are the same fp32 reductions over the same rows; the ratio is taken in float64, as
+  that function takes it in Python).
+
+The arithmetic is the codec's, step for step; only the order of passes and their buffers differ
+(in place where it can be, and FP8 back to fp32 through a 256-entry table of the FP8 values, the
+bits of the cast, ~4x faster than torch's cast on the CPU). On CUDA the bytes and scales are the
+codec's bits (IEEE division, round-to-nearest-even casts); the errors are CUDA's reductions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+
+from store.format.encode import StoredLayer
+from store.format.precision import FP8_MAX, STORAGE_DTYPES, Precision
+
+if TYPE_CHECKING:
+    from store.engines.vllm.layout import EngineLayout
+
+#: The fp32 value of every FP8 (e4m3) byte: the bits of ``Tensor.to(torch.float32)``, as a table.
+FP8_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+
+
+@dataclass(frozen=True)
+class StoredBlocks:
+    """One layer of ``n`` kvwarm blocks as stored (each block as :func:`store.format.precision.quantize`
+    stores it alone).
+
+    Attributes:
+        k, v: ``[n, kv_heads, kv_block, head_dim]`` in the storage dtype.
+        k_scale, v_scale: fp32 ``[n, kv_heads]`` (or ``[n, kv_heads, groups]``); ``None`` unquantised.
+        errors: float64 ``[2, n]``: K's and V's relative L2 error per block.
+    """
+
+    k: torch.Tensor
+    k_scale: torch.Tensor | None
+    v: torch.Tensor
+    v_scale: torch.Tensor | None
+    errors: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the stored parts (K, V and their scales; the errors are not counted)."""
+        return sum(t.numel() * t.element_size() for t in (self.k, self.k_scale, self.v, self.v_scale)
+                   if t is not None)
+
+    def block(self, j: int) -> StoredLayer:
+        """Block ``j`` of them, as :func:`store.format.encode.encode_snapshot` takes a layer."""
+        return StoredLayer(self.k[j], None if self.k_scale is None else self.k_scale[j],
+                           self.v[j], None if self.v_scale is None else self.v_scale[j])
+
+    def to_host(self) -> StoredBlocks:
+        """The same in host memory: itself on the CPU; from a device, pinned copies issued on the current
+        stream (complete once an event recorded after them has happened)."""
+        if self.k.device.type == "cpu":
+            return self
+
+        def host(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            return out.copy_(t, non_blocking=True)
+
+        return StoredBlocks(host(self.k), host(self.k_scale), host(self.v), host(self.v_scale),  # type: ignore[arg-type]
+                            host(self.errors))  # type: ignore[arg-type]
+
+
+def stored_block_bytes(precision: Precision, layers: int, heads: int, tokens: int, dim: int) -> int:
+    """Bytes of one kvwarm block's stored parts over ``layers`` layers (what :attr:`StoredBlocks.nbytes`
+    counts for it)."""
+    total = 0
+    for layer in range(layers):
+        dtype = precision.layer_dtype(layer)
+        total += 2 * heads * tokens * dim * STORAGE_DTYPES[dtype].itemsize
+        if dtype == "fp8_e4m3":
+            groups = 1 if precision.granularity == "head" else -(-tokens // precision.group_tokens)
+            total += 2 * heads * groups * 4
+    return total
+
+
+def block_ids(ids: Sequence[int] | torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """Engine block ids as the int64 tensor on ``device`` the kernels take (make it once per step)."""
+    return torch.as_tensor(ids, dtype=torch.long).to(device, non_blocking=True)
+
+
+def block_views(cache: torch.Tensor, layout: EngineLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of every engine block, each a strided ``[num_blocks, kv_heads, block_size, head_dim]`` view."""
+    H, B, D, nb = layout.num_kv_heads, layout.block_size, layout.head_dim, layout.num_blocks
+    if layout.kind == "cpu_vec":  # per (block, head): K^T [D, B], then V [B, D]
+        halves = cache.view(nb, H, 2, B * D)
+        return halves[:, :, 0].unflatten(-1, (D, B)).transpose(-1, -2), halves[:, :, 1].unflatten(-1, (B, D))
+    if layout.kind == "split":
+        return cache[..., :D], cache[..., D:]
+    if layout.kind == "kv_first":  # [2, num_blocks, B, H, D]
+        return cache[0].transpose(1, 2), cache[1].transpose(1, 2)
+    raise ValueError(f"unknown layout kind {layout.kind!r}")
+
+
+def _index(ids: torch.Tensor, layout: EngineLayout, ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices that pick ``[n, kv_heads, ratio, ...]`` out of ``[num_blocks, kv_heads, ...]``: block, head."""
+    n = ids.shape[0] // ratio
+    heads = torch.arange(layout.num_kv_heads, device=ids.device).view(1, -1, 1)
+    return ids.view(n, 1, ratio), heads
+
+
+def gather_kv(cache: torch.Tensor, layout: EngineLayout, ids: torch.Tensor,
+              ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the kvwarm blocks whose engine blocks are ``ids`` (``ratio`` per kvwarm block, in token
+    order): each ``[n, kv_heads, ratio * block_size, head_dim]``, contiguous, in the engine's dtype.
+
+    One indexed copy each, straight into kvwarm's order (no intermediate copy of the blocks).
+
+    Raises:
+        ValueError: ``len(ids)`` is not a multiple of ``ratio``, or the layout is unknown.
+    """
+    if ids.shape[0] % ratio:
+        raise ValueError(f"{ids.shape[0]} engine blocks are not whole kvwarm blocks of {ratio} engine blocks")
+    H, B, D = layout.num_kv_heads, layout.block_size, layout.head_dim
+    n = ids.shape[0] // ratio
+    if layout.kind == "cpu_permuted":  # whole blocks (one row copy each), then their elements in kvwarm's order
+        assert layout.index is not None
+        E = layout.block_elements
+        rows = cache.view(layout.num_blocks, E).index_select(0, ids).view(n, ratio * E)
+        out = []
+        for half, run in enumerate(layout.index_runs):  # runs of consecutive elements move together
+            starts = layout.index[half, ..., ::run].to(cache.device) // run  # [H, B, D / run]
+            where = torch.arange(ratio, device=cache.device).view(1, ratio, 1, 1) * (E // run) + starts.unsqueeze(1)
+            pieces = rows.view(n, ratio * E // run, run).index_select(1, where.reshape(-1))
+            out.append(pieces.view(n, H, ratio * B, D))
+        return out[0], out[1]
+    out = []
+    for src, idx in zip(block_views(cache, layout), [list(_index(ids, layout, ratio))] * 2):
+        # into contiguous memory: advanced indexing alone lays its result out as its (strided) source
+        got = torch.empty((n, H, ratio, B, D), dtype=cache.dtype, device=cache.device)
+        torch.ops.aten.index.Tensor_out(src, idx, out=got)
+        out.append(got.view(n, H, ratio * B, D))
+    return out[0], out[1]
+
+
+def quantise_blocks(x: torch.Tensor, precision: Precision,
+                    layer: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Store ``x`` (``[n, kv_heads, tokens, head_dim]``: ``n`` blocks of one layer's K or V) at ``precision``.
+
+    Returns the stored tensor and scales (the bits of :func:`store.format.precision.quantize` of each
+    block alone) and, per block, the fp32 norms ``||dequantize(stored) - x||`` and ``||x||`` (``[n]``
+    each) that :func:`store.format.precision.relative_error` divides.
+    """
+    n, heads, tokens, dim = x.shape
+    xf = x.to(torch.float32)
+    dtype = precision.layer_dtype(layer)
+    if dtype != "fp8_e4m3":
+        stored = x.to(STORAGE_DTYPES[dtype]).contiguous()
+        back = stored.to(torch.float32)
+        return stored, None, _norm(back - xf), _norm(xf)
+    if precision.granularity == "head":
+        amax = _abs_max(xf, (-2, -1))
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        q = torch.div(xf, scale[..., None, None])
+        wide = scale[..., None, None]
+    else:
+        g = precision.group_tokens
+        groups = -(-tokens // g)
+        xp = torch.nn.functional.pad(xf, (0, 0, 0, groups * g - tokens)).view(n, heads, groups, g, dim)
+        amax = _abs_max(xp, (-2, -1))
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        q = torch.div(xp, scale[..., None, None]).view(n, heads, groups * g, dim)[:, :, :tokens].contiguous()
+        wide = scale.repeat_interleave(g, dim=-1)[..., :tokens, None]
+    q.clamp_(-FP8_MAX, FP8_MAX)
+    stored = q.to(torch.float8_e4m3fn)
+    # back to fp32 (the bits of Tensor.to: the table holds the 256 FP8 values), then dequantize's product
+    table = FP8_VALUES.to(x.device)
+    back = torch.index_select(table, 0, stored.view(torch.uint8).reshape(-1).to(torch.int32), out=q.view(-1))
+    back = back.view(n, heads, tokens, dim).mul_(wide).sub_(xf)
+    return stored, scale.contiguous(), _norm(back), _norm(xf)
+
+
+def _abs_max(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """``x.abs().amax(dims)`` from two read-only reductions, without the ``abs`` copy: the same value
+    (a NaN anywhere is NaN, as both propagate it; a signed zero is no scale: ``amax > 0`` is false)."""
+    return torch.maximum(x.amax(dim=dims), x.amin(dim=dims).neg_())
+
+
+def _norm(x: torch.Tensor) -> torch.Tensor:
+    """Each block's fp32 L2 norm over its contiguous ``[kv_heads, tokens, head_dim]`` (the reduction
+    :func:`store.format.precision.relative_error` makes of one block)."""
+    return torch.linalg.vector_norm(x.contiguous().flatten(1), dim=1)
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """``num / den`` in float64 (``num`` where ``den`` is 0), as relative_error divides Python floats."""
+    num64, den64 = num.to(torch.float64), den.to(torch.float64)
+    return torch.where(den64 > 0, num64 / torch.where(den64 > 0, den64, torch.ones_like(den64)), num64)
+
+
+def gather_quantise(cache: torch.Tensor, layout: EngineLayout, ids: torch.Tensor, *, ratio: int,
+                    precision: Precision, layer: int) -> StoredBlocks:
+    """One layer's kvwarm blocks (engine blocks ``ids``, ``ratio`` each, in token order) as stored, with
+    their errors: :func:`gather_kv` then :func:`quantise_blocks` of K and V, where ``cache`` lives.
+
+    Raises:
+        ValueError: as :func:`gather_kv`.
+    """
+    k, v = gather_kv(cache, layout, ids, ratio)
+    kq, ks, kn, kd = quantise_blocks(k, precision, layer)
+    vq, vs, vn, vd = quantise_blocks(v, precision, layer)
+    return StoredBlocks(kq, ks, vq, vs, torch.stack([_ratio(kn, kd), _ratio(vn, vd)]))
