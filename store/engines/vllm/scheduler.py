@@ -89,7 +89,7 @@ class SchedulerRole:
         self.node = node_client(settings)
         self.probe = StoreProbe(Store(tiers[:1]), identities, precision, self.kv_block, self.tenants,
                                 public_prefixes=cfg.loader.public_prefixes, node=self.node)
-        self.memory = EngineMemory.open(settings, tiers, self.probe)
+        self.memory = EngineMemory.open(settings, tiers, self.probe, self.node)
         self.fetches = RemoteFetches(Store(tiers), self.tenants, mode=cfg.loader.fetch_mode,
                                      timeout_s=cfg.loader.sync_fetch_timeout_s, backoff_s=cfg.loader.s3_backoff_s,
                                      workers=cfg.loader.fetch_workers, gets=cfg.loader.chain_gets, clock=clock)
@@ -374,7 +374,8 @@ class SchedulerRole:
         merge(out, self._worker_totals)
         out["requests_tracked"] = len(self.tracker)
         out["node"] = {"connected": self.node is not None and self.node.connected,
-                       "fallbacks": self.probe.node_fallbacks}
+                       "fallbacks": self.probe.node_fallbacks,
+                       "fleet_records": self.memory.node_records if self.memory is not None else 0}
         out["estimates"] = self.costs.as_dict()
         return out
 
