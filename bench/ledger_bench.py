@@ -29,8 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.lib.results import Run, add_results_option, variant_of  # noqa: E402
-from store.engines.vllm.validity import BlockLedger, Compute  # noqa: E402
+from bench.lib.results import Run, add_results_option, variant_of
+from store.engines.vllm.validity import BlockLedger, Compute
 
 #: vLLM's engine block (tokens).
 ENGINE_BLOCK = 16

@@ -13,8 +13,7 @@ Pure: block ids and request ids, no vLLM, no torch.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import MutableSet
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, MutableSet, Sequence
 
 #: One place a block is held: ``(request id, position in its table)``.
 Holder = tuple[str, int]

@@ -35,8 +35,8 @@ Pure: block ids and token counts, no vLLM, no torch.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from store.engines.vllm.tables import BlockTables, InvalidBlocks
 
@@ -60,7 +60,6 @@ class Compute:
     replace: bool = False
 
 
-
 #: One scheduled request's span in :meth:`BlockLedger.computed`: its id, its table, the positions it
 #: writes (``first``, ``end``), how many blocks it attends to, and whether its write starts inside a block.
 _Span = tuple[str, list[int], int, int, int, bool]
@@ -79,7 +78,7 @@ class BlockLedger:
     Attributes:
         invalid: the invalid engine blocks (a live view: marking a block here marks it in every table).
         tables: request id -> its engine blocks (read only).
-        blind: the ledger cannot vouch for any block (a step it could not follow); it never sees again.
+        blind: the ledger lost track of a step (one it could not follow): it vouches for no block from then on.
         visited: block entries touched so far, cumulative: per step it grows with the blocks the step
             schedules, writes, loads or copies, and with tables given, replaced or dropped, never with
             context length.

@@ -8,7 +8,7 @@ steps and asserts that they answer alike. Do not "fix" it: its answers are the s
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from store.engines.vllm.validity import Compute
 

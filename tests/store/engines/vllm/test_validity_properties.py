@@ -131,11 +131,11 @@ def _decode_steps(context_tokens: int, *, requests: int = 32, steps: int = 40) -
     done = {r: context_tokens for r in tables}
     for step in range(steps):
         computes = []
-        for r in tables:
+        for r, table in tables.items():
             new = ()
             if done[r] % eb == 0:
                 new = (10_000_000 + step * 1000 + int(r[1:]),)
-                tables[r].append(new[0])
+                table.append(new[0])
             computes.append(Compute(r, done[r], 1, new))
             done[r] += 1
         chunk = tuple(range(20_000_000 + step * 100, 20_000_000 + step * 100 + 8))  # 128 tokens, 8 blocks
