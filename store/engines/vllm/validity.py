@@ -25,12 +25,20 @@ step's forward, so the rule needs no word from the scheduler about failures: it 
 sync and async scheduling, chunked prefill (a chunk attends to the chunks before it) and
 preemption (a resumed request's table is replaced).
 
+The ledger runs on vLLM's worker thread every step, so its work is bounded by what the step
+schedules, not by context length or the number of running requests: a request's context is
+checked from the first invalid position of its table (:class:`store.engines.vllm.tables.BlockTables`,
+kept up to date only when a block's validity changes), and the in-step rule above is worked out
+only for the blocks the step writes that another scheduled request holds.
+
 Pure: block ids and token counts, no vLLM, no torch.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+
+from store.engines.vllm.tables import BlockTables, InvalidBlocks
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,11 @@ class Compute:
     replace: bool = False
 
 
+#: One scheduled request's span in :meth:`BlockLedger.computed`: its id, its table, the positions it
+#: writes (``first``, ``end``), how many blocks it attends to, and whether its write starts inside a block.
+_Span = tuple[str, list[int], int, int, int, bool]
+
+
 class BlockLedger:
     """The engine blocks whose contents are not their tokens' KV, and each request's table.
 
@@ -61,16 +74,46 @@ class BlockLedger:
     Call, each step and in this order: :meth:`begin` (the step's tables, copies and ends),
     :meth:`loaded` for each load, :meth:`computed` after the forward, then
     :meth:`valid_prefix` for each save.
+
+    Attributes:
+        invalid: the invalid engine blocks (a live view: marking a block here marks it in every table).
+        tables: request id -> its engine blocks (read only).
+        blind: the ledger lost track of a step (one it could not follow): it vouches for no block from then on.
+        visited: block entries touched so far, cumulative: per step it grows with the blocks the step
+            schedules, writes, loads or copies, and with tables given, replaced or dropped, never with
+            context length.
     """
 
     def __init__(self, engine_block: int) -> None:
         if engine_block < 1:
             raise ValueError(f"engine_block must be positive, got {engine_block}")
         self.engine_block = engine_block
-        self.invalid: set[int] = set()
-        self.tables: dict[str, list[int]] = {}
+        self._index = BlockTables()
+        self._view = InvalidBlocks(self._index)
         self.blind = False
         self._computes: tuple[Compute, ...] = ()
+
+    @property
+    def invalid(self) -> InvalidBlocks:
+        return self._view
+
+    @invalid.setter
+    def invalid(self, blocks: Iterable[int]) -> None:
+        if blocks is self._view:  # ``led.invalid |= {...}`` assigns the view it changed in place
+            return
+        wanted = set(blocks)
+        for b in [b for b in self._index.invalid if b not in wanted]:
+            self._index.mark_valid(b)
+        for b in wanted:
+            self._index.mark_invalid(b)
+
+    @property
+    def tables(self) -> dict[str, list[int]]:
+        return self._index.tables
+
+    @property
+    def visited(self) -> int:
+        return self._index.visited
 
     def begin(self, computes: Sequence[Compute] | None, *, copies: Iterable[tuple[int, int]] = (),
               ended: Iterable[str] = ()) -> None:
@@ -83,91 +126,153 @@ class BlockLedger:
         if computes is None:
             self.blind = True
             computes = ()
+        index = self._index
         for req_id in ended:
-            self.tables.pop(req_id, None)
+            index.drop(req_id)
         for src, dst in copies:
-            if src in self.invalid:
-                self.invalid.add(dst)
+            if src in index.invalid:
+                index.mark_invalid(dst)
             else:
-                self.invalid.discard(dst)
+                index.mark_valid(dst)
+            index.visited += 1
         for c in computes:
             if c.replace:
-                self.tables[c.req_id] = list(c.new_blocks)
+                index.replace(c.req_id, c.new_blocks)
             elif c.new_blocks:
-                self.tables.setdefault(c.req_id, []).extend(c.new_blocks)
+                index.extend(c.req_id, c.new_blocks)
         self._computes = tuple(computes)
 
     def loaded(self, block_ids: Sequence[int], ok: int) -> None:
         """A load into ``block_ids`` wrote the first ``ok`` of them; the rest hold whatever was there."""
-        for i, b in enumerate(block_ids):
-            if i < ok:
-                self.invalid.discard(b)
-            else:
-                self.invalid.add(b)
-
-    def _span(self, c: Compute) -> tuple[list[int], list[int], bool] | None:
-        """``c``'s context blocks, the blocks it writes, and whether its write starts inside a block."""
-        table = self.tables.get(c.req_id)
-        B = self.engine_block
-        end = c.start + c.tokens
-        if table is None or len(table) < -(-end // B):
-            return None
-        return table[: -(-c.start // B)], table[c.start // B : -(-end // B)], c.start % B != 0
+        index = self._index
+        ok = max(ok, 0)
+        for b in block_ids[:ok]:
+            index.mark_valid(b)
+        for b in block_ids[ok:]:
+            index.mark_invalid(b)
+        index.visited += len(block_ids)
 
     def computed(self) -> None:
-        """The step's forward ran: the blocks it wrote are valid where their writer's context was."""
-        spans = {i: self._span(c) for i, c in enumerate(self._computes)}
-        writer: dict[int, list[int]] = {}
-        for i, span in spans.items():
-            for b in span[1] if span is not None else ():
-                writer.setdefault(b, []).append(i)
-        clean: dict[int, bool] = {}
+        """The step's forward ran: the blocks it wrote are valid where their writer's context was.
 
-        def is_clean(i: int, visiting: frozenset[int]) -> bool:
-            if i in clean:
-                return clean[i]
-            span = spans[i]
-            ok = span is not None
-            for b in span[0] if span is not None else ():
-                if not ok:
-                    break
-                others = [w for w in writer.get(b, ()) if w != i]
-                if not others:
-                    ok = b not in self.invalid
-                    continue
-                # written this step by another request: valid as far as that request computed over valid KV
-                # (a write that starts inside the block keeps the block's earlier tokens as they were)
-                ok = all(w not in visiting and is_clean(w, visiting | {i}) for w in others)
-                if ok and any(spans[w][2] and spans[w][1][0] == b for w in others):  # type: ignore[index]
-                    ok = b not in self.invalid
-            clean[i] = ok
-            return ok
-
-        result = {i: is_clean(i, frozenset()) for i in spans}
-        for i, span in spans.items():
-            if span is None:  # a table the ledger never saw: which blocks it wrote is unknown
+        A request computed over valid KV when every block before its first token is valid, or is
+        written in this step by other requests that computed over valid KV themselves (and, for a
+        write that starts inside that block, the block was valid before). Requests that depend on
+        each other's writes in a cycle are not trusted.
+        """
+        computes, self._computes = self._computes, ()
+        index = self._index
+        B = self.engine_block
+        tables, bad, invalid = index.tables, index.bad, index.invalid
+        spans: list[_Span | None] = []
+        ok: list[bool] = []
+        writers: dict[int, int | list[int]] = {}  # block written this step -> who writes it
+        shared: list[int] = []  # ... those another request holds, or several write
+        redo: set[int] = set()  # computes whose writes may change a block's validity
+        check: list[int] = []  # computes with an invalid block in their context
+        visited = 0
+        for i, c in enumerate(computes):
+            table = tables.get(c.req_id)
+            start = c.start
+            end = -(-(start + c.tokens) // B)
+            if table is None or len(table) < end:  # a table the ledger never saw: which blocks it wrote is unknown
                 self.blind = True
+                spans.append(None)
+                ok.append(False)
                 continue
-            _, written, mid = span
-            for j, b in enumerate(written):
-                keep_old = mid and j == 0
-                if result[i] and not (keep_old and b in self.invalid):
-                    self.invalid.discard(b)
+            first, attends = start // B, -(-start // B)
+            spans.append((c.req_id, table, first, end, attends, start % B != 0))
+            for pos in range(first, end):
+                b = table[pos]
+                w = writers.get(b)
+                if w is None:
+                    writers[b] = i
+                    if index.shared(b):
+                        shared.append(b)
+                elif w != i:
+                    if w.__class__ is int:
+                        writers[b] = [w, i]  # type: ignore[list-item]
+                        if not index.shared(b):
+                            shared.append(b)
+                        redo.add(w)  # type: ignore[arg-type]
+                    elif i not in w:  # type: ignore[operator]
+                        w.append(i)  # type: ignore[union-attr]
+                    redo.add(i)
+                if b in invalid:
+                    redo.add(i)
+            visited += end - first
+            got = bad.get(c.req_id)
+            if got is None or got[0] >= attends:
+                ok.append(True)
+            else:
+                ok.append(False)
+                check.append(i)
+        deps, excused = self._cross(spans, writers, shared) if shared else ({}, {})
+        for i in check:
+            span = spans[i]
+            assert span is not None
+            got, attends, excuse = bad[span[0]], span[4], excused.get(i, {})
+            good = True
+            for pos in got:
+                visited += 1
+                if pos >= attends:
+                    break
+                if excuse.get(pos, True):  # not written by another request, or written from inside it
+                    good = False
+                    break
+            ok[i] = good
+        if deps:
+            _trust(ok, deps)
+        redo.update(i for i, good in enumerate(ok) if not good and spans[i] is not None)
+        for i in sorted(redo):
+            _, table, first, end, _, mid = spans[i]  # type: ignore[misc]
+            good = ok[i]
+            for pos in range(first, end):
+                b = table[pos]
+                if good and not (mid and pos == first and b in invalid):
+                    index.mark_valid(b)
                 else:
-                    self.invalid.add(b)
-        self._computes = ()
+                    index.mark_invalid(b)
+            visited += end - first
+        index.visited += visited
+
+    def _cross(self, spans: list[_Span | None], writers: dict[int, int | list[int]],
+               shared: list[int]) -> tuple[dict[int, set[int]], dict[int, dict[int, bool]]]:
+        """Who reads another request's writes this step: ``deps`` (reader -> its writers) and ``excused``
+        (reader -> the context positions those writes cover -> whether a write starts inside that block,
+        so the block's earlier tokens must have been valid already)."""
+        by_req: dict[str, list[int]] = {}
+        for i, span in enumerate(spans):
+            if span is not None:
+                by_req.setdefault(span[0], []).append(i)
+        deps: dict[int, set[int]] = {}
+        excused: dict[int, dict[int, bool]] = {}
+        visited = 0
+        for b in shared:
+            w = writers[b]
+            ws = (w,) if w.__class__ is int else w
+            inside = {x for x in ws if spans[x][5] and spans[x][1][spans[x][2]] == b}  # type: ignore[index, union-attr]
+            for req_id, pos in self._index.holders(b):
+                visited += 1
+                for i in by_req.get(req_id, ()):
+                    if pos >= spans[i][4]:  # type: ignore[index]
+                        continue  # not in its context
+                    others = [x for x in ws if x != i]  # type: ignore[union-attr]
+                    if others:
+                        deps.setdefault(i, set()).update(others)
+                        excused.setdefault(i, {})[pos] = any(x in inside for x in others)
+        self._index.visited += visited
+        return deps, excused
 
     def valid_prefix(self, req_id: str, blocks: int) -> int:
         """How many of the request's first ``blocks`` engine blocks are valid, counting from its first."""
         table = self.tables.get(req_id)
         if table is None or self.blind:
             return 0
-        n = 0
-        for b in table[:blocks]:
-            if b in self.invalid:
-                break
-            n += 1
-        return n
+        n = len(table)
+        limit = max(0, min(n, blocks if blocks >= 0 else n + blocks))  # as many as table[:blocks] holds
+        got = self._index.bad.get(req_id)
+        return min(limit, got[0]) if got else limit
 
     def vouched(self, req_id: str, first: int, block_ids: Sequence[int], ratio: int) -> int:
         """How far a save of the request's kvwarm blocks from ``first`` (engine blocks ``block_ids``, ``ratio``
@@ -177,10 +282,38 @@ class BlockLedger:
         """
         end = first + len(block_ids) // ratio
         table = self.tables.get(req_id)
-        if table is None or tuple(table[first * ratio : end * ratio]) != tuple(block_ids):
+        if table is None:
+            return 0
+        mine = table[first * ratio : end * ratio]  # the save's blocks only, not the table before them
+        if len(mine) != len(block_ids) or mine != list(block_ids):
             return 0
         return min(end, self.valid_prefix(req_id, end * ratio) // ratio)
 
     def table(self, req_id: str) -> list[int] | None:
         """The request's engine blocks as the worker knows them (``None``: never seen)."""
         return self.tables.get(req_id)
+
+
+def _trust(ok: list[bool], deps: dict[int, set[int]]) -> None:
+    """Settle ``ok`` for the requests that read others' writes: trusted once every writer they read is.
+
+    ``ok`` holds each request's own verdict (its context apart from those writes). A request in a
+    cycle of such reads, or reading from one, is never settled, so never trusted: no order of
+    computation makes its KV right.
+    """
+    pending: dict[int, int] = {}
+    readers: dict[int, list[int]] = {}
+    for i, ws in deps.items():
+        if ok[i]:
+            ok[i] = False
+            pending[i] = len(ws)
+            for w in ws:
+                readers.setdefault(w, []).append(i)
+    ready = [w for w in readers if w not in pending and ok[w]]
+    while ready:
+        w = ready.pop()
+        for i in readers.get(w, ()):
+            pending[i] -= 1
+            if not pending[i]:
+                ok[i] = True
+                ready.append(i)
