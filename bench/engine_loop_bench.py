@@ -59,7 +59,7 @@ from bench.lib.results import Run, add_results_option, variant_of  # noqa: E402
 from bench.lib.vllm_engine import EngineProcess  # noqa: E402
 
 SIZES = "64x2048,64x8192,256x2048,256x8192"
-WINDOW = 64
+WINDOW = 128
 TENANT = "bench"
 TARGET_STEP_MS, TARGET_PROBE_DELTA_MS = 0.3, 1.0
 #: tokens one engine step schedules at most (chunked prefill; decode needs one per request)
@@ -136,8 +136,9 @@ def summarize(res: dict) -> dict:
 
 
 def record_variant(args: argparse.Namespace, sizes: list[tuple[int, int]]) -> str | None:
-    """None for the full run, ``quick``, or ``partial`` for other sizes or windows."""
-    return variant_of(args, partial=sizes != parse_sizes(SIZES) or args.window != WINDOW)
+    """None for the full run, ``quick``, or ``partial`` for other sizes, windows or models."""
+    return variant_of(args, partial=sizes != parse_sizes(SIZES) or args.window != WINDOW
+                      or args.model != "kvwarm-tiny")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -51,7 +51,7 @@ class GilProbe:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="gil-probe", daemon=True)
 
-    def start(self) -> "GilProbe":
+    def start(self) -> GilProbe:
         self._thread.start()
         return self
 
@@ -88,7 +88,7 @@ def threads_cpu() -> dict[str, float]:
 
 def timer_overhead_s(reps: int = 20000) -> float:
     """Seconds one timed call of an empty hook adds (what the clock itself puts in each hook's figure)."""
-    from bench.lib.timed_connector import HookClock
+    from bench.lib.hook_clock import HookClock
 
     clock = HookClock()
     hook = clock.timed("noop", lambda: None)
@@ -96,7 +96,10 @@ def timer_overhead_s(reps: int = 20000) -> float:
     for _ in range(reps):
         hook()
     timed = time.perf_counter() - t0
-    plain = lambda: None  # noqa: E731
+
+    def plain() -> None:
+        return None
+
     t0 = time.perf_counter()
     for _ in range(reps):
         plain()
@@ -196,11 +199,12 @@ def _all_decoding(sched: Any, n: int) -> bool:
 
 
 def main(spec_path: str, result_path: str) -> int:
-    spec = json.loads(open(spec_path).read())
+    with open(spec_path) as f:
+        spec = json.load(f)
     result: dict[str, Any] = {"error": None, "timer_overhead_s": timer_overhead_s()}
     try:
         run(spec, result)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - the result, with the traceback, must still be written
         result["error"] = traceback.format_exc()
         traceback.print_exc()
     finally:

@@ -13,13 +13,11 @@ to a file: at shutdown the connector writes the per-hook totals there as JSON.
 """
 from __future__ import annotations
 
-import functools
 import json
 import os
-import threading
-import time
-from typing import Any, Callable
+from typing import Any
 
+from bench.lib.hook_clock import HookClock
 from store.engines.vllm.connector import KvwarmConnector
 
 #: Where the per-hook totals are written at shutdown (for an engine core in another process).
@@ -39,49 +37,6 @@ WORKER_HOOKS = ("bind_connector_metadata", "has_connector_metadata", "clear_conn
 #: Called by both roles.
 SHARED_HOOKS = ("get_kv_connector_stats",)
 HOOKS = SCHEDULER_HOOKS + WORKER_HOOKS + SHARED_HOOKS
-
-
-class HookClock:
-    """Seconds spent in the connector's hooks: in all, and per hook (calls and seconds).
-
-    A hook that calls another (``request_finished_all_groups`` calls ``request_finished``) is
-    counted once, as the outer call.
-    """
-
-    def __init__(self) -> None:
-        self.total_s = 0.0
-        self.calls = 0
-        self.by_hook: dict[str, list[float]] = {}  # name -> [calls, seconds]
-        self._depth = threading.local()
-
-    def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        """``fn`` (a hook of the connector) timed under ``name``."""
-        depth = self._depth
-
-        @functools.wraps(fn)
-        def hook(*args: Any, **kwargs: Any) -> Any:
-            level = getattr(depth, "n", 0)
-            if level:
-                return fn(*args, **kwargs)
-            depth.n = 1
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                dt = time.perf_counter() - t0
-                depth.n = 0
-                self.total_s += dt
-                self.calls += 1
-                entry = self.by_hook.setdefault(name, [0, 0.0])
-                entry[0] += 1
-                entry[1] += dt
-
-        return hook
-
-    def snapshot(self) -> dict[str, Any]:
-        """The totals so far: ``total_s``, ``calls`` and ``by_hook`` (name -> calls, seconds)."""
-        return {"total_s": self.total_s, "calls": self.calls,
-                "by_hook": {k: {"calls": int(c), "seconds": s} for k, (c, s) in sorted(self.by_hook.items())}}
 
 
 #: The process's clock (read by bench/lib/loop_driver.py between engine steps).
