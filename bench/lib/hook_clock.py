@@ -12,7 +12,7 @@ from typing import Any
 
 
 class HookClock:
-    """Seconds spent in the connector's hooks: in all, and per hook (calls and seconds).
+    """Seconds spent in the connector's hooks: in all, and per hook (calls, seconds, the longest call).
 
     A hook that calls another (``request_finished_all_groups`` calls ``request_finished``) is
     counted once, as the outer call.
@@ -21,7 +21,7 @@ class HookClock:
     def __init__(self) -> None:
         self.total_s = 0.0
         self.calls = 0
-        self.by_hook: dict[str, list[float]] = {}  # name -> [calls, seconds]
+        self.by_hook: dict[str, list[float]] = {}  # name -> [calls, seconds, longest call's seconds]
         self._depth = threading.local()
 
     def timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -42,13 +42,21 @@ class HookClock:
                 depth.n = 0
                 self.total_s += dt
                 self.calls += 1
-                entry = self.by_hook.setdefault(name, [0, 0.0])
+                entry = self.by_hook.setdefault(name, [0, 0.0, 0.0])
                 entry[0] += 1
                 entry[1] += dt
+                entry[2] = max(entry[2], dt)
 
         return hook
 
+    def reset_peaks(self) -> None:
+        """Forget the longest calls so far (a measurement window starts)."""
+        for entry in self.by_hook.values():
+            entry[2] = 0.0
+
     def snapshot(self) -> dict[str, Any]:
-        """The totals so far: ``total_s``, ``calls`` and ``by_hook`` (name -> calls, seconds)."""
+        """The totals so far: ``total_s``, ``calls`` and ``by_hook`` (name -> calls, seconds, ``max_s``:
+        the longest call since the start or :meth:`reset_peaks`)."""
         return {"total_s": self.total_s, "calls": self.calls,
-                "by_hook": {k: {"calls": int(c), "seconds": s} for k, (c, s) in sorted(self.by_hook.items())}}
+                "by_hook": {k: {"calls": int(c), "seconds": s, "max_s": m}
+                            for k, (c, s, m) in sorted(self.by_hook.items())}}

@@ -164,6 +164,8 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
             raise RuntimeError("every request finished before the window: raise max_model_len")
         if hooks0 is None and len(steady) == 0 and _all_decoding(sched, n):
             hooks0 = clock.snapshot() if clock is not None else None
+            if clock is not None:
+                clock.reset_peaks()
             cpu0 = threads_cpu()
             t_window = time.perf_counter()
             result["prefill_s"] = t_window - t_add
@@ -179,7 +181,8 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     result["threads_cpu_s"] = {k: round(v - (cpu0 or {}).get(k, 0.0), 3) for k, v in cpu1.items()}
     if hooks0 is not None and hooks1 is not None:
         result["hooks"] = {k: {"calls": v["calls"] - hooks0["by_hook"].get(k, {}).get("calls", 0),
-                               "seconds": v["seconds"] - hooks0["by_hook"].get(k, {}).get("seconds", 0.0)}
+                               "seconds": v["seconds"] - hooks0["by_hook"].get(k, {}).get("seconds", 0.0),
+                               "max_s": v["max_s"]}
                            for k, v in hooks1["by_hook"].items()}
     core.step_fn = plain_step
     engine.abort_request([f"r{i}" for i in range(n)])

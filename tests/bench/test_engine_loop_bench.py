@@ -46,7 +46,8 @@ def test_the_engine_holds_every_request_past_its_prefill_and_window(tmp_path) ->
 def test_figures_are_the_window_steps_in_milliseconds() -> None:
     steps = [{"wall_s": 0.010 + i * 1e-4, "hook_s": 0.001 * (i + 1)} for i in range(100)]
     res = {"steps": steps, "probe": [0.0001] * 98 + [0.004, 0.009], "timer_overhead_s": 1e-6,
-           "hooks": {"wait_for_save": {"calls": 100, "seconds": 0.3}, "take_events": {"calls": 100, "seconds": 0.0}},
+           "hooks": {"wait_for_save": {"calls": 100, "seconds": 0.3, "max_s": 0.02},
+                     "take_events": {"calls": 100, "seconds": 0.0, "max_s": 0.0}},
            "stats": {"worker": {"written_back_blocks": 4, "estimates": {"x": 1}, "none": 0}}}
     out = bench.summarize(res)
     assert out["steps"] == 100
@@ -55,6 +56,7 @@ def test_figures_are_the_window_steps_in_milliseconds() -> None:
     assert out["probe_late_ms_p99"] == pytest.approx(4.0) and out["probe_late_ms_max"] == pytest.approx(9.0)
     assert out["hook_calls_per_step"] == 2 and out["timer_overhead_ms_per_step"] == pytest.approx(0.002)
     assert list(out["hooks_ms_per_step"]) == ["wait_for_save", "take_events"]
+    assert out["hooks_ms_longest_call"]["wait_for_save"] == pytest.approx(20.0)
     assert out["connector_stats"] == {"worker": {"written_back_blocks": 4}}
 
 
@@ -71,6 +73,9 @@ def test_the_hook_clock_counts_each_outer_call_once_even_when_it_raises() -> Non
     with pytest.raises(ValueError):
         failing()
     snap = clock.snapshot()
+    assert all(0 <= v["max_s"] <= v["seconds"] for v in snap["by_hook"].values())
+    clock.reset_peaks()
+    assert all(v["max_s"] == 0 for v in clock.snapshot()["by_hook"].values())
     assert {k: v["calls"] for k, v in snap["by_hook"].items()} == {"fails": 1, "inner": 1, "outer": 1}
     assert snap["calls"] == 3
     assert snap["total_s"] == pytest.approx(sum(v["seconds"] for v in snap["by_hook"].values()))
