@@ -40,6 +40,11 @@ The last line printed is one JSON object; it is also written to ``bench/results/
     .venv/bin/python bench/engine_loop_bench.py            # 64 and 256 requests x 2k and 8k tokens
     .venv/bin/python bench/engine_loop_bench.py --quick    # 64 x 2k only, a shorter window
     .venv/bin/python bench/engine_loop_bench.py --sizes 64x2048,64x8192
+    .venv/bin/python bench/engine_loop_bench.py --reps 2   # two engines per arm, alternating, windows pooled
+
+The machine is shared: a busy one moves every figure (the probe's p99 most, as a thread that wakes
+needs a free core as well as the GIL). The arms run back to back on the same prompts; ``--reps``
+alternates them and pools their windows.
 """
 from __future__ import annotations
 
@@ -90,7 +95,7 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
 
 
-def engine_spec(model_dir: Path, n: int, ctx: int, window: int, seed: int) -> tuple[dict, int]:
+def engine_spec(model_dir: Path, n: int, ctx: int, window: int) -> tuple[dict, int]:
     """The driver's engine for one size, and the KV cache (GiB) it needs: every request's context
     plus a decode budget that outlasts the chunked prefill and the window."""
     prefill_steps = math.ceil(n * ctx / max(1, BATCHED_TOKENS - n))
@@ -110,6 +115,33 @@ def run_arm(name: str, engine: dict, kv_gib: int, n: int, ctx: int, window: int,
     work.mkdir(parents=True, exist_ok=True)
     proc = EngineProcess(spec, work, kv_cache_gib=kv_gib, name=name, module="bench.lib.loop_driver")
     return proc.wait(timeout_s + 300).result
+
+
+def pool(results: list[dict]) -> dict:
+    """The driver results of one engine's repeats as one: steps, probe samples, hook and thread
+    totals joined; the other figures averaged (the connector's counters: the last repeat's)."""
+    if len(results) == 1:
+        return results[0]
+    out = {"steps": [s for r in results for s in r["steps"]], "probe": [x for r in results for x in r["probe"]],
+           "stats": results[-1].get("stats")}
+    for key in ("prefill_s", "window_s", "startup_s", "shutdown_s", "timer_overhead_s"):
+        vals = [r[key] for r in results if r.get(key) is not None]
+        out[key] = statistics.fmean(vals) if vals else None
+    threads: dict[str, float] = {}
+    for r in results:
+        for k, v in (r.get("threads_cpu_s") or {}).items():
+            threads[k] = round(threads.get(k, 0.0) + v, 3)
+    out["threads_cpu_s"] = threads
+    if all("hooks" in r for r in results):
+        hooks: dict[str, dict] = {}
+        for r in results:
+            for k, v in r["hooks"].items():
+                h = hooks.setdefault(k, {"calls": 0, "seconds": 0.0, "max_s": 0.0})
+                h["calls"] += v["calls"]
+                h["seconds"] += v["seconds"]
+                h["max_s"] = max(h["max_s"], v.get("max_s", 0.0))
+        out["hooks"] = hooks
+    return out
 
 
 def summarize(res: dict) -> dict:
@@ -150,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=None, help=f"steady decode steps measured (default {WINDOW})")
     p.add_argument("--quick", action="store_true", help="64x2048 only, a 32-step window")
     p.add_argument("--model", default="kvwarm-tiny", help="built-in name or model directory")
+    p.add_argument("--reps", type=int, default=1, help="engines per arm and size, the arms alternating (their "
+                                                         "windows pooled: less of a busy machine's drift)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per engine, prefill and window")
     add_results_option(p)
     args = p.parse_args(argv)
@@ -162,27 +196,33 @@ def main(argv: list[str] | None = None) -> int:
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     work = Path(tempfile.mkdtemp(prefix="kvwarm-loop-bench-"))
     t_start = time.perf_counter()
-    out: dict = {"bench": "engine_loop", "model": args.model, "window_steps": args.window,
+    out: dict = {"bench": "engine_loop", "model": args.model, "window_steps": args.window, "reps": args.reps,
                  "batched_tokens": BATCHED_TOKENS, "mode": "vLLM one-process (engine core in the measured process)",
                  "sizes": {}}
     try:
         for i, (n, ctx) in enumerate(sizes):
             label = f"{n}x{ctx}"
-            engine, kv_gib = engine_spec(model_dir, n, ctx, args.window, seed=i)
-            d = work / label
-            cfg = write_config(d / "kvwarm.yaml", f"file://{d}/store", "fp8")
-            with open(cfg, "a") as f:  # a tenant of its own: kvwarm writes back no request of tenant 'public'
-                f.write(f"tenants:\n  {TENANT}: {{}}\n")
-            conn = {"extra": {"config": str(cfg), "tenant": TENANT}}
-            arms = {}
-            for arm, c in (("vllm", None), ("kvwarm", conn)):
-                t0 = time.perf_counter()
-                arms[arm] = summarize(run_arm(arm, engine, kv_gib, n, ctx, args.window, i, vocab, d, c, args.timeout))
-                arms[arm]["seconds"] = round(time.perf_counter() - t0, 1)
-                print(f"{label} {arm}: step {arms[arm]['step_ms_median']:.1f} ms, hooks "
-                      f"{arms[arm]['hook_ms_median']:.3f} ms (p99 {arms[arm]['hook_ms_p99']:.3f}), probe p99 "
-                      f"{arms[arm]['probe_late_ms_p99']:.2f} ms; prefill {arms[arm]['prefill_s']:.0f} s, "
-                      f"{arms[arm]['seconds']:.0f} s in all", flush=True)
+            engine, kv_gib = engine_spec(model_dir, n, ctx, args.window)
+            runs: dict[str, list[dict]] = {"vllm": [], "kvwarm": []}
+            took = {"vllm": 0.0, "kvwarm": 0.0}
+            for r in range(args.reps):
+                d = work / label / f"rep{r}"  # a fresh store each repeat, and prompts of their own
+                cfg = write_config(d / "kvwarm.yaml", f"file://{d}/store", "fp8")
+                with open(cfg, "a") as f:  # a tenant of its own: kvwarm writes back no request of tenant 'public'
+                    f.write(f"tenants:\n  {TENANT}: {{}}\n")
+                conn = {"extra": {"config": str(cfg), "tenant": TENANT}}
+                order = (("vllm", None), ("kvwarm", conn))
+                for arm, c in order if r % 2 == 0 else order[::-1]:
+                    t0 = time.perf_counter()
+                    runs[arm].append(run_arm(arm, engine, kv_gib, n, ctx, args.window, 1000 * i + r, vocab, d, c,
+                                             args.timeout))
+                    took[arm] += time.perf_counter() - t0
+                    one = summarize(runs[arm][-1])
+                    print(f"{label} {arm}{f' (repeat {r + 1})' if args.reps > 1 else ''}: step "
+                          f"{one['step_ms_median']:.1f} ms, hooks {one['hook_ms_median']:.3f} ms (p99 "
+                          f"{one['hook_ms_p99']:.3f}), probe p99 {one['probe_late_ms_p99']:.2f} ms; prefill "
+                          f"{one['prefill_s']:.0f} s, {time.perf_counter() - t0:.0f} s in all", flush=True)
+            arms = {arm: {**summarize(pool(rs)), "seconds": round(took[arm], 1)} for arm, rs in runs.items()}
             kv, base = arms["kvwarm"], arms["vllm"]
             delta = kv["probe_late_ms_p99"] - base["probe_late_ms_p99"]
             out["sizes"][label] = {

@@ -33,13 +33,13 @@ def test_a_short_run_never_takes_the_full_runs_record() -> None:
 
 def test_the_engine_holds_every_request_past_its_prefill_and_window(tmp_path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 4096}))
-    engine, gib = bench.engine_spec(tmp_path, 256, 8192, 128, seed=0)
+    engine, gib = bench.engine_spec(tmp_path, 256, 8192, 128)
     prefill_steps = -(-256 * 8192 // (bench.BATCHED_TOKENS - 256))
     assert engine["max_model_len"] >= 8192 + prefill_steps + 128
     assert engine["hf_overrides"] == {"max_position_embeddings": engine["max_model_len"]}
     assert engine["max_num_seqs"] == 256
     assert gib * 2**30 >= 256 * engine["max_model_len"] * bench.TINY_KV_BYTES_PER_TOKEN
-    small, small_gib = bench.engine_spec(tmp_path, 64, 2048, 128, seed=0)
+    small, small_gib = bench.engine_spec(tmp_path, 64, 2048, 128)
     assert "hf_overrides" not in small and isinstance(small_gib, int) and small_gib >= 1
 
 
@@ -80,3 +80,20 @@ def test_the_hook_clock_counts_each_outer_call_once_even_when_it_raises() -> Non
     assert snap["calls"] == 3
     assert snap["total_s"] == pytest.approx(sum(v["seconds"] for v in snap["by_hook"].values()))
     assert outer.__name__ == "<lambda>" and outer.__wrapped__ is not None
+
+
+def test_repeats_pool_their_windows_and_add_their_hooks() -> None:
+    def one(hook_s: float, late: float, max_s: float) -> dict:
+        return {"steps": [{"wall_s": 0.01, "hook_s": hook_s}] * 3, "probe": [late] * 5, "prefill_s": 2.0,
+                "window_s": 1.0, "startup_s": 1.0, "shutdown_s": 1.0, "timer_overhead_s": 1e-6,
+                "threads_cpu_s": {"main": 1.0, "kvwarm-writeback": 0.5},
+                "hooks": {"wait_for_save": {"calls": 3, "seconds": 3 * hook_s, "max_s": max_s}}, "stats": {}}
+
+    pooled = bench.pool([one(0.001, 0.0001, 0.002), one(0.003, 0.0002, 0.004)])
+    assert len(pooled["steps"]) == 6 and len(pooled["probe"]) == 10
+    assert pooled["threads_cpu_s"] == {"main": 2.0, "kvwarm-writeback": 1.0}
+    assert pooled["hooks"]["wait_for_save"] == {"calls": 6, "seconds": pytest.approx(0.012), "max_s": 0.004}
+    assert pooled["prefill_s"] == 2.0
+    assert bench.summarize(pooled)["hook_ms_median"] == pytest.approx(2.0)
+    single = one(0.001, 0.0001, 0.002)
+    assert bench.pool([single]) is single
