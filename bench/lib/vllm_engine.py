@@ -119,10 +119,12 @@ class EngineRun:
 
 
 class EngineProcess:
-    """A running :mod:`bench.lib.vllm_driver` process (see :func:`start_engine`)."""
+    """A running :mod:`bench.lib.vllm_driver` process (see :func:`start_engine`), or another driver
+    module that takes the same ``SPEC.json RESULT.json`` arguments (``module``)."""
 
     def __init__(self, spec: dict[str, Any], workdir: Path, *, kv_cache_gib: float = 1,
-                 env: dict[str, str] | None = None, name: str = "engine", python: str | Path | None = None) -> None:
+                 env: dict[str, str] | None = None, name: str = "engine", python: str | Path | None = None,
+                 module: str = "bench.lib.vllm_driver") -> None:
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.spec_path = self.workdir / f"{name}-spec.json"
@@ -132,7 +134,7 @@ class EngineProcess:
         self.result_path.unlink(missing_ok=True)
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [str(python or engine_python()), "-m", "bench.lib.vllm_driver", str(self.spec_path), str(self.result_path)],
+                [str(python or engine_python()), "-m", module, str(self.spec_path), str(self.result_path)],
                 cwd=ROOT, env=engine_env(self.workdir, kv_cache_gib=kv_cache_gib, extra=env), stdout=log,
                 stderr=subprocess.STDOUT, start_new_session=True)
 

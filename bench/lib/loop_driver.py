@@ -1,0 +1,221 @@
+"""One vLLM engine stepped with N requests of L tokens each, its steady decode steps measured (engine-loop bench).
+
+Runs INSIDE the engine venv, started by bench/engine_loop_bench.py through
+:class:`bench.lib.vllm_engine.EngineProcess`'s way of starting a module (this checkout on ``PYTHONPATH``)::
+
+    .venv-engine/bin/python -m bench.lib.loop_driver SPEC.json RESULT.json
+
+vLLM runs in its one-process mode (as :mod:`bench.lib.vllm_driver`): the engine core, its
+scheduler and its worker, and so both connector roles, run in this process, which is the
+process the figures are about. Per run:
+
+1. the engine is built (kvwarm's connector timed by :mod:`bench.lib.timed_connector`, or none);
+2. a GIL probe starts (:class:`GilProbe`: a thread that sleeps 1 ms and records how late it wakes);
+3. ``requests`` prompts of ``context`` distinct random token ids are added at once, with a
+   ``max_tokens`` that outlasts the measurement; the engine is stepped (chunked prefill, then decode);
+4. once every request is running and decoding, ``window`` steps are the steady window: per step
+   its wall time and the seconds spent in the connector's hooks (the clock's difference around
+   the engine core's ``step_fn``); the probe's samples inside the window are kept;
+5. the requests are aborted, the engine shut down (write-back drains), the result written.
+
+SPEC (JSON): ``{"engine": {...}, "connector": {"extra": {...}} | null, "requests": N, "context": L,
+"window": W, "seed": S, "vocab": V, "timeout_s": T}``.
+RESULT (JSON): ``steps`` (per steady step: ``wall_s``, ``hook_s``), ``probe`` (delays of the window's
+samples, seconds), ``hooks`` (per-hook totals over the window), ``threads_cpu_s`` (CPU seconds per
+thread name over the window), ``prefill_s``, ``startup_s``, ``stats`` (the connector's, after
+shutdown), ``timer_overhead_s`` (one timed call of an empty hook), ``error``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+import traceback
+from array import array
+from typing import Any
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vllm: the engine core runs in this process
+
+TIMED_CLASS, TIMED_MODULE = "TimedKvwarmConnector", "bench.lib.timed_connector"
+PROBE_SLEEP_S = 0.001
+
+
+class GilProbe:
+    """A daemon thread: sleep 1 ms, record how late it woke (``perf_counter`` stamps and delays)."""
+
+    def __init__(self) -> None:
+        self.at = array("d")
+        self.late = array("d")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gil-probe", daemon=True)
+
+    def start(self) -> GilProbe:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            time.sleep(PROBE_SLEEP_S)
+            t1 = time.perf_counter()
+            self.at.append(t1)
+            self.late.append(t1 - t0 - PROBE_SLEEP_S)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def between(self, t0: float, t1: float) -> list[float]:
+        return [late for at, late in zip(self.at, self.late) if t0 <= at <= t1]
+
+
+def threads_cpu() -> dict[str, float]:
+    """CPU seconds (user + system) of each Python thread of this process, by thread name."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for t in threading.enumerate():
+        try:
+            with open(f"/proc/self/task/{t.native_id}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, TypeError):
+            continue
+        name = "main" if t is threading.main_thread() else t.name
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def timer_overhead_s(reps: int = 20000) -> float:
+    """Seconds one timed call of an empty hook adds (what the clock itself puts in each hook's figure)."""
+    from bench.lib.hook_clock import HookClock
+
+    clock = HookClock()
+    hook = clock.timed("noop", lambda: None)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        hook()
+    timed = time.perf_counter() - t0
+
+    def plain() -> None:
+        return None
+
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        plain()
+    return max(0.0, (timed - (time.perf_counter() - t0)) / reps)
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from bench.lib.vllm_driver import build_llm, connectors, read_stats
+
+    conn = spec.get("connector")
+    if conn is not None:
+        conn = {**conn, "class": TIMED_CLASS, "module": TIMED_MODULE}
+    t0 = time.perf_counter()
+    llm = build_llm({"engine": spec["engine"], "connector": conn})
+    result["startup_s"] = time.perf_counter() - t0
+    clock = None
+    if conn is not None:
+        from bench.lib.timed_connector import CLOCK as clock
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core
+    sched = core.scheduler
+    n, length, window = int(spec["requests"]), int(spec["context"]), int(spec["window"])
+    ids = prompts(n, length, int(spec["vocab"]), int(spec.get("seed", 0)))
+    max_tokens = int(spec["engine"]["max_model_len"]) - length
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True)
+    steady: list[dict[str, float]] = []
+    state = {"steady": False}
+    plain_step = core.step_fn
+
+    def step_fn() -> Any:
+        state["steady"] = _all_decoding(sched, n)
+        h0 = clock.total_s if clock is not None else 0.0
+        t = time.perf_counter()
+        out = plain_step()
+        wall = time.perf_counter() - t
+        if state["steady"]:
+            steady.append({"t0": t, "wall_s": wall, "hook_s": (clock.total_s - h0) if clock is not None else 0.0})
+        return out
+
+    core.step_fn = step_fn
+    probe = GilProbe().start()
+    t_add = time.perf_counter()
+    for i, p in enumerate(ids):
+        engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=p), params)
+    deadline = t_add + float(spec.get("timeout_s", 1800))
+    hooks0 = cpu0 = None
+    t_window = None
+    while len(steady) < window:
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"{len(steady)} of {window} steady steps after {spec.get('timeout_s')} s")
+        if not engine.has_unfinished_requests():
+            raise RuntimeError("every request finished before the window: raise max_model_len")
+        if hooks0 is None and len(steady) == 0 and _all_decoding(sched, n):
+            hooks0 = clock.snapshot() if clock is not None else None
+            if clock is not None:
+                clock.reset_peaks()
+            cpu0 = threads_cpu()
+            t_window = time.perf_counter()
+            result["prefill_s"] = t_window - t_add
+        engine.step()
+    t_end = time.perf_counter()
+    cpu1 = threads_cpu()
+    hooks1 = clock.snapshot() if clock is not None else None
+    result["window_s"] = t_end - (t_window or t_end)
+    result["probe"] = probe.between(t_window or t_end, t_end)
+    result["probe_all_n"] = len(probe.late)
+    probe.stop()
+    result["steps"] = [{"wall_s": s["wall_s"], "hook_s": s["hook_s"]} for s in steady]
+    result["threads_cpu_s"] = {k: round(v - (cpu0 or {}).get(k, 0.0), 3) for k, v in cpu1.items()}
+    if hooks0 is not None and hooks1 is not None:
+        result["hooks"] = {k: {"calls": v["calls"] - hooks0["by_hook"].get(k, {}).get("calls", 0),
+                               "seconds": v["seconds"] - hooks0["by_hook"].get(k, {}).get("seconds", 0.0),
+                               "max_s": v["max_s"]}
+                           for k, v in hooks1["by_hook"].items()}
+    core.step_fn = plain_step
+    engine.abort_request([f"r{i}" for i in range(n)])
+    while engine.has_unfinished_requests():
+        engine.step()
+    conns = connectors(llm)
+    t0 = time.perf_counter()
+    engine.engine_core.shutdown()  # the worker role drains its write-back queue here
+    result["shutdown_s"] = time.perf_counter() - t0
+    result["stats"] = read_stats(conns)
+
+
+def _all_decoding(sched: Any, n: int) -> bool:
+    running = sched.running
+    return (not sched.waiting and len(running) == n
+            and all(r.num_computed_tokens >= r.num_prompt_tokens for r in running))
+
+
+def main(spec_path: str, result_path: str) -> int:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    result: dict[str, Any] = {"error": None, "timer_overhead_s": timer_overhead_s()}
+    try:
+        run(spec, result)
+    except BaseException:  # noqa: BLE001 - the result, with the traceback, must still be written
+        result["error"] = traceback.format_exc()
+        traceback.print_exc()
+    finally:
+        with open(result_path + ".tmp", "w") as f:
+            json.dump(result, f)
+        os.replace(result_path + ".tmp", result_path)
+    return 1 if result["error"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(*sys.argv[1:3]))
