@@ -84,6 +84,7 @@ bench: $(STAMP) $(ENGINE_STAMP) $(LMCACHE_STAMP)
 	$(PY) bench/forecast_bench.py
 	$(PY) bench/replay_bench.py
 	$(PY) bench/engine_bench.py
+	$(PY) bench/engine_loop_bench.py
 	$(PY) bench/live_replay.py
 	$(PY) bench/report.py
 
