@@ -84,6 +84,11 @@ bench: $(STAMP) $(ENGINE_STAMP) $(LMCACHE_STAMP)
 	$(PY) bench/forecast_bench.py
 	$(PY) bench/replay_bench.py
 	$(PY) bench/engine_bench.py
+	$(PY) bench/ledger_bench.py
+	$(PY) bench/writeback_encode_bench.py
+	$(PY) bench/ring_bench.py
+	$(PY) bench/node_bench.py
+	$(PY) bench/backlog_bench.py
 	$(PY) bench/live_replay.py
 	$(PY) bench/report.py
 
