@@ -38,16 +38,16 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.lib.results import Run, add_results_option, variant_of  # noqa: E402
-from store.engines.vllm.uploads import read_back  # noqa: E402
-from store.format.encode import EncodedSnapshot, build_snapshot, snapshot_bytes  # noqa: E402
-from store.format.precision import Precision  # noqa: E402
-from store.identity.keys import KeyRoot, block_chain  # noqa: E402
-from store.identity.tenant import Tenant  # noqa: E402
-from store.tiers.backlog import UploadBacklog  # noqa: E402
-from store.tiers.base import Entry, object_name  # noqa: E402
-from store.tiers.local import LocalTier  # noqa: E402
-from store.tiers.store import Store  # noqa: E402
+from bench.lib.results import Run, add_results_option, variant_of
+from store.engines.vllm.uploads import read_back
+from store.format.encode import EncodedSnapshot, build_snapshot, snapshot_bytes
+from store.format.precision import Precision
+from store.identity.keys import KeyRoot, block_chain
+from store.identity.tenant import Tenant
+from store.tiers.backlog import UploadBacklog
+from store.tiers.base import Entry, object_name
+from store.tiers.local import LocalTier
+from store.tiers.store import Store
 
 TARGETS = {"put_ms_p50": 1.0, "claim_ms_p50": 2.0, "read_back_mb_s": 1000.0}
 

@@ -25,13 +25,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.lib.results import Run, add_results_option, variant_of  # noqa: E402
-from store.config import parse_config  # noqa: E402
-from store.identity.keys import block_chain  # noqa: E402
-from store.node import NodeClient  # noqa: E402
-from store.tiers.store import Store  # noqa: E402
-from tests.store.node.factories import gone, stop  # noqa: E402
-from tests.store.pool_workers import ACME, TINY, prompt, synthetic_prefix  # noqa: E402
+from bench.lib.results import Run, add_results_option, variant_of
+from store.config import parse_config
+from store.identity.keys import block_chain
+from store.node import NodeClient
+from store.tiers.store import Store
+from tests.store.node.factories import gone, stop
+from tests.store.pool_workers import ACME, TINY, prompt, synthetic_prefix
 
 TARGET_P99_US = 300.0
 

@@ -35,9 +35,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.lib.results import Run, add_results_option, variant_of  # noqa: E402
-from store.node.ring import Ring  # noqa: E402
-from store.node.ring_record import RecordMeta  # noqa: E402
+from bench.lib.results import Run, add_results_option, variant_of
+from store.node.ring import Ring
+from store.node.ring_record import RecordMeta
 
 LAYERS, HEADS, HEAD_DIM, TOKENS = 32, 8, 128, 256
 KV_BYTES = LAYERS * HEADS * HEAD_DIM * TOKENS * 2  # FP8: one byte a value, K and V

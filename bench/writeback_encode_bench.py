@@ -34,16 +34,16 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.lib.old_writeback import old_snapshots  # noqa: E402
-from bench.lib.results import Run, add_results_option, variant_of  # noqa: E402
-from store.engines.vllm.layout import EngineLayout, vec_index  # noqa: E402
-from store.engines.vllm.paging import take_blocks  # noqa: E402
-from store.format.encode import encode_snapshot, snapshot_bytes  # noqa: E402
-from store.format.header import WRITE_BACK  # noqa: E402
-from store.format.precision import Precision  # noqa: E402
-from store.identity.fingerprint import ModelIdentity  # noqa: E402
-from store.identity.keys import block_chain  # noqa: E402
-from store.kernels.gather import block_ids, gather_quantise  # noqa: E402
+from bench.lib.old_writeback import old_snapshots
+from bench.lib.results import Run, add_results_option, variant_of
+from store.engines.vllm.layout import EngineLayout, vec_index
+from store.engines.vllm.paging import take_blocks
+from store.format.encode import encode_snapshot, snapshot_bytes
+from store.format.header import WRITE_BACK
+from store.format.precision import Precision
+from store.identity.fingerprint import ModelIdentity
+from store.identity.keys import block_chain
+from store.kernels.gather import block_ids, gather_quantise
 
 KB, EB, H, D = 256, 128, 8, 128
 #: The batched path must be at least this many times the old one's tokens/s (engine + writer thread) ...
