@@ -14,16 +14,16 @@ Measured in one process, on the machine's disk (a temporary directory):
 
 Targets: ``put_ms`` median <= 1; ``claim_ms`` median <= 2 at 100,000 rows; ``read_back_mb_s``
 >= 1000 (one stream; four streams read back far more than a 10 Gb/s link carries). Medians
-and p99 of ``--reps``. The last line of stdout is one JSON object with the figures and targets.
+and p99 of ``--reps``. The last line of stdout is one JSON object with the figures and ``targets``
+met or not, also saved to ``bench/results/backlog.json`` with how it was made (:mod:`bench.lib.results`).
 
 Usage::
 
-    PYTHONPATH=. .venv/bin/python bench/backlog_bench.py [--rows 100000] [--reps 500]
+    .venv/bin/python bench/backlog_bench.py [--rows 100000] [--reps 500] [--results DIR]
 """
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -34,6 +34,11 @@ from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.lib.results import Run, add_results_option, variant_of
 from store.engines.vllm.uploads import read_back
 from store.format.encode import EncodedSnapshot, build_snapshot, snapshot_bytes
 from store.format.precision import Precision
@@ -114,11 +119,14 @@ def bench_read_back(d: Path, reps: int) -> tuple[dict[str, float], int]:
     return {"p50": round(statistics.median(rates), 1), "p1": round(rates[int(0.01 * len(rates))], 1)}, size
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=100_000, help="rows waiting while claims are timed")
     ap.add_argument("--reps", type=int, default=500, help="timed puts and claims (read-backs: a tenth)")
-    args = ap.parse_args()
+    add_results_option(ap)
+    args = ap.parse_args(argv)
+    run = Run("backlog", __file__, argv)
     load = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="kvwarm-backlog-bench-") as tmp:
         d = Path(tmp)
@@ -128,13 +136,14 @@ def main() -> int:
     print(f"put: {put['p50']:.3f} ms median, {put['p99']:.3f} ms p99 (one SQLite transaction per block)")
     print(f"claim + done at {args.rows} rows: {claim['p50']:.3f} ms median, {claim['p99']:.3f} ms p99")
     print(f"read back a {size / 2**20:.1f} MiB block, checked, as S3 is sent it: {read['p50']:.0f} MB/s median")
-    checks = {"put_ms_p50": put["p50"] <= TARGETS["put_ms_p50"],
-              "claim_ms_p50": claim["p50"] <= TARGETS["claim_ms_p50"],
-              "read_back_mb_s": read["p50"] >= TARGETS["read_back_mb_s"]}
-    print(json.dumps({"bench": "backlog", "rows": args.rows, "reps": args.reps, "block_bytes": size,
-                      "put_ms": put, "claim_ms": claim, "read_back_mb_s": read, "targets": TARGETS,
-                      "checks": checks, "all_pass": all(checks.values()), "cpus": os.cpu_count(),
-                      "loadavg_start": round(load, 2), "loadavg_end": round(os.getloadavg()[0], 2)}))
+    values = {"put_ms_p50": put["p50"], "claim_ms_p50": claim["p50"], "read_back_mb_s": read["p50"]}
+    targets = {k: {"value": v, "target": TARGETS[k],
+                   "met": v >= TARGETS[k] if k == "read_back_mb_s" else v <= TARGETS[k]} for k, v in values.items()}
+    run.finish({"bench": "backlog", "rows": args.rows, "reps": args.reps, "block_bytes": size,
+                "put_ms": put, "claim_ms": claim, "read_back_mb_s": read, "targets": targets,
+                "all_pass": all(t["met"] for t in targets.values()), "cpus": os.cpu_count(),
+                "loadavg_start": round(load, 2), "loadavg_end": round(os.getloadavg()[0], 2)},
+               args.results, variant_of(args, partial=(args.rows, args.reps) != (100_000, 500)))
     return 0
 
 

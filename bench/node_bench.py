@@ -9,7 +9,7 @@ what ``store/engines/vllm/probe.py`` does without a node). Reported per way: the
 client, until its hello). The last line is one JSON object; ``targets``: a lookup's p99 through
 the node within the 0.3 ms the issue gives kvwarm's whole step inside vLLM's process.
 
-    PYTHONPATH=$PWD python bench/node_bench.py --blocks 64 --n 2000 [--results DIR]
+    python bench/node_bench.py [--blocks 64] [--n 2000] [--results DIR]
 """
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 from bench.lib.results import Run, add_results_option, variant_of
 from store.config import parse_config
@@ -42,13 +46,14 @@ def _times(fn, n: int) -> tuple[float, float]:  # type: ignore[no-untyped-def]
     return statistics.median(out) * 1e6, out[min(len(out) - 1, int(0.99 * len(out)))] * 1e6
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=64, help="blocks per chain asked")
     ap.add_argument("--n", type=int, default=2000, help="lookups per way")
     add_results_option(ap)
-    args = ap.parse_args()
-    run = Run("node", __file__, sys.argv[1:])
+    args = ap.parse_args(argv)
+    run = Run("node", __file__, argv)
     bs = 16
     with tempfile.TemporaryDirectory(prefix="kvnb", dir="/tmp") as tmp:
         cfg = parse_config({"store": {"url": f"file://{tmp}/nvme"}, "kv_cache": {"block_size": bs},
@@ -87,7 +92,7 @@ def main() -> None:
         **{f"{k}_p99_us": round(v[1], 1) for k, v in figures.items()},
         "targets": {"node_lookup_p99_le_300us": {"target_us": TARGET_P99_US, "value_us": round(worst, 1),
                                                  "met": worst <= TARGET_P99_US}}},
-               args.results, variant_of(args))
+               args.results, variant_of(args, partial=(args.blocks, args.n) != (64, 2000)))
 
 
 if __name__ == "__main__":

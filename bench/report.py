@@ -30,7 +30,9 @@ PAGE = ROOT / "docs" / "benchmarks.md"
 #: (bench, variant, page): the CPU sections, in the order of the data flow.
 CPU_SECTIONS = (("store", None, "store"), ("prefill", None, "prefill"), ("loader", None, "loader"),
                 ("prefetch", None, "prefetch"), ("mining", None, "mining"), ("forecast", None, "forecast"), ("replay", None, "replay"),
-                ("engine", None, "engine"), ("live_replay", None, "live-replay"))
+                ("engine", None, "engine"), ("ledger", None, "ledger"), ("writeback_encode", None, "writeback_encode"),
+                ("ring", None, "ring"), ("node", None, "node"), ("backlog", None, "backlog"),
+                ("live_replay", None, "live-replay"))
 GPU_SECTIONS = (("prefill", "h200", "prefill-gpu"), ("loader", "h200", "loader-gpu"))
 #: Shown, clearly marked, when a bench has no full record.
 FALLBACKS = ("quick", "partial")

@@ -13,7 +13,9 @@ A random bf16 engine cache of the 8B shape (32 layers, 8 KV heads, head dim 128;
 Both stop before the NVMe write (the same for both), on ``--threads`` torch threads (default 1: on a
 busy shared host torch's OpenMP teams cost more than they give). Medians of ``--repeats`` after one warm-up; the
 engine-thread and writer-thread parts are timed apart. The snapshots of both paths are compared
-byte for byte. Last line: one JSON object with the figures and ``targets`` met or not.
+byte for byte. Last line: one JSON object with the figures and ``targets`` met or not, also saved
+to ``bench/results/writeback_encode.json`` with how it was made (:mod:`bench.lib.results`); a run
+off the defaults is saved as the ``partial`` variant.
 
     python bench/writeback_encode_bench.py                  # the 8B shape, 4 blocks a step
     python bench/writeback_encode_bench.py --layers 2 --repeats 2   # a quick try
@@ -21,13 +23,19 @@ byte for byte. Last line: one JSON object with the figures and ``targets`` met o
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
 from bench.lib.old_writeback import old_snapshots
+from bench.lib.results import Run, add_results_option, variant_of
 from store.engines.vllm.layout import EngineLayout, vec_index
 from store.engines.vllm.paging import take_blocks
 from store.format.encode import encode_snapshot, snapshot_bytes
@@ -49,7 +57,8 @@ def _cache(blocks: int, seed: int) -> torch.Tensor:
     return torch.randn((blocks, H, EB, 2 * D), generator=g).to(torch.bfloat16)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=4, help="kvwarm blocks (256 tokens) the step saves")
@@ -58,7 +67,9 @@ def main() -> None:
     ap.add_argument("--granularity", choices=["head", "head_group"], default="head")
     ap.add_argument("--threads", type=int, default=1,
                     help="torch's intra-op threads (1: one core each, as the old figure of 274 ms a block was)")
-    args = ap.parse_args()
+    add_results_option(ap)
+    args = ap.parse_args(argv)
+    run = Run("writeback_encode", __file__, argv)
     torch.set_num_threads(args.threads)
     ratio = KB // EB
     nb = args.blocks * ratio + 4
@@ -119,15 +130,18 @@ def main() -> None:
               f"{tokens / total:9.0f} tokens/s", flush=True)
     speedup = figures["new"]["tokens_per_s"] / figures["old"]["tokens_per_s"]
     identical = files["old"] == files["new"]
-    print(json.dumps({
+    run.finish({
         "bench": "writeback_encode", "device": "cpu", "torch_threads": torch.get_num_threads(),
         "shape": {"layers": args.layers, "kv_heads": H, "head_dim": D, "kv_block": KB, "engine_block": EB,
                   "kind": args.kind, "dtype": "bf16", "granularity": args.granularity},
         "blocks_per_step": args.blocks, "repeats": args.repeats, "old": figures["old"], "new": figures["new"],
         "speedup": round(speedup, 2), "identical_files": identical,
-        "targets": {f"speedup>={TARGET_SPEEDUP}": speedup >= TARGET_SPEEDUP,
-                    "identical_files": identical == TARGET_IDENTICAL},
-    }))
+        "targets": {f"speedup>={TARGET_SPEEDUP}": {"value": round(speedup, 2), "target": TARGET_SPEEDUP,
+                                                   "met": speedup >= TARGET_SPEEDUP},
+                    "identical_files": {"value": identical, "target": TARGET_IDENTICAL,
+                                        "met": identical == TARGET_IDENTICAL}},
+    }, args.results, variant_of(args, partial=(args.layers, args.blocks, args.repeats, args.kind, args.granularity,
+                                               args.threads) != (32, 4, 5, "cpu_vec", "head", 1)))
 
 
 if __name__ == "__main__":

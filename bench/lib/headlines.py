@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import statistics
 
+from bench.lib.component_pages import PAGES as COMPONENT_PAGES
 from bench.lib.replay_page import replay
 from bench.lib.tables import Page, Table, mib, ms, pct, verdict
 
@@ -319,6 +320,7 @@ PAGES: dict[str, Page] = {
     "prefetch": Page("Prefetch", "A plan prefetched S3 -> NVMe by a new loader (GET, checksums, NVMe write with "
                      "fsync) from a local SeaweedFS, against the same loader with one stream: 8 chains × 4 blocks of 16 MiB.",
                      prefetch),
+    **COMPONENT_PAGES,  # the node process's parts (issue 32)
     "prefill-shards": Page("Prefill shards", "The sharded prefill's balance: estimated GPU-seconds per shard "
                            "(store.cost's prefill model, quadratic term included) of a plan split along its prefix "
                            "tree.", prefill_shards),

@@ -19,6 +19,14 @@ CHEAP_RUNS = {
     "store": (["bench/store_bench.py", "--no-s3", "--no-cold", "--sizes", "1", "--reps", "1"],
               {"bench", "results", "checks"}),
     "prefill-shards": (["bench/prefill_bench.py", "--shards-only"], {"shards", "targets"}),
+    # issue 32's component benches, each at a toy size (a few seconds; the ring's spawns its producer)
+    "ledger": (["bench/ledger_bench.py", "--quick"], {"results", "targets"}),
+    "writeback_encode": (["bench/writeback_encode_bench.py", "--layers", "2", "--blocks", "1", "--repeats", "1"],
+                         {"old", "new", "speedup", "targets"}),
+    "ring": (["bench/ring_bench.py", "--blocks", "4", "--ring-blocks", "2", "--repeats", "1"],
+             {"ring_gb_s", "memcpy_gb_s", "targets"}),
+    "node": (["bench/node_bench.py", "--blocks", "8", "--n", "50"], {"node_held_p50_us", "targets"}),
+    "backlog": (["bench/backlog_bench.py", "--rows", "1000", "--reps", "20"], {"put_ms", "claim_ms", "targets"}),
 }
 
 
