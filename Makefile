@@ -71,7 +71,7 @@ test: $(STAMP) $(ENGINE_STAMP)
 	KVWARM_ENGINE_PYTHON=$(CURDIR)/$(ENGINE_PY) $(PY) -m pytest -q
 	$(ENGINE_PY) -m pytest -q -p no:cacheprovider $(ENGINE_ENV_TESTS)
 
-# Every bench, one at a time, as docs/benchmarks.md shows it (97 minutes on 2 busy cores), each writing
+# Every bench, one at a time, as docs/benchmarks.md shows it (about 110 minutes on 2 busy cores), each writing
 # bench/results/<bench>.json; then the page is made again from those records. The bench extra adds
 # statsforecast. A test checks that these lines are the commands the page's records name.
 bench: $(STAMP) $(ENGINE_STAMP) $(LMCACHE_STAMP)
