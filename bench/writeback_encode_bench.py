@@ -7,8 +7,12 @@ A random bf16 engine cache of the 8B shape (32 layers, 8 KV heads, head dim 128;
 - old: what write-back did before (bench/lib/old_writeback.py): ``take_blocks`` of every layer on
   the engine's thread, then on the writer thread ``unpack_blocks`` and ``build_snapshot`` per block
   (quantise, dequantise, error);
-- new: ``WriteBack.copy_out_step``'s kernels, ``gather_quantise`` of every layer on the engine's
-  thread (on a GPU it would run there), then ``encode_snapshot`` per block on the writer thread.
+- new: what ``WriteBack.copy_out_step`` ships for a CPU cache: ``take_blocks`` of every layer on the
+  engine's thread (one copy of whole blocks, as the old path), then on the writer thread
+  ``quantise_taken`` of every layer (the batched gather and quantise over that copy) and
+  ``encode_snapshot`` per block;
+- device: the arrangement it ships for a GPU, run here on the CPU: ``gather_quantise`` of every layer
+  on the engine's thread (where the cache lives), then ``encode_snapshot`` per block on the writer.
 
 Both stop before the NVMe write (the same for both), on ``--threads`` torch threads (default 1: on a
 busy shared host torch's OpenMP teams cost more than they give). Medians of ``--repeats`` after one warm-up; the
@@ -43,13 +47,15 @@ from store.format.header import WRITE_BACK
 from store.format.precision import Precision
 from store.identity.fingerprint import ModelIdentity
 from store.identity.keys import block_chain
-from store.kernels.gather import block_ids, gather_quantise
+from store.kernels.gather import block_ids, gather_quantise, quantise_taken
 
 KB, EB, H, D = 256, 128, 8, 128
 #: The batched path must be at least this many times the old one's tokens/s (engine + writer thread) ...
 TARGET_SPEEDUP = 3.0
 #: ... and give the old path's files, byte for byte.
 TARGET_IDENTICAL = True
+#: the engine's thread (the forward's) pays no more than the old path's copy-out, within noise
+TARGET_ENGINE = 1.25
 
 
 def _cache(blocks: int, seed: int) -> torch.Tensor:
@@ -96,23 +102,32 @@ def main(argv: list[str] | None = None) -> None:
 
     def new() -> tuple[float, float, list[bytes]]:
         t0 = time.perf_counter()
+        taken = [take_blocks(c, layout, ids) for c in caches]
+        engine = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        layers = [quantise_taken(t, layout, ratio=ratio, precision=precision, layer=i) for i, t in enumerate(taken)]
+        return (engine, *encode(layers, t0))
+
+    def device() -> tuple[float, float, list[bytes]]:
+        t0 = time.perf_counter()
         dev_ids = block_ids(ids, caches[0].device)
         layers = [gather_quantise(c, layout, dev_ids, ratio=ratio, precision=precision, layer=i).to_host()
                   for i, c in enumerate(caches)]
         engine = time.perf_counter() - t0
-        t0 = time.perf_counter()
+        return (engine, *encode(layers, time.perf_counter()))
+
+    def encode(layers: list, t0: float) -> tuple[float, list[bytes]]:
         errors = [layer.errors.tolist() for layer in layers]
         snaps = [encode_snapshot(root=root, block=b, tenant="bench", layers=[layer.block(j) for layer in layers],
                                  errors={"k_rel_l2": [e[0][j] for e in errors], "v_rel_l2": [e[1][j] for e in errors]},
                                  precision=precision, created_at=now, ttl_s=3600.0, source=WRITE_BACK)
                  for j, b in enumerate(blocks)]
-        writer = time.perf_counter() - t0
-        return engine, writer, [snapshot_bytes(s) for s in snaps]
+        return time.perf_counter() - t0, [snapshot_bytes(s) for s in snaps]
 
-    runs: dict[str, list[tuple[float, float]]] = {"old": [], "new": []}
+    runs: dict[str, list[tuple[float, float]]] = {"old": [], "new": [], "device": []}
     files: dict[str, list[bytes]] = {}
     for rep in range(args.repeats + 1):
-        for name, fn in (("old", old), ("new", new)):
+        for name, fn in (("old", old), ("new", new), ("device", device)):
             engine, writer, out = fn()
             files.setdefault(name, out)
             if rep:
@@ -129,15 +144,20 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{name}: engine thread {engine * 1e3:8.1f} ms, writer {writer * 1e3:8.1f} ms, "
               f"{tokens / total:9.0f} tokens/s", flush=True)
     speedup = figures["new"]["tokens_per_s"] / figures["old"]["tokens_per_s"]
-    identical = files["old"] == files["new"]
+    identical = files["old"] == files["new"] == files["device"]
+    engine_ratio = figures["new"]["engine_ms"] / figures["old"]["engine_ms"]
     run.finish({
         "bench": "writeback_encode", "device": "cpu", "torch_threads": torch.get_num_threads(),
         "shape": {"layers": args.layers, "kv_heads": H, "head_dim": D, "kv_block": KB, "engine_block": EB,
                   "kind": args.kind, "dtype": "bf16", "granularity": args.granularity},
         "blocks_per_step": args.blocks, "repeats": args.repeats, "old": figures["old"], "new": figures["new"],
+        "on_device": figures["device"], "engine_thread_new_over_old": round(engine_ratio, 2),
         "speedup": round(speedup, 2), "identical_files": identical,
         "targets": {f"speedup>={TARGET_SPEEDUP}": {"value": round(speedup, 2), "target": TARGET_SPEEDUP,
                                                    "met": speedup >= TARGET_SPEEDUP},
+                    f"engine_thread_new/old<={TARGET_ENGINE}": {"value": round(engine_ratio, 2),
+                                                               "target": TARGET_ENGINE,
+                                                               "met": engine_ratio <= TARGET_ENGINE},
                     "identical_files": {"value": identical, "target": TARGET_IDENTICAL,
                                         "met": identical == TARGET_IDENTICAL}},
     }, args.results, variant_of(args, partial=(args.layers, args.blocks, args.repeats, args.kind, args.granularity,

@@ -20,7 +20,7 @@ codec's bits (IEEE division, round-to-nearest-even casts); the errors are CUDA's
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Sequence
 
 import torch
@@ -214,7 +214,23 @@ def gather_quantise(cache: torch.Tensor, layout: EngineLayout, ids: torch.Tensor
     Raises:
         ValueError: as :func:`gather_kv`.
     """
-    k, v = gather_kv(cache, layout, ids, ratio)
+    return quantise_kv(*gather_kv(cache, layout, ids, ratio), precision=precision, layer=layer)
+
+
+def quantise_kv(k: torch.Tensor, v: torch.Tensor, *, precision: Precision, layer: int) -> StoredBlocks:
+    """One layer's gathered K and V (:func:`gather_kv`) as stored, with their errors (the second half of
+    :func:`gather_quantise`: on a CPU cache the write-back runs it on its writer thread, not the engine's)."""
     kq, ks, kn, kd = quantise_blocks(k, precision, layer)
     vq, vs, vn, vd = quantise_blocks(v, precision, layer)
     return StoredBlocks(kq, ks, vq, vs, torch.stack([_ratio(kn, kd), _ratio(vn, vd)]))
+
+
+def quantise_taken(taken: torch.Tensor, layout: EngineLayout, *, ratio: int, precision: Precision,
+                   layer: int) -> StoredBlocks:
+    """One layer's blocks as :func:`store.engines.vllm.paging.take_blocks` copied them (whole engine blocks, in
+    the engine's layout, in token order), as stored: :func:`gather_quantise` over that copy, a cache of just
+    those blocks, so the same bits (what write-back runs on its writer thread for a CPU cache)."""
+    n = taken.shape[1] if layout.kind == "kv_first" else taken.shape[0]
+    small = replace(layout, num_blocks=n)
+    return gather_quantise(taken, small, torch.arange(n, device=taken.device), ratio=ratio, precision=precision,
+                           layer=layer)

