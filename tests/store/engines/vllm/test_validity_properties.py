@@ -64,7 +64,7 @@ def _same_answers(led: BlockLedger, ref: ReferenceLedger, data: st.DataObject) -
         assert led.vouched(req, 0, bogus, 1) == ref.vouched(req, 0, bogus, 1)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.data())
 def test_the_incremental_ledger_answers_as_the_walking_one_after_every_step(data: st.DataObject) -> None:
     led, ref = BlockLedger(B), ReferenceLedger(B)
