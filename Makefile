@@ -85,6 +85,7 @@ bench: $(STAMP) $(ENGINE_STAMP) $(LMCACHE_STAMP)
 	$(PY) bench/replay_bench.py
 	$(PY) bench/engine_bench.py
 	$(PY) bench/engine_loop_bench.py
+	$(PY) bench/writeback_bench.py
 	$(PY) bench/ledger_bench.py
 	$(PY) bench/writeback_encode_bench.py
 	$(PY) bench/ring_bench.py

