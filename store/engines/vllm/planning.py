@@ -92,10 +92,10 @@ def computes_of(scheduler_output: Any) -> tuple[tuple[Compute, ...], tuple[tuple
                    tuple(int(b) for b in nr.block_ids[0]), replace=True)
            for nr in scheduler_output.scheduled_new_reqs]
     cached = scheduler_output.scheduled_cached_reqs
-    for i, req_id in enumerate(cached.req_ids):
-        new = cached.new_block_ids[i]
-        out.append(Compute(req_id, int(cached.num_computed_tokens[i]), int(scheduled.get(req_id, 0)),
-                           tuple(int(b) for b in new[0]) if new else (), replace=req_id in cached.resumed_req_ids))
+    resumed, get, add = cached.resumed_req_ids, scheduled.get, out.append  # every running request, every step
+    for req_id, new, computed in zip(cached.req_ids, cached.new_block_ids, cached.num_computed_tokens):
+        add(Compute(req_id, int(computed), int(get(req_id, 0)), tuple(map(int, new[0])) if new else (),
+                    req_id in resumed))
     copies = tuple((int(c[0]), int(c[1])) for c in getattr(scheduler_output, "kv_cache_block_copies", None) or ())
     ended = set(getattr(scheduler_output, "finished_req_ids", None) or ())
     ended |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())

@@ -44,6 +44,9 @@ class SavePlanner:
 
     def step(self, st: RequestState, computed: int, scheduled: int, saves: list[SaveSpec]) -> int:
         """Plan the request's save for this step into ``saves``; returns its prompt tokens in the step."""
+        n = len(st.prompt)
+        if computed >= n and (st.save_wait or st.save_from >= n // self.kv_block):
+            return 0  # decoding, its prompt saved (or its save refused): the common case, answered at once
         prompt = prompt_tokens_scheduled(len(st.prompt), computed, scheduled)
         full = min(computed + scheduled, len(st.prompt)) // self.kv_block
         public = st.hit.blocks if st.hit is not None and st.hit.namespace == PUBLIC else 0
