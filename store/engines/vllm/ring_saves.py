@@ -1,0 +1,195 @@
+"""Write-back through the node: the engine's end of its write-back ring (``loader.write_back_via = node``).
+
+The worker creates a ring of its own (:class:`store.node.ring.Ring`, under ``/dev/shm``, of
+``loader.write_back_ring_bytes``) and announces it to the machine's node (the ``ATTACH`` op, on a
+:class:`store.node.client.NodeClient` of the worker's own), which attaches the reader and stores
+what comes (:mod:`store.node.writer`: NVMe, then the upload backlog, whose upload threads run in the
+node). For each block of a save, the write-back thread (:class:`store.engines.vllm.writeback.WriteBack`,
+after the copies off the device are done) only reserves a slot (never waits: no room, the rest of
+the save is dropped and counted ``write_back_dropped:ring_full``), copies each stored tensor in
+(one ``memcpy`` each) and commits (:func:`store.node.block_record.write_block`).
+
+When no node takes the ring (none answers, it refused this engine, it was killed: its consumer
+lock is free) or the node holds no credentials for a save's tenant, :meth:`RingSaves.hand` says so
+and the save is written in the engine, as with ``loader.write_back_via = engine``, and only enqueued
+in the upload backlog (:func:`backlog_only`), which the node uploads once it is back. A node that
+comes back is announced the ring again; it delivers what the dead one had not released (written
+once: a block already on NVMe is skipped). The serving path never fails because of the node.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Protocol
+
+from store.engines.vllm.layout import EngineLayout
+from store.engines.vllm.metadata import SaveSpec
+from store.engines.vllm.stats import Counters
+from store.engines.vllm.tenancy import TenantBook
+from store.errors import KvwarmError, StoreError, StoreFull
+from store.format.encode import EncodedSnapshot
+from store.format.precision import Precision
+from store.identity.fingerprint import ModelIdentity
+from store.identity.keys import block_chain
+from store.identity.tenant import Tenant
+from store.kernels.gather import StoredBlocks
+from store.node.block_record import Announcement, block_meta, write_block
+from store.node.client import NodeClient
+from store.node.ring import Ring
+from store.node.ring_writer import RING_FULL
+from store.tiers.backlog import UploadBacklog
+from store.tiers.base import Tier, object_name
+
+log = logging.getLogger("kvwarm.vllm")
+#: where rings are made (the node maps them from there)
+RING_DIR = "/dev/shm"
+
+
+class Handoff(Protocol):
+    """Where :class:`store.engines.vllm.writeback.WriteBack` hands saves instead of writing them."""
+
+    def hand(self, spec: SaveSpec, layers: list[StoredBlocks], errors: list[list[list[float]]], row: int) -> bool: ...
+
+    def drain(self, deadline: float) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class BacklogRows:
+    """The upload backlog's writer side without upload threads: what the engine writes itself while
+    the node (which uploads) is away waits there for it."""
+
+    def __init__(self, local: Tier, counters: Counters) -> None:
+        root = getattr(local, "root", None)
+        self.backlog = UploadBacklog(None) if root is None else UploadBacklog.of_tier(root)
+        self.counters = counters
+
+    def put(self, tenant: Tenant, snap: EncodedSnapshot) -> bool:
+        """Enqueue one snapshot just put on NVMe (``False``, counted ``upload_dropped``, when its row cannot be written)."""
+        try:
+            self.backlog.add(object_name(snap.header.tenant, snap.key), tenant.name, snap.file_size)
+        except (StoreError, sqlite3.Error) as exc:
+            log.warning("kvwarm write-back: the upload backlog could not record a block (%s); it stays on NVMe only", exc)
+            self.counters.add("upload_dropped", reason="no_space" if isinstance(exc, StoreFull) else "unrecorded")
+            return False
+        return True
+
+    def close(self) -> None:
+        self.backlog.close()
+
+
+def backlog_only(local: Tier, counters: Counters) -> BacklogRows:
+    """:class:`BacklogRows` of the node tier ``local``."""
+    return BacklogRows(local, counters)
+
+
+class RingSaves:
+    """One worker's write-back ring and its announcement to the node.
+
+    Args:
+        client: a client of the machine's node (not started: this starts its background connection).
+        tenants: the tenants' credentials (a block's key is keyed with its tenant's salt).
+        identities, precision, kv_block, ttl_s, layout, layers: what the blocks are (announced once).
+        counters: ``write_back_handed`` (blocks given to the node), ``write_back_dropped:ring_full``.
+        ring_bytes: the ring's size.
+        ring_dir: where the ring's file is made.
+        clock: wall time (the blocks' creation times).
+
+    Raises:
+        OSError: the ring cannot be made (``/dev/shm`` full): write-back stays in the engine.
+    """
+
+    def __init__(self, client: NodeClient, tenants: TenantBook, identities: tuple[ModelIdentity, ModelIdentity | None],
+                 precision: Precision, *, kv_block: int, ttl_s: float, layout: EngineLayout, layers: int,
+                 counters: Counters, ring_bytes: int, ring_dir: str | os.PathLike[str] = RING_DIR,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.client = client
+        self.clock = clock
+        self.tenants = tenants
+        self.identities = identities
+        self.precision = precision
+        self.kv_block = kv_block
+        self.counters = counters
+        path = Path(ring_dir) / f"kvwarm-wb-{os.getpid()}-{uuid.uuid4().hex[:8]}.ring"
+        self.ring = Ring.create(path, ring_bytes)
+        self.writer = self.ring.writer()
+        self.announcement = Announcement(ring=str(path), identities=identities, precision=precision, kv_block=kv_block,
+                                         ttl_s=ttl_s, kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                                         layers=layers, pid=os.getpid())
+        self.sizes = self.announcement.part_nbytes()
+        self._refused: frozenset[str] | None = None  # set while the node drains this ring
+        self.announced = 0
+        client.reconnect_in_background()
+
+    def attached(self) -> bool:
+        """Whether a node drains this ring now (announcing it when a node answers and none does)."""
+        if self._refused is not None and self.ring.consumer_alive():
+            return True
+        self._refused = None
+        if not self.client.connected:
+            self.client.reconnect_in_background()
+            return False
+        try:
+            reply = self.client.attach(self.announcement)
+        except KvwarmError as exc:  # unavailable, refused: written here meanwhile
+            log.debug("kvwarm write-back: the node does not take the ring now (%s)", exc)
+            return False
+        self._refused = frozenset(reply.get("refused", ()))
+        self.announced += 1
+        log.info("kvwarm write-back: the node (pid %s) drains ring %s", self.client.node.get("pid"), self.ring.path)
+        return self.ring.consumer_alive()
+
+    def hand(self, spec: SaveSpec, layers: list[StoredBlocks], errors: list[list[list[float]]], row: int) -> bool:
+        """Hand one save's blocks (rows ``row ..`` of ``layers``) to the node; ``False`` when the node
+        does not take it now (the caller writes it). Blocks that find the ring full are dropped, counted."""
+        if not self.attached() or spec.tenant in (self._refused or ()):
+            return False
+        tenant = self.tenants.credentials(spec.tenant)
+        identity = self.identities[1] if spec.chat else self.identities[0]
+        if identity is None:
+            raise ValueError("a chat-keyed save for a model without a chat template")
+        root = identity.key_root(self.precision, self.kv_block, tenant.salt)
+        blocks = block_chain(root, spec.token_ids)[spec.first:]
+        for n, (j, block) in enumerate(enumerate(blocks, start=row)):
+            meta = block_meta(spec.tenant, block, chain=int(spec.chat), precision=self.precision, now=self.clock(),
+                              layers=len(layers))
+            if not write_block(self.writer, self.sizes, meta, block.tokens, [layer.block(j) for layer in layers],
+                               [e[0][j] for e in errors], [e[1][j] for e in errors]):
+                # the rest of the save too: a block is found only after its parents
+                self.counters.add("write_back_dropped", len(blocks) - n, reason=RING_FULL)
+                return True
+            self.counters.add("write_back_handed")
+        return True
+
+    def drain(self, deadline: float) -> bool:
+        """Wait until the node has stored every record handed to it (while it is alive; monotonic
+        ``deadline``); whether it has."""
+        while self.writer.pending and self.ring.consumer_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return self.writer.pending == 0
+
+    def close(self) -> None:
+        """Let go of the ring: the node stores what is left and removes it (no node: removed now)."""
+        drained = not self.ring.consumer_alive()
+        self.ring.close()
+        if drained:
+            self.ring.unlink()
+        self.client.close()
+
+
+def ring_saves(client: NodeClient | None, *, layers: int, ring_bytes: int, **kw: object) -> RingSaves | None:
+    """A :class:`RingSaves`, or ``None`` (written in the engine, reason logged) when there is no client
+    or the ring cannot be made."""
+    if client is None:
+        return None
+    try:
+        return RingSaves(client, layers=layers, ring_bytes=ring_bytes, **kw)  # type: ignore[arg-type]
+    except (OSError, KvwarmError, ValueError) as exc:
+        log.warning("kvwarm write-back: no ring to the node (%s); blocks are written in the engine", exc)
+        client.close()
+        return None
+
