@@ -47,6 +47,8 @@ from store.tiers.base import Tier, object_name
 log = logging.getLogger("kvwarm.vllm")
 #: where rings are made (the node maps them from there)
 RING_DIR = "/dev/shm"
+#: while no node answers, how often a save tries to connect (the others are written in the engine)
+RETRY_S = 1.0
 
 
 class Handoff(Protocol):
@@ -123,6 +125,7 @@ class RingSaves:
         self.sizes = self.announcement.part_nbytes()
         self._refused: frozenset[str] | None = None  # set while the node drains this ring
         self.announced = 0
+        self._next_try = 0.0
         client.reconnect_in_background()
 
     def attached(self) -> bool:
@@ -131,8 +134,14 @@ class RingSaves:
             return True
         self._refused = None
         if not self.client.connected:
-            self.client.reconnect_in_background()
-            return False
+            now = time.monotonic()
+            if now < self._next_try:
+                return False
+            self._next_try = now + RETRY_S  # on this (the writer's) thread: no wait for the client's back-off
+            try:
+                self.client.connect()
+            except KvwarmError:
+                return False
         try:
             reply = self.client.attach(self.announcement)
         except KvwarmError as exc:  # unavailable, refused: written here meanwhile
