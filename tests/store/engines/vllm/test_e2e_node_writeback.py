@@ -13,17 +13,18 @@ import os
 import shutil
 import signal
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from bench.lib.vllm_engine import run_engine
+from bench.lib.vllm_engine import start_engine
 from store.config import load_config
 from store.format.payload import map_file
 from store.format.snapshot import read_snapshot
 from store.node.client import NodeClient
-from store.node.spawn import lock_path
+from store.node.spawn import answers, lock_path
 from tests.store.engines.vllm.harness import (
     TENANTS,
     connector,
@@ -36,6 +37,9 @@ from tests.store.engines.vllm.harness import (
 from tests.store.engines.vllm.prompts import all_ids
 from tests.store.engines.vllm.writeback_names import PROMPT, written_names
 
+#: only a hang reaches it
+HANG_S = 120.0
+
 
 @pytest.fixture(scope="module")
 def via_node(engine, tmp_path_factory):
@@ -45,14 +49,21 @@ def via_node(engine, tmp_path_factory):
     cfg = write_config(d / "kvwarm.yaml", store_url=f"file://{d}/store", compression="bf16", tenants=TENANTS,
                        node={"socket": str(sock), "metrics_port": 0, "autostart_idle_s": 120.0},
                        loader={"write_back_via": "node"})
-    steps = [{"name": "write", "requests": [request(all_ids()[PROMPT])]}]
+    steps = [{"name": "started", "barrier": True}, {"name": "write", "requests": [request(all_ids()[PROMPT])]}]
     node_pid = None
+    proc = start_engine(engine_spec(steps, extra=connector(cfg)), d / "engine")
     try:
-        run = run_engine(engine_spec(steps, extra=connector(cfg)), d / "engine")
+        proc.at_barrier("started")
+        end = time.monotonic() + HANG_S
+        while not answers(sock) and time.monotonic() < end:  # the node the scheduler role starts
+            time.sleep(0.2)
+        proc.go("started")  # until it answers, the worker writes its blocks itself
+        run = proc.wait()
         with NodeClient(load_config(cfg), autostart=False) as client:  # the node the engine started outlives it
             node_pid = client.connect()["pid"]
             node = client.stats()
     finally:
+        proc.stop()
         if node_pid is None and lock_path(sock).exists():
             try:
                 node_pid = int(lock_path(sock).read_text().split()[0])
