@@ -245,7 +245,7 @@ class LoaderConfig(_Section):
         "blocks go to NVMe first, on the writer's own thread, and wait in the node's persistent upload backlog "
         "until a thread takes them, most valuable first.")
     write_back_via: Literal["node", "engine"] = Field(
-        "engine", description="Who writes the vLLM connector's write-back blocks to NVMe and S3. node: each engine "
+        "node", description="Who writes the vLLM connector's write-back blocks to NVMe and S3. node: each engine "
         "worker hands every block (quantised where the cache lives) to the machine's node process through a "
         "shared-memory ring of its own (one memcpy per stored tensor, never waiting: a full ring drops the save's "
         "rest, counted write_back_dropped:ring_full), and the node writes it and owns every S3 upload; while no node "

@@ -50,6 +50,7 @@ class Announcement:
         kv_heads, head_dim: a layer's KV shape.
         layers: layers per block.
         pid: the engine process.
+        tenants: the tenants the engine serves (their blocks' uploads are the node's).
     """
 
     ring: str
@@ -61,6 +62,7 @@ class Announcement:
     head_dim: int
     layers: int
     pid: int
+    tenants: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
         """As the ``ATTACH`` body."""
@@ -84,7 +86,7 @@ class Announcement:
             out = cls(ring=str(d["ring"]), identities=(ModelIdentity(**plain), None if chat is None else ModelIdentity(**chat)),
                       precision=Precision(**p), kv_block=int(d["kv_block"]), ttl_s=float(d["ttl_s"]),
                       kv_heads=int(d["kv_heads"]), head_dim=int(d["head_dim"]), layers=int(d["layers"]),
-                      pid=int(d["pid"]))
+                      pid=int(d["pid"]), tenants=tuple(str(t) for t in d.get("tenants", ())))
         except (KeyError, TypeError, ValueError, UnicodeDecodeError) as exc:
             raise ValueError(f"not a ring announcement: {exc}") from None
         if min(out.kv_block, out.kv_heads, out.head_dim, out.layers) < 1:

@@ -3,9 +3,8 @@
 :meth:`NodeWrites.attach` starts a :class:`store.node.writer.RingDrain` for an announced ring (once
 per ring file: an engine that announces again after a node restart is drained by the new node).
 The upload threads (:class:`store.engines.vllm.uploads.Uploads` over the node tier's persistent
-backlog, ``loader.write_back_streams`` of them) start with the first ring, where the store has
-remote tiers: from then on they drain the backlog, also what engines wrote themselves while no node
-took their ring.
+backlog, ``loader.write_back_streams`` of them) start with the node, where the store has remote
+tiers: they drain the backlog, also what engines wrote themselves while no node took their ring.
 """
 from __future__ import annotations
 
@@ -43,9 +42,14 @@ class NodeWrites:
         self.local = local
         self.tenants = dict(tenants)
         self.counters = Counters()
-        self.uploads: Uploads | None = None
         self._drains: dict[str, RingDrain] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self.uploads: Uploads | None = None
+        if len(store.tiers) > 1:  # from the start: what engines wrote themselves waits in the backlog too
+            lc = config.loader
+            self.uploads = Uploads(Store(store.tiers[1:]), local, streams=lc.write_back_streams,
+                                   max_bytes=int(lc.write_back_queue_bytes), backoff_s=lc.s3_backoff_s,
+                                   counters=self.counters, credentials=self._credentials, tenants={*tenants, PUBLIC})
 
     def attach(self, ann: Announcement) -> dict[str, Any]:
         """Drain ``ann``'s ring (from now on, in the background); the namespaces the node writes for.
@@ -56,12 +60,8 @@ class NodeWrites:
         with self._lock:
             drain = self._drains.get(ann.ring)
             if drain is None or drain.done:
-                if self.uploads is None and len(self.store.tiers) > 1:
-                    lc = self.config.loader
-                    self.uploads = Uploads(Store(self.store.tiers[1:]), self.local, streams=lc.write_back_streams,
-                                           max_bytes=int(lc.write_back_queue_bytes), backoff_s=lc.s3_backoff_s,
-                                           counters=self.counters, credentials=self._credentials,
-                                           tenants={*self.tenants, PUBLIC})
+                if self.uploads is not None:
+                    self.uploads.add_tenants([t for t in ann.tenants if self.credentials(t) is not None])
                 self._drains[ann.ring] = RingDrain(ann, self.local, self.credentials, self.counters, self.uploads)
                 log.info("kvwarm node: draining engine pid %d's write-back ring %s", ann.pid, ann.ring)
             for path in [p for p, d in self._drains.items() if d.done and p != ann.ring]:

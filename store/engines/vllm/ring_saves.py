@@ -11,8 +11,8 @@ the save is dropped and counted ``write_back_dropped:ring_full``), copies each s
 
 When no node takes the ring (none answers, it refused this engine, it was killed: its consumer
 lock is free) or the node holds no credentials for a save's tenant, :meth:`RingSaves.hand` says so
-and the save is written in the engine, as with ``loader.write_back_via = engine``, and only enqueued
-in the upload backlog (:func:`backlog_only`), which the node uploads once it is back. A node that
+and the save is written in the engine, as with ``loader.write_back_via = engine``: the engine's upload
+threads start then (:class:`LazyUploads`), and until then the node makes every S3 write. A node that
 comes back is announced the ring again; it delivers what the dead one had not released (written
 once: a block already on NVMe is skipped). The serving path never fails because of the node.
 """
@@ -20,17 +20,18 @@ from __future__ import annotations
 
 import logging
 import os
-import sqlite3
+import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Mapping, Protocol
 
 from store.engines.vllm.layout import EngineLayout
 from store.engines.vllm.metadata import SaveSpec
 from store.engines.vllm.stats import Counters
 from store.engines.vllm.tenancy import TenantBook
-from store.errors import KvwarmError, StoreError, StoreFull
+from store.engines.vllm.uploads import Uploads
+from store.errors import KvwarmError
 from store.format.encode import EncodedSnapshot
 from store.format.precision import Precision
 from store.identity.fingerprint import ModelIdentity
@@ -41,8 +42,6 @@ from store.node.block_record import Announcement, block_meta, write_block
 from store.node.client import NodeClient
 from store.node.ring import Ring
 from store.node.ring_writer import RING_FULL
-from store.tiers.backlog import UploadBacklog
-from store.tiers.base import Tier, object_name
 
 log = logging.getLogger("kvwarm.vllm")
 #: where rings are made (the node maps them from there)
@@ -61,32 +60,50 @@ class Handoff(Protocol):
     def close(self) -> None: ...
 
 
-class BacklogRows:
-    """The upload backlog's writer side without upload threads: what the engine writes itself while
-    the node (which uploads) is away waits there for it."""
+class LazyUploads:
+    """The engine's upload threads, started only when the engine writes a block itself (no node took
+    it): while the node takes every block, the node makes every S3 write; once the engine writes,
+    it uploads as with ``loader.write_back_via = engine`` (its blocks, and what waits in the backlog).
 
-    def __init__(self, local: Tier, counters: Counters) -> None:
-        root = getattr(local, "root", None)
-        self.backlog = UploadBacklog(None) if root is None else UploadBacklog.of_tier(root)
-        self.counters = counters
+    Args:
+        make: makes the :class:`store.engines.vllm.uploads.Uploads` (its threads start with it).
+    """
+
+    def __init__(self, make: Callable[[], Uploads]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._rankings: dict[str, Mapping[str, float]] = {}
+        self.started: Uploads | None = None
 
     def put(self, tenant: Tenant, snap: EncodedSnapshot) -> bool:
-        """Enqueue one snapshot just put on NVMe (``False``, counted ``upload_dropped``, when its row cannot be written)."""
-        try:
-            self.backlog.add(object_name(snap.header.tenant, snap.key), tenant.name, snap.file_size)
-        except (StoreError, sqlite3.Error) as exc:
-            log.warning("kvwarm write-back: the upload backlog could not record a block (%s); it stays on NVMe only", exc)
-            self.counters.add("upload_dropped", reason="no_space" if isinstance(exc, StoreFull) else "unrecorded")
-            return False
-        return True
+        """:meth:`Uploads.put`, starting the threads first."""
+        with self._lock:
+            if self.started is None:
+                self.started = self._make()
+                for source, ranks in self._rankings.items():
+                    self.started.set_ranking(source, ranks)
+            up = self.started
+        return up.put(tenant, snap)
+
+    def set_ranking(self, source: str, ranks: Mapping[str, float]) -> int:
+        """:meth:`Uploads.set_ranking` (kept for the threads until they start)."""
+        with self._lock:
+            up = self.started
+            if up is None:
+                self._rankings[source] = dict(ranks)
+                return 0
+        return up.set_ranking(source, ranks)
+
+    def drain(self, deadline: float) -> bool:
+        return self.started is None or self.started.drain(deadline)
+
+    def stop(self) -> None:
+        if self.started is not None:
+            self.started.stop()
 
     def close(self) -> None:
-        self.backlog.close()
-
-
-def backlog_only(local: Tier, counters: Counters) -> BacklogRows:
-    """:class:`BacklogRows` of the node tier ``local``."""
-    return BacklogRows(local, counters)
+        if self.started is not None:
+            self.started.close()
 
 
 class RingSaves:
@@ -121,7 +138,7 @@ class RingSaves:
         self.writer = self.ring.writer()
         self.announcement = Announcement(ring=str(path), identities=identities, precision=precision, kv_block=kv_block,
                                          ttl_s=ttl_s, kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                                         layers=layers, pid=os.getpid())
+                                         layers=layers, pid=os.getpid(), tenants=tuple(sorted(tenants.known)))
         self.sizes = self.announcement.part_nbytes()
         self._refused: frozenset[str] | None = None  # set while the node drains this ring
         self.announced = 0

@@ -40,7 +40,7 @@ from store.engines.vllm.metadata import SaveSpec
 from store.engines.vllm.stats import Counters
 from store.engines.vllm.tenancy import TenantBook
 from store.engines.vllm.uploads import Uploads
-from store.engines.vllm.ring_saves import Handoff, backlog_only
+from store.engines.vllm.ring_saves import Handoff, LazyUploads
 from store.format.precision import Precision
 from store.identity.fingerprint import ModelIdentity
 from store.identity.keys import block_chain
@@ -80,8 +80,8 @@ class WriteBack:
             apart the most bytes read back for uploads in flight.
         streams: upload threads to the remote tiers.
         s3_backoff_s: after S3 fails, nothing is sent to it for this long.
-        upload: run upload threads here; ``False`` (write-back through the node, which owns every S3
-            write): what this writer writes itself is only enqueued in the backlog, for the node.
+        upload: start the upload threads now; ``False`` (write-back through the node, which makes the S3
+            writes): only once this writer writes a block itself (:class:`store.engines.vllm.ring_saves.LazyUploads`).
         handoff: hands each save to the node's ring (:class:`store.engines.vllm.ring_saves.RingSaves`);
             a save it does not take is written here.
         clock: wall time (snapshot creation times).
@@ -106,13 +106,15 @@ class WriteBack:
         self.counters = counters
         self.max_bytes = max_bytes
         self.clock = clock
-        self.uploads = (Uploads(Store(store.tiers[1:]), local, streams=streams, max_bytes=max_bytes,
-                                backoff_s=s3_backoff_s, counters=counters, credentials=tenants.credentials,
-                                tenants=tenants.known, clock=clock) if len(store.tiers) > 1 and upload else None)
-        # without upload threads here (the node's), a block this writer writes only waits in the backlog
-        self._rows = backlog_only(local, counters) if len(store.tiers) > 1 and not upload else None
-        self.blocks = SnapshotWriter(local, precision=precision, ttl_s=ttl_s, counters=counters,
-                                     uploads=self.uploads if self._rows is None else self._rows, clock=clock)
+        def uploads() -> Uploads:
+            return Uploads(Store(store.tiers[1:]), local, streams=streams, max_bytes=max_bytes, backoff_s=s3_backoff_s,
+                           counters=counters, credentials=tenants.credentials, tenants=tenants.known, clock=clock)
+
+        # through the node, this process uploads only once it writes a block itself
+        self.uploads: Uploads | LazyUploads | None = (
+            None if len(store.tiers) < 2 else uploads() if upload else LazyUploads(uploads))
+        self.blocks = SnapshotWriter(local, precision=precision, ttl_s=ttl_s, counters=counters, uploads=self.uploads,
+                                     clock=clock)
         self.handoff = handoff
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
@@ -259,6 +261,4 @@ class WriteBack:
             self.handoff.close()
         if self.uploads is not None:
             self.uploads.close()
-        if self._rows is not None:
-            self._rows.close()
         self.store.close()
