@@ -245,12 +245,12 @@ class LoaderConfig(_Section):
         "blocks go to NVMe first, on the writer's own thread, and wait in the node's persistent upload backlog "
         "until a thread takes them, most valuable first.")
     write_back_via: Literal["node", "engine"] = Field(
-        "node", description="Who writes the vLLM connector's write-back blocks to NVMe and S3. node: each engine "
+        "engine", description="Who writes the vLLM connector's write-back blocks to NVMe and S3. node: each engine "
         "worker hands every block (quantised where the cache lives) to the machine's node process through a "
         "shared-memory ring of its own (one memcpy per stored tensor, never waiting: a full ring drops the save's "
-        "rest, counted write_back_dropped:ring_full), and the node writes it and owns every S3 upload; while no node "
-        "takes the ring (none, refused, killed) the engine writes the blocks itself and leaves their uploads in the "
-        "backlog for the node. engine: the engine's own writer thread and upload threads do it all.")
+        "rest, counted write_back_dropped:ring_full), and the node writes it and makes the S3 uploads; while no node "
+        "takes the ring (none, refused, killed) the engine writes the blocks itself, and its upload threads start "
+        "then. engine: the engine's own writer thread and upload threads do it all.")
     write_back_ring_bytes: Bytes = Field(
         ByteSize(256 << 20), description="Size of each engine worker's write-back ring under /dev/shm "
         "(loader.write_back_via = node), e.g. '256MiB': the blocks handed to the node and not yet written. Give it "

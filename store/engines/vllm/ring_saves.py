@@ -46,7 +46,8 @@ from store.node.ring_writer import RING_FULL
 log = logging.getLogger("kvwarm.vllm")
 #: where rings are made (the node maps them from there)
 RING_DIR = "/dev/shm"
-#: while no node answers, how often a save tries to connect (the others are written in the engine)
+#: while no node takes the ring, how often a save tries to connect and announce it (the others are
+#: written in the engine)
 RETRY_S = 1.0
 
 
@@ -150,11 +151,11 @@ class RingSaves:
         if self._refused is not None and self.ring.consumer_alive():
             return True
         self._refused = None
+        now = time.monotonic()
+        if now < self._next_try:
+            return False
+        self._next_try = now + RETRY_S  # on this (the writer's) thread: no wait for the client's back-off
         if not self.client.connected:
-            now = time.monotonic()
-            if now < self._next_try:
-                return False
-            self._next_try = now + RETRY_S  # on this (the writer's) thread: no wait for the client's back-off
             try:
                 self.client.connect()
             except KvwarmError:
