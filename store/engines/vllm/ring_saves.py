@@ -31,7 +31,7 @@ from store.engines.vllm.metadata import SaveSpec
 from store.engines.vllm.stats import Counters
 from store.engines.vllm.tenancy import TenantBook
 from store.engines.vllm.uploads import Uploads
-from store.errors import KvwarmError
+from store.errors import KvwarmError, NodeUnavailable
 from store.format.encode import EncodedSnapshot
 from store.format.precision import Precision
 from store.identity.fingerprint import ModelIdentity
@@ -155,15 +155,19 @@ class RingSaves:
         if now < self._next_try:
             return False
         self._next_try = now + RETRY_S  # on this (the writer's) thread: no wait for the client's back-off
-        if not self.client.connected:
+        reply = None
+        for _ in range(2):  # a connection to a node that has died is found out by the first try
             try:
-                self.client.connect()
-            except KvwarmError:
+                if not self.client.connected:
+                    self.client.connect()
+                reply = self.client.attach(self.announcement)
+                break
+            except NodeUnavailable as exc:
+                log.debug("kvwarm write-back: the node does not take the ring now (%s)", exc)
+            except KvwarmError as exc:  # refused: written here meanwhile
+                log.debug("kvwarm write-back: the node does not take the ring (%s)", exc)
                 return False
-        try:
-            reply = self.client.attach(self.announcement)
-        except KvwarmError as exc:  # unavailable, refused: written here meanwhile
-            log.debug("kvwarm write-back: the node does not take the ring now (%s)", exc)
+        if reply is None:
             return False
         self._refused = frozenset(reply.get("refused", ()))
         self.announced += 1
