@@ -18,8 +18,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from typing import Callable
+from collections.abc import Callable
 
 from store.engines.vllm.stats import Counters
 from store.identity.keys import Block, KeyRoot, chain_key
@@ -85,7 +84,7 @@ class RingDrain:
                     got += 1
                     try:
                         self._store(record)
-                    except Exception:  # noqa: BLE001 - one bad record must not stop the engine's others
+                    except Exception:
                         log.exception("kvwarm node: write-back of a block from engine pid %d failed", self.ann.pid)
                         self.counters.add("write_back_dropped", reason="error")
                     finally:
@@ -144,12 +143,3 @@ class RingDrain:
         self._stop.set()
         self._thread.join(timeout_s)
 
-
-def wait_done(drains: list[RingDrain], timeout_s: float) -> bool:
-    """Wait until every drain has ended; whether they did."""
-    end = time.monotonic() + timeout_s
-    while time.monotonic() < end:
-        if all(d.done for d in drains):
-            return True
-        time.sleep(0.02)
-    return all(d.done for d in drains)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from store.config import KvwarmConfig
 from store.engines.vllm.stats import Counters
@@ -89,8 +90,7 @@ class NodeWrites:
         with self._lock:
             drains = list(self._drains.values())
         return {**self.counters.totals(), "rings": sum(1 for d in drains if not d.done),
-                "ring_discarded": sum(d.reader.discarded for d in drains),
-                "stored": sum(d.stored for d in drains)}
+                "ring_discarded": sum(d.reader.discarded for d in drains)}
 
     def drain(self, deadline: float) -> bool:
         """Wait until the uploads are done (monotonic ``deadline``); whether they are."""

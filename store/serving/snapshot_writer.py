@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from store.errors import StoreError
-from store.format.encode import encode_snapshot
+from store.format.encode import StoredLayer, encode_snapshot
 from store.format.header import WRITE_BACK
-from store.format.encode import StoredLayer
 from store.format.precision import Precision
 from store.identity.keys import Block, KeyRoot
 from store.identity.tenant import Tenant

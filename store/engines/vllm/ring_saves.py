@@ -23,8 +23,9 @@ import os
 import threading
 import time
 import uuid
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Mapping, Protocol
+from typing import Protocol
 
 from store.engines.vllm.layout import EngineLayout
 from store.engines.vllm.metadata import SaveSpec

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from pathlib import Path
 
 from store.config import parse_config
 from store.format.precision import Precision
@@ -15,7 +16,7 @@ from tests.store.node.ring_saves_setup import caches, ring_writer, saves
 
 
 def main() -> int:
-    config = parse_config(json.loads(open(sys.argv[1]).read()))
+    config = parse_config(json.loads(Path(sys.argv[1]).read_text()))
     lay, kv = caches()
     writer = ring_writer(config.store.url.removeprefix("file://"), config, lay, Precision(), sys.argv[2])
     handoff = writer.handoff

@@ -17,8 +17,17 @@ from store.node.block_record import block_meta, write_block
 from store.node.client import NodeClient
 from store.tiers.base import object_name
 from tests.store.engines.vllm.worker_setup import IDENT, KB
-from tests.store.node.factories import HANG_S, REPO, env, eventually, gone, node_config, start_prefill_node, stop, \
-    write_config
+from tests.store.node.factories import (
+    HANG_S,
+    REPO,
+    env,
+    eventually,
+    gone,
+    node_config,
+    start_prefill_node,
+    stop,
+    write_config,
+)
 from tests.store.node.ring_saves_setup import NOW, RATIO, caches, local_writer, ring_writer, saves
 
 PRECISIONS = {"fp8-head": Precision(), "fp8-keep": Precision(keep_layers=(1,), keep_dtype="fp16"),

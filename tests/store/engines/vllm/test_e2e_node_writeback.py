@@ -79,7 +79,7 @@ def via_node(engine, tmp_path_factory):
 
 
 def test_the_engine_hands_its_blocks_to_the_node_with_vllms_tokens(via_node, cold):
-    cfg, run, node = via_node
+    _, run, node = via_node
     call = run.calls("write")[0]
     assert call["tokens"] == cold[PROMPT]  # bf16 write-back of the engine's own KV: exactly its tokens
     worker = run.stats(None, "worker")  # after shutdown: the ring has drained into the node
