@@ -2,6 +2,7 @@
 writes them, byte for byte what the engine writes itself; kill -9 of either end."""
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -34,10 +35,10 @@ PRECISIONS = {"fp8-head": Precision(), "fp8-keep": Precision(keep_layers=(1,), k
               "bf16": Precision(compression="bf16")}
 
 
-def _config(tmp_path, sock_dir, precision: Precision):  # type: ignore[no-untyped-def]
+def _config(tmp_path, sock_dir, precision: Precision, **sections):  # type: ignore[no-untyped-def]
     kv = {"block_size": KB, "compression": precision.compression, "keep_layers": list(precision.keep_layers),
           "keep_dtype": precision.keep_dtype}
-    return node_config(tmp_path / "node-tier", sock_dir / "n.sock", kv_cache=kv, node={"agent": False})
+    return node_config(tmp_path / "node-tier", sock_dir / "n.sock", kv_cache=kv, node={"agent": False}, **sections)
 
 
 def _blocks(precision: Precision, config):  # type: ignore[no-untyped-def]
@@ -157,5 +158,28 @@ def test_kill_9_of_the_node_the_engine_writes_itself_and_a_new_node_stores_what_
         assert counts.get("write_back_skipped:present") == 5 and counts["written_back_blocks"] == 3
         for key, data in written.items():
             assert data is not None and writer.local.read(object_name("acme", key)) == data
+    finally:
+        writer.close()
+
+
+def test_a_tenant_whose_secret_the_node_lacks_is_written_by_the_engine(tmp_path, sock_dir, node_pids, monkeypatch):
+    precision = Precision()
+    config = _config(tmp_path, sock_dir, precision, tenants={"beta": {"secret_env": "KVWARM_TEST_BETA"}})
+    monkeypatch.delenv("KVWARM_TEST_BETA", raising=False)
+    proc = start_prefill_node(write_config(config, tmp_path / "kvwarm.json"), sock_dir / "n.sock", "--no-agent")
+    node_pids.append(proc.pid)
+    monkeypatch.setenv("KVWARM_TEST_BETA", "beta-secret-of-enough-length")  # the engine has it, the node not
+    lay, kv = caches()
+    writer = ring_writer(tmp_path / "node-tier", config, lay, precision, sock_dir)
+    try:
+        first, second = saves()
+        assert writer.copy_out_step([first, dataclasses.replace(second, tenant="beta")], kv) == [None, None]
+        assert writer.drain(HANG_S)
+        mine = writer.counters.totals()
+        assert mine["write_back_handed"] == 3 and mine["written_back_blocks"] == 5  # acme's to the node, beta's here
+        assert _node_counts(config)["written_back_blocks"] == 3
+        root = IDENT.key_root(precision, KB, config.tenant("beta").salt)
+        assert all(writer.local.exists(object_name("beta", b.key))
+                   for b in block_chain(root, second.token_ids)[second.first:])
     finally:
         writer.close()
