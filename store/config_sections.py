@@ -244,6 +244,17 @@ class LoaderConfig(_Section):
         4, ge=1, le=64, description="Threads the vLLM connector's write-back uploads to S3 on (parallel PUTs); "
         "blocks go to NVMe first, on the writer's own thread, and wait in the node's persistent upload backlog "
         "until a thread takes them, most valuable first.")
+    write_back_via: Literal["node", "engine"] = Field(
+        "engine", description="Who writes the vLLM connector's write-back blocks to NVMe and S3. node: each engine "
+        "worker hands every block (quantised where the cache lives) to the machine's node process through a "
+        "shared-memory ring of its own (one memcpy per stored tensor, never waiting: a full ring drops the save's "
+        "rest, counted write_back_dropped:ring_full), and the node writes it and makes the S3 uploads; while no node "
+        "takes the ring (none, refused, killed) the engine writes the blocks itself, and its upload threads start "
+        "then. engine: the engine's own writer thread and upload threads do it all.")
+    write_back_ring_bytes: Bytes = Field(
+        ByteSize(256 << 20), description="Size of each engine worker's write-back ring under /dev/shm "
+        "(loader.write_back_via = node), e.g. '256MiB': the blocks handed to the node and not yet written. Give it "
+        "at least one engine step's prompt KV as stored (see write_back_queue_bytes).")
 
     def with_overrides(self, **given: Any) -> "LoaderConfig":
         """This section with each keyword that is not ``None`` in place of its value, validated

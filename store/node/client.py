@@ -20,7 +20,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from store.config import KvwarmConfig
 from store.errors import NodeRefused, NodeUnavailable
@@ -35,6 +35,9 @@ from store.node.protocol import (
     send_frame,
 )
 from store.node.spawn import start_node
+
+if TYPE_CHECKING:
+    from store.node.block_record import Announcement
 
 log = logging.getLogger("kvwarm.node")
 
@@ -216,6 +219,15 @@ class NodeClient:
     def record(self, namespace: str, keys: Sequence[str]) -> None:
         """Tell the node a request used these blocks (fleet memory)."""
         self._request(Op.RECORD, encode_keys(namespace, list(keys)))
+
+    def attach(self, announcement: "Announcement") -> dict[str, Any]:
+        """Hand the node an engine's write-back ring (it attaches the reader and stores what comes);
+        returns ``{"refused": [...]}``, the configured tenants whose secrets the node lacks.
+
+        Raises:
+            NodeUnavailable: no node answers, or it could not attach the ring (the reply says why).
+        """
+        return json.loads(self._request(Op.ATTACH, announcement.encode()).decode())
 
     def stats(self) -> dict[str, Any]:
         """The node's counters and state."""

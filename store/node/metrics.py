@@ -26,6 +26,7 @@ COUNTERS = {
     "gc_runs": "Garbage collections of the node tier.",
     "gc_removed": "Snapshots GC removed from the node tier (expired, evicted or crash leftovers).",
     "errors": "Requests the node answered with an error.",
+    "rings_attached": "Write-back rings engines announced (loader.write_back_via = node).",
 }
 
 #: the node's gauges, with their help text

@@ -13,6 +13,9 @@ node will not take). Only the hello and the stats are JSON; the hot path is fixe
   background. Reply ``<u32 queued>``.
 - ``RECORD``: body :func:`encode_keys`; the blocks a request used, for fleet memory. Empty reply.
 - ``STATS``: empty body; reply JSON of the node's counters.
+- ``ATTACH``: body JSON :class:`store.node.block_record.Announcement` (an engine's write-back ring);
+  the node attaches the ring's reader and stores what it carries. Reply JSON ``{"refused": [...]}``:
+  the configured tenants whose secrets the node lacks (the engine writes their blocks itself).
 """
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ class Op(enum.IntEnum):
     PREFETCH = 3
     RECORD = 4
     STATS = 5
+    ATTACH = 6
     ERROR = 0xFE
     REFUSED = 0xFF
 

@@ -29,7 +29,7 @@ from store.errors import ConfigError
 MAGIC = b"KVWRING\x00"
 #: Bump on any change to the header, the descriptor or the arena's rules: a reader of another
 #: version refuses the ring (``RingFormatMismatch``) instead of misreading it.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 PAGE = mmap.PAGESIZE
 HEADER_BYTES = 4096
 DESCRIPTOR_BYTES = 2048
@@ -64,13 +64,13 @@ SLOT_ABANDONED = 1
 
 DESCRIPTOR_DTYPE = np.dtype({
     "names": ["commit", "reserve", "generation", "start", "end", "nparts", "nerrors", "token_count",
-              "layer_count", "precision_id", "check", "flags", "part_len", "part_off",
+              "layer_count", "precision_id", "check", "flags", "chain", "part_len", "part_off", "created_ns",
               "namespace", "key", "parent_key", "errors"],
     "formats": ["<u8", "<u8", "<u8", "<u8", "<u8", "<u4", "<u4", "<u4",
-                "<u4", "<u4", "<u4", "<u4", ("<u8", (MAX_PARTS,)), ("<u8", (MAX_PARTS,)),
+                "<u4", "<u4", "<u4", "<u4", "<u4", ("<u8", (MAX_PARTS,)), ("<u8", (MAX_PARTS,)), "<u8",
                 f"S{NAMESPACE_BYTES}", f"S{KEY_BYTES}", f"S{KEY_BYTES}", ("<f4", (MAX_ERRORS,))],
     "offsets": [0, 8, 16, 24, 32, 40, 44, 48,
-                52, 56, 60, 64, 72, 136,
+                52, 56, 60, 64, 68, 72, 136, 200,
                 256, 320, 512, 704],
     "itemsize": DESCRIPTOR_BYTES,
 })

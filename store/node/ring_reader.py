@@ -147,6 +147,8 @@ class RingReader:
             layer_count=int(t["layer_count"][i]),
             precision_id=int(t["precision_id"][i]),
             errors=tuple(t["errors"][i, :nerrors].tolist()),
+            chain=int(t["chain"][i]),
+            created_ns=int(t["created_ns"][i]),
         )
 
     def _settle(self, seq: int) -> None:

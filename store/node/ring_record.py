@@ -43,6 +43,8 @@ class RecordMeta:
         precision_id: the storage precision's id (the node maps it to a ``Precision``).
         errors: measured quantisation errors (e.g. K and V relative L2 per layer), <= 336 values,
             kept as float32.
+        chain: which of the producer's key chains the block extends (write-back: 0 plain, 1 chat-keyed).
+        created_ns: when the producer made the block (wall clock, ns; 0: not said).
     """
 
     namespace: str
@@ -52,12 +54,16 @@ class RecordMeta:
     layer_count: int = 0
     precision_id: int = 0
     errors: tuple[float, ...] = ()
+    chain: int = 0
+    created_ns: int = 0
 
     def __post_init__(self) -> None:
         _encoded("namespace", self.namespace, NAMESPACE_BYTES)
         _encoded("key", self.key, KEY_BYTES)
         _encoded("parent_key", self.parent_key, KEY_BYTES)
-        for name in ("token_count", "layer_count", "precision_id"):
+        if type(self.created_ns) is not int or not 0 <= self.created_ns < 1 << 64:
+            raise ValueError(f"created_ns must be an int in [0, 2**64); got {self.created_ns!r}")
+        for name in ("token_count", "layer_count", "precision_id", "chain"):
             v = getattr(self, name)
             if type(v) is not int or not 0 <= v < _U32:
                 raise ValueError(f"{name} must be an int in [0, 2**32); got {v!r}")

@@ -108,6 +108,8 @@ class RingWriter:
             t["token_count"][i] = meta.token_count
             t["layer_count"][i] = meta.layer_count
             t["precision_id"][i] = meta.precision_id
+            t["chain"][i] = meta.chain
+            t["created_ns"][i] = meta.created_ns
             t["nerrors"][i] = len(meta.errors)
             if meta.errors:
                 t["errors"][i, :len(meta.errors)] = np.asarray(meta.errors, dtype=np.float32)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import IO, Callable
 
 from store.errors import NodeRefused, OperationalError
+from store.node.block_record import Announcement
 from store.node.handshake import Handshake
 from store.node.protocol import (
     Op,
@@ -81,6 +82,8 @@ class _Handler(socketserver.BaseRequestHandler):
                 elif op == Op.RECORD:
                     service.record(decode_keys(body))
                     reply = b""
+                elif op == Op.ATTACH:
+                    reply = json.dumps(service.attach(Announcement.decode(body))).encode()
                 elif op == Op.STATS:
                     reply = json.dumps(service.stats()).encode()
                 else:

@@ -20,11 +20,13 @@ from typing import Any
 from store.config import KvwarmConfig
 from store.errors import ConfigError, StoreError
 from store.identity.tenant import PUBLIC, Tenant
+from store.node.block_record import Announcement
 from store.node.copier import Copier
 from store.node.hands import StoreHands
 from store.node.handshake import Handshake
 from store.node.metrics import NodeCollector, NodeCounters, node_registry
 from store.node.protocol import Keys
+from store.node.writes import NodeWrites
 from store.serving.agent import AgentSettings, AgentThread, NodeAgent, StorePlans
 from store.serving.fleet import FleetRecorder, resolve_node_id
 from store.tiers.base import object_name
@@ -91,6 +93,7 @@ class NodeService:
                                       name="kvwarm-node-agent").start()
         self._house = threading.Thread(target=self._housekeeping, name="kvwarm-node-gc", daemon=True)
         self._house.start()
+        self.writes = NodeWrites(config, self.store, self.local, _tenants(config))
         self.metrics_port = self._serve_metrics(config.node.metrics_port if metrics_port is None else
                                                 None if metrics_port < 0 else metrics_port)
 
@@ -121,6 +124,11 @@ class NodeService:
             self.fleet.record([object_name(req.namespace, k) for k in req.keys])
         self.counters.incr("records")
 
+    def attach(self, ann: Announcement) -> dict[str, Any]:
+        """An engine's write-back ring: drain it into the node tier (:mod:`store.node.writer`)."""
+        self.counters.incr("rings_attached")
+        return self.writes.attach(ann)
+
     def connected(self, delta: int) -> None:
         """A client connected (+1) or left (-1)."""
         with self._clients_lock:
@@ -138,7 +146,7 @@ class NodeService:
         return {"pid": os.getpid(), "version": self.handshake.version, "fingerprint": self.handshake.fingerprint,
                 "node_id": self.node_id, "node_tier": self.local.url, "metrics_port": self.metrics_port,
                 "clients": self.clients, **self.counters.snapshot(),
-                "copies": dict(self.copier.counts),
+                "copies": dict(self.copier.counts), "write_back": self.writes.stats(),
                 "last_gc": self.last_gc.as_dict() if self.last_gc is not None else None}
 
     # -- background ------------------------------------------------------------
@@ -194,6 +202,7 @@ class NodeService:
         if self._agent is not None:
             self._agent.close()
         self.copier.close()
+        self.writes.close()
         self._house.join(5.0)
         if self.fleet is not None:
             self.fleet.close()

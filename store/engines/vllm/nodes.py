@@ -24,13 +24,14 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvwarm.vllm")
 
 
-def node_client(settings: "ConnectorSettings") -> "NodeClient | None":
+def node_client(settings: "ConnectorSettings", *, autostart: bool | None = None) -> "NodeClient | None":
     """A client of the machine's node for this engine, connecting in the background; ``None`` (the
-    connector works alone) when the node's settings cannot be used, with the reason logged."""
+    connector works alone) when the node's settings cannot be used, with the reason logged.
+    ``autostart``: overrides ``node.autostart`` (a worker's client leaves starting one to the scheduler's)."""
     from store.node.client import NodeClient
 
     try:
-        client = NodeClient(settings.config, settings.store_url)
+        client = NodeClient(settings.config, settings.store_url, autostart=autostart)
     except (KvwarmError, OSError, ValueError) as exc:
         log.warning("kvwarm: not using a node process (%s); the connector works alone", exc)
         return None

@@ -34,6 +34,8 @@ COUNTERS = {
     "bytes_loaded": "Stored bytes read by loads.",
     "written_back_blocks": "Blocks the engine computed, written to the store (write-back, not prefill).",
     "written_back_bytes": "Bytes of written-back snapshots.",
+    "write_back_handed": "Blocks the engine handed to the node process through its write-back ring "
+                         "(loader.write_back_via = node); the node writes and uploads them.",
     "written_back_uploads": "Written-back blocks the upload streams put in the remote tier (S3), drained from the "
                             "upload backlog (this process's or one an earlier process left).",
     "upload_present": "Upload backlog entries whose block the remote tier (S3) held already: nothing sent.",
@@ -61,8 +63,9 @@ LABELLED = {
                       MISS_REASONS),
     "write_back_skipped": ("Blocks not written back, by reason (present: the store had them).", ("present",)),
     "write_back_dropped": ("Blocks dropped by write-back, by reason (queue_full: kvwarm blocks at the tail of a "
-                           "save the copy queue could not take; error: a block not written to NVMe).",
-                           ("queue_full", "error")),
+                           "save the copy queue could not take; ring_full: the tail of a save the node's ring "
+                           "had no room for; error: a block not written to NVMe).",
+                           ("queue_full", "ring_full", "error")),
     "upload_dropped": ("Written-back blocks that left the upload backlog without reaching the remote tier (S3), by "
                        "reason (evicted: gone from NVMe before their turn; expired; corrupt: the NVMe copy failed its "
                        "checks and was quarantined; error: refused at every attempt; no_space, unrecorded: the "

@@ -21,7 +21,8 @@ worker role:
     ``loads``, ``tokens_loaded``, ``bytes_loaded``, ``load_seconds`` (their sum) and
     ``load_latencies`` (each load's seconds: a histogram), ``load_failures:<reason>``,
     ``written_back_blocks``, ``written_back_bytes``, ``write_back_skipped:<reason>`` (``present``:
-    the store had it), ``write_back_dropped:<reason>`` (``queue_full``, ``error``), the upload
+    the store had it), ``write_back_dropped:<reason>`` (``queue_full``, ``ring_full``, ``error``),
+    ``write_back_handed`` (blocks given to the node through the write-back ring), the upload
     backlog's ``written_back_uploads``, ``upload_present``, ``upload_backlog_resumed``,
     ``upload_backlog_rescanned`` and ``upload_dropped:<reason>`` (``evicted``, ``expired``,
     ``corrupt``, ``error``, ``no_space``, ``unrecorded``: :mod:`store.engines.vllm.uploads`),

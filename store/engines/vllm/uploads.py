@@ -153,6 +153,10 @@ class Uploads:
         """Blocks in the backlog that this process uploads (in flight ones too)."""
         return self.backlog.count(self.tenants)
 
+    def add_tenants(self, names: Collection[str]) -> None:
+        """Upload these tenants' rows too (the node, as engines announce theirs)."""
+        self.tenants = self.tenants | frozenset(names)
+
     # -- the writer's side ---------------------------------------------------
     def put(self, tenant: Tenant, snap: EncodedSnapshot) -> bool:
         """Enqueue one snapshot the writer has just put on NVMe: it waits in the backlog until an

@@ -34,8 +34,10 @@ import torch
 
 from store.engines.vllm.layout import EngineLayout
 from store.engines.vllm.metadata import LoadResult, LoadSpec, SaveSpec, StepPlan, WorkerReport
+from store.engines.vllm.nodes import node_client
 from store.engines.vllm.paging import write_layer
 from store.engines.vllm.parallel import head_range
+from store.engines.vllm.ring_saves import ring_saves
 from store.engines.vllm.settings import ConnectorSettings, check_block_sizes
 from store.engines.vllm.stats import Counters
 from store.engines.vllm.tenancy import TenantBook
@@ -149,11 +151,16 @@ class WorkerRole:
             self.loader(self.tenants.default, chat)  # made now, not in the first request's load
         every_layer = held == tuple(range(len(caches) if total_layers is None else total_layers))
         if self.settings.write_back and self.tp_size == 1 and every_layer:
+            lc, precision, ttl_s = cfg.loader, cfg.kv_cache.precision(), cfg.kv_cache.ttl_seconds()
+            handoff = None if lc.write_back_via != "node" else ring_saves(  # the node writes, through a ring
+                node_client(self.settings, autostart=False), tenants=self.tenants, identities=self.identities,
+                precision=precision, kv_block=self.kv_block, ttl_s=ttl_s, layout=layout, layers=len(caches),
+                counters=self.counters, ring_bytes=int(lc.write_back_ring_bytes))
             self.writer = WriteBack(Store(tiers_from_url(self.settings.store_url, cfg.store)), self.tenants,
-                                    self.identities, cfg.kv_cache.precision(), kv_block=self.kv_block,
-                                    ttl_s=cfg.kv_cache.ttl_seconds(), layout=layout, counters=self.counters,
-                                    max_bytes=int(cfg.loader.write_back_queue_bytes),
-                                    streams=cfg.loader.write_back_streams, s3_backoff_s=cfg.loader.s3_backoff_s)
+                                    self.identities, precision, kv_block=self.kv_block, ttl_s=ttl_s, layout=layout,
+                                    counters=self.counters, max_bytes=int(lc.write_back_queue_bytes),
+                                    streams=lc.write_back_streams, s3_backoff_s=lc.s3_backoff_s,
+                                    upload=lc.write_back_via != "node", handoff=handoff)
 
     def loader(self, tenant: str, chat: bool) -> KVLoader:
         """The loader of ``tenant``'s chains, plain or chat-keyed (one per pair, made on first use)."""

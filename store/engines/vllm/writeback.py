@@ -14,8 +14,11 @@ The background thread does the rest, off the forward path: it skips blocks the s
 (:func:`store.format.encode.encode_snapshot`, no second quantisation) and writes it atomically to NVMe
 (:meth:`store.tiers.store.Store.put`, with the config's TTL and the tenant's salt), then enqueues
 it in the node's persistent upload backlog (:class:`store.engines.vllm.uploads.Uploads`), whose
-``streams`` threads drain it to the remote tiers (S3), most valuable first. So a restarted or new
-replica is warm from the store even for prefixes no plan named.
+``streams`` threads drain it to the remote tiers (S3), most valuable first
+(:class:`store.serving.snapshot_writer.SnapshotWriter`, the node's code too). So a restarted or new
+replica is warm from the store even for prefixes no plan named. With ``loader.write_back_via = node``
+the thread hands each save to the node through a ring instead
+(:class:`store.engines.vllm.ring_saves.RingSaves`), and writes it itself only while no node takes it.
 
 Bounded: at most ``max_bytes`` of stored blocks (on a CPU, gathered blocks in the engine's dtype) wait to
 be written; a save that does not fit
@@ -43,15 +46,13 @@ from store.engines.vllm.paging import take_blocks
 from store.engines.vllm.stats import Counters
 from store.engines.vllm.tenancy import TenantBook
 from store.engines.vllm.uploads import Uploads
-from store.errors import StoreError
-from store.format.encode import encode_snapshot
-from store.format.header import WRITE_BACK
+from store.engines.vllm.ring_saves import Handoff, LazyUploads
 from store.format.precision import Precision
 from store.identity.fingerprint import ModelIdentity
 from store.identity.keys import block_chain
 from store.kernels.gather import StoredBlocks, block_ids, gather_quantise, quantise_taken, stored_block_bytes
 from store.serving.priority import lower_this_thread
-from store.tiers.base import object_name
+from store.serving.snapshot_writer import SnapshotWriter
 from store.tiers.store import Store
 
 log = logging.getLogger("kvwarm.vllm")
@@ -87,6 +88,10 @@ class WriteBack:
             apart the most bytes read back for uploads in flight.
         streams: upload threads to the remote tiers.
         s3_backoff_s: after S3 fails, nothing is sent to it for this long.
+        upload: start the upload threads now; ``False`` (write-back through the node, which makes the S3
+            writes): only once this writer writes a block itself (:class:`store.engines.vllm.ring_saves.LazyUploads`).
+        handoff: hands each save to the node's ring (:class:`store.engines.vllm.ring_saves.RingSaves`);
+            a save it does not take is written here.
         clock: wall time (snapshot creation times).
         quantise_on_writer: quantise on the writer thread (the engine's thread only gathers) or where the
             cache lives; ``None``: on the writer exactly when the cache is on the CPU.
@@ -96,13 +101,13 @@ class WriteBack:
                  precision: Precision, *,
                  kv_block: int, ttl_s: float, layout: EngineLayout, counters: Counters,
                  max_bytes: int = MAX_QUEUED_BYTES, streams: int = UPLOAD_STREAMS, s3_backoff_s: float = 30.0,
+                 upload: bool = True, handoff: Handoff | None = None,
                  clock: Callable[[], float] = time.time, quantise_on_writer: bool | None = None) -> None:
         self.store = store
         self.quantise_on_writer = quantise_on_writer
         local = store.local
         assert local is not None, "the store's first tier must be local"
         self.local = local
-        self._local_only = Store([local])
         self.tenants = tenants
         self.identities = identities
         self.precision = precision
@@ -112,9 +117,16 @@ class WriteBack:
         self.counters = counters
         self.max_bytes = max_bytes
         self.clock = clock
-        self.uploads = (Uploads(Store(store.tiers[1:]), local, streams=streams, max_bytes=max_bytes,
-                                backoff_s=s3_backoff_s, counters=counters, credentials=tenants.credentials,
-                                tenants=tenants.known, clock=clock) if len(store.tiers) > 1 else None)
+        def uploads() -> Uploads:
+            return Uploads(Store(store.tiers[1:]), local, streams=streams, max_bytes=max_bytes, backoff_s=s3_backoff_s,
+                           counters=counters, credentials=tenants.credentials, tenants=tenants.known, clock=clock)
+
+        # through the node, this process uploads only once it writes a block itself
+        self.uploads: Uploads | LazyUploads | None = (
+            None if len(store.tiers) < 2 else uploads() if upload else LazyUploads(uploads))
+        self.blocks = SnapshotWriter(local, precision=precision, ttl_s=ttl_s, counters=counters, uploads=self.uploads,
+                                     clock=clock)
+        self.handoff = handoff
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._lock = threading.Lock()
         self._queued = 0
@@ -231,7 +243,10 @@ class WriteBack:
 
     def _write_save(self, spec: SaveSpec, layers: list[StoredBlocks], errors: list[list[list[float]]],
                     row: int) -> None:
-        """Write one save's blocks, stored in rows ``row ..`` of ``layers``."""
+        """Write one save's blocks, stored in rows ``row ..`` of ``layers``: through the node's ring
+        when one takes them (``handoff``), else here."""
+        if self.handoff is not None and self.handoff.hand(spec, layers, errors, row):
+            return
         tenant = self.tenants.credentials(spec.tenant)
         identity = self.identities[1] if spec.chat else self.identities[0]
         if identity is None:
@@ -239,28 +254,9 @@ class WriteBack:
         root = identity.key_root(self.precision, self.kv_block, tenant.salt)
         blocks = block_chain(root, spec.token_ids)[spec.first:]
         for j, block in enumerate(blocks, start=row):
-            if self.local.exists(object_name(spec.tenant, block.key)):
-                self.counters.add("write_back_skipped", reason="present")
-                continue
-            snap = encode_snapshot(root=root, block=block, tenant=spec.tenant,
-                                   layers=[layer.block(j) for layer in layers],
-                                   errors={"k_rel_l2": [e[0][j] for e in errors],
-                                           "v_rel_l2": [e[1][j] for e in errors]},
-                                   precision=self.precision, created_at=self.clock(), ttl_s=self.ttl_s,
-                                   source=WRITE_BACK)
-            try:
-                wrote = self._local_only.put(tenant, snap)
-            except StoreError as exc:  # full, refused: this block is not written
-                log.warning("kvwarm write-back of a block of request %s failed: %s", spec.req_id, exc)
-                self.counters.add("write_back_dropped", reason="error")
-                continue
-            if not wrote:
-                self.counters.add("write_back_skipped", reason="present")
-                continue
-            self.counters.add("written_back_blocks")
-            self.counters.add("written_back_bytes", snap.file_size)
-            if self.uploads is not None:
-                self.uploads.put(tenant, snap)  # waits in the upload backlog until the link takes it
+            self.blocks.write(tenant, spec.tenant, root, block, [layer.block(j) for layer in layers],
+                              [e[0][j] for e in errors], [e[1][j] for e in errors],
+                              what=f" of request {spec.req_id}")
 
     def drain(self, timeout_s: float = 30.0) -> bool:
         """Wait until every queued save is written and uploaded (or ``timeout_s`` passed); whether it emptied."""
@@ -269,6 +265,8 @@ class WriteBack:
             with self._lock:
                 copied = self._queued == 0 and self._queue.unfinished_tasks == 0
             if copied:
+                if self.handoff is not None and not self.handoff.drain(deadline):
+                    return False
                 return self.uploads is None or self.uploads.drain(deadline)
             time.sleep(0.01)
         return False
@@ -281,6 +279,8 @@ class WriteBack:
         if self.uploads is not None:
             self.uploads.stop()  # what the writer still writes waits in the backlog
         self._thread.join(timeout=5.0)
+        if self.handoff is not None:
+            self.handoff.close()
         if self.uploads is not None:
             self.uploads.close()
         self.store.close()

@@ -14,22 +14,10 @@ from bench.lib.vllm_engine import run_engine
 from store.config import load_config
 from store.format.payload import map_file
 from store.format.snapshot import read_snapshot
-from store.identity.fingerprint import identity_from_dir
-from store.identity.keys import block_chain
 from store.plan import plan_from_prefixes, write_plan
-from store.tiers.base import object_name
-from tests.store.engines.vllm.harness import TENANT, connector, count, engine_spec, outcome, reasons, request, tiny_dir
+from tests.store.engines.vllm.harness import TENANT, connector, count, engine_spec, outcome, reasons, request
 from tests.store.engines.vllm.prompts import all_ids
-
-PROMPT = "written_back"  # 700 tokens: two full kvwarm blocks
-
-
-def written_names(config) -> list[str]:
-    """Object names of the prompt's full blocks under tenant acme's plain root."""
-    cfg = load_config(config)
-    root = identity_from_dir(tiny_dir()).key_root(cfg.kv_cache.precision(), cfg.kv_cache.block_size,
-                                                  cfg.tenant(TENANT).salt)
-    return [object_name(TENANT, b.key) for b in block_chain(root, all_ids()[PROMPT])]
+from tests.store.engines.vllm.writeback_names import PROMPT, written_names
 
 
 @pytest.fixture(scope="module")
