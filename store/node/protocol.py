@@ -24,6 +24,7 @@ import socket
 import struct
 from dataclasses import dataclass
 
+from store.errors import OperationalError
 from store.identity.tenant import check_tenant_name
 
 #: the largest frame either side accepts (a lookup of 64k keys is 2 MiB)
@@ -49,7 +50,7 @@ class Op(enum.IntEnum):
     REFUSED = 0xFF
 
 
-class ProtocolError(ValueError):
+class ProtocolError(OperationalError, ValueError):
     """A frame that is not the protocol's (too long, truncated, an unknown op, bad fields)."""
 
 
