@@ -130,8 +130,11 @@ def run(spec: dict[str, Any], result: dict[str, Any], result_path: str) -> None:
 
 
 def tasks_cpu() -> dict[str, dict[str, float]]:
-    """CPU seconds (user + system) of this process's threads since they started, by kernel thread name (OpenMP's
-    workers and vLLM's included, not Python's threads alone): the threads that used 0.5 s or more, and their count."""
+    """CPU seconds (user + system) of this process's threads since they started, by name (a Python thread's, else
+    the kernel's: OpenMP's workers and vLLM's included), with the niceness: the threads that used 0.5 s or more."""
+    import threading
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
     tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, dict[str, float]] = {}
     for task in os.listdir("/proc/self/task"):
@@ -143,7 +146,8 @@ def tasks_cpu() -> dict[str, dict[str, float]]:
         fields = rest.split()
         seconds = (int(fields[11]) + int(fields[12])) / tick
         if seconds >= 0.5:
-            slot = out.setdefault(head.split("(", 1)[1], {"threads": 0, "cpu_s": 0.0})
+            name = names.get(int(task)) or head.split("(", 1)[1]
+            slot = out.setdefault(f"{name} (nice {fields[16]})", {"threads": 0, "cpu_s": 0.0})
             slot["threads"] += 1
             slot["cpu_s"] = round(slot["cpu_s"] + seconds, 2)
     return out
