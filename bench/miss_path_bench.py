@@ -17,7 +17,8 @@ Both engines start together (:mod:`bench.lib.miss_driver`, vLLM's one-process mo
 server's engine loop steps it), each runs ``--warmup`` requests at concurrency 4 (not measured), and
 then they take turns: a round is ``--round`` (4) requests one at a time (**sequential**) or as many
 with 4 in flight, each finished one replaced by the next at once (**concurrency 4**); each engine runs
-round ``j`` while the other waits (its threads idle), vllm first in even rounds and kvwarm first in odd
+round ``j`` while the other is stopped (SIGSTOP to its process group; during vLLM's turn kvwarm's node
+process too: no thread of one arm runs in the other's turn), vllm first in even rounds and kvwarm first in odd
 ones, and the modes alternate round by round, until each mode has ``--requests`` (16) per engine. The
 machine is shared and its load drifts by the minute: turns of a few seconds put both engines under
 the same drift. kvwarm's round ends once its write-back has written and uploaded what the round
@@ -134,14 +135,33 @@ def rounds(n: int, size: int, tokens: int, vocab: int) -> list[dict]:
     return out
 
 
-def interleave(procs: dict[str, EngineProcess], n_rounds: int, timeout_s: float) -> list[list[str]]:
+def pause(pids: list[int | None], sig: int) -> None:
+    """SIGSTOP or SIGCONT each process (group, for an engine: its leader's pid is negated) that is still there."""
+    for pid in pids:
+        if pid is not None:
+            try:
+                if pid < 0:
+                    os.killpg(-pid, sig)
+                else:
+                    os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+
+def interleave(procs: dict[str, EngineProcess], n_rounds: int, timeout_s: float, sock: Path) -> list[list[str]]:
     """Let each engine run round ``j`` in turn, the order swapped each round (vllm first in even ones);
-    returns the orders."""
+    returns the orders. The side not running is stopped (SIGSTOP): the other engine, and during vLLM's
+    turn kvwarm's node process, so that no thread of one arm runs in the other's turn."""
     orders = []
     for j in range(n_rounds):
         order = list(procs) if j % 2 == 0 else list(procs)[::-1]
         for arm in order:
             procs[arm].at_barrier(f"round{j}", timeout_s)
+        for arm in order:
+            others = [-procs[a].proc.pid for a in procs if a != arm] + ([node_pid(sock)] if arm != "kvwarm" else [])
+            mine = [-procs[arm].proc.pid] + ([node_pid(sock)] if arm == "kvwarm" else [])
+            pause(others, signal.SIGSTOP)
+            pause(mine, signal.SIGCONT)
             procs[arm].go(f"round{j}")
             procs[arm].at_barrier(f"round{j + 1}" if j + 1 < n_rounds else "end", timeout_s)
         orders.append(order)
@@ -239,12 +259,14 @@ def main(argv: list[str] | None = None) -> int:
             procs[arm] = EngineProcess({**spec, "connector": c, "warmup": warm}, work / "engines", kv_cache_gib=1,
                                        env=ENGINE_ENV, name=arm, module="bench.lib.miss_driver")
         print(f"{len(plan)} rounds of up to {args.round} requests per engine, the engines taking turns", flush=True)
-        orders = interleave(procs, len(plan), args.timeout)
+        orders = interleave(procs, len(plan), args.timeout, sock)
+        pause([-p.proc.pid for p in procs.values()] + [node_pid(sock)], signal.SIGCONT)
         for arm, proc in procs.items():
             proc.go("end")
             runs[arm] = proc.wait(args.timeout).result
         node = node_pid(sock)
     finally:
+        pause([-p.proc.pid for p in procs.values()] + [node_pid(sock)], signal.SIGCONT)
         for proc in procs.values():
             proc.stop()
         stopped = stop_node(sock)
