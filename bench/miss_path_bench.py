@@ -19,7 +19,7 @@ then they take turns: a round is ``--round`` (4) requests one at a time (**seque
 with 4 in flight, each finished one replaced by the next at once (**concurrency 4**); each engine runs
 round ``j`` while the other is stopped (SIGSTOP to its process group; during vLLM's turn kvwarm's node
 process too: no thread of one arm runs in the other's turn), vllm first in even rounds and kvwarm first in odd
-ones, and the modes alternate round by round, until each mode has ``--requests`` (16) per engine. The
+ones, and the modes alternate round by round, until each mode has ``--requests`` (24) per engine. The
 machine is shared and its load drifts by the minute: turns of a few seconds put both engines under
 the same drift. kvwarm's round ends once its write-back has written and uploaded what the round
 queued (the seconds it took are reported apart, ``kvwarm_drain_s``), so none of that work lands in
@@ -30,14 +30,15 @@ Figures per mode: TTFT median, mean, p90 of each engine, kvwarm ÷ vllm of the m
 (targets: <= 1.10, sequentially and at concurrency 4), and the median over rounds of each round's
 ratio of medians (the two engines ran that round back to back). Also kvwarm's counters after its
 shutdown (blocks written back and uploaded, drops by reason, misses by reason, the node client's
-fallbacks), and each engine's start-up. A default run takes about 6 minutes on two quiet cores,
-twice that on busy ones. The last line printed is one JSON object; it is also written to
-``bench/results/miss_path.json`` (``miss_path-quick.json`` for ``--quick``, ``miss_path-partial.json``
-for other sizes)::
+fallbacks), each engine's start-up, and the CPU seconds of each engine's busy threads by name and
+niceness (kvwarm's ``kvwarm-upload-*`` and ``kvwarm-writeback`` beside vLLM's). A default run takes
+about 4 minutes on two quiet cores, twice that on busy ones. The last line printed is one JSON
+object; it is also written to ``bench/results/miss_path.json`` (``miss_path-quick.json`` for
+``--quick``, ``miss_path-partial.json`` for other sizes)::
 
-    .venv/bin/python bench/miss_path_bench.py                 # 16 requests a mode and engine
+    .venv/bin/python bench/miss_path_bench.py                 # 24 requests a mode and engine
     .venv/bin/python bench/miss_path_bench.py --quick         # 8
-    .venv/bin/python bench/miss_path_bench.py --requests 24 --round 6
+    .venv/bin/python bench/miss_path_bench.py --requests 32 --round 8
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ from bench.lib.results import Run, add_results_option, variant_of  # noqa: E402
 from bench.lib.vllm_engine import EngineProcess  # noqa: E402
 
 MODEL = "kvwarm-ref"
-TOKENS, REQUESTS, ROUND, WARMUP, CONCURRENCY, MAX_TOKENS = 2048, 16, 4, 4, 4, 8
+TOKENS, REQUESTS, ROUND, WARMUP, CONCURRENCY, MAX_TOKENS = 2048, 24, 4, 4, 4, 8
 TENANT, BUCKET = "bench", "miss-path"
 TARGET_RATIO = 1.10
 #: every engine computes on both cores (shared/STACK-NOTES.md: an engine with a connector reserves one less)
