@@ -23,8 +23,9 @@ def test_the_page_is_what_the_committed_records_make() -> None:
 
 
 def test_the_page_stays_one_page() -> None:
-    # one page: 220 before LMCache side by side (engine, live replay), 260 before the node process's five parts
-    assert len(report.PAGE.read_text().splitlines()) < 340
+    # one page: 220 before LMCache side by side (engine, live replay), 260 before the node process's five parts,
+    # 340 before the write-back and miss-path benches on a real engine
+    assert len(report.PAGE.read_text().splitlines()) < 400
 
 
 def test_every_bench_has_a_record_or_says_what_to_run(tmp_path: Path) -> None:
