@@ -259,10 +259,9 @@ class Uploads:
             except (StoreError, sqlite3.Error) as exc:  # locked past its timeout, the disk full: look again later
                 log.warning("kvwarm write-back: the upload backlog could not be read (%s); trying again", exc)
             finally:
-                if row is None:
-                    with self._cond:
+                if row is None:  # no notify: the other idle threads would wake, find nothing and wake this one
+                    with self._cond:  # again, a ping-pong that kept a core busy (drain() polls every 50 ms)
                         self._busy -= 1
-                        self._cond.notify_all()
             if row is None:
                 with self._cond:
                     if not self._closing and self._gen == gen:

@@ -252,3 +252,20 @@ def test_a_backlog_drains_into_real_s3_after_a_restart_and_the_blocks_read_back(
             assert Store([s3]).get(ACME, b, ROOT) is not None
     finally:
         again.close()
+
+
+def test_idle_upload_threads_look_at_the_backlog_once_a_poll_not_in_a_loop(tmp_path: Path) -> None:
+    """With nothing to send, each thread claims once per ``poll_s`` (and once per put): an empty claim once woke
+    the other idle threads, which found nothing and woke it again, keeping a core busy in vLLM's process."""
+    local, far = _tiers(tmp_path)
+    up = uploads(local, Store([far]), streams=4, poll_s=0.5)
+    claims = []
+    claim = up.backlog.claim
+    up.backlog.claim = lambda *a, **kw: claims.append(1) or claim(*a, **kw)  # type: ignore[method-assign]
+    try:
+        time.sleep(1.0)  # what is counted is claims, not time: a slower machine makes fewer, never more
+        assert len(claims) <= 4 * (1.0 / 0.5 + 2), len(claims)
+        name = write(local, up, snapshots(1)[0])  # and a put still wakes them at once
+        wait_for(lambda: far.exists(name), "the upload of a block put while the threads were idle")
+    finally:
+        up.close()
