@@ -18,24 +18,12 @@ from store.node.copier import Copier
 from store.plan import Plan
 from store.published_plan import PublishedPlan
 from store.serving.fleet_file import read_fleet
+from store.serving.loader_node import HeldNames
 from store.serving.urgency import PlanChain, UseLike
 from store.tiers.base import Tier, object_name
 from store.tiers.stats import StoreStats
 
 log = logging.getLogger("kvwarm.node")
-
-
-class _Held:
-    """The node tier as a container of object names (asked name by name, as the ranking needs)."""
-
-    def __init__(self, tier: Tier) -> None:
-        self.tier = tier
-
-    def __contains__(self, name: object) -> bool:
-        try:
-            return isinstance(name, str) and self.tier.exists(name)
-        except OSError:
-            return False
 
 
 class StoreHands:
@@ -83,8 +71,8 @@ class StoreHands:
                           exclude_node=self.node_id if others_only else None, stats=self.stats,
                           max_file_bytes=self.max_file_bytes)
 
-    def held(self) -> _Held:
-        return _Held(self.local)
+    def held(self) -> HeldNames:
+        return HeldNames(self.local)
 
     def _block_bytes(self) -> float:
         try:

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvwarm.agent")
 
 
-class _Held:
+class HeldNames:
     """The NVMe tier as a container of object names (asked name by name, as the ranking needs)."""
 
     def __init__(self, tier: Any) -> None:
@@ -149,8 +149,8 @@ class LoaderNode:
             log.warning("kvwarm agent: the fleet's memory could not be read (%s); warming from the plan only", exc)
             return []
 
-    def held(self) -> _Held:
-        return _Held(self.loader.local)
+    def held(self) -> HeldNames:
+        return HeldNames(self.loader.local)
 
     def _block_bytes(self) -> float:
         """The mean stored block's size in the NVMe tier (0: nothing stored yet, size unknown)."""
