@@ -164,8 +164,8 @@ class NodeClient:
                 self.reconnects += 1
                 log.info("kvwarm node: reconnected to %s (pid %s)", self.path, self.node.get("pid"))
                 return
-            except NodeRefused as exc:
-                log.error("kvwarm node: %s", exc)
+            except NodeRefused as exc:  # a configuration to fix, not a failure: the engine works alone
+                log.warning("kvwarm node: %s", exc)
                 return
             except NodeUnavailable as exc:  # said once; the retries go on quietly (a node may be started later)
                 log.log(logging.WARNING if pause == 0.1 else logging.DEBUG, "kvwarm node: %s; retrying", exc)
