@@ -27,12 +27,10 @@ shutdown), ``timer_overhead_s`` (one timed call of an empty hook), ``error``.
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
 import time
-import traceback
 from array import array
 from typing import Any
 
@@ -202,19 +200,9 @@ def _all_decoding(sched: Any, n: int) -> bool:
 
 
 def main(spec_path: str, result_path: str) -> int:
-    with open(spec_path) as f:
-        spec = json.load(f)
-    result: dict[str, Any] = {"error": None, "timer_overhead_s": timer_overhead_s()}
-    try:
-        run(spec, result)
-    except BaseException:  # noqa: BLE001 - the result, with the traceback, must still be written
-        result["error"] = traceback.format_exc()
-        traceback.print_exc()
-    finally:
-        with open(result_path + ".tmp", "w") as f:
-            json.dump(result, f)
-        os.replace(result_path + ".tmp", result_path)
-    return 1 if result["error"] else 0
+    from bench.lib.vllm_driver import drive
+
+    return drive(run, spec_path, result_path, {"error": None, "timer_overhead_s": timer_overhead_s()})
 
 
 if __name__ == "__main__":

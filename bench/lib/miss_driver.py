@@ -34,11 +34,9 @@ connector roles' after the phases), ``final_stats`` (after shutdown), ``shutdown
 """
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-import traceback
 from typing import Any
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vllm: the engine core runs in this process
@@ -163,19 +161,9 @@ def drain(writer: Any) -> float | None:
 
 
 def main(spec_path: str, result_path: str) -> int:
-    with open(spec_path) as f:
-        spec = json.load(f)
-    result: dict[str, Any] = {"error": None}
-    try:
-        run(spec, result, result_path)
-    except BaseException:  # noqa: BLE001 - the result, with the traceback, must still be written
-        result["error"] = traceback.format_exc()
-        traceback.print_exc()
-    finally:
-        with open(result_path + ".tmp", "w") as f:
-            json.dump(result, f)
-        os.replace(result_path + ".tmp", result_path)
-    return 1 if result["error"] else 0
+    from bench.lib.vllm_driver import drive
+
+    return drive(lambda spec, result: run(spec, result, result_path), spec_path, result_path, {"error": None})
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 # before vllm is imported: one process, no engine-core or worker processes to start and stop
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -318,6 +318,29 @@ def barrier(result_path: str, name: str, timeout_s: float = 600) -> None:
         time.sleep(0.05)
 
 
+def write_result(result: dict[str, Any], result_path: str) -> None:
+    """The result file, replaced whole (its reader sees the old one or the new one, never half)."""
+    with open(result_path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(result_path + ".tmp", result_path)
+
+
+def drive(run: Callable[[dict[str, Any], dict[str, Any]], None], spec_path: str, result_path: str,
+          result: dict[str, Any]) -> int:
+    """A driver's main: ``run(spec, result)``, then the result written whatever happened (with the
+    traceback under ``error`` when it raised); the exit status."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    try:
+        run(spec, result)
+    except BaseException:  # noqa: BLE001 - the result, with the traceback, must still be written
+        result["error"] = traceback.format_exc()
+        traceback.print_exc()
+    finally:
+        write_result(result, result_path)
+    return 1 if result["error"] else 0
+
+
 def main(spec_path: str, result_path: str) -> int:
     spec = json.loads(open(spec_path).read())
     result: dict[str, Any] = {"steps": [], "error": None}
@@ -367,9 +390,7 @@ def main(spec_path: str, result_path: str) -> int:
         result["error"] = traceback.format_exc()
         traceback.print_exc()
     finally:
-        with open(result_path + ".tmp", "w") as f:
-            json.dump(result, f)
-        os.replace(result_path + ".tmp", result_path)
+        write_result(result, result_path)
     return 1 if result["error"] else 0
 
 

@@ -29,7 +29,6 @@ import json
 import os
 import sys
 import time
-import traceback
 from typing import Any
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vllm: the engine core runs in this process
@@ -106,18 +105,9 @@ def run(spec: dict[str, Any], result: dict[str, Any], result_path: str) -> None:
 
 
 def main(spec_path: str, result_path: str) -> int:
-    spec = json.loads(open(spec_path).read())
-    result: dict[str, Any] = {"error": None}
-    try:
-        run(spec, result, result_path)
-    except BaseException:
-        result["error"] = traceback.format_exc()
-        traceback.print_exc()
-    finally:
-        with open(result_path + ".tmp", "w") as f:
-            json.dump(result, f)
-        os.replace(result_path + ".tmp", result_path)
-    return 1 if result["error"] else 0
+    from bench.lib.vllm_driver import drive
+
+    return drive(lambda spec, result: run(spec, result, result_path), spec_path, result_path, {"error": None})
 
 
 if __name__ == "__main__":
