@@ -35,9 +35,11 @@ def background_nice() -> int:
 
 
 def lower_this_thread() -> int | None:
-    """Raise the calling thread's nice value by :func:`background_nice` (Linux: per thread).
+    """Give the calling thread the process's nice value plus :func:`background_nice` (Linux: per
+    thread; the process's is its main thread's). Calling it again changes nothing: a thread
+    shared by several users (s3fs's event loop) is lowered once.
 
-    Returns the thread's new nice value, or ``None`` where that cannot be done (another OS,
+    Returns the thread's nice value then, or ``None`` where that cannot be done (another OS,
     or a sandbox that refuses it): the thread then runs at the process's priority, as before.
     """
     step = background_nice()
@@ -45,8 +47,9 @@ def lower_this_thread() -> int | None:
         return None
     try:
         tid = threading.get_native_id()
-        now = os.getpriority(os.PRIO_PROCESS, tid)
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, now + step))
+        target = min(19, os.getpriority(os.PRIO_PROCESS, os.getpid()) + step)
+        if os.getpriority(os.PRIO_PROCESS, tid) < target:
+            os.setpriority(os.PRIO_PROCESS, tid, target)
         return os.getpriority(os.PRIO_PROCESS, tid)
     except (OSError, AttributeError) as exc:
         log.debug("background thread priority unchanged: %s", exc)

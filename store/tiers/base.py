@@ -14,7 +14,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar, Iterator, Sequence
+from typing import Callable, ClassVar, Iterator, Sequence
 
 import pyarrow as pa
 
@@ -194,6 +194,13 @@ class Tier(ABC):
         """Build the client a remote tier reaches its service with, without a request (local
         tiers: nothing). Made on first use otherwise; building it is tens of ms of Python
         (botocore's models), which a process pays where it chooses: before it serves."""
+
+    def call_on_io_thread(self, fn: Callable[[], object]) -> bool:
+        """Run ``fn`` once on the thread this tier's requests run on (a remote tier's event loop),
+        without waiting for it: ``False`` where the tier has no such thread (local tiers run on
+        the caller's). The serving side lowers that thread's priority with it
+        (:func:`store.serving.priority.lower_this_thread`)."""
+        return False
 
     def close(self) -> None:
         """Release resources (flush pending access records)."""

@@ -14,7 +14,7 @@ import errno
 import os
 import secrets
 import time
-from typing import Any, Coroutine, Iterator, Sequence, TypeVar
+from typing import Any, Callable, Coroutine, Iterator, Sequence, TypeVar
 
 import aiohttp
 import pyarrow as pa
@@ -104,6 +104,11 @@ class S3Tier(Tier):
     def open_client(self) -> None:
         """Build the S3 client now (no request is made): see :meth:`Tier.open_client`."""
         self._call(self.fs.set_session(), "client set-up")
+
+    def call_on_io_thread(self, fn: Callable[[], object]) -> bool:
+        """Run ``fn`` on s3fs's event-loop thread (``fsspecIO``, shared by every S3 tier of the process)."""
+        self.fs.loop.call_soon_threadsafe(fn)
+        return True
 
     def _path(self, name: str) -> str:
         return f"{self.base}/{name}"

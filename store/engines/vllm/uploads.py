@@ -200,6 +200,9 @@ class Uploads:
     # -- the upload threads --------------------------------------------------
     def _run(self, first: bool) -> None:
         lower_this_thread()
+        if first:  # the PUTs themselves (signing, checksums, sockets) run on the S3 client's loop thread
+            for tier in self.remote.tiers:
+                tier.call_on_io_thread(lower_this_thread)
         try:
             if first and self.backlog.damaged:
                 self._rescan()

@@ -32,6 +32,9 @@ def test_a_background_thread_is_lowered_and_the_rest_of_the_process_is_not(monke
         priority.lower_this_thread()
         return in_thread(lambda: None)[1]
     assert in_thread(child)[0] == min(19, main + priority.DEFAULT_NICE)
+    # lowered twice (a thread several users share), it is lowered once
+    assert in_thread(lambda: (priority.lower_this_thread(), priority.lower_this_thread())[1])[0] == \
+        min(19, main + priority.DEFAULT_NICE)
 
 
 def test_the_increment_is_set_by_the_environment(monkeypatch, caplog):

@@ -58,3 +58,17 @@ def test_missing_credential_env_vars_are_a_config_error(monkeypatch):
                    secret_key_env="KVWARM_SOME_SECRET")
     with pytest.raises(ConfigError, match=r"\$KVWARM_NO_SUCH_KEY"):
         S3Tier("s3://bucket/prefix", cfg)
+
+
+def test_a_call_on_the_io_thread_runs_on_s3fs_loop_thread_not_the_callers(tier):
+    import threading
+    ran = threading.Event()
+    where: list[str] = []
+
+    def probe() -> None:
+        where.append(threading.current_thread().name)
+        ran.set()
+
+    assert tier.call_on_io_thread(probe) is True
+    assert ran.wait(10)
+    assert where == ["fsspecIO"] and threading.current_thread().name != "fsspecIO"

@@ -250,8 +250,22 @@ def test_a_backlog_drains_into_real_s3_after_a_restart_and_the_blocks_read_back(
         blocks = [make_chain(ROOT, 1, start=1000 * i)[0] for i in range(3)]
         for b in blocks:  # whole and checked, from S3 alone
             assert Store([s3]).get(ACME, b, ROOT) is not None
+        # the PUTs ran on s3fs's loop thread, which the upload threads lowered as they lower themselves
+        assert _nice_of("fsspecIO") == _nice_of("kvwarm-upload-0") > os.getpriority(os.PRIO_PROCESS, 0) or \
+            not lowers_threads()
     finally:
         again.close()
+
+
+def _nice_of(thread_name: str) -> int:
+    import threading
+    (t,) = [t for t in threading.enumerate() if t.name == thread_name]
+    return os.getpriority(os.PRIO_PROCESS, t.native_id)
+
+
+def lowers_threads() -> bool:
+    from store.serving.priority import background_nice
+    return hasattr(os, "setpriority") and background_nice() > 0 and os.getpriority(os.PRIO_PROCESS, 0) < 19
 
 
 def test_idle_upload_threads_look_at_the_backlog_once_a_poll_not_in_a_loop(tmp_path: Path) -> None:
