@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from operator import itemgetter
 from typing import Any, Callable, Mapping, Sequence
 
 from store.engines.vllm.audit import Check, CrossTenantAudit
@@ -294,15 +295,19 @@ class SchedulerRole:
         saves: list[SaveSpec] = []
         prompt_tokens = 0
         try:
-            for c in computes:  # every scheduled request, new and resumed first (their whole tables)
-                st = self.tracker.get(c.req_id)
+            step, kv_block = self.saves.step, self.saves.kv_block
+            # every scheduled request, new and resumed first (their whole tables)
+            for c, st in zip(computes, self.tracker.get_many(map(itemgetter(0), computes))):
                 if st is None:
                     continue
                 if c.replace:
                     st.block_table = list(c.new_blocks)
                 elif c.new_blocks:
                     st.block_table.extend(c.new_blocks)
-                prompt_tokens += self.saves.step(st, c.start, c.tokens, saves)
+                n = len(st.prompt)
+                if c.start >= n and (st.save_wait or st.save_from >= n // kv_block):
+                    continue  # decoding, its prompt saved (or its save refused): saves.step's common case, inline
+                prompt_tokens += step(st, c.start, c.tokens, saves)
             other = max(0, int(scheduler_output.total_num_scheduled_tokens) - prompt_tokens)
         except Exception:  # noqa: BLE001 - saves are best effort; the loads above are always sent
             log.exception("kvwarm could not plan this step's write-back")

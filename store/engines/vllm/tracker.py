@@ -8,6 +8,7 @@ dropped when vLLM finishes it: memory follows the requests in flight. Pure: no v
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from store.engines.vllm.fetches import Pending
@@ -89,6 +90,11 @@ class Tracker:
     def get(self, req_id: str) -> RequestState | None:
         with self._lock:
             return self._states.get(req_id)
+
+    def get_many(self, req_ids: Iterable[str]) -> list[RequestState | None]:
+        """:meth:`get` of each of ``req_ids``, under one hold of the lock (the scheduler's every step)."""
+        with self._lock:
+            return list(map(self._states.get, req_ids))
 
     def add(self, state: RequestState) -> RequestState:
         """Keep ``state`` (a request already known keeps its first state)."""

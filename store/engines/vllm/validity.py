@@ -36,14 +36,16 @@ Pure: block ids and token counts, no vLLM, no torch.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from store.engines.vllm.tables import BlockTables, InvalidBlocks
 
 
-@dataclass(frozen=True)
-class Compute:
+class Compute(NamedTuple):
     """One request's part of a step, as the worker needs it to follow block validity.
+
+    A named tuple, not a dataclass: the scheduler makes one per running request every step,
+    and a tuple is made at C speed (:func:`store.engines.vllm.planning.computes_of`).
 
     Attributes:
         req_id: vLLM's request id.
