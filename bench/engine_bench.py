@@ -79,6 +79,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.lib.bench_node import stop_nodes  # noqa: E402
 from bench.lib.engine_lmcache import vs_lmcache  # noqa: E402
 from bench.lib.engine_parts import (  # noqa: E402
     BLOCK,
@@ -254,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             fastest = min(out["ttft_s"][f"kvwarm_{q}"] for q in precisions)
             out["targets"]["no_slower_than_vllm_fs_tier"] = fastest <= out["ttft_s"]["vllm_offloading_fs"]
     finally:
+        stop_nodes(work)
         shutil.rmtree(work, ignore_errors=True)
     out["duration_s"] = time.perf_counter() - t_start
     record.finish(out, args.results, record_variant(args, reps, precisions))

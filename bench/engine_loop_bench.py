@@ -61,6 +61,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.lib.bench_node import stop_nodes  # noqa: E402
 from bench.lib.engine_parts import write_config  # noqa: E402
 from bench.lib.results import Run, add_results_option, variant_of  # noqa: E402
 from bench.lib.vllm_engine import EngineProcess  # noqa: E402
@@ -237,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         out["targets"] = {"kvwarm_step_le_0.3ms_met": all(s["step_met"] for s in done),
                           "gil_probe_p99_within_1ms_met": all(s["probe_met"] for s in done)}
     finally:
+        stop_nodes(work)
         shutil.rmtree(work, ignore_errors=True)
     out["duration_s"] = time.perf_counter() - t_start
     record.finish(out, args.results, record_variant(args, sizes))

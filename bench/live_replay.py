@@ -75,6 +75,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+from bench.lib.bench_node import stop_nodes
 from bench.lib.engine_parts import engine_bytes_per_token
 from bench.lib.live_engines import (
     calibrate_step,
@@ -241,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def between(i: int) -> None:
                 if i == 0:
+                    stop_nodes(cfg_a.parent / "node-node-a")  # the replaced machine's node process goes with it
                     t0 = time.perf_counter()
                     plan = make_live_plan(rows, event, model_dir=model_dir, config_path=cfg_a, prefill=prefill,
                                           per_token=per_token, node_bytes=node_bytes)
@@ -269,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "worker_counters": {k: v for k, v in wb.items() if isinstance(v, (int, float))},
                                   "scheduler_counters": {k: v for k, v in sb.items() if isinstance(v, (int, float))}}
     finally:
+        stop_nodes(work)
         weed.stop()
         if args.work is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -56,6 +56,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.lib.bench_node import node_pid, node_section, stop_node  # noqa: E402
 from bench.lib.engine_parts import S3_ENV  # noqa: E402
 from bench.lib.results import Run, add_results_option, variant_of  # noqa: E402
 from bench.lib.vllm_engine import EngineProcess  # noqa: E402
@@ -92,37 +93,10 @@ def kvwarm_config(path: Path, *, endpoint: str, sock: Path) -> Path:
                          "secret_key_env": "KVWARM_BENCH_S3_SECRET"}},
         "loader": {"pool_dir": str(path.parent / "pool")},
         "fleet_memory": {"node_id": "miss-bench"},
-        # metrics on a free port: a node of another run on this machine may hold the default one
-        "node": {"socket": str(sock), "metrics_port": 0},
+        "node": {**node_section(sock.parent), "socket": str(sock)},
         "tenants": {TENANT: {}},
     }))
     return path
-
-
-def node_pid(sock: Path) -> int | None:
-    """The pid in the lock the node process holds beside its socket (``None``: no node started)."""
-    from store.node.spawn import lock_path
-
-    try:
-        return int(lock_path(sock).read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def stop_node(sock: Path) -> int | None:
-    """SIGTERM the node the connector started (SIGKILL after 10 s); returns its pid."""
-    pid = node_pid(sock)
-    if pid is None:
-        return None
-    try:
-        os.kill(pid, signal.SIGTERM)
-        for _ in range(100):
-            os.kill(pid, 0)
-            time.sleep(0.1)
-        os.kill(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    return pid
 
 
 def rounds(n: int, size: int, tokens: int, vocab: int) -> list[dict]:

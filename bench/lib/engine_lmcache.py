@@ -11,6 +11,7 @@ import statistics
 import time
 from pathlib import Path
 
+from bench.lib.bench_node import node_section
 from bench.lib.engine_parts import BLOCK, S3_ENV, engine_bytes_per_token, prefill_prefixes, prompts, rounded, ttft_step
 from bench.lib.vllm_engine import run_engine
 
@@ -42,6 +43,7 @@ def node_config(node: Path, s3_url: str, endpoint: str, *, fleet_memory: bool = 
                          "secret_key_env": "KVWARM_BENCH_S3_SECRET"}},
         "loader": {"pool_dir": str(node / "pool"), "pool_bytes": "8GiB", "fetch_mode": KVWARM_FETCH_MODE},
         "tenants": {KVWARM_TENANT: {}},  # the default tenant: it may list no cache_salts
+        "node": node_section(node),
     }))
     return path
 

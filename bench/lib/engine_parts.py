@@ -9,6 +9,8 @@ import shutil
 import time
 from pathlib import Path
 
+from bench.lib.bench_node import node_section
+
 BLOCK = 256  # kvwarm's block size (the config default)
 #: the SeaweedFS credentials the benches' kvwarm S3 tiers read (from these variables) and LMCache's adapter is given
 S3_ENV = {"KVWARM_BENCH_S3_KEY": "test", "KVWARM_BENCH_S3_SECRET": "test", "AWS_DEFAULT_REGION": "us-east-1"}
@@ -30,6 +32,7 @@ def write_config(path: Path, store_url: str, compression: str) -> Path:
         "kv_cache": {"compression": compression, "block_size": BLOCK},
         "store": {"url": store_url},
         "loader": {"pool_dir": str(path.parent / "pool"), "pool_bytes": "8GiB"},
+        "node": node_section(path.parent),
     }))
     return path
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from bench.lib.bench_node import node_section
 from bench.lib.live_figures import BLOCK, BUCKET, CALIBRATE, ENGINE_ENV, WARMUP_TOKENS
 
 
@@ -65,6 +66,7 @@ def kvwarm_config(path: Path, *, nvme: Path, endpoint: str, node_id: str, speedu
         # the trace's clock runs --speedup times faster: the node's periods shrink with it
         "fleet_memory": {"node_id": node_id, "flush_s": max(0.5, 30.0 / speedup)},
         "agent": {"poll_s": max(0.5, 30.0 / speedup)},
+        "node": node_section(path.parent / f"node-{node_id}"),
     }))
     return path
 
