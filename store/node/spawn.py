@@ -41,6 +41,31 @@ def node_holds_lock(sock: Path) -> bool:
     return False
 
 
+def starting(sock: Path) -> bool:
+    """Whether a node at ``sock`` is on its way: a starter holds the spawn lock, or a node holds its lock."""
+    try:
+        with open(sock.with_name(sock.name + ".spawn.lock"), "a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_UN)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    return node_holds_lock(sock)
+
+
+def wait_starting(sock: Path, timeout_s: float, *, poll_s: float = 0.05) -> bool:
+    """Whether a node answers at ``sock``, waiting up to ``timeout_s`` while one is on its way
+    (:func:`starting`); with none answering and none starting, ``False`` at once."""
+    end = time.monotonic() + timeout_s
+    while True:
+        if answers(sock):
+            return True
+        if time.monotonic() >= end or not starting(sock):
+            return False
+        time.sleep(poll_s)
+
+
 def _wait_answers(path: Path, timeout_s: float) -> bool:
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:

@@ -43,6 +43,7 @@ from store.node.block_record import Announcement, block_meta, write_block
 from store.node.client import NodeClient
 from store.node.ring import Ring
 from store.node.ring_writer import RING_FULL
+from store.node.spawn import wait_starting
 
 log = logging.getLogger("kvwarm.vllm")
 #: where rings are made (the node maps them from there)
@@ -50,6 +51,9 @@ RING_DIR = "/dev/shm"
 #: while no node takes the ring, how often a save tries to connect and announce it (the others are
 #: written in the engine)
 RETRY_S = 1.0
+#: the first save waits this long for a node that is on its way (the scheduler role starting one): an
+#: engine's first blocks then go to the node like the rest, not into the engine's own files
+START_WAIT_S = 30.0
 
 
 class Handoff(Protocol):
@@ -145,6 +149,7 @@ class RingSaves:
         self._refused: frozenset[str] | None = None  # set while the node drains this ring
         self.announced = 0
         self._next_try = 0.0
+        self._waited = False
         client.reconnect_in_background()
 
     def attached(self) -> bool:
@@ -155,6 +160,9 @@ class RingSaves:
         now = time.monotonic()
         if now < self._next_try:
             return False
+        if not self._waited:  # the first save: a node being started now is waited for (on the writer's thread)
+            self._waited = True
+            wait_starting(self.client.path, START_WAIT_S)
         self._next_try = now + RETRY_S  # on this (the writer's) thread: no wait for the client's back-off
         reply = None
         for _ in range(2):  # a connection to a node that has died is found out by the first try
