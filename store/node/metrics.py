@@ -65,15 +65,33 @@ class NodeCounters:
             return {k: self._c.get(k, 0) for k in COUNTERS}
 
 
+#: the write-back's counters (:meth:`store.node.writes.NodeWrites.stats`) a scrape shows, with their help
+#: text; ``<name>:<reason>`` keys become one labelled counter per name
+WRITE_BACK = {
+    "written_back_blocks": "Blocks the node wrote to the node tier from the engines' rings.",
+    "written_back_bytes": "Bytes of those blocks.",
+    "written_back_uploads": "Blocks the node uploaded to the shared tiers.",
+    "write_back_dropped": "Blocks not stored, by reason (engine_gone: an engine died mid-block; invalid; "
+                          "no_credentials; error).",
+    "upload_dropped": "Blocks stored on NVMe that left the upload backlog without reaching the shared tier, by "
+                      "reason (evicted, expired, corrupt, error, no_space, unrecorded).",
+    "upload_backlog_resumed": "Backlog rows a restarted node found waiting.",
+    "ring_discarded": "Unfinished records the node discarded from rings whose engine died.",
+}
+
+
 class NodeCollector(Collector):
-    """What a scrape reads: the counters, the copier's outcomes, the clients connected, the tier's bytes."""
+    """What a scrape reads: the counters, the copier's outcomes, the write-back's counts and drops by reason,
+    the clients connected, the tier's bytes."""
 
     def __init__(self, counters: NodeCounters, copies: Callable[[], dict[str, int]],
-                 gauges: Callable[[], dict[str, float]], info: dict[str, str]) -> None:
+                 gauges: Callable[[], dict[str, float]], info: dict[str, str],
+                 write_back: Callable[[], dict[str, float]] = dict) -> None:
         self.counters = counters
         self.copies = copies
         self.gauges = gauges
         self.info = info
+        self.write_back = write_back
 
     def collect(self) -> Iterator[Metric]:
         for name, value in self.counters.snapshot().items():
@@ -85,6 +103,7 @@ class NodeCollector(Collector):
         for outcome, n in sorted(self.copies().items()):
             copies.add_metric([outcome], n)
         yield copies
+        yield from write_back_metrics(self.write_back())
         for name, value in self.gauges().items():
             g = GaugeMetricFamily(f"kvwarm_node_{name}", GAUGES.get(name, name))
             g.add_metric([], value)
@@ -93,6 +112,21 @@ class NodeCollector(Collector):
                                  labels=sorted(self.info))
         info.add_metric([self.info[k] for k in sorted(self.info)], 1)
         yield info
+
+
+def write_back_metrics(stats: dict[str, float]) -> Iterator[Metric]:
+    """``kvwarm_node_<name>`` for each of :data:`WRITE_BACK`: plain, or by ``reason`` (every such counter is
+    shown, at 0 with no reason yet, so that a dashboard's query finds it)."""
+    for name, help_text in WRITE_BACK.items():
+        reasons = {k.split(":", 1)[1]: v for k, v in stats.items() if k.startswith(name + ":")}
+        if name.endswith("_dropped"):
+            c = CounterMetricFamily(f"kvwarm_node_{name}", help_text, labels=["reason"])
+            for reason, value in sorted(reasons.items()):
+                c.add_metric([reason], float(value))
+        else:
+            c = CounterMetricFamily(f"kvwarm_node_{name}", help_text)
+            c.add_metric([], float(stats.get(name, 0)))
+        yield c
 
 
 def node_registry(collector: NodeCollector) -> CollectorRegistry:

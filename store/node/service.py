@@ -181,7 +181,8 @@ class NodeService:
 
         collector = NodeCollector(self.counters, lambda: dict(self.copier.counts), self._gauges,
                                   {"version": self.handshake.version, "fingerprint": self.handshake.fingerprint,
-                                   "node_id": self.node_id})
+                                   "node_id": self.node_id},
+                                  write_back=self.writes.stats)
         try:
             self._httpd, _ = start_http_server(port, registry=node_registry(collector))
         except OSError as exc:

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -112,6 +113,11 @@ def test_kill_9_of_an_engine_mid_write_back_keeps_what_it_committed_and_discards
     counts = _node_counts(config)
     assert counts["written_back_blocks"] == 8 and counts["write_back_dropped:engine_gone"] == 1
     assert counts["rings"] == 0
+    with NodeClient(config, autostart=False) as client:  # and on the node's Prometheus endpoint, by reason
+        port = client.connect()["metrics_port"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    assert 'kvwarm_node_write_back_dropped_total{reason="engine_gone"} 1.0' in text
+    assert "kvwarm_node_written_back_blocks_total 8.0" in text and "kvwarm_node_upload_dropped_total" in text
     from store.tiers.local import LocalTier
 
     tier = LocalTier(tmp_path / "node-tier", cap_bytes=1 << 30)
