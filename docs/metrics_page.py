@@ -54,7 +54,7 @@ def _connector_tables() -> tuple[str, dict[str, str], dict[str, tuple[str, tuple
 
 def _node_section() -> list[str]:
     """The node process's series (store/node/metrics.py)."""
-    from store.node.metrics import COUNTERS, GAUGES
+    from store.node.metrics import COUNTERS, GAUGES, WRITE_BACK
 
     lines = ["## The node process (`prefill node`)", "",
              "On the node's own endpoint, `http://HOST:PORT/metrics` (`node.metrics_port`;",
@@ -64,6 +64,8 @@ def _node_section() -> list[str]:
     lines += ["| `kvwarm_node_copies_total` | counter | `outcome` | Copies from the shared tier into the node tier, "
               "by outcome (`copied`, `present`, `absent`, `expired`, `mismatch`, `refused`, `unavailable`, "
               "`write_failed`, `bad_name`, `superseded`). |"]
+    lines += [f"| `kvwarm_node_{n}_total` | counter | {'`reason`' if n.endswith('_dropped') else ''} | {_cell(h)} |"
+              for n, h in WRITE_BACK.items()]
     lines += [f"| `kvwarm_node_{n}` | gauge | | {_cell(h)} |" for n, h in GAUGES.items()]
     lines += ["| `kvwarm_node_info` | gauge | `fingerprint`, `node_id`, `version` | The node's kvwarm version and "
               "store settings' fingerprint (always 1). |"]
