@@ -81,13 +81,44 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [g.integers(1, vocab, length).tolist() for _ in range(n)]
 
 
-def kvwarm_config(path: Path, *, endpoint: str, sock: Path) -> Path:
+def overrides(pairs: list[str]) -> dict:
+    """``SECTION.KEY=VALUE`` settings (YAML values) as a nested mapping, to lay over the shipped defaults."""
+    import yaml
+
+    out: dict = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        parts = key.strip().split(".")
+        if not sep or len(parts) < 2 or not all(parts):
+            raise SystemExit(f"--set {pair!r}: expected SECTION.KEY=VALUE, e.g. loader.write_back_via=node")
+        here = out
+        for part in parts[:-1]:
+            here = here.setdefault(part, {})
+        here[parts[-1]] = yaml.safe_load(raw)
+    return out
+
+
+def _merge(base: dict, over: dict) -> dict:
+    return {**base, **{k: _merge(base.get(k, {}), v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+                       for k, v in over.items()}}
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User and system CPU seconds of process ``pid`` so far (``None``: gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def kvwarm_config(path: Path, *, endpoint: str, sock: Path, extra: dict | None = None) -> Path:
     """The shipped defaults, with the places this run needs: a local tier here, the SeaweedFS bucket,
     the node's socket, and a tenant of the bench's own (so that write-back writes)."""
     import yaml
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump({
+    path.write_text(yaml.safe_dump(_merge({
         "store": {"url": f"file://{path.parent / 'nvme'},s3://{BUCKET}/kvwarm",
                   "s3": {"endpoint_url": endpoint, "access_key_env": "KVWARM_BENCH_S3_KEY",
                          "secret_key_env": "KVWARM_BENCH_S3_SECRET"}},
@@ -95,7 +126,7 @@ def kvwarm_config(path: Path, *, endpoint: str, sock: Path) -> Path:
         "fleet_memory": {"node_id": "miss-bench"},
         "node": {**node_section(sock.parent), "socket": str(sock)},
         "tenants": {TENANT: {}},
-    }))
+    }, extra or {})))
     return path
 
 
@@ -201,8 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", type=Path, default=None, help="keep the engines' logs and the stores here (default: a "
                                                            "temporary directory, removed)")
     p.add_argument("--timeout", type=float, default=900, help="seconds an engine may take to start or run a round")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="one setting of kvwarm's config over the shipped defaults (a YAML value), e.g. "
+                        "loader.write_back_via=node; repeatable (the record is then a variant)")
     add_results_option(p)
     args = p.parse_args(argv)
+    extra = overrides(args.set)
     record = Run("miss_path", __file__, sys.argv[1:] if argv is None else argv)
     n = args.requests or (8 if args.quick else REQUESTS)
     from prefill.models import resolve
@@ -227,14 +262,16 @@ def main(argv: list[str] | None = None) -> int:
         import s3fs
 
         s3fs.S3FileSystem(key="test", secret="test", client_kwargs={"endpoint_url": weed.endpoint}).mkdir(BUCKET)
-        cfg = kvwarm_config(work / "kvwarm" / "kvwarm.yaml", endpoint=weed.endpoint, sock=sock)
+        cfg = kvwarm_config(work / "kvwarm" / "kvwarm.yaml", endpoint=weed.endpoint, sock=sock, extra=extra)
         conn = {"extra": {"config": str(cfg), "tenant": TENANT}, "policy": "recompute"}
         for i, (arm, c) in enumerate((("vllm", None), ("kvwarm", conn))):
             warm = {"concurrency": CONCURRENCY, "prompts": prompts(args.warmup, args.tokens, vocab, 1000 + i)}
             procs[arm] = EngineProcess({**spec, "connector": c, "warmup": warm}, work / "engines", kv_cache_gib=1,
                                        env=ENGINE_ENV, name=arm, module="bench.lib.miss_driver")
         print(f"{len(plan)} rounds of up to {args.round} requests per engine, the engines taking turns", flush=True)
+        weed_cpu = cpu_seconds(weed.proc.pid)
         orders = interleave(procs, len(plan), args.timeout, sock)
+        weed_cpu = None if weed_cpu is None else (cpu_seconds(weed.proc.pid) or weed_cpu) - weed_cpu
         pause([-p.proc.pid for p in procs.values()] + [node_pid(sock)], signal.SIGCONT)
         for arm, proc in procs.items():
             proc.go("end")
@@ -263,14 +300,16 @@ def main(argv: list[str] | None = None) -> int:
            "startup_s": {arm: r["startup_s"] for arm, r in runs.items()},
            "threads_cpu_s": {arm: r.get("threads_cpu_s") for arm, r in runs.items()},
            "kvwarm_drain_s": sum(r["drain_s"] or 0.0 for r in kv["rounds"]),
-           "kvwarm_counters": counters([kv]), "node_pid": node, "node_stopped": stopped is not None}
+           "kvwarm_counters": counters([kv]), "node_pid": node, "node_stopped": stopped is not None,
+           # the S3 server (a stand-in for a remote service) runs on this host: its CPU through the rounds
+           "s3_server_cpu_s": weed_cpu, "settings": extra}
     out["targets"] = {f"ttft_{mode}_{stat}_ratio_le_{TARGET_RATIO}": {
         "value": round(figures[mode][f"ratio_{stat}"], 3), "target": TARGET_RATIO,
         "met": figures[mode][f"ratio_{stat}"] <= TARGET_RATIO} for mode in MODES for stat in ("median", "mean")}
     out["duration_s"] = time.perf_counter() - t_start
-    record.finish(out, args.results, variant_of(args, partial=(n, args.round, args.tokens, args.model, args.max_tokens,
-                                                               args.warmup) != (REQUESTS, ROUND, TOKENS, MODEL,
-                                                                                MAX_TOKENS, WARMUP)))
+    record.finish(out, args.results, variant_of(args, partial=bool(extra) or (
+        n, args.round, args.tokens, args.model, args.max_tokens, args.warmup) != (REQUESTS, ROUND, TOKENS, MODEL,
+                                                                                   MAX_TOKENS, WARMUP)))
     return 0
 
 

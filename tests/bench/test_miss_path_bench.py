@@ -88,3 +88,27 @@ def test_the_page_shows_both_modes_their_ratios_and_verdicts(bench) -> None:
     assert rows["4 in flight: kvwarm ÷ vLLM"][5] == "**not met** / **not met**"
     assert rows["4 in flight: vLLM alone"][1] == "2,000 ms"
     assert "dropped none" in table.note and "connected while serving: yes" in table.note
+
+
+def test_settings_given_on_the_command_line_lie_over_the_shipped_defaults(bench, tmp_path) -> None:
+    import yaml
+
+    from store.config import load_config
+
+    extra = bench.overrides(["loader.write_back_via=node", "node.autostart_idle_s=60", "fleet_memory.enabled=false"])
+    assert extra == {"loader": {"write_back_via": "node"}, "node": {"autostart_idle_s": 60},
+                     "fleet_memory": {"enabled": False}}
+    path = bench.kvwarm_config(tmp_path / "k.yaml", endpoint="http://127.0.0.1:1", sock=tmp_path / "n.sock",
+                               extra=extra)
+    raw = yaml.safe_load(path.read_text())
+    assert raw["node"]["socket"] == str(tmp_path / "n.sock") and raw["loader"]["pool_dir"]  # kept beside the new
+    cfg = load_config(path)
+    assert cfg.loader.write_back_via == "node" and not cfg.fleet_memory.enabled and cfg.node.autostart_idle_s == 60
+    with pytest.raises(SystemExit, match="SECTION.KEY=VALUE"):
+        bench.overrides(["write_back_via=node"])
+
+
+def test_a_process_cpu_seconds_are_read_from_proc(bench) -> None:
+    import os
+
+    assert bench.cpu_seconds(os.getpid()) > 0 and bench.cpu_seconds(2 ** 22 + 7) is None
