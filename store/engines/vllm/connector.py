@@ -114,6 +114,19 @@ class KvwarmConnector(KVConnectorBase_V1):
     #: The worker role's class (a subclass may wrap its loads, as the fault-injection tests do).
     worker_class: type[WorkerRole] = WorkerRole
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """``True``: vLLM must not replay a forward as one full CUDA graph (it then turns ``FULL_AND_PIECEWISE``
+        into ``PIECEWISE``, ``vllm/config/vllm.py``).
+
+        kvwarm loads layer by layer beside the forward, and the forward's stream waits on each layer's event
+        in ``wait_for_layer_load``, Python that a full graph's replay skips: attention would read blocks still
+        loading, and the KV computed over them would be written back. Every configuration may load that way
+        (``load_mode`` sync and async alike; no key of ``extra_config`` turns loads off), so the answer does
+        not depend on it. docs/guides/engines.md ("CUDA graphs") says what piecewise graphs cost.
+        """
+        return True
+
     @property
     def requires_kv_delivery(self) -> bool:
         """``False``: kvwarm is a best-effort cache, not a hand-off (vLLM's default is the producer role,
