@@ -130,7 +130,9 @@ class _DeviceStream(Stream):
 
     @contextlib.contextmanager
     def use(self) -> Iterator[Stream]:
-        with self.raw:  # torch.Stream sets (and then restores) the thread's current stream of its device
+        # the stream's device first (a new thread starts on device 0: a tensor-parallel rank's is not), then the
+        # stream: torch.Stream sets (and then restores) the thread's current stream of its device
+        with torch.accelerator.device_index(self.raw.device_index), self.raw:
             yield self
 
 
