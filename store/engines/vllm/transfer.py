@@ -196,14 +196,18 @@ def run_loads(opened: Sequence[OpenLoad | LoadResult], job: StepLoad, *,
     """A step's opened loads (a :class:`LoadResult` for one whose lookup failed), written layer by layer,
     each layer marked ready once every load's writes into it are issued.
 
-    A ``write_layer`` that raises fails its load from its first block. Every layer is marked
-    ready, and every hit closed, whatever happens. Returns one result per load, in order.
+    A ``write_layer`` that raises fails its load from its first block. Once the job's deadline has
+    passed (the forward went on without it, and vLLM recomputes its blocks) nothing more is written.
+    Every layer is marked ready, and every hit closed, whatever happens. Returns one result per load,
+    in order.
     """
     live = [op for op in opened if isinstance(op, OpenLoad)]
     try:
         job.begin()  # after the step's start on the compute stream
         for layer in range(job.layers):
             for op in live:
+                if job.timed_out:  # a late write would land in blocks vLLM now recomputes
+                    op.fail_from = 0
                 if op.fail_from == 0:
                     continue
                 try:

@@ -131,5 +131,9 @@ def test_a_worker_whose_loader_stalls_reports_the_steps_loads_failed_once_the_de
         (result,) = worker.take_report().loads
         assert (result.loaded, result.reason) == (0, "timeout")
         assert worker.counters.totals()["load_failures:timeout"] == 1
+        gate.set()  # the loader comes back: it finishes the write it was in, then writes nothing more
+        assert job._done.wait(HANG_S)
+        for layer in range(stall_at + 1, L):
+            assert bool((worker.caches[layer][[1, 2, 3, 4]] == -3.0).all())
     finally:
         gate.set()
