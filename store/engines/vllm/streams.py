@@ -130,10 +130,15 @@ class _DeviceStream(Stream):
 
     @contextlib.contextmanager
     def use(self) -> Iterator[Stream]:
-        # the stream's device first (a new thread starts on device 0: a tensor-parallel rank's is not), then the
-        # stream: torch.Stream sets (and then restores) the thread's current stream of its device
-        with torch.accelerator.device_index(self.raw.device_index), self.raw:
-            yield self
+        # the stream's device too (a new thread starts on device 0: a tensor-parallel rank's is not); then the
+        # thread's current stream of that device, and back
+        with torch.accelerator.device_index(self.raw.device_index):
+            before = torch.accelerator.current_stream(self.raw.device_index)
+            torch.accelerator.set_stream(self.raw)
+            try:
+                yield self
+            finally:
+                torch.accelerator.set_stream(before)
 
 
 class DeviceStreams(Streams):
