@@ -1,7 +1,9 @@
 """What vLLM 0.32 makes of ``cudagraph_mode`` with a KV connector: run with the engine venv's python
-(``python -m tests.store.engines.vllm.cudagraph_probe CONNECTOR MODULE_PATH ...``); prints one JSON line.
+(``python -m tests.store.engines.vllm.cudagraph_probe CONNECTOR MODULE_PATH EXTRA_JSON ...``); prints one
+JSON line.
 
-For each connector (a name, and the module vLLM loads it from, ``-`` for vLLM's own), it builds a real
+For each connector (a name, the module vLLM loads it from, ``-`` for vLLM's own, and its
+``kv_connector_extra_config``), it builds a real
 ``VllmConfig`` asking for ``FULL_AND_PIECEWISE`` graphs (the default on CUDA) under ``VLLM_COMPILE``,
 and reports every value vLLM's own code assigns to ``compilation_config.cudagraph_mode`` while it
 builds the config (the value, and the vLLM file and function that assigned it), and the final mode.
@@ -57,8 +59,8 @@ def main(argv: list[str]) -> None:
 
     platform = type(current_platform)
     platform.support_static_graph_mode = classmethod(lambda cls: True)  # CUDA's answer (see the module docstring)
-    extra = json.loads(argv[0])
-    runs = [probe(name, None if path == "-" else path, extra) for name, path in zip(argv[1::2], argv[2::2])]
+    runs = [probe(name, None if path == "-" else path, json.loads(extra))
+            for name, path, extra in zip(argv[0::3], argv[1::3], argv[2::3])]
     print(json.dumps({"platform": platform.__name__, "runs": runs}))
 
 

@@ -3,8 +3,9 @@
 A real ``VllmConfig`` is built in the engine venv (:mod:`tests.store.engines.vllm.cudagraph_probe`, a
 subprocess with its python, no engine started) with ``cudagraph_mode=FULL_AND_PIECEWISE`` and a
 ``kv_transfer_config`` naming ``KvwarmConnector`` as vLLM loads it (by name, from
-``store.engines.vllm``), and once more naming vLLM's own ``ExampleConnector``, which keeps the base
-class's answer (no piecewise needed), to show what the override changes. What is read back is the
+``store.engines.vllm``), once more naming vLLM's own ``ExampleConnector``, which keeps the base
+class's answer (no piecewise needed), to show what the override changes, and once with kvwarm's
+``load_mode: off`` (write-back alone: no layer waits, so no override). What is read back is the
 mode vLLM's own ``__post_init__`` assigns, and its own log line saying why.
 
 vLLM's CPU platform would skip that code (``support_static_graph_mode()`` is ``False`` there: the mode
@@ -28,14 +29,17 @@ PROBE = "tests.store.engines.vllm.cudagraph_probe"
 
 def test_vllm_turns_full_cuda_graphs_into_piecewise_for_kvwarm_and_not_for_a_connector_that_does_not_ask(
         engine) -> None:
-    cmd = [str(engine), "-m", PROBE, json.dumps({"load_mode": "sync"}), "KvwarmConnector", "store.engines.vllm",
-           "ExampleConnector", "-"]
+    cmd = [str(engine), "-m", PROBE]
+    for name, path, extra in (("KvwarmConnector", "store.engines.vllm", {"load_mode": "sync"}),
+                              ("ExampleConnector", "-", {}),
+                              ("KvwarmConnector", "store.engines.vllm", {"load_mode": "off"})):
+        cmd += [name, path, json.dumps(extra)]
     done = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, f"the probe failed:\n{done.stdout}\n{done.stderr}"
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["platform"] == "CpuPlatform"
-    ours, theirs = got["runs"]
+    ours, theirs, no_loads = got["runs"]
     # vLLM's connector override (config/vllm.py, __post_init__) asks the class vLLM loaded by name, and says so
     assert ours["assigned"][0] == ["PIECEWISE", "config/vllm.py", "__post_init__"]
     assert ("KV connector KvwarmConnector requires PIECEWISE CUDA graph mode" in done.stderr + done.stdout
@@ -44,3 +48,5 @@ def test_vllm_turns_full_cuda_graphs_into_piecewise_for_kvwarm_and_not_for_a_con
     # without the override, vLLM keeps full graphs (for decode batches): wait_for_layer_load would never run
     assert not any(mode == "PIECEWISE" for mode, _, _ in theirs["assigned"])
     assert theirs["final_has_full"] and theirs["final"] == "FULL_DECODE_ONLY"
+    # kvwarm with load_mode off (write-back alone) waits for no layer: it leaves vLLM's graphs as they are
+    assert no_loads["assigned"] == theirs["assigned"] and no_loads["final"] == "FULL_DECODE_ONLY"
