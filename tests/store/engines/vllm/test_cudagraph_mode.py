@@ -35,7 +35,7 @@ def test_vllm_turns_full_cuda_graphs_into_piecewise_for_kvwarm_and_not_for_a_con
                               ("KvwarmConnector", "store.engines.vllm", {"load_mode": "off"})):
         cmd += [name, path, json.dumps(extra)]
     done = subprocess.run(cmd, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, check=False)
     assert done.returncode == 0, f"the probe failed:\n{done.stdout}\n{done.stderr}"
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["platform"] == "CpuPlatform"
