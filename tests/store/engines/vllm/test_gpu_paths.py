@@ -158,3 +158,38 @@ def test_write_back_copies_wait_for_the_forwards_stream(tmp_path, monkeypatch) -
         store.close()
     finally:
         w.close()
+
+
+def test_a_load_waits_for_what_the_compute_stream_queued_before_the_step(tmp_path, monkeypatch) -> None:
+    """The compute stream writes the load's blocks behind a sleep (as vLLM may zero a block it allocated); the
+    load stream's writes must land after them."""
+    from store.engines.vllm.settings import ConnectorSettings
+    from store.engines.vllm.worker import WorkerRole
+    from tests.store.engines.vllm.worker_setup import IDENT, cfg
+
+    monkeypatch.setenv("KVWARM_HOME", str(tmp_path / "home"))
+    s = ConnectorSettings(store_url=f"file://{tmp_path}/nvme", tenant="acme", config=cfg(pool_dir=tmp_path / "pool"),
+                          model_dir=tmp_path)
+    w = WorkerRole(s, identities=(IDENT, None), engine_block=EB)
+    caches = [torch.zeros(NB, H, EB, 2 * D, dtype=torch.bfloat16, device="cuda") for _ in range(L)]
+    layout = EngineLayout("split", NB, H, EB, D, torch.bfloat16)
+    w.register(caches, layout, total_kv_heads=H)
+    try:
+        ids = tokens(2 * KB + 1, seed=32)
+        store_blocks(tmp_path, ids)
+        plan = StepPlan(loads=(LoadSpec("r", "acme", False, tuple(ids[: 2 * KB]), 0, 2 * KB, (1, 2, 3, 4)),),
+                        computes=(new("r", (1, 2, 3, 4, 5), 2 * KB, 1),))
+        torch.cuda._sleep(SLEEP_CYCLES)  # the compute stream is busy ...
+        for cache in caches:
+            cache[[1, 2, 3, 4]] = 7.0  # ... and then writes the blocks the load is given
+        w.begin_step(plan)
+        w.start_load(plan)
+        for layer in range(L):
+            w.wait_layer(layer)
+            k, v = read_layer(caches[layer], layout, [1, 2, 3, 4])
+            want_k = torch.cat([expected(b)[layer][0] for b in (0, 1)], dim=1)
+            want_v = torch.cat([expected(b)[layer][1] for b in (0, 1)], dim=1)
+            assert torch.equal(k.cpu(), want_k) and torch.equal(v.cpu(), want_v)
+        assert w.take_failed() == set()
+    finally:
+        w.close()
