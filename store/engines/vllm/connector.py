@@ -33,7 +33,7 @@ from store.engines.vllm.metadata import StepPlan, WorkerReport
 from store.engines.vllm.parallel import check_model, order_layers, write_back_refusal
 from store.engines.vllm.prom import KvwarmPromMetrics, KvwarmStats
 from store.engines.vllm.scheduler import SchedulerRole
-from store.engines.vllm.settings import ConnectorConfigError, model_identities, parse_settings
+from store.engines.vllm.settings import ConnectorConfigError, loads_layer_by_layer, model_identities, parse_settings
 from store.engines.vllm.worker import WorkerRole
 from store.serving.agent import AgentThread
 
@@ -114,6 +114,19 @@ class KvwarmConnector(KVConnectorBase_V1):
     #: The worker role's class (a subclass may wrap its loads, as the fault-injection tests do).
     worker_class: type[WorkerRole] = WorkerRole
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """``True``: vLLM must not replay a forward as one full CUDA graph (it then turns ``FULL_AND_PIECEWISE``
+        into ``PIECEWISE``, ``vllm/config/vllm.py``).
+
+        kvwarm loads layer by layer beside the forward, and the forward's stream waits on each layer's event
+        in ``wait_for_layer_load``, Python that a full graph's replay skips: attention would read blocks still
+        loading, and the KV computed over them would be written back. Both load modes load that way; only
+        ``load_mode: off`` (write-back alone) does not ask (:func:`store.engines.vllm.settings.loads_layer_by_layer`).
+        docs/guides/engines.md ("CUDA graphs and stream fences") says what piecewise graphs cost.
+        """
+        return loads_layer_by_layer(extra_config)
+
     @property
     def requires_kv_delivery(self) -> bool:
         """``False``: kvwarm is a best-effort cache, not a hand-off (vLLM's default is the producer role,
@@ -176,7 +189,8 @@ class KvwarmConnector(KVConnectorBase_V1):
         log.info("kvwarm connector (%s role) ready in %.3f s (model identity %.3f s; store %s, tenant %r, "
                  "write_back %s, %s loads)", role.name.lower(), time.perf_counter() - t0, fingerprint_s,
                  settings.store_url, settings.tenant, settings.write_back,
-                 "async" if settings.async_loads(bool(vllm_config.scheduler_config.async_scheduling)) else "sync")
+                 "no" if not settings.loads else "async"
+                 if settings.async_loads(bool(vllm_config.scheduler_config.async_scheduling)) else "sync")
 
     # -- figures -------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

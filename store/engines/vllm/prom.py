@@ -57,7 +57,7 @@ COUNTERS = {
 LABELLED = {
     "misses": ("Requests that load nothing, by reason.",
                (*MISS_REASONS, "engine_cached", "slower_than_prefill", "tenant_unknown", "tenant_unverified",
-                "unsupported", "skip_reading_prefix_cache", "aborted")),
+                "unsupported", "skip_reading_prefix_cache", "aborted", "loads_off")),
     "shortened": ("Requests that load less than the store could give, by reason.", MISS_REASONS),
     "load_failures": ("Loads that wrote fewer blocks than planned (vLLM recomputes the rest), by reason.",
                       MISS_REASONS),

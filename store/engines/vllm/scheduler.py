@@ -81,6 +81,7 @@ class SchedulerRole:
                  async_loads: bool = False, clock: Callable[[], float] = time.monotonic) -> None:
         cfg = settings.config
         self.async_loads = async_loads
+        self.loads = settings.loads
         self.kv_block = cfg.kv_cache.block_size
         self.engine_block = engine_block
         self.ratio = check_block_sizes(self.kv_block, engine_block)
@@ -186,6 +187,9 @@ class SchedulerRole:
             short = len(st.prompt) < max(2, self.kv_block)
             self._miss(st, st.refusal or "error", shown=st.refusal if st.refusal not in TENANCY_REASONS else
                        "short_prompt" if short else "absent")
+            return 0, False
+        if not self.loads:  # load_mode off: this engine only writes back
+            self._miss(st, "loads_off")
             return 0, False
         if getattr(request, "skip_reading_prefix_cache", False):
             # vLLM overrides any answer with 0 for it (prompt logprobs...): nothing is probed or counted as a hit

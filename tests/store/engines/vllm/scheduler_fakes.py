@@ -78,9 +78,11 @@ def tokens(n: int, seed: int = 0) -> list[int]:
 
 
 def role(tmp_path: Path, *, tenant: str = "acme", write_back: bool = True, rate: float | None = None,
-         chat: bool = True, cfg: KvwarmConfig | None = None, url: str | None = None, **kw: Any) -> SchedulerRole:
+         chat: bool = True, cfg: KvwarmConfig | None = None, url: str | None = None, load_mode: str = "auto",
+         **kw: Any) -> SchedulerRole:
     settings = ConnectorSettings(store_url=url or f"file://{tmp_path}/nvme", tenant=tenant, config=cfg or config(),
-                                 model_dir=tmp_path, write_back=write_back, prefill_tokens_per_s=rate)
+                                 model_dir=tmp_path, write_back=write_back, prefill_tokens_per_s=rate,
+                                 load_mode=load_mode)
     return SchedulerRole(settings, identities=(PLAIN, CHAT if chat else None), engine_block=EB, layers=2,
                          kv_heads=2, head_dim=8, **kw)
 

@@ -172,6 +172,21 @@ def test_write_back_plans_the_blocks_the_store_lacks_as_they_complete(tmp_path) 
     assert decode.saves == () and (decode.prompt_tokens, decode.other_tokens) == (0, 1)
 
 
+def test_with_loads_off_a_stored_prefix_is_a_miss_and_write_back_still_plans_its_blocks(tmp_path) -> None:
+    ids = tokens(3 * KB + 3)
+    store_prefix(tmp_path, ids, blocks=1)
+    r = role(tmp_path, load_mode="off")
+    req = Req("r", ids)
+    assert ask(r, req) == (0, False)  # block 0 is stored, but nothing is loaded
+    assert r.stats()["misses:loads_off"] == 1 and "hits" not in r.stats()
+    table = list(range(40, 47))
+    r.update_state_after_alloc(req, table, 0)
+    plan = r.build_plan(Out([NewReq("r", ids, (table,), 0)], num_scheduled_tokens={"r": 3 * KB + 3}))
+    (save,) = plan.saves
+    # every full block (the writer skips the one the store holds: no lookup told the scheduler of it)
+    assert plan.loads == () and (save.first, save.block_ids) == (0, tuple(table[:6]))
+
+
 def test_no_write_back_for_public_or_when_off(tmp_path) -> None:
     ids = tokens(2 * KB + 1)
     for r in (role(tmp_path, tenant="public"), role(tmp_path, write_back=False)):

@@ -9,6 +9,7 @@ import pytest
 from store.engines.vllm.settings import (
     ConnectorConfigError,
     check_block_sizes,
+    loads_layer_by_layer,
     model_identities,
     parse_settings,
     resolve_model_dir,
@@ -53,7 +54,18 @@ def test_load_mode_follows_vllms_async_scheduling_unless_set(model_dir: Path) ->
     assert auto.load_mode == "auto" and auto.async_loads(True) and not auto.async_loads(False)
     for mode, want in (("sync", False), ("async", True)):
         s = parse_settings({"load_mode": mode}, served_model=str(model_dir))
-        assert s.async_loads(True) == want and s.async_loads(False) == want
+        assert s.async_loads(True) == want and s.async_loads(False) == want and s.loads
+    off = parse_settings({"load_mode": "off"}, served_model=str(model_dir))
+    assert not off.loads and not off.async_loads(True)
+
+
+@pytest.mark.parametrize("extra, layered", [
+    (None, True), ({}, True), ({"load_mode": "sync"}, True), ({"load_mode": "async"}, True),
+    ({"load_mode": "auto", "write_back": False}, True), ({"load_mode": "off"}, False),
+    ({"load_mode": "eager"}, True),  # refused at start; piecewise graphs are the safe answer meanwhile
+])
+def test_loads_are_layer_by_layer_unless_load_mode_is_off(extra, layered) -> None:
+    assert loads_layer_by_layer(extra) is layered
 
 
 @pytest.mark.parametrize("extra, must_say", [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+from store.engines.vllm.fences import Fences
 from store.engines.vllm.metadata import LoadResult, LoadSpec, StepPlan
 from store.engines.vllm.paging import write_layer
 from store.engines.vllm.transfer import LoadThread, OpenLoad, StepLoad, run_loads
@@ -55,7 +56,7 @@ def test_the_forward_waits_for_its_layer_only(tmp_path, worker) -> None:
         write_layer(cache, layout, block_ids, k.contiguous(), v.contiguous())
 
     worker._write = writer
-    worker._thread = LoadThread()  # what a GPU worker runs its loads on (a CPU worker loads in start_load_kv)
+    worker.fences = Fences("cpu", threaded=True)  # what a GPU worker runs its loads on (a CPU worker loads in start_load_kv)
     worker.start_load(StepPlan(loads=(LoadSpec("r", "acme", False, tuple(ids[: 2 * KB]), 0, 2 * KB, (1, 2, 3, 4)),)))
     worker.wait_layer(0)  # layer 0 is written while layer 1 is not
     assert at_gate.wait(HANG_S) and not worker._pending.job._ready[1].is_set()
