@@ -130,3 +130,24 @@ def lmcache_costs(log: str) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------- engines
+
+
+#: kvwarm's mean TTFT over vLLM alone's before the event, at most; and its P99 over vLLM alone's after it
+TARGET_BEFORE, TARGET_AFTER_P99 = 1.15, 2.0
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or not b else a / b
+
+
+def over_vllm(kv: dict[str, Any], base: dict[str, Any], targets: dict[str, Any]) -> dict[str, float | None]:
+    """kvwarm's phase figures over vLLM alone's (``phase_figures`` of each): its mean before the event (what
+    kvwarm costs a serving engine: write-back, uploads, fleet memory, the node), its mean and P99 after it;
+    their targets go into ``targets``."""
+    before = _ratio(kv["before"]["ttft_mean_s"], base["before"]["ttft_mean_s"])
+    after = _ratio(kv["after"]["ttft_mean_s"], base["after"]["ttft_mean_s"])
+    p99 = _ratio(kv["after"]["ttft_p99_s"], base["after"]["ttft_p99_s"])
+    targets[f"kvwarm_over_vllm_before_mean_le_{TARGET_BEFORE}"] = before is not None and before <= TARGET_BEFORE
+    targets[f"kvwarm_over_vllm_after_p99_le_{TARGET_AFTER_P99}"] = p99 is not None and p99 <= TARGET_AFTER_P99
+    targets["kvwarm_below_vllm_after"] = after is not None and after < 1.0
+    return {"before_mean": before, "after_mean": after, "after_p99": p99}
