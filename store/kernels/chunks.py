@@ -45,9 +45,9 @@ def load_block_bytes(heads: int, tokens: int, dim: int, stored: torch.dtype, cac
     return 2 * e * stored.itemsize + 2 * heads * 4 + e * (4 + 4 + cache.itemsize)
 
 
-def save_block_bytes(precision: Precision, layer: int, heads: int, tokens: int, dim: int,
-                     cache: torch.dtype) -> int:
-    """Reservation bytes one kvwarm block of a save takes in :func:`quantise_to_host`, one layer: its K and
+def save_block_bytes(precision: Precision, heads: int, tokens: int, dim: int, cache: torch.dtype) -> int:
+    """Reservation bytes one kvwarm block of a save takes in :func:`quantise_to_host`, one FP8 layer (the most a
+    layer takes; one that mixed precision keeps takes less): its K and
     V gathered in the cache's dtype, then (for K, then again for V) the quantiser's fp32 copy and
     quotient, the stored bytes and their int32 codes (13 bytes a value; per group also the padded
     groups and their widened scales), and the per-head scales, norms and errors."""
@@ -125,7 +125,7 @@ def quantise_to_host(cache: torch.Tensor, layout: EngineLayout, ids: torch.Tenso
     n = ids.shape[0] // ratio
     out = _host_blocks(n, H, tokens, D, precision, layer, pin=cache.device.type == "cuda")
     cuda = cache.device.type == "cuda"
-    per = save_block_bytes(precision, layer, H, tokens, D, cache.dtype)
+    per = save_block_bytes(precision, H, tokens, D, cache.dtype)
     step = chunk_blocks(reservation, per, "write-back")
     for lo in range(0, n, step):
         hi = min(lo + step, n)

@@ -51,7 +51,7 @@ from store.engines.vllm.ring_saves import Handoff, LazyUploads
 from store.format.precision import Precision
 from store.identity.fingerprint import ModelIdentity
 from store.identity.keys import block_chain
-from store.kernels.chunks import quantise_to_host
+from store.kernels.chunks import chunk_blocks, quantise_to_host, save_block_bytes
 from store.kernels.gather import StoredBlocks, block_ids, quantise_taken, stored_block_bytes
 from store.kernels.reservation import SCRATCH_BYTES, Reservation
 from store.serving.priority import lower_this_thread
@@ -101,6 +101,9 @@ class WriteBack:
         reservation: the device memory the gather and quantise take their temporaries from (the worker's
             one :class:`store.kernels.reservation.Reservation`); ``None``: one of the default size, made on
             first use.
+
+    Raises:
+        ConfigError: ``reservation`` cannot hold one kvwarm block's work (``loader.device_scratch_bytes``).
     """
 
     def __init__(self, store: Store, tenants: TenantBook, identities: tuple[ModelIdentity, ModelIdentity | None],
@@ -111,6 +114,9 @@ class WriteBack:
                  clock: Callable[[], float] = time.time, quantise_on_writer: bool | None = None,
                  reservation: Reservation | None = None) -> None:
         self.store = store
+        if reservation is not None:  # refused now, at start-up, not in a step: one block's work must fit
+            chunk_blocks(reservation, save_block_bytes(precision, layout.num_kv_heads, kv_block, layout.head_dim,
+                                                       layout.dtype), "write-back")
         self.reservation = reservation
         self.quantise_on_writer = quantise_on_writer
         local = store.local

@@ -31,8 +31,8 @@ def load_reservation(blocks: int, heads: int, tokens: int, dim: int, stored: tor
     return Reservation(TABLE_BYTES + SLICES * ALIGN + blocks * per + per // 2, "cpu")
 
 
-def save_reservation(blocks: int, precision: Precision, layer: int, heads: int, tokens: int, dim: int,
+def save_reservation(blocks: int, precision: Precision, heads: int, tokens: int, dim: int,
                      cache: torch.dtype) -> Reservation:
     """A CPU reservation whose chunks of a save hold exactly ``blocks`` kvwarm blocks."""
-    per = save_block_bytes(precision, layer, heads, tokens, dim, cache)
+    per = save_block_bytes(precision, heads, tokens, dim, cache)
     return Reservation(TABLE_BYTES + SLICES * ALIGN + blocks * per + per // 2, "cpu")

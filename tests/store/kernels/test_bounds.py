@@ -34,9 +34,9 @@ def test_a_thousand_loads_and_saves_of_mixed_sizes_stay_within_the_reservation_a
     rng = random.Random(33)
     precision = Precision(keep_layers=(1,), keep_dtype="fp16")  # FP8 layer 0, fp16 layer 1
     lay = layout("split", blocks=NB, heads=H, block=B, dim=D, dtype=torch.bfloat16)
-    res = save_reservation(3, precision, 0, H, TOKENS, D, torch.bfloat16)  # a save's chunk: 3 kvwarm blocks
+    res = save_reservation(3, precision, H, TOKENS, D, torch.bfloat16)  # a save's chunk: 3 kvwarm blocks
     staging = Staging(SLOTS * 700)  # a piece: at most 700 bytes (a stored part is 128): many pieces a load
-    save_step = chunk_blocks(res, save_block_bytes(precision, 0, H, TOKENS, D, torch.bfloat16), "write-back")
+    save_step = chunk_blocks(res, save_block_bytes(precision, H, TOKENS, D, torch.bfloat16), "write-back")
     load_step = chunk_blocks(res, load_block_bytes(H, TOKENS, D, torch.float8_e4m3fn, torch.bfloat16), "load")
     assert MOST_BLOCKS >= 10 * save_step and MOST_BLOCKS >= 5 * load_step  # well over what one chunk holds
     pool = {layer: stored_parts(MOST_BLOCKS, H, TOKENS, D, precision, seed=layer) for layer in (0, 1)}

@@ -75,7 +75,7 @@ def test_a_save_chunk_by_chunk_is_the_whole_kernels_bits(kind: str, name: str) -
     ids = block_ids([9, 2, 11, 0, 5, 7, 13, 1, 4, 20, 22, 17, 15, 3, 6], "cpu")  # five kvwarm blocks
     for layer in (0, 1):
         want = gather_quantise(cache, lay, ids, ratio=ratio, precision=precision, layer=layer)
-        res = save_reservation(2, precision, layer, H, ratio * B, D, torch.bfloat16)  # chunks of 2, 2, 1 blocks
+        res = save_reservation(2, precision, H, ratio * B, D, torch.bfloat16)  # chunks of 2, 2, 1 blocks
         got = quantise_to_host(cache, lay, ids, ratio=ratio, precision=precision, layer=layer, reservation=res)
         for a, b in ((got.k, want.k), (got.k_scale, want.k_scale), (got.v, want.v), (got.v_scale, want.v_scale),
                      (got.errors, want.errors)):
