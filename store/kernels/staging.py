@@ -28,6 +28,7 @@ import concurrent.futures as cf
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -123,8 +124,9 @@ class Staging:
         if nbytes > self.slot_bytes:
             raise ValueError(f"a staging piece of {nbytes} bytes is larger than a slot ({self.slot_bytes})")
         self._used = time.monotonic()
-        if self._timer is None:
-            self._timer = threading.Thread(target=self._trim_when_idle, name="kvwarm-staging-trim", daemon=True)
+        if self._timer is None:  # it holds no reference: it ends once this staging is closed or gone
+            self._timer = threading.Thread(target=_trim_when_idle, args=(weakref.ref(self), self._closed, self.idle_s),
+                                           name="kvwarm-staging-trim", daemon=True)
             self._timer.start()
         i = self._turn
         self._turn = (self._turn + 1) % SLOTS
@@ -149,13 +151,14 @@ class Staging:
         """The copy out of ``slot`` ends with ``event`` (a CUDA event; ``None``: it is done already)."""
         self._slots[slot].free_after = event
 
-    def _trim_when_idle(self) -> None:
-        """The timer thread: frees the slots once no transfer came for :attr:`idle_s`."""
-        while not self._closed.wait(self.idle_s / 4):
-            with self.lock:
-                if self.pinned_bytes and time.monotonic() - self._used >= self.idle_s:
-                    self.trim()
-                    self.trims += 1
+    def trim_if_idle(self) -> bool:
+        """Free the slots if no transfer came for :attr:`idle_s` (the timer thread calls it); whether it did."""
+        with self.lock:
+            if not self.pinned_bytes or time.monotonic() - self._used < self.idle_s:
+                return False
+            self.trim()
+            self.trims += 1
+            return True
 
     def close(self) -> None:
         """Free every kept buffer and stop the timer thread."""
@@ -174,6 +177,16 @@ class Staging:
         empty = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None)
         if callable(empty) and torch.cuda.is_available():
             empty()  # the caching host allocator would keep the pages otherwise
+
+
+def _trim_when_idle(ref: weakref.ref[Staging], closed: threading.Event, idle_s: float) -> None:
+    """A staging's timer thread: every quarter of ``idle_s``, :meth:`Staging.trim_if_idle`, until it is closed or gone."""
+    while not closed.wait(idle_s / 4):
+        staging = ref()
+        if staging is None:
+            return
+        staging.trim_if_idle()
+        del staging
 
 
 def gather_to_device(raw: Sequence[torch.Tensor], dev: torch.device, staging: Staging,

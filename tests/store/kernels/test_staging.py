@@ -6,6 +6,7 @@ bench/gpu_check.sh.
 """
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -80,3 +81,14 @@ def test_trim_gives_everything_back_and_a_bound_too_small_is_refused() -> None:
     assert staging.pinned_bytes == 0 and staging.host is None
     with pytest.raises(ValueError, match="at least"):
         Staging(max_bytes=1)
+
+
+def test_the_timer_thread_ends_once_its_staging_is_gone() -> None:
+    staging = Staging(max_bytes=SLOTS * 4096, idle_s=0.02)
+    gather_to_device(parts(2), torch.device("cpu"), staging)
+    timer = staging._timer
+    assert timer is not None and timer.is_alive()
+    del staging
+    gc.collect()
+    timer.join(HANG_S)
+    assert not timer.is_alive()
