@@ -25,7 +25,7 @@ import torch
 
 from store.errors import ConfigError
 from store.format.precision import STORAGE_DTYPES, Precision
-from store.kernels.gather import StoredBlocks, _ratio, gather_kv, quantise_blocks
+from store.kernels.gather import StoredBlocks, error_ratio, gather_kv, quantise_blocks
 from store.kernels.reservation import ALIGN, Reservation
 from store.kernels.scatter import dequantise_scatter
 from store.kernels.staging import Staging, stage_runs
@@ -137,7 +137,7 @@ def quantise_to_host(cache: torch.Tensor, layout: EngineLayout, ids: torch.Tenso
                 dst[lo:hi].copy_(q, non_blocking=cuda)
                 if dst_scale is not None and scale is not None:
                     dst_scale[lo:hi].copy_(scale, non_blocking=cuda)
-                errors = _ratio(num, den, frame.take((hi - lo,), torch.float64), frame)
+                errors = error_ratio(num, den, frame.take((hi - lo,), torch.float64), frame)
                 out.errors[row, lo:hi].copy_(errors, non_blocking=cuda)
                 frame.release(mark)
     return out

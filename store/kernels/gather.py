@@ -13,6 +13,10 @@ operations wherever the cache lives (CPU or CUDA; no host synchronisation, no lo
   (the norms are the same fp32 reductions over the same rows; the ratio is taken in float64, as
   that function takes it in Python).
 
+Every result and temporary comes from a ``scratch`` where one is given (a
+:class:`store.kernels.reservation.Frame` of the device's one reservation: :mod:`store.kernels.chunks`
+drives these kernels chunk by chunk through it), else from torch's allocator.
+
 The arithmetic is the codec's, step for step; only the order of passes and their buffers differ
 (in place where it can be, and FP8 back to fp32 through a 256-entry table of the FP8 values, the
 bits of the cast, ~4x faster than torch's cast on the CPU). On CUDA the bytes and scales are the
@@ -222,8 +226,9 @@ def _norm(x: torch.Tensor, mem: Frame | Loose) -> torch.Tensor:
     return torch.linalg.vector_norm(x.flatten(1), dim=1, out=mem.take((x.shape[0],), torch.float32))
 
 
-def _ratio(num: torch.Tensor, den: torch.Tensor, out: torch.Tensor, mem: Frame | Loose) -> torch.Tensor:
-    """``num / den`` in float64 (``num`` where ``den`` is 0) into ``out``, as relative_error divides Python floats."""
+def error_ratio(num: torch.Tensor, den: torch.Tensor, out: torch.Tensor, mem: Frame | Loose) -> torch.Tensor:
+    """``num / den`` in float64 (``num`` where ``den`` is 0) into ``out``, as relative_error divides Python floats:
+    each block's relative error from :func:`quantise_blocks`' norms (temporaries from ``mem``)."""
     f64 = torch.float64
     num64 = mem.take(num.shape, f64).copy_(num)
     den64 = mem.take(den.shape, f64).copy_(den)
@@ -251,8 +256,8 @@ def quantise_kv(k: torch.Tensor, v: torch.Tensor, *, precision: Precision, layer
     errors = mem.take((2, k.shape[0]), torch.float64)
     kq, ks, kn, kd = quantise_blocks(k, precision, layer, mem)
     vq, vs, vn, vd = quantise_blocks(v, precision, layer, mem)
-    _ratio(kn, kd, errors[0], mem)
-    _ratio(vn, vd, errors[1], mem)
+    error_ratio(kn, kd, errors[0], mem)
+    error_ratio(vn, vd, errors[1], mem)
     return StoredBlocks(kq, ks, vq, vs, errors)
 
 

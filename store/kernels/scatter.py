@@ -8,6 +8,9 @@ blocks), the bits that :func:`store.format.precision.dequantize` of each block f
 cache's dtype (the FP8 values through a 256-entry table of their fp32 bits), laid out in engine-block
 order as it is computed, then one indexed write per K and V into the cache's layout.
 
+Its temporaries come from a ``scratch`` where one is given (a :class:`store.kernels.reservation.Frame`:
+:func:`store.kernels.chunks.scatter_stored` drives it chunk by chunk), else from torch's allocator.
+
 The write may start past the first kvwarm block's first engine block (``skip``: tokens the engine
 already holds) and covers ``len(ids)`` engine blocks.
 """
