@@ -66,3 +66,17 @@ def test_loose_is_torchs_allocator() -> None:
     t = mem.take((2, 3), torch.float16)
     assert t.shape == (2, 3) and t.dtype == torch.float16 and mem.mark() == 0
     assert torch.equal(mem.fp8_values.view(torch.int32), FP8_VALUES.view(torch.int32))
+
+
+def test_the_config_sizes_the_one_reservation_a_dequantizer_lends_per_device() -> None:
+    from store.config import parse_config
+    from store.kernels.dequant import Dequantizer
+    from store.kernels.reservation import SCRATCH_BYTES
+
+    assert int(parse_config({}).loader.device_scratch_bytes) == SCRATCH_BYTES == 256 << 20
+    size = int(parse_config({"loader": {"device_scratch_bytes": "8MiB"}}).loader.device_scratch_bytes)
+    dq = Dequantizer(scratch_bytes=size)
+    res = dq.reservation("cpu")
+    assert res.size == 8 << 20 and dq.reservation(torch.device("cpu")) is res  # taken once
+    with pytest.raises(ValueError, match="device_scratch_bytes"):
+        parse_config({"loader": {"device_scratch_bytes": "512KiB"}})
