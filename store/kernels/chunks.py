@@ -37,12 +37,15 @@ if TYPE_CHECKING:
 SLICES = 40
 
 
-def load_block_bytes(heads: int, tokens: int, dim: int, stored: torch.dtype, cache: torch.dtype) -> int:
+def load_block_bytes(heads: int, tokens: int, dim: int, stored: torch.dtype, cache: torch.dtype,
+                     group_tokens: int = 0) -> int:
     """Reservation bytes one kvwarm block of a load takes in :func:`scatter_stored`, one layer: its K and V
-    as stored and their scales, then (for K, then again for V) the FP8 codes as int32, their fp32 values
-    and the result in the cache's dtype."""
+    as stored and their scales, then (for K, then again for V) the FP8 codes as int32, their fp32 values,
+    each token's scale (per-group scales: ``group_tokens``) and the result in the cache's dtype."""
     e = heads * tokens * dim
-    return 2 * e * stored.itemsize + 2 * heads * 4 + e * (4 + 4 + cache.itemsize)
+    groups = -(-tokens // group_tokens) if group_tokens else 1
+    wide = 4 * heads * groups * group_tokens if group_tokens else 0
+    return 2 * e * stored.itemsize + 2 * heads * groups * 4 + e * (4 + 4 + cache.itemsize) + wide
 
 
 def save_block_bytes(precision: Precision, heads: int, tokens: int, dim: int, cache: torch.dtype) -> int:
@@ -73,25 +76,25 @@ def chunk_blocks(reservation: Reservation, per_block: int, what: str) -> int:
 
 def scatter_stored(cache: torch.Tensor, layout: EngineLayout, ids: torch.Tensor,
                    runs: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor | None]]], *, skip: int,
-                   staging: Staging, reservation: Reservation) -> bool:
+                   staging: Staging, reservation: Reservation, group_tokens: int = 0) -> bool:
     """One layer's stored K and V (``runs``: K's ``n`` block parts, then V's, host memory) into engine blocks
     ``ids`` of ``cache``: engine block ``skip + i`` of the stored tokens into ``ids[i]``, chunk by chunk.
+    ``group_tokens``: the precision's group size where the scales are per group.
 
-    Returns ``False`` (nothing written) where the parts are not uniform (per-group scales): the caller
-    dequantises them another way.
+    Returns ``False`` (nothing written) where the parts are not uniform (not one shape, dtype and kind of
+    scales): the caller dequantises them another way.
 
     Raises:
         ConfigError: the reservation cannot hold one block's work.
         ValueError: as :func:`store.kernels.scatter.dequantise_scatter`.
     """
     stored0, scale0 = runs[0][0]
-    if scale0 is not None and scale0.dim() != 1:
-        return False
     heads, tokens, dim = stored0.shape
     n, m, ratio = len(runs[0]), ids.shape[0], tokens // layout.block_size
     if tokens % layout.block_size or skip < 0 or skip + m > n * ratio:
         raise ValueError(f"{n} stored blocks of {tokens} tokens do not hold engine blocks {skip}..{skip + m}")
-    step = chunk_blocks(reservation, load_block_bytes(heads, tokens, dim, stored0.dtype, cache.dtype), "load")
+    grouped = group_tokens if scale0 is not None and scale0.dim() == 2 else 0
+    step = chunk_blocks(reservation, load_block_bytes(heads, tokens, dim, stored0.dtype, cache.dtype, grouped), "load")
     for lo in range(skip // ratio, -(-(skip + m) // ratio), step):
         hi = min(lo + step, n)
         first, last = max(lo * ratio, skip), min(hi * ratio, skip + m)  # the engine blocks this chunk writes
@@ -104,7 +107,8 @@ def scatter_stored(cache: torch.Tensor, layout: EngineLayout, ids: torch.Tensor,
             (k, v), scales = staged
             dequantise_scatter(cache, layout, ids[first - skip : last - skip], k=k, v=v, skip=first - lo * ratio,
                                k_scale=None if scales is None else scales[0],
-                               v_scale=None if scales is None else scales[1], scratch=frame)
+                               v_scale=None if scales is None else scales[1], group_tokens=group_tokens,
+                               scratch=frame)
     return True
 
 

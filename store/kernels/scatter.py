@@ -49,8 +49,11 @@ def dequantise_blocks(stored: torch.Tensor, scale: torch.Tensor | None, out: tor
         wide = scale.view(n, heads, *[1] * (out.dim() - 2))
     elif group_tokens < 1:
         raise ValueError("per-group scales need group_tokens >= 1")
-    else:
-        wide = scale.repeat_interleave(group_tokens, dim=-1)[..., :tokens].reshape(*out.shape[:-1], 1)
+    else:  # each group's scale over its tokens (repeat_interleave's values), then the first ``tokens``
+        groups = scale.shape[-1]
+        wide = mem.take((n, heads, groups, group_tokens), torch.float32)
+        wide.copy_(scale[..., None].expand(n, heads, groups, group_tokens))
+        wide = wide.view(n, heads, groups * group_tokens)[..., :tokens].reshape(*out.shape[:-1], 1)
     values = values.view(out.shape)
     if out.dtype == torch.float32:
         torch.mul(values, wide, out=out)

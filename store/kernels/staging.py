@@ -242,16 +242,16 @@ def _send(staging: Staging, parts: Sequence[torch.Tensor], dst: torch.Tensor, cu
 def stage_runs(runs: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor | None]]], dev: torch.device,
                staging: Staging, scratch: Frame | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Runs of stored parts (``runs[j]``: ``n`` blocks' ``(part, scales)``) moved to ``dev`` as they are stored:
-    ``[runs, n, heads, tokens, dim]`` in the stored dtype, and their scales ``[runs, n, heads]`` (``None``
-    unquantised), through :func:`gather_to_device`.
+    ``[runs, n, heads, tokens, dim]`` in the stored dtype, and their scales ``[runs, n, heads]`` (per group:
+    ``[runs, n, heads, groups]``; ``None`` unquantised), through :func:`gather_to_device`.
 
-    Only uniform runs of host parts qualify: every part of one shape and dtype, FP8 with per-head scales
-    or unscaled. ``None`` for anything else (the caller dequantises part by part). With ``scratch`` (a
+    Only uniform runs of host parts qualify: every part of one shape and dtype, FP8 with per-head or
+    per-group scales, or unscaled. ``None`` for anything else (the caller dequantises part by part). With ``scratch`` (a
     :class:`store.kernels.reservation.Frame`) the bytes and scales land in the device's reservation.
     """
     stored0, scale0 = runs[0][0]
     n = len(runs[0])
-    fp8 = stored0.dtype == torch.float8_e4m3fn and scale0 is not None and scale0.dim() == 1
+    fp8 = stored0.dtype == torch.float8_e4m3fn and scale0 is not None and scale0.dim() in (1, 2)
     uniform = (stored0.device.type == "cpu" and (fp8 or scale0 is None)
                and all(len(run) == n and all(p.shape == stored0.shape and p.dtype == stored0.dtype
                                              and (s is None) == (scale0 is None)
@@ -265,5 +265,5 @@ def stage_runs(runs: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor | None]]
     stored = dst.view(stored0.dtype).view(len(runs), n, *stored0.shape)
     if scale0 is None:
         return stored, None
-    scales = torch.stack([s for run in runs for _, s in run]).view(len(runs), n, -1)  # type: ignore[misc]
+    scales = torch.stack([s for run in runs for _, s in run]).view(len(runs), n, *scale0.shape)  # type: ignore[misc]
     return stored, scales.to(dev) if scratch is None else scratch.take(scales.shape, scales.dtype).copy_(scales)

@@ -212,10 +212,11 @@ class LoaderHit:
                heads: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """One layer's K and V of ``blocks`` blocks from ``first_block``, moved to ``device`` as stored (FP8
         bytes, not dequantised): ``[2 (K, V), blocks, kv_heads, block_size, head_dim]`` and the scales
-        ``[2, blocks, kv_heads]`` (``None`` unquantised), for :func:`store.kernels.scatter.dequantise_scatter`.
+        ``[2, blocks, kv_heads]`` (per group ``[2, blocks, kv_heads, groups]``; ``None`` unquantised), for
+        :func:`store.kernels.scatter.dequantise_scatter`.
 
-        ``heads`` as for :meth:`dequantized`. ``None`` where the parts are not uniform (per-group scales,
-        or the layer kept unquantised beside FP8 ones in another dtype): :meth:`dequantized` then.
+        ``heads`` as for :meth:`dequantized`. ``None`` where the parts are not uniform (not one shape, dtype
+        and kind of scales): :meth:`dequantized` then.
 
         Raises:
             ValueError: the blocks are outside the hit, or ``layer``/``heads`` are not the snapshots'.
@@ -238,7 +239,7 @@ class LoaderHit:
         :meth:`dequantized` then :func:`store.engines.vllm.paging.write_layer`, in bounded device memory.
 
         ``heads`` as for :meth:`dequantized`. ``False`` (nothing written) where the parts are not uniform
-        (per-group scales): :meth:`dequantized` then.
+        (not one shape, dtype and kind of scales): :meth:`dequantized` then.
 
         Raises:
             ValueError: the blocks are outside the hit, or ``layer``/``heads`` are not the snapshots'.
@@ -254,7 +255,8 @@ class LoaderHit:
         runs = [self._parts(chosen, name, span, share) for name in ("k", "v")]
         dq = self._loader.dequantizer
         return scatter_stored(cache, layout, ids, runs, skip=skip, staging=dq.staging,
-                              reservation=dq.reservation(cache.device))
+                              reservation=dq.reservation(cache.device),
+                              group_tokens=self.snapshots[first_block].header.precision.group_tokens)
 
     def copy_into_paged(self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], *,
                         partial: bool = False) -> int:

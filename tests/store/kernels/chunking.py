@@ -25,9 +25,9 @@ def stacked(run: list) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 
 def load_reservation(blocks: int, heads: int, tokens: int, dim: int, stored: torch.dtype,
-                     cache: torch.dtype) -> Reservation:
+                     cache: torch.dtype, group_tokens: int = 0) -> Reservation:
     """A CPU reservation whose chunks of a load hold exactly ``blocks`` kvwarm blocks."""
-    per = load_block_bytes(heads, tokens, dim, stored, cache)
+    per = load_block_bytes(heads, tokens, dim, stored, cache, group_tokens)
     return Reservation(TABLE_BYTES + SLICES * ALIGN + blocks * per + per // 2, "cpu")
 
 

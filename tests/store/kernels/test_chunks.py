@@ -31,10 +31,11 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("name", ["fp8-head", "bf16"])
+@pytest.mark.parametrize("name", ["fp8-head", "fp8-group8", "fp8-group12", "bf16"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_load_chunk_by_chunk_writes_the_whole_kernels_bits(kind: str, name: str, dtype: torch.dtype) -> None:
     precision, ratio, n = PRECISIONS[name], 3, 5
+    g = precision.group_tokens
     lay = layout(kind, blocks=NB, heads=H, block=B, dim=D, dtype=dtype, seed=3)
     runs = stored_parts(n, H, ratio * B, D, precision, seed=len(name))
     (k, ks), (v, vs) = stacked(runs[0]), stacked(runs[1])
@@ -43,27 +44,28 @@ def test_a_load_chunk_by_chunk_writes_the_whole_kernels_bits(kind: str, name: st
     for skip, ids in ((0, [9, 2, 11, 0, 5, 7, 13, 1, 4, 20, 22, 17, 15]), (2, [6, 3, 12, 8, 19, 21, 23]),
                       (4, [10, 14, 16]), (7, [18])):
         want = cache.clone()
-        dequantise_scatter(want, lay, block_ids(ids, "cpu"), k=k, k_scale=ks, v=v, v_scale=vs, skip=skip)
+        dequantise_scatter(want, lay, block_ids(ids, "cpu"), k=k, k_scale=ks, v=v, v_scale=vs, skip=skip,
+                           group_tokens=g)
         got = cache.clone()
-        res = load_reservation(2, H, ratio * B, D, k.dtype, dtype)
+        res = load_reservation(2, H, ratio * B, D, k.dtype, dtype, g)
         assert scatter_stored(got, lay, block_ids(ids, "cpu"), runs, skip=skip, staging=Staging(1 << 12),
-                              reservation=res)
+                              reservation=res, group_tokens=g)
         assert torch.equal(bits(got), bits(want))
         # chunks of two kvwarm blocks from the first one the load touches
         chunks = {((skip + i) // ratio - skip // ratio) // 2 for i in range(len(ids))}
         assert res.peak <= res.size and res.frames == len(chunks)
 
 
-def test_a_load_of_per_group_scales_is_left_to_the_caller() -> None:
-    precision = PRECISIONS["fp8-group8"]
+def test_parts_of_mixed_kinds_are_left_to_the_caller() -> None:
     lay = layout("split", blocks=NB, heads=H, block=B, dim=D, dtype=torch.bfloat16)
-    runs = stored_parts(2, H, 2 * B, D, precision, seed=1)
+    fp8 = stored_parts(2, H, 2 * B, D, PRECISIONS["fp8-head"], seed=1)
+    bf16 = stored_parts(2, H, 2 * B, D, PRECISIONS["bf16"], seed=1)
     cache = random_cache(lay, seed=1)
     got = cache.clone()
     res = Reservation(1 << 20, "cpu")
-    assert not scatter_stored(got, lay, block_ids([1, 2], "cpu"), runs, skip=0, staging=Staging(1 << 12),
-                              reservation=res)
-    assert torch.equal(got, cache) and res.frames == 0
+    assert not scatter_stored(got, lay, block_ids([1, 2, 3, 4], "cpu"), [fp8[0], bf16[1]], skip=0,
+                              staging=Staging(1 << 12), reservation=res)
+    assert torch.equal(got, cache)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -65,24 +65,29 @@ def test_a_layers_stored_bytes_scattered_are_what_dequantized_and_write_layer_wr
         loader.close()
 
 
-@pytest.mark.parametrize("compression", ["fp8", "bf16"])
+@pytest.mark.parametrize("compression", ["fp8", "fp8-group6", "bf16"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_layer_scattered_chunk_by_chunk_through_the_reservation_is_what_dequantized_and_write_layer_wrote(
         tmp_path, model, compression, kind) -> None:
     """What a vLLM worker's device load runs per layer (:meth:`LoaderHit.scatter`), with a reservation that
-    holds two kvwarm blocks: the load's three blocks in two chunks, the boundary inside the request."""
-    cfg = config(BS, compression)
+    holds two kvwarm blocks: the load's three blocks in two chunks, the boundary inside the request (FP8
+    with per-head scales, per group of 6 tokens, or bf16)."""
+    group = 6 if compression == "fp8-group6" else 0
+    cfg = config(BS, compression.removesuffix("-group6"))
+    if group:
+        cfg = cfg.model_copy(update={"kv_cache": cfg.kv_cache.model_copy(
+            update={"scale_granularity": "head_group", "group_tokens": group})})
     ids = prompt(4 * BS + 2, seed=3)
     store = Store.open(f"file://{tmp_path}/nvme", cfg)
     write_prefix(store, cfg, model, ids[: 4 * BS])
     store.close()
-    stored = torch.float8_e4m3fn if compression == "fp8" else torch.bfloat16
-    size = load_reservation(2, 2, BS, 16, stored, torch.bfloat16).size
+    stored = torch.bfloat16 if compression == "bf16" else torch.float8_e4m3fn
+    size = load_reservation(2, 2, BS, 16, stored, torch.bfloat16, group).size
     loader = KVLoader(f"file://{tmp_path}/nvme", tenant=ACME, model=TINY, pool_bytes=1 << 30, config=cfg,
                       pool_dir=tmp_path / "pool", dequant=Dequantizer(scratch_bytes=size, staging_bytes=1024))
     hit = loader.lookup(ids)
     try:
-        assert hit is not None
+        assert hit is not None and hit.snapshots[0].header.precision.group_tokens == group
         lay = layout(kind, blocks=12, heads=2, block=EB, dim=16, dtype=torch.bfloat16, seed=1)
         engine = [7, 2, 10, 4, 0]  # tokens 8 .. 48: from the second engine block of kvwarm block 1
         got = random_cache(lay, seed=2)
