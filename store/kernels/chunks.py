@@ -159,6 +159,7 @@ def _host_blocks(n: int, heads: int, tokens: int, dim: int, precision: Precision
     scales: tuple[int, ...] | None = None
     if dtype == "fp8_e4m3":
         scales = (n, heads) if precision.granularity == "head" else (n, heads, -(-tokens // precision.group_tokens))
-    return StoredBlocks(empty((n, heads, tokens, dim), stored), None if scales is None else empty(scales, torch.float32),
-                        empty((n, heads, tokens, dim), stored), None if scales is None else empty(scales, torch.float32),
-                        empty((2, n), torch.float64))
+    k_scale = None if scales is None else empty(scales, torch.float32)
+    v_scale = None if scales is None else empty(scales, torch.float32)
+    return StoredBlocks(empty((n, heads, tokens, dim), stored), k_scale, empty((n, heads, tokens, dim), stored),
+                        v_scale, empty((2, n), torch.float64))

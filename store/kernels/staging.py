@@ -35,6 +35,9 @@ from typing import TYPE_CHECKING, Any, Sequence
 import numpy as np
 import torch
 
+if TYPE_CHECKING:
+    from store.kernels.reservation import Frame
+
 #: Threads that copy stored bytes out of the mappings (numpy copies release the GIL).
 #: 4: 12.5 GB/s into pinned memory on the H200 host; 8 or 16: ~10 (docs/benchmarks.md).
 GATHER_THREADS = max(1, min(4, (os.cpu_count() or 1)))
@@ -180,7 +183,8 @@ class Staging:
 
 
 def _trim_when_idle(ref: weakref.ref[Staging], closed: threading.Event, idle_s: float) -> None:
-    """A staging's timer thread: every quarter of ``idle_s``, :meth:`Staging.trim_if_idle`, until it is closed or gone."""
+    """A staging's timer thread: every quarter of ``idle_s``, :meth:`Staging.trim_if_idle`, until it is closed
+    or gone."""
     while not closed.wait(idle_s / 4):
         staging = ref()
         if staging is None:
