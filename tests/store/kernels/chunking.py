@@ -8,14 +8,16 @@ from store.kernels.chunks import SLICES, load_block_bytes, save_block_bytes
 from store.kernels.reservation import ALIGN, TABLE_BYTES, Reservation
 
 
-def stored_parts(n: int, heads: int, tokens: int, dim: int, precision: Precision, seed: int) -> list[list]:
-    """K's and V's ``n`` stored blocks as the codec stores each alone: ``[[(k_j, scale_j), ...], [(v_j, ...)]]``."""
+def stored_parts(n: int, heads: int, tokens: int, dim: int, precision: Precision, seed: int,
+                 layer: int = 0) -> list[list]:
+    """K's and V's ``n`` stored blocks of ``layer`` as the codec stores each alone:
+    ``[[(k_j, scale_j), ...], [(v_j, ...)]]``."""
     g = torch.Generator().manual_seed(seed)
     runs = []
     for _ in ("k", "v"):
         x = torch.randn((n, heads, tokens, dim), generator=g) * torch.where(
             torch.rand((n, heads, tokens, dim), generator=g) < 0.02, 30.0, 1.0)
-        runs.append([quantize(x[j], precision, 0) for j in range(n)])
+        runs.append([quantize(x[j], precision, layer) for j in range(n)])
     return runs
 
 
