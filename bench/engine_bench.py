@@ -63,7 +63,11 @@ core): ``--device cuda --shape 8b --prefix 8192 --offloading-baseline`` uses an 
 Llama with random weights (saved once under the work directory), stores random KV of its
 geometry (timing only: no prefill job on 8k tokens), and also measures vLLM's own
 persistent offloading, ``OffloadingConnector`` with ``TieringOffloadingSpec`` and a
-filesystem secondary tier, restarted on the same path (bench/gpu_check.sh runs it).
+filesystem secondary tier, restarted on the same path. On CUDA every engine names vLLM's
+``cudagraph_mode`` (``--cudagraph-mode``, default ``FULL_AND_PIECEWISE``) and async scheduling
+(``--async-scheduling``, default on), recorded as ``engine_args``; ``--lmcache`` adds the LMCache
+columns there too (``$KVWARM_LMCACHE_PYTHON``: a venv with CUDA vllm, lmcache and kvwarm's core).
+bench/gpu_check.sh runs it at 2k and 8k tokens.
 """
 from __future__ import annotations
 
