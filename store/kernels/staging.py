@@ -12,9 +12,9 @@ A hit's parts lie in many mappings (one per snapshot). Code that needs them in o
   piece needs (at most its share of the bound) and made smaller again when the pieces of
   the last :data:`SHRINK_AFTER` uses needed under a quarter of it. A part larger than a slot goes
   through in byte pieces, so the pinned bytes never pass ``max_bytes`` (:attr:`Staging.peak_bytes`).
-  After :data:`IDLE_TRIM_S` without a transfer every slot is freed (and torch's cache of pinned
-  host memory, where write-back's pinned copies wait for reuse, is emptied): an idle engine holds
-  no pinned staging.
+  After :data:`IDLE_TRIM_S` without a transfer every slot is freed (and what torch's cache of pinned
+  host memory holds unused, where write-back's pinned copies wait for reuse, with them): an engine
+  that stopped loading holds no pinned staging.
 - for the CPU, one plain buffer up to :data:`KEEP_STAGING_BYTES` (whole payloads for the
   compiled kernel), kept for the next hit.
 
