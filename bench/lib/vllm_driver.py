@@ -115,6 +115,8 @@ def build_llm(spec: dict[str, Any]) -> Any:
     from vllm.config import KVTransferConfig
     from vllm.platforms import current_platform
 
+    from bench.lib.cuda_engine import engine_defaults
+
     if (spec.get("engine") or {}).get("async_scheduling") and current_platform.is_cpu():
         keep_async_scheduling()
 
@@ -128,7 +130,7 @@ def build_llm(spec: dict[str, Any]) -> Any:
         tolerate_llvmlite()
     kw: dict[str, Any] = dict(enforce_eager=True, dtype="bfloat16", seed=0, enable_prefix_caching=False,
                               distributed_executor_backend="uni")
-    kw.update(spec.get("engine") or {})
+    kw.update({**engine_defaults(), **(spec.get("engine") or {})})  # $KVWARM_ENGINE_ARGS, then the spec
     conn = spec.get("connector")
     if conn is not None:
         cls = conn.get("class", CONNECTOR_CLASS)

@@ -14,7 +14,8 @@ destination where possible:
 - to a GPU, FP8 runs with per-head scales are gathered into bounded, reused pinned host
   slots (:mod:`store.kernels.staging`), moved piece by piece (FP8 bytes, half of bf16's) and
   dequantised there by the reference arithmetic; anything else block by block through
-  :func:`store.format.precision.dequantize`.
+  :func:`store.format.precision.dequantize`. (A vLLM worker's loads instead go chunk by chunk through the
+  device's :class:`store.kernels.reservation.Reservation`: :mod:`store.kernels.chunks`.)
 
 :mod:`store.engines.paged` writes the result into the caches engines use.
 """
@@ -33,6 +34,7 @@ from store.format.precision import dequantize
 from store.format.runs import NP_SAME_SIZE, PayloadPlan, payload_plan
 from store.kernels import memory
 from store.kernels.plain import copy_plain
+from store.kernels.reservation import SCRATCH_BYTES, Reservation
 from store.kernels.staging import STAGING_BYTES, Staging, stage_runs
 from store.kernels.table import bits_dtype, gather_parts, gather_payloads, native_isa
 
@@ -112,7 +114,7 @@ class Dequantizer:
     """
 
     def __init__(self, mode: DequantMode = "table", executor: cf.Executor | None = None, *,
-                 staging_bytes: int = STAGING_BYTES) -> None:
+                 staging_bytes: int = STAGING_BYTES, scratch_bytes: int = SCRATCH_BYTES) -> None:
         if mode not in ("auto", "table", "compiled"):
             raise ValueError(f"dequant mode {mode!r} is not allowed; choose auto, table or compiled")
         self.mode = mode
@@ -122,6 +124,8 @@ class Dequantizer:
         self._pending: set[tuple] = set()
         self._kernel: Callable[..., torch.Tensor] | None = None
         self._staging = Staging(staging_bytes)  # host buffers: hits bound for a GPU, whole payloads for the kernel
+        self.scratch_bytes = int(scratch_bytes)
+        self._reservations: dict[torch.device, Reservation] = {}
 
     def __call__(self, out: torch.Tensor, stored: torch.Tensor, scale: torch.Tensor | None,
                  group_tokens: int = 0) -> None:
@@ -129,13 +133,9 @@ class Dequantizer:
 
     def _to_device(self, parts: Sequence[Sequence["BlockPart"]], dtype: torch.dtype,
                    dev: torch.device) -> torch.Tensor:
-        """Uniform runs (FP8 with per-head scales, or unscaled) to ``[runs, heads, n*bs, dim]`` on ``dev``.
-
-        The stored bytes are gathered from the mappings into a reused (pinned) host buffer
-        and sent on (:func:`store.kernels.staging.stage_runs`); the dequantisation runs on the
-        device.
-        """
-        staged = self.stage(parts, dev)
+        """Uniform runs (FP8 with per-head scales, or unscaled) to ``[runs, heads, n*bs, dim]`` on ``dev``: the
+        stored bytes sent through the staging (:func:`store.kernels.staging.stage_runs`), dequantised there."""
+        staged = stage_runs(parts, dev, self._staging)
         assert staged is not None, "_to_device takes uniform runs"
         stored, scales = staged
         m, n, heads, bs, _ = stored.shape
@@ -143,11 +143,19 @@ class Dequantizer:
             return stored.to(dtype).permute(0, 2, 1, 3, 4).reshape(m, heads, n * bs, -1)
         return _fp8_layers(stored, scales, dtype)
 
-    def stage(self, parts: Sequence[Sequence["BlockPart"]],
-              dev: torch.device) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """Uniform runs of stored parts moved to ``dev`` as stored, through this dequantiser's staging
-        (:func:`store.kernels.staging.stage_runs`); ``None`` for runs that are not uniform."""
-        return stage_runs(parts, dev, self._staging)
+    @property
+    def staging(self) -> Staging:
+        """The pinned host slots every transfer to a device goes through (``loader.staging_bytes``)."""
+        return self._staging
+
+    def reservation(self, device: torch.device | str) -> Reservation:
+        """The one :class:`store.kernels.reservation.Reservation` of ``device`` (``loader.device_scratch_bytes``,
+        taken on first use) that the device kernels of this worker's loads and write-back share."""
+        dev = torch.device(device)
+        with self._lock:
+            if dev not in self._reservations:
+                self._reservations[dev] = Reservation(self.scratch_bytes, dev)
+            return self._reservations[dev]
 
     def _compiled(self) -> Callable[..., torch.Tensor]:
         with self._lock:

@@ -13,6 +13,10 @@ operations wherever the cache lives (CPU or CUDA; no host synchronisation, no lo
   (the norms are the same fp32 reductions over the same rows; the ratio is taken in float64, as
   that function takes it in Python).
 
+Every result and temporary comes from a ``scratch`` where one is given (a
+:class:`store.kernels.reservation.Frame` of the device's one reservation: :mod:`store.kernels.chunks`
+drives these kernels chunk by chunk through it), else from torch's allocator.
+
 The arithmetic is the codec's, step for step; only the order of passes and their buffers differ
 (in place where it can be, and FP8 back to fp32 through a 256-entry table of the FP8 values, the
 bits of the cast, ~4x faster than torch's cast on the CPU). On CUDA the bytes and scales are the
@@ -27,6 +31,7 @@ import torch
 
 from store.format.encode import StoredLayer
 from store.format.precision import FP8_MAX, STORAGE_DTYPES, Precision
+from store.kernels.reservation import Frame, Loose
 
 if TYPE_CHECKING:
     from store.engines.vllm.layout import EngineLayout
@@ -118,92 +123,119 @@ def _index(ids: torch.Tensor, layout: EngineLayout, ratio: int) -> tuple[torch.T
 
 
 def gather_kv(cache: torch.Tensor, layout: EngineLayout, ids: torch.Tensor,
-              ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+              ratio: int, scratch: Frame | Loose | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of the kvwarm blocks whose engine blocks are ``ids`` (``ratio`` per kvwarm block, in token
     order): each ``[n, kv_heads, ratio * block_size, head_dim]``, contiguous, in the engine's dtype.
 
-    One indexed copy each, straight into kvwarm's order (no intermediate copy of the blocks).
+    One indexed copy each, straight into kvwarm's order (no intermediate copy of the blocks), into
+    ``scratch`` (a :class:`store.kernels.reservation.Frame`; by default torch's allocator).
 
     Raises:
         ValueError: ``len(ids)`` is not a multiple of ``ratio``, or the layout is unknown.
     """
     if ids.shape[0] % ratio:
         raise ValueError(f"{ids.shape[0]} engine blocks are not whole kvwarm blocks of {ratio} engine blocks")
+    mem = scratch if scratch is not None else Loose(cache.device)
     H, B, D = layout.num_kv_heads, layout.block_size, layout.head_dim
     n = ids.shape[0] // ratio
     if layout.kind == "cpu_permuted":  # whole blocks (one row copy each), then their elements in kvwarm's order
         assert layout.index is not None
         E = layout.block_elements
-        rows = cache.view(layout.num_blocks, E).index_select(0, ids).view(n, ratio * E)
+        rows = mem.take((n * ratio, E), cache.dtype)
+        torch.index_select(cache.view(layout.num_blocks, E), 0, ids, out=rows)
         out = []
         for half, run in enumerate(layout.index_runs):  # runs of consecutive elements move together
             starts = layout.index[half, ..., ::run].to(cache.device) // run  # [H, B, D / run]
             where = torch.arange(ratio, device=cache.device).view(1, ratio, 1, 1) * (E // run) + starts.unsqueeze(1)
-            pieces = rows.view(n, ratio * E // run, run).index_select(1, where.reshape(-1))
+            pieces = mem.take((n, where.numel(), run), cache.dtype)
+            torch.index_select(rows.view(n, ratio * E // run, run), 1, where.reshape(-1), out=pieces)
             out.append(pieces.view(n, H, ratio * B, D))
         return out[0], out[1]
     out = []
     for src, idx in zip(block_views(cache, layout), [list(_index(ids, layout, ratio))] * 2):
         # into contiguous memory: advanced indexing alone lays its result out as its (strided) source
-        got = torch.empty((n, H, ratio, B, D), dtype=cache.dtype, device=cache.device)
+        got = mem.take((n, H, ratio, B, D), cache.dtype)
         torch.ops.aten.index.Tensor_out(src, idx, out=got)
         out.append(got.view(n, H, ratio * B, D))
     return out[0], out[1]
 
 
-def quantise_blocks(x: torch.Tensor, precision: Precision,
-                    layer: int) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+def quantise_blocks(x: torch.Tensor, precision: Precision, layer: int, scratch: Frame | Loose | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
     """Store ``x`` (``[n, kv_heads, tokens, head_dim]``: ``n`` blocks of one layer's K or V) at ``precision``.
 
     Returns the stored tensor and scales (the bits of :func:`store.format.precision.quantize` of each
     block alone) and, per block, the fp32 norms ``||dequantize(stored) - x||`` and ``||x||`` (``[n]``
-    each) that :func:`store.format.precision.relative_error` divides.
+    each) that :func:`store.format.precision.relative_error` divides. Every result and temporary comes
+    from ``scratch`` (a :class:`store.kernels.reservation.Frame`; by default torch's allocator).
     """
+    mem = scratch if scratch is not None else Loose(x.device)
     n, heads, tokens, dim = x.shape
-    xf = x.to(torch.float32)
+    f32 = torch.float32
+    xf = mem.take(x.shape, f32).copy_(x)  # Tensor.to's conversion
     dtype = precision.layer_dtype(layer)
     if dtype != "fp8_e4m3":
-        stored = x.to(STORAGE_DTYPES[dtype]).contiguous()
-        back = stored.to(torch.float32)
-        return stored, None, _norm(back - xf), _norm(xf)
+        stored = mem.take(x.shape, STORAGE_DTYPES[dtype]).copy_(x)
+        back = mem.take(x.shape, f32).copy_(stored).sub_(xf)
+        return stored, None, _norm(back, mem), _norm(xf, mem)
     if precision.granularity == "head":
-        amax = _abs_max(xf, (-2, -1))
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        q = torch.div(xf, scale[..., None, None])
+        scale = _scale(_abs_max(xf, (-2, -1), mem), mem)
+        q = torch.div(xf, scale[..., None, None], out=mem.take(x.shape, f32))
         wide = scale[..., None, None]
     else:
         g = precision.group_tokens
         groups = -(-tokens // g)
-        xp = torch.nn.functional.pad(xf, (0, 0, 0, groups * g - tokens)).view(n, heads, groups, g, dim)
-        amax = _abs_max(xp, (-2, -1))
-        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-        q = torch.div(xp, scale[..., None, None]).view(n, heads, groups * g, dim)[:, :, :tokens].contiguous()
-        wide = scale.repeat_interleave(g, dim=-1)[..., :tokens, None]
+        xp = mem.take((n, heads, groups * g, dim), f32)  # torch.nn.functional.pad's zeros, then xf
+        xp[:, :, tokens:].zero_()
+        xp[:, :, :tokens].copy_(xf)
+        scale = _scale(_abs_max(xp.view(n, heads, groups, g, dim), (-2, -1), mem), mem)
+        qp = torch.div(xp.view(n, heads, groups, g, dim), scale[..., None, None], out=xp.view(n, heads, groups, g, dim))
+        q = qp.view(n, heads, groups * g, dim)[:, :, :tokens]
+        if groups * g != tokens:
+            q = mem.take(x.shape, f32).copy_(q)
+        wide = mem.take((n, heads, groups, g), f32).copy_(scale[..., None].expand(n, heads, groups, g))
+        wide = wide.view(n, heads, groups * g)[..., :tokens, None]
     q.clamp_(-FP8_MAX, FP8_MAX)
-    stored = q.to(torch.float8_e4m3fn)
+    stored = mem.take(x.shape, torch.float8_e4m3fn).copy_(q)
     # back to fp32 (the bits of Tensor.to: the table holds the 256 FP8 values), then dequantize's product
-    table = FP8_VALUES.to(x.device)
-    back = torch.index_select(table, 0, stored.view(torch.uint8).reshape(-1).to(torch.int32), out=q.view(-1))
+    codes = mem.take((stored.numel(),), torch.int32).copy_(stored.view(torch.uint8).view(-1))
+    back = torch.index_select(mem.fp8_values, 0, codes, out=q.view(-1))
     back = back.view(n, heads, tokens, dim).mul_(wide).sub_(xf)
-    return stored, scale.contiguous(), _norm(back), _norm(xf)
+    return stored, scale, _norm(back, mem), _norm(xf, mem)
 
 
-def _abs_max(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+def _scale(amax: torch.Tensor, mem: Frame | Loose) -> torch.Tensor:
+    """``where(amax > 0, amax / FP8_MAX, 1)``: the codec's scales, into ``mem``."""
+    scale = torch.div(amax, FP8_MAX, out=mem.take(amax.shape, torch.float32))
+    none = torch.gt(amax, 0, out=mem.take(amax.shape, torch.bool)).logical_not_()  # a NaN is no scale either
+    return scale.masked_fill_(none, 1.0)
+
+
+def _abs_max(x: torch.Tensor, dims: tuple[int, ...], mem: Frame | Loose) -> torch.Tensor:
     """``x.abs().amax(dims)`` from two read-only reductions, without the ``abs`` copy: the same value
     (a NaN anywhere is NaN, as both propagate it; a signed zero is no scale: ``amax > 0`` is false)."""
-    return torch.maximum(x.amax(dim=dims), x.amin(dim=dims).neg_())
+    shape = tuple(s for i, s in enumerate(x.shape) if i - x.dim() not in dims)
+    hi = torch.amax(x, dim=dims, out=mem.take(shape, torch.float32))
+    lo = torch.amin(x, dim=dims, out=mem.take(shape, torch.float32))
+    return torch.maximum(hi, lo.neg_(), out=hi)
 
 
-def _norm(x: torch.Tensor) -> torch.Tensor:
+def _norm(x: torch.Tensor, mem: Frame | Loose) -> torch.Tensor:
     """Each block's fp32 L2 norm over its contiguous ``[kv_heads, tokens, head_dim]`` (the reduction
     :func:`store.format.precision.relative_error` makes of one block)."""
-    return torch.linalg.vector_norm(x.contiguous().flatten(1), dim=1)
+    return torch.linalg.vector_norm(x.flatten(1), dim=1, out=mem.take((x.shape[0],), torch.float32))
 
 
-def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
-    """``num / den`` in float64 (``num`` where ``den`` is 0), as relative_error divides Python floats."""
-    num64, den64 = num.to(torch.float64), den.to(torch.float64)
-    return torch.where(den64 > 0, num64 / torch.where(den64 > 0, den64, torch.ones_like(den64)), num64)
+def error_ratio(num: torch.Tensor, den: torch.Tensor, out: torch.Tensor, mem: Frame | Loose) -> torch.Tensor:
+    """``num / den`` in float64 (``num`` where ``den`` is 0) into ``out``, as relative_error divides Python floats:
+    each block's relative error from :func:`quantise_blocks`' norms (temporaries from ``mem``)."""
+    f64 = torch.float64
+    num64 = mem.take(num.shape, f64).copy_(num)
+    den64 = mem.take(den.shape, f64).copy_(den)
+    pos = torch.gt(den64, 0, out=mem.take(den.shape, torch.bool))
+    den64.masked_fill_(pos.logical_not_(), 1.0)
+    quotient = torch.div(num64, den64, out=mem.take(num.shape, f64))
+    return torch.where(pos.logical_not_(), quotient, num64, out=out)
 
 
 def gather_quantise(cache: torch.Tensor, layout: EngineLayout, ids: torch.Tensor, *, ratio: int,
@@ -220,9 +252,13 @@ def gather_quantise(cache: torch.Tensor, layout: EngineLayout, ids: torch.Tensor
 def quantise_kv(k: torch.Tensor, v: torch.Tensor, *, precision: Precision, layer: int) -> StoredBlocks:
     """One layer's gathered K and V (:func:`gather_kv`) as stored, with their errors (the second half of
     :func:`gather_quantise`: on a CPU cache the write-back runs it on its writer thread, not the engine's)."""
-    kq, ks, kn, kd = quantise_blocks(k, precision, layer)
-    vq, vs, vn, vd = quantise_blocks(v, precision, layer)
-    return StoredBlocks(kq, ks, vq, vs, torch.stack([_ratio(kn, kd), _ratio(vn, vd)]))
+    mem = Loose(k.device)
+    errors = mem.take((2, k.shape[0]), torch.float64)
+    kq, ks, kn, kd = quantise_blocks(k, precision, layer, mem)
+    vq, vs, vn, vd = quantise_blocks(v, precision, layer, mem)
+    error_ratio(kn, kd, errors[0], mem)
+    error_ratio(vn, vd, errors[1], mem)
+    return StoredBlocks(kq, ks, vq, vs, errors)
 
 
 def quantise_taken(taken: torch.Tensor, layout: EngineLayout, *, ratio: int, precision: Precision,

@@ -8,6 +8,9 @@ blocks), the bits that :func:`store.format.precision.dequantize` of each block f
 cache's dtype (the FP8 values through a 256-entry table of their fp32 bits), laid out in engine-block
 order as it is computed, then one indexed write per K and V into the cache's layout.
 
+Its temporaries come from a ``scratch`` where one is given (a :class:`store.kernels.reservation.Frame`:
+:func:`store.kernels.chunks.scatter_stored` drives it chunk by chunk), else from torch's allocator.
+
 The write may start past the first kvwarm block's first engine block (``skip``: tokens the engine
 already holds) and covers ``len(ids)`` engine blocks.
 """
@@ -17,18 +20,20 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from store.kernels.gather import FP8_VALUES, block_views
+from store.kernels.gather import block_views
+from store.kernels.reservation import Frame, Loose
 
 if TYPE_CHECKING:
     from store.engines.vllm.layout import EngineLayout
 
 
 def dequantise_blocks(stored: torch.Tensor, scale: torch.Tensor | None, out: torch.Tensor,
-                      group_tokens: int = 0) -> None:
+                      group_tokens: int = 0, scratch: Frame | Loose | None = None) -> None:
     """``dequantize(stored[j], scale[j])`` of every block ``j`` into ``out``, rounded once to ``out``'s dtype.
 
     ``stored`` is ``[n, kv_heads, tokens, head_dim]``; ``out`` the same, or ``[n, kv_heads, r, tokens / r,
-    head_dim]`` (the tokens in ``r`` pieces: engine blocks), any strides, any float dtype.
+    head_dim]`` (the tokens in ``r`` pieces: engine blocks), any strides, any float dtype. Its temporaries
+    come from ``scratch`` (a :class:`store.kernels.reservation.Frame`; by default torch's allocator).
 
     Raises:
         ValueError: per-group scales without ``group_tokens``.
@@ -37,14 +42,18 @@ def dequantise_blocks(stored: torch.Tensor, scale: torch.Tensor | None, out: tor
     if scale is None:
         out.copy_(stored.reshape(out.shape))  # Tensor.to's conversion, as dequantize makes it
         return
-    table = FP8_VALUES.to(stored.device)
-    values = torch.index_select(table, 0, stored.view(torch.uint8).reshape(-1).to(torch.int32))
+    mem = scratch if scratch is not None else Loose(stored.device)
+    codes = mem.take((stored.numel(),), torch.int32).copy_(stored.view(torch.uint8).reshape(-1))
+    values = torch.index_select(mem.fp8_values, 0, codes, out=mem.take((stored.numel(),), torch.float32))
     if scale.dim() == 2:
         wide = scale.view(n, heads, *[1] * (out.dim() - 2))
     elif group_tokens < 1:
         raise ValueError("per-group scales need group_tokens >= 1")
-    else:
-        wide = scale.repeat_interleave(group_tokens, dim=-1)[..., :tokens].reshape(*out.shape[:-1], 1)
+    else:  # each group's scale over its tokens (repeat_interleave's values), then the first ``tokens``
+        groups = scale.shape[-1]
+        wide = mem.take((n, heads, groups, group_tokens), torch.float32)
+        wide.copy_(scale[..., None].expand(n, heads, groups, group_tokens))
+        wide = wide.view(n, heads, groups * group_tokens)[..., :tokens].reshape(*out.shape[:-1], 1)
     values = values.view(out.shape)
     if out.dtype == torch.float32:
         torch.mul(values, wide, out=out)
@@ -54,10 +63,11 @@ def dequantise_blocks(stored: torch.Tensor, scale: torch.Tensor | None, out: tor
 
 def dequantise_scatter(cache: torch.Tensor, layout: EngineLayout, ids: torch.Tensor, *, k: torch.Tensor,
                        k_scale: torch.Tensor | None, v: torch.Tensor, v_scale: torch.Tensor | None,
-                       skip: int = 0, group_tokens: int = 0) -> None:
+                       skip: int = 0, group_tokens: int = 0, scratch: Frame | Loose | None = None) -> None:
     """Write stored blocks ``k``/``v`` (``[n, kv_heads, kv_block, head_dim]``, with their scales) into
     engine blocks ``ids`` of one layer's cache: engine block ``skip + i`` of the stored tokens (in
-    ``block_size`` pieces) into ``ids[i]``.
+    ``block_size`` pieces) into ``ids[i]``. The temporaries (K's, then the same bytes for V's) come from
+    ``scratch`` (a :class:`store.kernels.reservation.Frame`; by default torch's allocator).
 
     Raises:
         ValueError: the stored blocks do not hold ``skip + len(ids)`` engine blocks of the layout's
@@ -70,10 +80,12 @@ def dequantise_scatter(cache: torch.Tensor, layout: EngineLayout, ids: torch.Ten
         raise ValueError(f"stored blocks {tuple(k.shape)} do not hold engine blocks {skip}..{skip + m} of "
                          f"{B} tokens, {H} heads, head dim {D}")
     ratio = tokens // B
+    mem = scratch if scratch is not None else Loose(cache.device)
     for x, scale, half in ((k, k_scale, 0), (v, v_scale, 1)):
+        mark = mem.mark()  # V's temporaries reuse K's bytes (after K's kernels, on the stream's order)
         # dequantised straight into engine-block order, [n * ratio, H, B, D], seen as [n, H, ratio, B, D]
-        blocks = torch.empty((n * ratio, H, B, D), dtype=cache.dtype, device=cache.device)
-        dequantise_blocks(x, scale, blocks.view(n, ratio, H, B, D).transpose(1, 2), group_tokens)
+        blocks = mem.take((n * ratio, H, B, D), cache.dtype)
+        dequantise_blocks(x, scale, blocks.view(n, ratio, H, B, D).transpose(1, 2), group_tokens, mem)
         part = blocks[skip:skip + m]
         if layout.kind == "cpu_permuted":  # runs of consecutive elements move together
             assert layout.index is not None
@@ -83,3 +95,4 @@ def dequantise_scatter(cache: torch.Tensor, layout: EngineLayout, ids: torch.Ten
                 (ids.view(m, 1, 1, 1), starts), part.view(m, H, B, D // run, run))
         else:
             block_views(cache, layout)[half].index_put_((ids,), part)
+        mem.release(mark)

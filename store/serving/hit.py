@@ -18,9 +18,12 @@ from store.engines.paged import check_paged, fill_paged, new_dynamic_cache, put_
 from store.format.precision import STORAGE_DTYPES
 from store.format.snapshot import Snapshot
 from store.identity.keys import Block
+from store.kernels.chunks import scatter_stored
+from store.kernels.staging import stage_runs
 from store.serving.pool import SnapshotPool
 
 if TYPE_CHECKING:
+    from store.engines.vllm.layout import EngineLayout
     from store.serving.loader import KVLoader
 
 log = logging.getLogger("kvwarm.loader")  # the loader's logger: a hit is part of the loader's story
@@ -209,10 +212,11 @@ class LoaderHit:
                heads: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """One layer's K and V of ``blocks`` blocks from ``first_block``, moved to ``device`` as stored (FP8
         bytes, not dequantised): ``[2 (K, V), blocks, kv_heads, block_size, head_dim]`` and the scales
-        ``[2, blocks, kv_heads]`` (``None`` unquantised), for :func:`store.kernels.scatter.dequantise_scatter`.
+        ``[2, blocks, kv_heads]`` (per group ``[2, blocks, kv_heads, groups]``; ``None`` unquantised), for
+        :func:`store.kernels.scatter.dequantise_scatter`.
 
-        ``heads`` as for :meth:`dequantized`. ``None`` where the parts are not uniform (per-group scales,
-        or the layer kept unquantised beside FP8 ones in another dtype): :meth:`dequantized` then.
+        ``heads`` as for :meth:`dequantized`. ``None`` where the parts are not uniform (not one shape, dtype
+        and kind of scales): :meth:`dequantized` then.
 
         Raises:
             ValueError: the blocks are outside the hit, or ``layer``/``heads`` are not the snapshots'.
@@ -225,7 +229,34 @@ class LoaderHit:
             raise ValueError(f"{blocks} blocks from block {first_block} are outside this hit of "
                              f"{len(self.snapshots)} blocks")
         runs = [self._parts(chosen, name, span, share) for name in ("k", "v")]
-        return self._loader.dequantizer.stage(runs, torch.device(device))
+        return stage_runs(runs, torch.device(device), self._loader.dequantizer.staging)
+
+    def scatter(self, cache: torch.Tensor, layout: EngineLayout, ids: torch.Tensor, *, first_block: int, blocks: int,
+                layer: int, heads: slice | None = None, skip: int = 0) -> bool:
+        """One layer's K and V of ``blocks`` blocks from ``first_block`` written into engine blocks ``ids`` of
+        ``cache`` (a device's: engine block ``skip + i`` of those tokens into ``ids[i]``), chunk by chunk
+        through the device's one reservation (:func:`store.kernels.chunks.scatter_stored`): the bits of
+        :meth:`dequantized` then :func:`store.engines.vllm.paging.write_layer`, in bounded device memory.
+
+        ``heads`` as for :meth:`dequantized`. ``False`` (nothing written) where the parts are not uniform
+        (not one shape, dtype and kind of scales): :meth:`dequantized` then.
+
+        Raises:
+            ValueError: the blocks are outside the hit, or ``layer``/``heads`` are not the snapshots'.
+            ConfigError: ``loader.device_scratch_bytes`` cannot hold one block's work.
+            RuntimeError: the hit was released.
+        """
+        self._check_live()
+        (chosen,), share = self._share([layer], heads)
+        if first_block < 0 or blocks <= 0 or first_block + blocks > len(self.snapshots):
+            raise ValueError(f"{blocks} blocks from block {first_block} are outside this hit of "
+                             f"{len(self.snapshots)} blocks")
+        span = slice(first_block, first_block + blocks)
+        runs = [self._parts(chosen, name, span, share) for name in ("k", "v")]
+        dq = self._loader.dequantizer
+        return scatter_stored(cache, layout, ids, runs, skip=skip, staging=dq.staging,
+                              reservation=dq.reservation(cache.device),
+                              group_tokens=self.snapshots[first_block].header.precision.group_tokens)
 
     def copy_into_paged(self, kv_caches: Sequence[torch.Tensor], block_ids: Sequence[int], *,
                         partial: bool = False) -> int:

@@ -167,7 +167,7 @@ class KVLoader:
         self.prefetcher = Prefetcher(d.prefetch_streams, probe=self._probe_local, fetcher=self.fetcher,
                                      metrics=self.metrics)
         self.dequantizer = dequant if isinstance(dequant, Dequantizer) else Dequantizer(
-            d.dequant, self._executor, staging_bytes=int(d.staging_bytes))
+            d.dequant, self._executor, staging_bytes=int(d.staging_bytes), scratch_bytes=int(d.device_scratch_bytes))
         self.node = NodeLink.open(node, self.config, store_url)
         self._closed = False
         if self.fetcher.has_remote and self.fetch_mode == "sync":  # a sync lookup waits for S3: connect first

@@ -8,8 +8,9 @@ It runs in vLLM's worker, beside the model, and only moves bytes the scheduler p
   dequantises the needed blocks of this worker's share into the engine's KV dtype (its layers, by their
   global numbers, under pipeline parallel; its KV heads under tensor parallel; the native FP8 table
   gather where built), and :func:`store.engines.vllm.paging.write_layer` writes each layer into the
-  engine blocks vLLM assigned; on a device, each layer's stored bytes go there as they are and one
-  :func:`store.kernels.scatter.dequantise_scatter` per layer writes them into the blocks.
+  engine blocks vLLM assigned; on a device, each layer's stored bytes go there as they are and
+  :meth:`store.serving.hit.LoaderHit.scatter` writes them into the blocks (one dequantise and scatter per
+  chunk, in the device's one reservation).
   Synchronous: vLLM runs the forward after it (docs/guides/engines.md says why). Whatever was not loaded
   (a snapshot gone, corrupt, expired) is reported by engine block id, and vLLM recomputes it.
 - :meth:`WorkerRole.after_forward`: stores the blocks of the step's saves out of the cache (one gather and
@@ -48,7 +49,6 @@ from store.engines.vllm.writeback import WriteBack
 from store.identity.fingerprint import ModelIdentity
 from store.kernels.dequant import Dequantizer
 from store.kernels.gather import block_ids
-from store.kernels.scatter import dequantise_scatter
 from store.serving.loader import KVLoader
 from store.tiers.registry import tiers_from_url
 from store.tiers.store import Store
@@ -93,7 +93,8 @@ class WorkerRole:
         check_block_sizes(self.kv_block, engine_block)
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.tenants = TenantBook(cfg, settings.tenant)
-        self.dequantizer = Dequantizer(cfg.loader.dequant, staging_bytes=int(cfg.loader.staging_bytes))
+        self.dequantizer = Dequantizer(cfg.loader.dequant, staging_bytes=int(cfg.loader.staging_bytes),
+                                       scratch_bytes=int(cfg.loader.device_scratch_bytes))
         self.counters = Counters()
         self.clock = clock
         self.layout: EngineLayout | None = None
@@ -162,7 +163,8 @@ class WorkerRole:
                                     counters=self.counters, max_bytes=int(lc.write_back_queue_bytes),
                                     streams=lc.write_back_streams, s3_backoff_s=lc.s3_backoff_s,
                                     upload=lc.write_back_via != "node", handoff=handoff,
-                                    device_streams=self.fences.streams)
+                                    device_streams=self.fences.streams, reservation=None if self.caches[0].device.type
+                                    == "cpu" else self.dequantizer.reservation(self.caches[0].device))
 
     def loader(self, tenant: str, chat: bool) -> KVLoader:
         """The loader of ``tenant``'s chains, plain or chat-keyed (one per pair, made on first use)."""
@@ -293,15 +295,10 @@ class WorkerRole:
             k, v = op.kv[2 * index], op.kv[2 * index + 1]
         else:
             cache = self.caches[index]
-            staged = None if not self._scatter else op.hit.stored(  # the stored bytes moved to the device as they are
-                first_block=op.first, blocks=-(-tokens // self.kv_block), device=cache.device,
-                layer=self._layers[index], heads=self._heads)
-            if staged is not None:  # then one dequantise and scatter per K and V into the engine's blocks
-                (sk, sv), scales = staged[0], staged[1]
-                op.device_ids = block_ids(op.ids, cache.device) if op.device_ids is None else op.device_ids
-                dequantise_scatter(cache, self.layout, op.device_ids, k=sk, k_scale=None if scales is None else scales[0],
-                                   v=sv, v_scale=None if scales is None else scales[1],
-                                   skip=op.offset // self.engine_block)
+            op.device_ids = block_ids(op.ids, cache.device) if op.device_ids is None else op.device_ids
+            if self._scatter and op.hit.scatter(  # stored bytes moved, dequantised into the blocks, chunk by chunk
+                    cache, self.layout, op.device_ids, first_block=op.first, blocks=-(-tokens // self.kv_block),
+                    layer=self._layers[index], heads=self._heads, skip=op.offset // self.engine_block):
                 return
             k, v = op.hit.dequantized(self.layout.dtype, first_block=op.first, tokens=tokens,
                                       device=cache.device, layers=[self._layers[index]], heads=self._heads)

@@ -3,7 +3,8 @@
 After a step's forward, :meth:`WriteBack.copy_out_step` stores the blocks the step's
 :class:`store.engines.vllm.metadata.SaveSpec` s name where the cache lives: per layer, one gather of
 every save's engine blocks and one quantise at the configured precision, with each block's error
-(:func:`store.kernels.gather.gather_quantise`: the bits the codec makes of each block alone). Only the
+(:func:`store.kernels.gather.gather_quantise`: the bits the codec makes of each block alone), chunk by
+chunk in the device's one reservation (:func:`store.kernels.chunks.quantise_to_host`). Only the
 stored bytes, scales and errors go to host memory (from a GPU into pinned memory). All of it runs on a
 ``save`` stream of its own (:mod:`store.engines.vllm.streams`), after an event recorded on the forward's
 stream when the forward ends; the writer reads the host copies only once an event recorded after them has
@@ -46,15 +47,17 @@ import torch
 from store.engines.vllm.layout import EngineLayout
 from store.engines.vllm.metadata import SaveSpec
 from store.engines.vllm.paging import take_blocks
+from store.engines.vllm.ring_saves import Handoff, LazyUploads
 from store.engines.vllm.stats import Counters
 from store.engines.vllm.streams import Event, Stream, Streams, streams_for
 from store.engines.vllm.tenancy import TenantBook
 from store.engines.vllm.uploads import Uploads
-from store.engines.vllm.ring_saves import Handoff, LazyUploads
 from store.format.precision import Precision
 from store.identity.fingerprint import ModelIdentity
 from store.identity.keys import block_chain
-from store.kernels.gather import StoredBlocks, block_ids, gather_quantise, quantise_taken, stored_block_bytes
+from store.kernels.chunks import chunk_blocks, quantise_to_host, save_block_bytes
+from store.kernels.gather import StoredBlocks, block_ids, quantise_taken, stored_block_bytes
+from store.kernels.reservation import SCRATCH_BYTES, Reservation
 from store.serving.priority import lower_this_thread
 from store.serving.snapshot_writer import SnapshotWriter
 from store.tiers.store import Store
@@ -101,6 +104,12 @@ class WriteBack:
             cache lives; ``None``: on the writer exactly when the cache is on the CPU.
         device_streams: the caches' device's streams (:mod:`store.engines.vllm.streams`): the copies run on a
             ``save`` stream of them; ``None``: those of the first caches copied out.
+        reservation: the device memory the gather and quantise take their temporaries from (the worker's
+            one :class:`store.kernels.reservation.Reservation`); ``None``: one of the default size, made on
+            first use.
+
+    Raises:
+        ConfigError: ``reservation`` cannot hold one kvwarm block's work (``loader.device_scratch_bytes``).
     """
 
     def __init__(self, store: Store, tenants: TenantBook, identities: tuple[ModelIdentity, ModelIdentity | None],
@@ -109,11 +118,15 @@ class WriteBack:
                  max_bytes: int = MAX_QUEUED_BYTES, streams: int = UPLOAD_STREAMS, s3_backoff_s: float = 30.0,
                  upload: bool = True, handoff: Handoff | None = None,
                  clock: Callable[[], float] = time.time, quantise_on_writer: bool | None = None,
-                 device_streams: Streams | None = None) -> None:
+                 device_streams: Streams | None = None, reservation: Reservation | None = None) -> None:
         self.store = store
         self.device_streams = device_streams
         self._save: Stream | None = None  # made on first use, on the caches' device
         self._read: Event | None = None  # the save stream's last read of the cache (the next step waits on it)
+        if reservation is not None:  # refused now, at start-up, not in a step: one block's work must fit
+            chunk_blocks(reservation, save_block_bytes(precision, layout.num_kv_heads, kv_block, layout.head_dim,
+                                                       layout.dtype), "write-back")
+        self.reservation = reservation
         self.quantise_on_writer = quantise_on_writer
         local = store.local
         assert local is not None, "the store's first tier must be local"
@@ -226,13 +239,14 @@ class WriteBack:
             layers: list[Any] = [(take_blocks(c, self.layout, taken),) for c in caches]
             self._read = self.device_streams.record("cache read")
             return layers
-        ids = block_ids(taken, caches[0].device)
-        out = []
-        for i, c in enumerate(caches):
-            stored = gather_quantise(c, self.layout, ids, ratio=ratio, precision=self.precision, layer=i)
-            if i == len(caches) - 1:  # the copies below read the stored bytes, no more the cache
-                self._read = self.device_streams.record("cache read")
-            out.append(stored.to_host())
+        device = caches[0].device
+        ids = block_ids(taken, device)
+        if self.reservation is None or self.reservation.device != device:
+            self.reservation = Reservation(SCRATCH_BYTES, device)
+        # bounded: chunk by chunk in the reservation, only the stored bytes copied out
+        out = [quantise_to_host(c, self.layout, ids, ratio=ratio, precision=self.precision, layer=i,
+                                reservation=self.reservation) for i, c in enumerate(caches)]
+        self._read = self.device_streams.record("cache read")
         return out
 
     def fence(self, stream: Stream) -> None:

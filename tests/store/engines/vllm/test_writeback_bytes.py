@@ -25,15 +25,18 @@ from store.engines.vllm.metadata import SaveSpec
 from store.engines.vllm.stats import Counters
 from store.engines.vllm.tenancy import TenantBook
 from store.engines.vllm.writeback import WriteBack
+from store.errors import ConfigError
 from store.format.encode import snapshot_bytes
 from store.format.precision import Precision
 from store.format.snapshot import read_snapshot
 from store.identity.keys import block_chain
+from store.kernels.reservation import Reservation
 from store.tiers.base import object_name
 from store.tiers.local import LocalTier
 from store.tiers.store import Store
 from tests.hang_guard import HANG_S
 from tests.store.engines.vllm.worker_setup import EB, IDENT, KB, NB, D, H, cfg, tokens
+from tests.store.kernels.chunking import save_reservation
 from tests.store.kernels.engine_caches import layout, random_cache
 
 LAYERS = 3
@@ -53,8 +56,9 @@ PRECISIONS = {
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_a_steps_saves_are_written_byte_for_byte_as_before(tmp_path, kind: str, name: str, dtype,
                                                            on_writer: bool) -> None:
-    """Either place the quantise runs (a CPU cache's writer thread; a GPU's device, here the CPU) writes the
-    bytes the old per-block path wrote."""
+    """Either place the quantise runs (a CPU cache's writer thread; a GPU's device, here the CPU, in chunks of
+    two blocks of a small reservation: a chunk boundary inside request a's blocks and one across the two
+    requests) writes the bytes the old per-block path wrote."""
     precision = PRECISIONS[name]
     lay = layout(kind, blocks=NB, heads=H, block=EB, dim=D, dtype=dtype, seed=3)
     caches = [random_cache(lay, seed=10 + i) for i in range(LAYERS)]
@@ -62,7 +66,7 @@ def test_a_steps_saves_are_written_byte_for_byte_as_before(tmp_path, kind: str, 
     book = TenantBook(c, "acme")
     writer = WriteBack(Store([LocalTier(tmp_path / "nvme", cap_bytes=1 << 30)]), book, (IDENT, None), precision,
                        kv_block=KB, ttl_s=3600.0, layout=lay, counters=Counters(), clock=lambda: NOW,
-                       quantise_on_writer=on_writer)
+                       quantise_on_writer=on_writer, reservation=save_reservation(2, precision, H, KB, D, dtype))
     # two requests in one step, an odd number of blocks each; engine blocks neither ordered nor contiguous
     order = torch.randperm(NB, generator=torch.Generator().manual_seed(1)).tolist()
     saves = [SaveSpec("a", "acme", False, 0, tuple(tokens(3 * KB + 5, seed=1)), tuple(order[: 3 * RATIO])),
@@ -89,8 +93,17 @@ def test_a_steps_saves_are_written_byte_for_byte_as_before(tmp_path, kind: str, 
                         assert new.header.quant_error[key] == pytest.approx(errs, rel=1e-6, abs=1e-12)
                 files += 1
         assert files == 8 and writer.counters.totals()["written_back_blocks"] == 8
+        assert writer.reservation is not None and writer.reservation.frames == (0 if on_writer else 4 * LAYERS)
     finally:
         writer.close()
+
+
+def test_a_reservation_too_small_for_one_block_is_refused_when_write_back_starts(tmp_path) -> None:
+    lay = layout("split", blocks=NB, heads=H, block=EB, dim=D, dtype=torch.bfloat16)
+    with pytest.raises(ConfigError, match="device_scratch_bytes"):
+        WriteBack(Store([LocalTier(tmp_path / "nvme", cap_bytes=1 << 30)]), TenantBook(cfg(), "acme"), (IDENT, None),
+                  Precision(), kv_block=KB, ttl_s=3600.0, layout=lay, counters=Counters(),
+                  reservation=Reservation(4096, "cpu"))
 
 
 def test_a_step_whose_kernels_fail_is_counted_dropped_and_releases_its_room(tmp_path) -> None:
