@@ -232,6 +232,10 @@ class LoaderConfig(_Section):
     staging_bytes: Annotated[ByteSize, Ge(2)] = Field(
         ByteSize(64 << 20), description="Most pinned host memory a process keeps for moving stored KV to a GPU "
         "(two slots used in turn; a larger load goes through in pieces), e.g. '64MiB'.")
+    warm_up_tokens: int = Field(
+        2048, ge=0, le=1 << 20, description="At an engine worker's start, its loaders run one load of this many tokens "
+        "on a synthetic block, so that a first load of about this size (up to 1.25x smaller) pays no one-off costs; "
+        "the CPU gather's output memory stays held for reuse. 0: one block.")
     write_back_queue_bytes: Bytes = Field(
         ByteSize(2 << 30), description="Most bytes of blocks the vLLM connector has stored out of its cache for "
         "write-back (quantised where the cache lives: the stored bytes and scales, in pinned host memory on a GPU) "
