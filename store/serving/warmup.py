@@ -77,8 +77,8 @@ def warm_up(loader: "KVLoader", geometry: Layout, dtype: torch.dtype, *, layers:
                                                    layers=chosen, heads=share)
             del kv
     except Exception as exc:  # noqa: BLE001 - a warm-up that fails only logs: loads work without it
-        log.warning("kvwarm: the loader's warm-up failed (its first load pays what it would have done): %s", exc,
-                    exc_info=True)
+        log.warning("kvwarm: the loader's warm-up failed; loads work without it (the first one pays the one-off "
+                    "costs): %s", exc, exc_info=True)
         return False
     log.debug("kvwarm: loader warmed up in %.1f ms", (time.perf_counter() - t0) * 1e3)
     return True
