@@ -27,8 +27,9 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from store.format.encode import build_snapshot, snapshot_bytes
+from store.format.encode import StoredLayer, encode_snapshot, snapshot_bytes
 from store.format.header import Layout
+from store.format.precision import quantize
 from store.format.runs import payload_plan
 from store.format.snapshot import read_snapshot
 from store.identity.keys import Block, block_chain
@@ -101,11 +102,15 @@ def _synthetic(loader: "KVLoader", geometry: Layout) -> tuple[np.ndarray, object
     if geometry.block_size != loader.root.block_size:
         raise ValueError(f"the warm-up's geometry has {geometry.block_size}-token blocks; the store's are "
                          f"{loader.root.block_size}")
-    shape = (geometry.num_kv_heads, geometry.block_size, geometry.head_dim)
-    zeros = torch.zeros(shape, dtype=torch.bfloat16)
-    snap = build_snapshot(root=loader.root, block=_block(loader), tenant=loader.tenant.name,
-                          kv=[(zeros, zeros)] * geometry.num_layers, precision=loader.precision,
-                          created_at=loader.clock(), ttl_s=60.0)
+    zeros = torch.zeros((geometry.num_kv_heads, geometry.block_size, geometry.head_dim), dtype=torch.bfloat16)
+    precision, by_dtype = loader.precision, {}
+    for layer in range(geometry.num_layers):  # quantised once per storage dtype (seconds for an 8B model otherwise)
+        if precision.layer_dtype(layer) not in by_dtype:
+            by_dtype[precision.layer_dtype(layer)] = StoredLayer(*quantize(zeros, precision, layer) * 2)
+    layers = [by_dtype[precision.layer_dtype(i)] for i in range(geometry.num_layers)]
+    errors = {"k_rel_l2": [0.0] * len(layers), "v_rel_l2": [0.0] * len(layers)}
+    snap = encode_snapshot(root=loader.root, block=_block(loader), tenant=loader.tenant.name, layers=layers,
+                           errors=errors, precision=precision, created_at=loader.clock(), ttl_s=60.0)
     read = read_snapshot(pa.py_buffer(snapshot_bytes(snap)), location="warm-up", verify_payload=True)
     payload, layout = read.payload
     return payload, layout
