@@ -35,6 +35,7 @@ from store.format.snapshot import read_snapshot
 from store.identity.keys import Block, block_chain
 
 if TYPE_CHECKING:
+    from store.format.payload import PayloadLayout
     from store.serving.loader import KVLoader
 
 log = logging.getLogger("kvwarm.loader")
@@ -88,7 +89,7 @@ def warm_up(loader: "KVLoader", geometry: Layout, dtype: torch.dtype, *, layers:
 def _pool(loader: "KVLoader") -> None:
     """The pool's first transactions on this thread, and the local tier's namespace check; changes nothing."""
     pool = loader.pool
-    if pool.attached:  # refused at construction (max_shared_instances): the first lookup retries
+    if pool.attached:  # not when refused at construction (max_shared_instances): the first lookup retries
         loader.mapper.reconcile()  # what every lookup asks first: the pool's eviction epoch
         pool.pin([])  # a write transaction (BEGIN IMMEDIATE) that pins, admits and evicts nothing
         pool.admissions(["kvwarm-warm-up"])  # a name no snapshot has: nothing is mapped
@@ -96,7 +97,7 @@ def _pool(loader: "KVLoader") -> None:
     loader.store.probe(loader.tenant, [_block(loader)], loader.root, local_only=True)
 
 
-def _synthetic(loader: "KVLoader", geometry: Layout) -> tuple[np.ndarray, object]:
+def _synthetic(loader: "KVLoader", geometry: Layout) -> tuple[np.ndarray, "PayloadLayout"]:
     """A zero block of ``geometry`` in the loader's precision, encoded and read back as a served snapshot
     is (header parsed and checked, payload verified): its payload and its (interned) layout."""
     if geometry.block_size != loader.root.block_size:

@@ -7,7 +7,6 @@ import random
 import threading
 from pathlib import Path
 
-import pytest
 import torch
 
 from store.config import parse_config
