@@ -239,6 +239,10 @@ class LoaderConfig(_Section):
         "quantisation, FP8 bytes before their copy to the host), e.g. '256MiB'. Larger work goes through in chunks "
         "of blocks, so device memory stays bounded at any context length. vLLM does not count it: take it out of "
         "--gpu-memory-utilization (docs/guides/engines.md has the arithmetic).")
+    warm_up_tokens: int = Field(
+        2048, ge=0, le=1 << 20, description="At an engine worker's start, its loaders run one load of this many tokens "
+        "on a synthetic block, so that a first load of about this size (up to 1.25x smaller) pays no one-off costs; "
+        "the CPU gather's output memory stays held for reuse. 0: one block.")
     write_back_queue_bytes: Bytes = Field(
         ByteSize(2 << 30), description="Most bytes of blocks the vLLM connector has stored out of its cache for "
         "write-back (quantised where the cache lives: the stored bytes and scales, in pinned host memory on a GPU) "

@@ -46,10 +46,12 @@ from store.engines.vllm.tenancy import TenantBook
 from store.engines.vllm.transfer import OpenLoad, StepLoad, run_loads
 from store.engines.vllm.validity import BlockLedger
 from store.engines.vllm.writeback import WriteBack
+from store.format.header import Layout
 from store.identity.fingerprint import ModelIdentity
 from store.kernels.dequant import Dequantizer
 from store.kernels.gather import block_ids
 from store.serving.loader import KVLoader
+from store.serving.warmup import warm_up
 from store.tiers.registry import tiers_from_url
 from store.tiers.store import Store
 
@@ -149,9 +151,11 @@ class WorkerRole:
             self.fences = Fences(self.caches[0].device, timeout_s=self.fences.timeout_s)
         self._heads = head_range(self.tp_rank, layout.num_kv_heads)
         cfg = self.settings.config
-        for chat in (False, True) if self.identities[1] is not None else (False,):
-            self.loader(self.tenants.default, chat)  # made now, not in the first request's load
-        every_layer = held == tuple(range(len(caches) if total_layers is None else total_layers))
+        every_layer = held == tuple(range(n_layers := len(caches) if total_layers is None else total_layers))
+        geometry = Layout(n_layers, total_kv_heads, layout.head_dim, self.kv_block)
+        for chat in (False, True) if self.identities[1] is not None else (False,):  # made and warmed now, not in a load
+            warm_up(self.loader(self.tenants.default, chat), geometry, layout.dtype, layers=held, heads=self._heads,
+                    device=caches[0].device if caches else "cpu", tokens=cfg.loader.warm_up_tokens)
         if self.settings.write_back and self.tp_size == 1 and every_layer:
             lc, precision, ttl_s = cfg.loader, cfg.kv_cache.precision(), cfg.kv_cache.ttl_seconds()
             handoff = None if lc.write_back_via != "node" else ring_saves(  # the node writes, through a ring
