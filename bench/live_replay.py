@@ -22,7 +22,7 @@ one after the other on the same requests:
 
 **The slice** (flags; defaults chosen so the whole bench takes under 20 minutes on 2 cores):
 the trace's ``[--start, --end)`` seconds (default: all of the bundled 8 minutes), one
-conversation in ``--every`` (16; a conversation is the requests sharing their second hash
+conversation in ``--every`` (32; a conversation is the requests sharing their second hash
 id), each prompt cut to its first ``--max-blocks`` hash ids (8: 4,096 tokens at Mooncake's 512
 per id) and to ``--max-prompt`` tokens (4,080: kvwarm-tiny's limit is 4,096), one output token (time to first token is the
 figure), time divided by ``--speedup`` (4: the bundled head's 167 kept requests, 560,000
@@ -114,7 +114,7 @@ TRACE = ROOT / "tests" / "data" / "mooncake" / "conversation_head.jsonl"
 POLICIES = ("vllm", "lmcache", "kvwarm")
 #: the served model (a load much cheaper than its prefill), and one conversation in EVERY: the engine busy,
 #: not swamped, at the default --speedup
-MODEL, EVERY = "kvwarm-ref", 16
+MODEL, EVERY = "kvwarm-ref", 32
 TARGET_DURATION_S = 20 * 60
 
 
