@@ -25,9 +25,9 @@ the trace's ``[--start, --end)`` seconds (default: all of the bundled 8 minutes)
 conversation in ``--every`` (32; a conversation is the requests sharing their second hash
 id), each prompt cut to its first ``--max-blocks`` hash ids (8: 4,096 tokens at Mooncake's 512
 per id) and to ``--max-prompt`` tokens (4,080: kvwarm-tiny's limit is 4,096), one output token (time to first token is the
-figure), time divided by ``--speedup`` (4: the bundled head's 167 kept requests, 560,000
-prompt tokens, arrive over 2 minutes; a plain engine here computes them in about 10 s, but
-the trace's bursts, requests at the same millisecond, still queue). The event is at ``--event`` (50 %) of
+figure), time divided by ``--speedup`` (4: the bundled head's 30 kept requests, 105,000 prompt
+tokens, arrive over 2 minutes; vLLM alone computes them in about a minute of kvwarm-ref's
+prefill on this CPU, and the trace's bursts, requests at the same millisecond, still queue). The event is at ``--event`` (50 %) of
 the slice. Token ids are drawn per hash id (:mod:`bench.lib.live_trace`): equal hash ids,
 equal tokens, so the trace's shared prefixes are real shared prefixes.
 
