@@ -28,10 +28,10 @@ def lock_path(sock: Path) -> Path:
     return sock.with_name(sock.name + ".node.lock")
 
 
-def node_holds_lock(sock: Path) -> bool:
-    """Whether a node process holds the socket's lock (it runs, or is starting and not yet listening)."""
+def _held(path: Path) -> bool:
+    """Whether another process holds the lock file ``path`` (taken and released at once when free)."""
     try:
-        with open(lock_path(sock), "a") as f:
+        with open(path, "a") as f:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
             fcntl.flock(f, fcntl.LOCK_UN)
     except BlockingIOError:
@@ -41,17 +41,14 @@ def node_holds_lock(sock: Path) -> bool:
     return False
 
 
+def node_holds_lock(sock: Path) -> bool:
+    """Whether a node process holds the socket's lock (it runs, or is starting and not yet listening)."""
+    return _held(lock_path(sock))
+
+
 def starting(sock: Path) -> bool:
     """Whether a node at ``sock`` is on its way: a starter holds the spawn lock, or a node holds its lock."""
-    try:
-        with open(sock.with_name(sock.name + ".spawn.lock"), "a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(f, fcntl.LOCK_UN)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-    return node_holds_lock(sock)
+    return _held(sock.with_name(sock.name + ".spawn.lock")) or node_holds_lock(sock)
 
 
 def wait_starting(sock: Path, timeout_s: float, *, poll_s: float = 0.05) -> bool:

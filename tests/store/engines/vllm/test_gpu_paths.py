@@ -44,7 +44,8 @@ def test_write_back_blocks_go_to_pinned_host_memory() -> None:
     assert host.is_pinned() and torch.equal(host, cache[ids].cpu())
 
 
-def test_a_load_into_gpu_caches_layer_by_layer_and_its_write_back(tmp_path, monkeypatch) -> None:
+def _gpu_worker(tmp_path, monkeypatch):
+    """A real worker role registered on zeroed CUDA caches (split layout) over the test's NVMe tier."""
     from store.engines.vllm.settings import ConnectorSettings
     from store.engines.vllm.worker import WorkerRole
     from tests.store.engines.vllm.worker_setup import IDENT, cfg
@@ -56,6 +57,12 @@ def test_a_load_into_gpu_caches_layer_by_layer_and_its_write_back(tmp_path, monk
     caches = [torch.zeros(NB, H, EB, 2 * D, dtype=torch.bfloat16, device="cuda") for _ in range(L)]
     layout = EngineLayout("split", NB, H, EB, D, torch.bfloat16)
     w.register(caches, layout, total_kv_heads=H)
+    return w, caches, layout
+
+
+def test_a_load_into_gpu_caches_layer_by_layer_and_its_write_back(tmp_path, monkeypatch) -> None:
+
+    w, caches, layout = _gpu_worker(tmp_path, monkeypatch)
     assert isinstance(w.fences.streams, DeviceStreams) and w.fences.thread is not None
     try:
         ids = tokens(2 * KB + 1, seed=30)
@@ -121,19 +128,11 @@ def test_device_streams_order_work_across_streams_by_events_only() -> None:
 
 def test_write_back_copies_wait_for_the_forwards_stream(tmp_path, monkeypatch) -> None:
     """The forward's stream writes a block's KV behind a sleep; the save stream's copy must see it."""
-    from store.engines.vllm.settings import ConnectorSettings
-    from store.engines.vllm.worker import WorkerRole
     from store.identity.keys import block_chain
     from store.tiers.store import Store
     from tests.store.engines.vllm.worker_setup import IDENT, cfg
 
-    monkeypatch.setenv("KVWARM_HOME", str(tmp_path / "home"))
-    s = ConnectorSettings(store_url=f"file://{tmp_path}/nvme", tenant="acme", config=cfg(pool_dir=tmp_path / "pool"),
-                          model_dir=tmp_path)
-    w = WorkerRole(s, identities=(IDENT, None), engine_block=EB)
-    caches = [torch.zeros(NB, H, EB, 2 * D, dtype=torch.bfloat16, device="cuda") for _ in range(L)]
-    layout = EngineLayout("split", NB, H, EB, D, torch.bfloat16)
-    w.register(caches, layout, total_kv_heads=H)
+    w, caches, layout = _gpu_worker(tmp_path, monkeypatch)
     try:
         ids = tokens(KB + 1, seed=31)
         plan = StepPlan(saves=(SaveSpec("r", "acme", False, 0, tuple(ids[:KB]), (7, 8)),),
@@ -163,17 +162,8 @@ def test_write_back_copies_wait_for_the_forwards_stream(tmp_path, monkeypatch) -
 def test_a_load_waits_for_what_the_compute_stream_queued_before_the_step(tmp_path, monkeypatch) -> None:
     """The compute stream writes the load's blocks behind a sleep (as vLLM may zero a block it allocated); the
     load stream's writes must land after them."""
-    from store.engines.vllm.settings import ConnectorSettings
-    from store.engines.vllm.worker import WorkerRole
-    from tests.store.engines.vllm.worker_setup import IDENT, cfg
 
-    monkeypatch.setenv("KVWARM_HOME", str(tmp_path / "home"))
-    s = ConnectorSettings(store_url=f"file://{tmp_path}/nvme", tenant="acme", config=cfg(pool_dir=tmp_path / "pool"),
-                          model_dir=tmp_path)
-    w = WorkerRole(s, identities=(IDENT, None), engine_block=EB)
-    caches = [torch.zeros(NB, H, EB, 2 * D, dtype=torch.bfloat16, device="cuda") for _ in range(L)]
-    layout = EngineLayout("split", NB, H, EB, D, torch.bfloat16)
-    w.register(caches, layout, total_kv_heads=H)
+    w, caches, layout = _gpu_worker(tmp_path, monkeypatch)
     try:
         ids = tokens(2 * KB + 1, seed=32)
         store_blocks(tmp_path, ids)
