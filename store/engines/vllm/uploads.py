@@ -123,6 +123,7 @@ class Uploads:
         self._cond = threading.Condition()
         self._bytes = 0  # read back and in flight
         self._busy = 0  # in flight (or claimed and waiting for room)
+        self._claims = 0  # bumped by each look for a row: drain's reads of the backlog were not raced
         self._peak = 0
         self._after = 0.0  # monotonic time from which the remote tiers are asked again
         self._gen = 0  # bumped by each put: a thread that found nothing looks again
@@ -254,6 +255,7 @@ class Uploads:
                     self._cond.wait(timeout=rest)
                     continue
                 gen = self._gen
+                self._claims += 1
                 self._busy += 1  # counted from before the claim: drain never sees a claimed row unowned
             row = None
             try:
@@ -346,13 +348,17 @@ class Uploads:
         left backs off or is another process's); whether it is empty."""
         while True:
             with self._cond:
-                busy = self._busy
+                busy, claims = self._busy, self._claims
             if not busy:
-                if self.waiting() == 0:
-                    return True
-                due = self.backlog.next_due(self.tenants)
-                if self.resting() or self._closing or due is None or due > self.clock():
-                    return False
+                left_rows = self.waiting()
+                due = self.backlog.next_due(self.tenants) if left_rows else None
+                with self._cond:  # a thread that claimed a row between those reads: look again
+                    raced = self._busy or self._claims != claims
+                if not raced:
+                    if left_rows == 0:
+                        return True
+                    if self.resting() or self._closing or due is None or due > self.clock():
+                        return False
             left = deadline - time.monotonic()
             if left <= 0:
                 return False

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -282,4 +283,29 @@ def test_idle_upload_threads_look_at_the_backlog_once_a_poll_not_in_a_loop(tmp_p
         name = write(local, up, snapshots(1)[0])  # and a put still wakes them at once
         wait_for(lambda: far.exists(name), "the upload of a block put while the threads were idle")
     finally:
+        up.close()
+
+
+def test_drain_waits_for_a_row_claimed_between_its_reads_of_the_backlog(tmp_path: Path) -> None:
+    """A thread that claims a row after drain saw no thread busy, but before drain asked when the next
+    unclaimed row is due, once made drain answer at once that nothing more could be sent (a CI flake)."""
+    local, far = _tiers(tmp_path)
+    far.held.clear()  # the upload stays in flight until the test lets it go
+    up = uploads(local, Store([far]), streams=1)
+    waiting = up.waiting
+    names: list[str] = []
+
+    def claimed_in_between() -> int:
+        if not names:  # drain's first look: the thread is idle, then a put wakes it and it claims the row
+            names.append(write(local, up, snapshots(1)[0]))
+            wait_for(lambda: far.inflight == 1, "the upload in flight")
+            threading.Timer(0.2, far.held.set).start()
+        return waiting()
+
+    up.waiting = claimed_in_between  # type: ignore[method-assign]
+    try:
+        assert up.drain(time.monotonic() + HANG_S)
+        assert far.exists(names[0])
+    finally:
+        far.held.set()
         up.close()
