@@ -16,6 +16,9 @@
  * outputs are written with streaming stores. With AVX2 only, 16 bytes at a time from the
  * form an e4m3 table has (two 8-entry shuffles and a multiply-add, gather16_avx2), for
  * every table found to have it, and streaming stores. Elsewhere, a plain loop.
+ *
+ * transpose_tiles() writes 2-byte tiles transposed (K into vLLM's CPU cache blocks, which
+ * hold it [head_dim, block_size]), 8x8 at a time with SSE2, with the GIL released.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -372,6 +375,90 @@ static PyObject *copy_blocks(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* Tile transposes of 2-byte elements (vLLM's CPU cache keeps K transposed in each block):
+ * job j reads a [rows, cols] row-major tile at element offset src_off[j] of src and writes
+ * it as [cols, rows] at element offset dst_off[j] of dst. 8x8 sub-tiles go through SSE2
+ * unpacks (three rounds of interleaves), the edges through a plain loop. */
+#ifdef KVW_X86
+static inline void transpose8x8(const uint16_t *s, size_t ss, uint16_t *d, size_t ds) {
+    __m128i r0 = _mm_loadu_si128((const __m128i *)(s + 0 * ss)), r1 = _mm_loadu_si128((const __m128i *)(s + 1 * ss));
+    __m128i r2 = _mm_loadu_si128((const __m128i *)(s + 2 * ss)), r3 = _mm_loadu_si128((const __m128i *)(s + 3 * ss));
+    __m128i r4 = _mm_loadu_si128((const __m128i *)(s + 4 * ss)), r5 = _mm_loadu_si128((const __m128i *)(s + 5 * ss));
+    __m128i r6 = _mm_loadu_si128((const __m128i *)(s + 6 * ss)), r7 = _mm_loadu_si128((const __m128i *)(s + 7 * ss));
+    __m128i a0 = _mm_unpacklo_epi16(r0, r1), a1 = _mm_unpackhi_epi16(r0, r1);
+    __m128i a2 = _mm_unpacklo_epi16(r2, r3), a3 = _mm_unpackhi_epi16(r2, r3);
+    __m128i a4 = _mm_unpacklo_epi16(r4, r5), a5 = _mm_unpackhi_epi16(r4, r5);
+    __m128i a6 = _mm_unpacklo_epi16(r6, r7), a7 = _mm_unpackhi_epi16(r6, r7);
+    __m128i b0 = _mm_unpacklo_epi32(a0, a2), b1 = _mm_unpackhi_epi32(a0, a2);
+    __m128i b2 = _mm_unpacklo_epi32(a1, a3), b3 = _mm_unpackhi_epi32(a1, a3);
+    __m128i b4 = _mm_unpacklo_epi32(a4, a6), b5 = _mm_unpackhi_epi32(a4, a6);
+    __m128i b6 = _mm_unpacklo_epi32(a5, a7), b7 = _mm_unpackhi_epi32(a5, a7);
+    _mm_storeu_si128((__m128i *)(d + 0 * ds), _mm_unpacklo_epi64(b0, b4));
+    _mm_storeu_si128((__m128i *)(d + 1 * ds), _mm_unpackhi_epi64(b0, b4));
+    _mm_storeu_si128((__m128i *)(d + 2 * ds), _mm_unpacklo_epi64(b1, b5));
+    _mm_storeu_si128((__m128i *)(d + 3 * ds), _mm_unpackhi_epi64(b1, b5));
+    _mm_storeu_si128((__m128i *)(d + 4 * ds), _mm_unpacklo_epi64(b2, b6));
+    _mm_storeu_si128((__m128i *)(d + 5 * ds), _mm_unpackhi_epi64(b2, b6));
+    _mm_storeu_si128((__m128i *)(d + 6 * ds), _mm_unpacklo_epi64(b3, b7));
+    _mm_storeu_si128((__m128i *)(d + 7 * ds), _mm_unpackhi_epi64(b3, b7));
+}
+#endif
+
+static void transpose_tile16(const uint16_t *s, uint16_t *d, size_t rows, size_t cols) {
+    size_t r8 = 0, c8 = 0;
+#ifdef KVW_X86
+    r8 = rows - rows % 8;
+    c8 = cols - cols % 8;
+    for (size_t r = 0; r < r8; r += 8)
+        for (size_t c = 0; c < c8; c += 8) transpose8x8(s + r * cols + c, cols, d + c * rows + r, rows);
+#endif
+    for (size_t r = 0; r < rows; r++)  /* what the 8x8 sub-tiles left: the last rows and columns */
+        for (size_t c = (r < r8 ? c8 : 0); c < cols; c++) d[c * rows + r] = s[r * cols + c];
+}
+
+PyDoc_STRVAR(transpose_tiles_doc,
+"transpose_tiles(src, dst, src_off, dst_off, rows, cols) -> None\n\n"
+"For each job j: the [rows, cols] tile of 2-byte elements at element offset src_off[j] of src\n"
+"(int64 buffers of offsets) is written transposed, [cols, rows], at element offset dst_off[j]\n"
+"of dst. Every tile is checked against its buffer's length. Private to store.kernels.tiles.");
+
+static PyObject *transpose_tiles(PyObject *self, PyObject *args) {
+    PyObject *osrc, *odst, *oso, *odo;
+    Py_ssize_t rows, cols;
+    if (!PyArg_ParseTuple(args, "OOOOnn", &osrc, &odst, &oso, &odo, &rows, &cols)) return NULL;
+    if (rows < 1 || cols < 1) {
+        PyErr_Format(PyExc_ValueError, "tiles of %zd x %zd elements", rows, cols);
+        return NULL;
+    }
+    Py_buffer src, dst, so, dof;
+    if (PyObject_GetBuffer(osrc, &src, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(odst, &dst, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) { PyBuffer_Release(&src); return NULL; }
+    if (PyObject_GetBuffer(oso, &so, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&src); PyBuffer_Release(&dst); return NULL;
+    }
+    Py_ssize_t jobs = so.len / 8;
+    if (get_buffer(odo, &dof, jobs * 8, 0, "dst_off") < 0) {
+        PyBuffer_Release(&src); PyBuffer_Release(&dst); PyBuffer_Release(&so); return NULL;
+    }
+    const int64_t *sof = (const int64_t *)so.buf, *dsf = (const int64_t *)dof.buf;
+    const Py_ssize_t tile = rows * cols, slen = src.len / 2, dlen = dst.len / 2;
+    for (Py_ssize_t j = 0; j < jobs; j++) {
+        if (sof[j] < 0 || sof[j] > slen - tile || dsf[j] < 0 || dsf[j] > dlen - tile) {
+            PyErr_Format(PyExc_ValueError, "tile %zd (offsets %lld, %lld) is outside its buffers", j,
+                         (long long)sof[j], (long long)dsf[j]);
+            PyBuffer_Release(&src); PyBuffer_Release(&dst); PyBuffer_Release(&so); PyBuffer_Release(&dof);
+            return NULL;
+        }
+    }
+    const uint16_t *s = (const uint16_t *)src.buf;
+    uint16_t *d = (uint16_t *)dst.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < jobs; j++) transpose_tile16(s + sof[j], d + dsf[j], (size_t)rows, (size_t)cols);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&src); PyBuffer_Release(&dst); PyBuffer_Release(&so); PyBuffer_Release(&dof);
+    Py_RETURN_NONE;
+}
+
 static PyObject *isa(PyObject *self, PyObject *noargs) {
 #ifdef KVW_X86
     if (gather16 == gather16_avx512) return PyUnicode_FromString("avx512bw");
@@ -400,6 +487,7 @@ static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS, gather_doc},
     {"gather_blocks", gather_blocks, METH_VARARGS, gather_blocks_doc},
     {"copy_blocks", copy_blocks, METH_VARARGS, copy_blocks_doc},
+    {"transpose_tiles", transpose_tiles, METH_VARARGS, transpose_tiles_doc},
     {"isa", isa, METH_NOARGS, "The instruction set the 2-byte gather uses on this CPU: avx512bw, avx2 or scalar."},
     {"use_isa", use_isa, METH_VARARGS,
      "use_isa('scalar' | 'best') -> str: pin the plain loops (what CPUs without AVX2 run; for\n"

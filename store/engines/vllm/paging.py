@@ -19,6 +19,7 @@ import torch
 
 from store.engines.vllm.layout import EngineLayout
 from store.kernels.dequant import bits_dtype
+from store.kernels.tiles import transpose_k_into
 
 _CPU_KINDS = ("cpu_vec", "cpu_permuted")
 
@@ -53,9 +54,10 @@ def write_layer(cache: torch.Tensor, layout: EngineLayout, block_ids: torch.Tens
         ids = np.asarray(block_ids, dtype=np.int64)
         kb, vb = kn.reshape(H, n, B, D), vn.reshape(H, n, B, D)
         if layout.kind == "cpu_vec":
-            # per (block, head): K transposed, [D, B], then V, [B, D]; each written in one strided pass
+            # per (block, head): K transposed, [D, B] (natively where built), then V, [B, D]
             halves = dst.reshape(layout.num_blocks, H, 2, B * D)
-            halves[:, :, 0].reshape(layout.num_blocks, H, D, B)[ids] = kb.transpose(1, 0, 3, 2)
+            if not transpose_k_into(dst.reshape(layout.num_blocks, H, 2 * B * D), ids, kn):
+                halves[:, :, 0].reshape(layout.num_blocks, H, D, B)[ids] = kb.transpose(1, 0, 3, 2)
             halves[:, :, 1].reshape(layout.num_blocks, H, B, D)[ids] = vb.transpose(1, 0, 2, 3)
         else:
             assert layout.index is not None
