@@ -459,6 +459,172 @@ static PyObject *transpose_tiles(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+/* FP8 (e4m3) quantisation of bf16 KV, per head, with the codec's bits (store.format.precision.quantize,
+ * store.kernels.gather.quantise_blocks): for each tile (one block's head: tokens * dim values)
+ * xf = fp32(x); amax = max |xf| (a NaN anywhere: no scale); scale = amax > 0 ? amax / 448 : 1;
+ * q = e4m3(clamp(xf / scale, -448, 448)) rounded as PyTorch rounds (c10's fp8e4m3fn_from_fp32_value);
+ * back = fp32(q) * scale - xf, each operation rounded alone (no fused multiply-add: the file is built
+ * with -ffp-contract=off). The caller takes the norms of back and xf with torch. */
+static inline float f32_of_bits(uint32_t b) { float f; memcpy(&f, &b, 4); return f; }
+static inline uint32_t bits_of_f32(float f) { uint32_t b; memcpy(&b, &f, 4); return b; }
+
+/* e4m3 as c10's fp8e4m3fn_from_fp32_value rounds (of a value already clamped to +-448): a NaN stays
+ * one (0x7F), below 2^-6 a subnormal (rounded by the FPU's add), else round to nearest even on the bits. */
+static inline uint8_t e4m3_of(float y) {
+    uint32_t fb = bits_of_f32(y);
+    const uint32_t sign = fb & UINT32_C(0x80000000), denorm = UINT32_C(141) << 23;
+    uint32_t code;
+    fb ^= sign;
+    if (fb >= (UINT32_C(1087) << 20)) code = 0x7f;
+    else if (fb < (UINT32_C(121) << 23)) code = bits_of_f32(f32_of_bits(fb) + f32_of_bits(denorm)) - denorm;
+    else code = (fb + ((uint32_t)(7 - 127) << 23) + UINT32_C(0x7FFFF) + ((fb >> 20) & 1)) >> 20;
+    return (uint8_t)(code | (sign >> 24));
+}
+
+/* An e4m3 code's fp32 value, exactly (normals are fp32 normals, subnormals m * 2^-9, 0x7F a NaN). */
+static inline float f32_of_e4m3(uint8_t code) {
+    uint32_t e = (code >> 3) & 0xF, m = code & 7;
+    float mag = (code & 0x7f) == 0x7f ? f32_of_bits(UINT32_C(0x7FC00000))
+              : e ? f32_of_bits(((e + 120) << 23) | (m << 20)) : (float)m * (1.0f / 512.0f);
+    return (code & 0x80) ? -mag : mag;
+}
+
+static float tile_scale(float amax, int nan) { return (!nan && amax > 0.0f) ? amax / 448.0f : 1.0f; }
+
+static void quantise_values(const float *w, uint8_t *c, float *b, size_t n, float scale) {
+    for (size_t i = 0; i < n; i++) {
+        float y = w[i] / scale;
+        y = y > 448.0f ? 448.0f : (y < -448.0f ? -448.0f : y);
+        c[i] = e4m3_of(y);
+        float d = f32_of_e4m3(c[i]) * scale;
+        b[i] = d - w[i];
+    }
+}
+
+static float quantise_tile_scalar(const uint16_t *a, float *w, uint8_t *c, float *b, size_t n) {
+    float amax = 0.0f;
+    int nan = 0;
+    for (size_t i = 0; i < n; i++) {
+        float v = f32_of_bits((uint32_t)a[i] << 16), m = v < 0.0f ? -v : v;
+        w[i] = v;
+        if (m != m) nan = 1;
+        else if (m > amax) amax = m;
+    }
+    const float scale = tile_scale(amax, nan);
+    quantise_values(w, c, b, n, scale);
+    return scale;
+}
+
+#ifdef KVW_X86
+/* The same, 16 values at a time: the conversion's three cases as masks, every product and difference an
+ * intrinsic of its own (never fused); the last n % 16 values take the scalar loop. */
+__attribute__((target("avx512f,avx512bw")))
+static float quantise_tile_avx512(const uint16_t *a, float *w, uint8_t *c, float *b, size_t n) {
+    const size_t n16 = n - n % 16;
+    __m512 amax = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    const __m512i absmask = _mm512_set1_epi32(0x7FFFFFFF);
+    for (size_t i = 0; i < n16; i += 16) {
+        __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(a + i))), 16);
+        __m512 v = _mm512_castsi512_ps(wide);
+        _mm512_storeu_ps(w + i, v);
+        __m512 m = _mm512_castsi512_ps(_mm512_and_si512(wide, absmask));
+        nan |= _mm512_cmp_ps_mask(m, m, _CMP_UNORD_Q);
+        amax = _mm512_max_ps(m, amax);  /* a NaN m gives amax: NaNs are counted apart */
+    }
+    float top = _mm512_reduce_max_ps(amax);
+    int any_nan = nan != 0;
+    for (size_t i = n16; i < n; i++) {
+        float v = f32_of_bits((uint32_t)a[i] << 16), m = v < 0.0f ? -v : v;
+        w[i] = v;
+        if (m != m) any_nan = 1;
+        else if (m > top) top = m;
+    }
+    const float scale = tile_scale(top, any_nan);
+    const __m512 vs = _mm512_set1_ps(scale), hi = _mm512_set1_ps(448.0f), lo = _mm512_set1_ps(-448.0f);
+    const __m512i signbit = _mm512_set1_epi32((int)0x80000000u), denorm = _mm512_set1_epi32(141 << 23);
+    const __m512i bias = _mm512_set1_epi32((int)(((uint32_t)(7 - 127) << 23) + 0x7FFFFu)), one = _mm512_set1_epi32(1);
+    const __m512i nan_from = _mm512_set1_epi32(1087 << 20), small_below = _mm512_set1_epi32(121 << 23);
+    const __m512i x7f = _mm512_set1_epi32(0x7f), x80 = _mm512_set1_epi32(0x80), seven = _mm512_set1_epi32(7);
+    const __m512i fifteen = _mm512_set1_epi32(15), e_bias = _mm512_set1_epi32(120);
+    const __m512 qnan = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)), ninth = _mm512_set1_ps(1.0f / 512.0f);
+    for (size_t i = 0; i < n16; i += 16) {
+        __m512 x = _mm512_loadu_ps(w + i);
+        __m512 y = _mm512_max_ps(lo, _mm512_min_ps(hi, _mm512_div_ps(x, vs)));  /* a NaN passes through */
+        __m512i fb = _mm512_castps_si512(y);
+        __m512i sign = _mm512_and_si512(fb, signbit);
+        fb = _mm512_xor_si512(fb, sign);
+        __m512i normal = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(fb, bias),
+                                                              _mm512_and_si512(_mm512_srli_epi32(fb, 20), one)), 20);
+        __m512i small = _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(_mm512_castsi512_ps(fb),
+                                                                            _mm512_castsi512_ps(denorm))), denorm);
+        __m512i code = _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(fb, small_below), normal, small);
+        code = _mm512_mask_blend_epi32(_mm512_cmpge_epu32_mask(fb, nan_from), code, x7f);
+        code = _mm512_or_si512(_mm512_and_si512(code, x7f), _mm512_srli_epi32(sign, 24));
+        _mm_storeu_si128((__m128i *)(c + i), _mm512_cvtepi32_epi8(code));
+        __m512i e = _mm512_and_si512(_mm512_srli_epi32(code, 3), fifteen), m = _mm512_and_si512(code, seven);
+        __m512 mag = _mm512_castsi512_ps(_mm512_or_si512(_mm512_slli_epi32(_mm512_add_epi32(e, e_bias), 23),
+                                                         _mm512_slli_epi32(m, 20)));
+        mag = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), mag,
+                                   _mm512_mul_ps(_mm512_cvtepi32_ps(m), ninth));
+        mag = _mm512_mask_blend_ps(_mm512_cmpeq_epi32_mask(_mm512_and_si512(code, x7f), x7f), mag, qnan);
+        __m512 d = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(mag),
+                                                       _mm512_slli_epi32(_mm512_and_si512(code, x80), 24)));
+        _mm512_storeu_ps(b + i, _mm512_sub_ps(_mm512_mul_ps(d, vs), x));
+    }
+    quantise_values(w + n16, c + n16, b + n16, n - n16, scale);
+    return scale;
+}
+#endif
+
+typedef float (*quantise_fn)(const uint16_t *, float *, uint8_t *, float *, size_t);
+static quantise_fn quantise_tile = quantise_tile_scalar;
+
+PyDoc_STRVAR(quantise_heads_doc,
+"quantise_heads(x, xf, q, back, scales, tile) -> None\n\n"
+"x: bf16 bits (2-byte elements) of whole tiles of tile values each; xf and back: fp32 outputs of\n"
+"x's size; q: one byte per value; scales: one fp32 per tile. See the comment above it in the\n"
+"source for what is computed. Private to store.kernels.gather.");
+
+static PyObject *quantise_heads(PyObject *self, PyObject *args) {
+    PyObject *ox, *oxf, *oq, *oback, *oscales;
+    Py_ssize_t tile;
+    if (!PyArg_ParseTuple(args, "OOOOOn", &ox, &oxf, &oq, &oback, &oscales, &tile)) return NULL;
+    if (tile < 1) { PyErr_Format(PyExc_ValueError, "tiles of %zd values", tile); return NULL; }
+    Py_buffer x, xf, q, back, sc;
+    if (PyObject_GetBuffer(ox, &x, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    Py_ssize_t n = x.len / 2, tiles = n / tile;
+    if (n % tile) {
+        PyErr_Format(PyExc_ValueError, "%zd values are not whole tiles of %zd", n, tile);
+        PyBuffer_Release(&x); return NULL;
+    }
+    if (get_buffer(oxf, &xf, n * 4, 1, "xf") < 0) { PyBuffer_Release(&x); return NULL; }
+    if (get_buffer(oq, &q, n, 1, "q") < 0) { PyBuffer_Release(&x); PyBuffer_Release(&xf); return NULL; }
+    if (get_buffer(oback, &back, n * 4, 1, "back") < 0) {
+        PyBuffer_Release(&x); PyBuffer_Release(&xf); PyBuffer_Release(&q); return NULL;
+    }
+    if (get_buffer(oscales, &sc, tiles * 4, 1, "scales") < 0) {
+        PyBuffer_Release(&x); PyBuffer_Release(&xf); PyBuffer_Release(&q); PyBuffer_Release(&back); return NULL;
+    }
+    const uint16_t *xs = (const uint16_t *)x.buf;
+    float *xo = (float *)xf.buf, *bo = (float *)back.buf, *so = (float *)sc.buf;
+    uint8_t *qo = (uint8_t *)q.buf;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t t = 0; t < tiles; t++)
+        so[t] = quantise_tile(xs + t * tile, xo + t * tile, qo + t * tile, bo + t * tile, (size_t)tile);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&x); PyBuffer_Release(&xf); PyBuffer_Release(&q); PyBuffer_Release(&back); PyBuffer_Release(&sc);
+    Py_RETURN_NONE;
+}
+
+static quantise_fn pick_quantise(void) {
+#ifdef KVW_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) return quantise_tile_avx512;
+#endif
+    return quantise_tile_scalar;
+}
+
 static PyObject *isa(PyObject *self, PyObject *noargs) {
 #ifdef KVW_X86
     if (gather16 == gather16_avx512) return PyUnicode_FromString("avx512bw");
@@ -473,9 +639,11 @@ static PyObject *use_isa(PyObject *self, PyObject *args) {
     if (strcmp(name, "scalar") == 0) {
         gather16 = gather16_scalar;
         copy_bytes = copy_plain;
+        quantise_tile = quantise_tile_scalar;
     } else if (strcmp(name, "best") == 0) {
         gather16 = pick_gather16();
         copy_bytes = pick_copy();
+        quantise_tile = pick_quantise();
     } else {
         PyErr_Format(PyExc_ValueError, "unknown instruction set %s: use 'scalar' or 'best'", name);
         return NULL;
@@ -488,6 +656,7 @@ static PyMethodDef methods[] = {
     {"gather_blocks", gather_blocks, METH_VARARGS, gather_blocks_doc},
     {"copy_blocks", copy_blocks, METH_VARARGS, copy_blocks_doc},
     {"transpose_tiles", transpose_tiles, METH_VARARGS, transpose_tiles_doc},
+    {"quantise_heads", quantise_heads, METH_VARARGS, quantise_heads_doc},
     {"isa", isa, METH_NOARGS, "The instruction set the 2-byte gather uses on this CPU: avx512bw, avx2 or scalar."},
     {"use_isa", use_isa, METH_VARARGS,
      "use_isa('scalar' | 'best') -> str: pin the plain loops (what CPUs without AVX2 run; for\n"
@@ -503,5 +672,6 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__fp8gather(void) {
     gather16 = pick_gather16();
     copy_bytes = pick_copy();
+    quantise_tile = pick_quantise();
     return PyModule_Create(&module);
 }

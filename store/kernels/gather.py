@@ -31,7 +31,9 @@ import torch
 
 from store.format.encode import StoredLayer
 from store.format.precision import FP8_MAX, STORAGE_DTYPES, Precision
+from store.kernels.quantiser import quantise_heads
 from store.kernels.reservation import Frame, Loose
+from store.kernels.tiles import transpose_k_out
 
 if TYPE_CHECKING:
     from store.engines.vllm.layout import EngineLayout
@@ -152,7 +154,16 @@ def gather_kv(cache: torch.Tensor, layout: EngineLayout, ids: torch.Tensor,
             out.append(pieces.view(n, H, ratio * B, D))
         return out[0], out[1]
     out = []
-    for src, idx in zip(block_views(cache, layout), [list(_index(ids, layout, ratio))] * 2):
+    native_k = None
+    if layout.kind == "cpu_vec" and cache.device.type == "cpu" and cache.element_size() == 2 and cache.is_contiguous():
+        got = mem.take((n, H, ratio * B, D), cache.dtype)  # K un-transposed by the native tile transpose
+        if transpose_k_out(cache.view(torch.int16).numpy().reshape(layout.num_blocks, H, 2 * B * D),
+                           ids.numpy(), ratio, got.view(torch.int16).numpy()):
+            native_k = got
+    for half, (src, idx) in enumerate(zip(block_views(cache, layout), [list(_index(ids, layout, ratio))] * 2)):
+        if half == 0 and native_k is not None:
+            out.append(native_k)
+            continue
         # into contiguous memory: advanced indexing alone lays its result out as its (strided) source
         got = mem.take((n, H, ratio, B, D), cache.dtype)
         torch.ops.aten.index.Tensor_out(src, idx, out=got)
@@ -172,8 +183,12 @@ def quantise_blocks(x: torch.Tensor, precision: Precision, layer: int, scratch: 
     mem = scratch if scratch is not None else Loose(x.device)
     n, heads, tokens, dim = x.shape
     f32 = torch.float32
-    xf = mem.take(x.shape, f32).copy_(x)  # Tensor.to's conversion
     dtype = precision.layer_dtype(layer)
+    if dtype == "fp8_e4m3" and precision.granularity == "head":
+        native = quantise_heads(x, mem)  # the same bits in one native pass (bf16 on the CPU)
+        if native is not None:
+            return native
+    xf = mem.take(x.shape, f32).copy_(x)  # Tensor.to's conversion
     if dtype != "fp8_e4m3":
         stored = mem.take(x.shape, STORAGE_DTYPES[dtype]).copy_(x)
         back = mem.take(x.shape, f32).copy_(stored).sub_(xf)

@@ -45,7 +45,7 @@ def native_isa() -> str | None:
 
 
 def pin_native_isa(name: str) -> str | None:
-    """Pin the native gather's instruction set: ``"scalar"`` (the plain loops, what CPUs without
+    """Pin the native gather's (and FP8 quantiser's) instruction set: ``"scalar"`` (the plain loops, what CPUs without
     AVX2 run) or ``"best"`` (the best this CPU has, the default). Returns the one in use, ``None``
     without the native module. For tests and benches: not thread-safe against running gathers.
 

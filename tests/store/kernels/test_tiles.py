@@ -68,3 +68,19 @@ def test_a_cpu_vec_load_reads_back_as_written_with_and_without_the_native_transp
     assert torch.equal(native.view(torch.int16), plain.view(torch.int16))
     rk, rv = read_layer(native, lay, list(ids))
     assert torch.equal(rk.view(torch.int16), k.view(torch.int16)) and torch.equal(rv.view(torch.int16), v.view(torch.int16))
+
+
+@pytest.mark.parametrize("ratio", [1, 2, 3])
+def test_k_read_back_out_of_the_blocks_untransposed_is_numpys_bits(ratio: int) -> None:
+    rng = np.random.default_rng(ratio)
+    heads, block, dim, nb = 3, 16, 8, 12
+    cache = rng.integers(-(1 << 15), 1 << 15, size=(nb, heads, 2 * block * dim), dtype=np.int16)
+    ids = rng.permutation(nb)[: 2 * ratio].astype(np.int64)
+    out = np.zeros((2, heads, ratio * block, dim), dtype=np.int16)
+    assert tiles.transpose_k_out(cache, ids, ratio, out)
+    kt = cache.reshape(nb, heads, 2, dim, block)[ids, :, 0]  # [2 * ratio, heads, dim, block]
+    want = kt.reshape(2, ratio, heads, dim, block).transpose(0, 2, 1, 4, 3).reshape(2, heads, ratio * block, dim)
+    assert np.array_equal(out, want)
+    with pytest.raises(ValueError, match="outside the cache"):
+        tiles.transpose_k_out(cache, np.array([0, nb]), 2, np.zeros((1, heads, 2 * block, dim), np.int16))
+    assert not tiles.transpose_k_out(cache, np.array([], np.int64), 2, out)  # no blocks: the caller's path
