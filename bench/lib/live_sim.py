@@ -27,7 +27,11 @@ def cadence_spec(node_bytes: float) -> Any:
 
 def make_live_plan(rows: pd.DataFrame, event_s: float, *, model_dir: Path, config_path: Path, prefill: Any,
                    per_token: float, node_bytes: float) -> Any:
-    """The product planner's plan at the event, from the requests before it, keyed for the real model."""
+    """The product planner's plan at the event, from the requests before it, keyed for the real model.
+
+    The plan is for the model the rows were logged with (the served one, as the cadence flow
+    takes the log's model): the planner reads only that model's rows.
+    """
     from forecasting.planning.cadence import plan_now
     from forecasting.planning.planner import PlanCosts
     from store.config import load_config
@@ -36,8 +40,9 @@ def make_live_plan(rows: pd.DataFrame, event_s: float, *, model_dir: Path, confi
     cfg = load_config(config_path)
     precision = cfg.kv_cache.precision()
     root = identity_from_dir(model_dir).key_root(precision, BLOCK, cfg.tenant(TENANT).salt)
+    (model,) = rows["model"].unique()
     return plan_now(rows, ORIGIN + pd.Timedelta(seconds=event_s), cost=PlanCosts(prefill, bytes_per_token=per_token),
-                    spec=cadence_spec(node_bytes), block_size=BLOCK, roots={TENANT: root}, model="kvwarm-tiny")
+                    spec=cadence_spec(node_bytes), block_size=BLOCK, roots={TENANT: root}, model=str(model))
 
 
 def publish(plan: Any, config_path: Path, model_dir: Path) -> None:
@@ -60,14 +65,29 @@ def publish(plan: Any, config_path: Path, model_dir: Path) -> None:
                 t.close()
 
 
+def simulated_plan(rows: pd.DataFrame, event_s: float, index: Any, deployment: Any,
+                   node_bytes: float) -> tuple[Any, list[Any]]:
+    """The simulator's kvwarm planner for the slice and its one plan, at the event (the live run's):
+    the product planner on the same rows, the blocks written back before the event present.
+
+    ``index`` is the slice's :class:`~forecasting.simulate.replay.BlockIndex` (its trace at
+    :data:`BLOCK`-token blocks, time 0 at the first row), ``deployment`` the simulator's.
+    """
+    from forecasting.ingest.traces import simulation_root
+    from forecasting.simulate.kvwarm_policy import planner_for
+    from forecasting.simulate.policies import kvwarm_plans, stored_with_prefill, written_back
+
+    roots = {TENANT: simulation_root(TENANT, BLOCK)}
+    planner = planner_for(index.trace, rows, cadence_spec(node_bytes), deployment, cadence_s=event_s, roots=roots)
+    stored = stored_with_prefill(index, written_back(index), np.zeros(0, dtype=np.int64), float("inf"))
+    return planner, kvwarm_plans(index, planner, stored, event_s)
+
+
 def simulate_slice(rows: pd.DataFrame, event_s: float, *, prefill: Any, per_token: float, engine_per_token: int,
                    kv_capacity_tokens: int, node_bytes: float, node_load: Any, lmcache: dict[str, Any] | None,
                    policies: Sequence[str]) -> dict[str, Any]:
     """The simulator on the same slice (token-id log rows at 256-token blocks), replacement at the event."""
     from forecasting.ingest.log_trace import trace_from_requests
-    from forecasting.ingest.traces import simulation_root
-    from forecasting.simulate.kvwarm_policy import planner_for
-    from forecasting.simulate.policies import kvwarm_plans, stored_with_prefill, written_back
     from forecasting.simulate.replay import BlockIndex
     from forecasting.simulate.runs import Scenario
     from forecasting.simulate.simulation import ENGINE_KV_BYTES_PER_TOKEN, Deployment, simulate
@@ -92,10 +112,7 @@ def simulate_slice(rows: pd.DataFrame, event_s: float, *, prefill: Any, per_toke
     planner = None
     ticks = None
     if "kvwarm" in sim_pols:
-        roots = {TENANT: simulation_root(TENANT, BLOCK)}
-        planner = planner_for(trace, rows, cadence_spec(node_bytes), dep, cadence_s=event_s, roots=roots)
-        stored = stored_with_prefill(index, written_back(index), np.zeros(0, dtype=np.int64), float("inf"))
-        ticks = kvwarm_plans(index, planner, stored, event_s)  # one plan, at the event: the live run's
+        planner, ticks = simulated_plan(rows, event_s, index, dep, node_bytes)
         out["plan_entries"] = len(ticks[0].plan.entries) if ticks else 0
     rows_out: dict[str, Any] = {}
     res = simulate(index, dep, [scenario], sim_pols, planner=planner, references=False, ticks=ticks)[0]

@@ -32,7 +32,7 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
-from forecasting.mining.prefix_tree import Tokenizer
+from forecasting.mining.prefix_tree import Tokenizer, one_model
 from forecasting.mining.request_tree import mine_requests
 from forecasting.planning.planner import PlanCosts
 from forecasting.planning.retain import Present, RetainBudget, retain_entries, retain_nodes
@@ -94,7 +94,9 @@ def plan_now(requests: pd.DataFrame, as_of: Any, *, cost: PlanCosts, spec: Caden
         as_of: the plan's time (tz-naive UTC).
         cost, spec: prices and budgets.
         block_size, roots, tokenizer, model: how the logs are mined
-            (:func:`forecasting.mining.request_tree.mine_requests`).
+            (:func:`forecasting.mining.request_tree.mine_requests`); with ``model``, only its
+            rows are read (the lookback and ``extra["requests"]`` count them; a model the log
+            does not hold gives a plan that learned from 0 requests).
         present: which mined prefixes the store holds (default: all of them, as when the
             engines write their KV back).
         base: the latest off-peak plan, whose prefill entries this plan keeps.
@@ -107,6 +109,8 @@ def plan_now(requests: pd.DataFrame, as_of: Any, *, cost: PlanCosts, spec: Caden
         agent ranks the fleet's records with.
     """
     t = unix_s(as_of)
+    if model is not None:  # the model's own requests: what the lookback counts and the plan learns from
+        requests = one_model(requests, model)
     secs = pd.to_datetime(requests["timestamp"]).to_numpy(dtype="datetime64[us]").astype(np.int64) / 1e6
     before = secs < t
     since = t - spec.lookback_s

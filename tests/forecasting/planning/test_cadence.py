@@ -123,3 +123,19 @@ def test_token_logs_give_token_entries_keyed_like_the_trace() -> None:
     assert {e.token_ids[:8] for e in plan.entries} == {tuple(shared)}
     keys = {e.prefix_id for e in plan.entries}
     assert keys <= {block_keys(root, list(e.token_ids))[-1] for e in plan.entries}
+
+
+def test_a_plan_for_one_model_learns_from_that_models_requests_only(requests: pd.DataFrame) -> None:
+    as_of = pd.Timestamp("2026-03-02") + pd.Timedelta(minutes=6)
+    lookback = CadenceSpec(SPEC.budget, SPEC.reuse, lookback_s=60.0, lookback_requests=300)
+    ours = requests.assign(model="ours")
+    plan = plan_now(ours, as_of, cost=COST, spec=lookback, block_size=512, model="ours", created_at=0.0)
+    assert plan.entries and plan.model == "ours"
+    # another model's requests in the log (later ones, so they fill the lookback in requests) change nothing
+    theirs = requests.assign(model="theirs", timestamp=requests["timestamp"] + pd.Timedelta(seconds=30))
+    both = pd.concat([ours, theirs], ignore_index=True).sort_values("timestamp", kind="stable")
+    mixed = plan_now(both, as_of, cost=COST, spec=lookback, block_size=512, model="ours", created_at=0.0)
+    assert mixed == plan
+    # a model the log does not hold: nothing learned, and the plan says so (not the log's other requests)
+    other = plan_now(ours, as_of, cost=COST, spec=lookback, block_size=512, model="absent", created_at=0.0)
+    assert other.extra["requests"] == 0 and not other.entries
