@@ -38,10 +38,14 @@ class SeaweedFS:
     ``endpoint`` is the S3 URL once started.
     """
 
-    def __init__(self, workdir: str | None = None, ready_timeout_s: float = 90.0, domain: str | None = None) -> None:
-        """``domain``: also serve buckets by virtual host, ``<bucket>.<domain>`` (LMCache's S3 adapter needs it)."""
+    def __init__(self, workdir: str | None = None, ready_timeout_s: float = 90.0, domain: str | None = None,
+                 nice: int = 0) -> None:
+        """``domain``: also serve buckets by virtual host, ``<bucket>.<domain>`` (LMCache's S3 adapter needs it).
+        ``nice``: the server's CPU priority (a bench that measures a serving node's latency runs the stand-in
+        S3 at 19: a real S3 is another machine, and its CPU is not the node's)."""
         self._own_dir = workdir is None
         self.domain = domain
+        self.nice = nice
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="kvwarm-weed-"))
         self.ready_timeout_s = ready_timeout_s
         self.port = free_port()
@@ -82,6 +86,8 @@ class SeaweedFS:
             "-s3.port.iceberg=0", "-s3.port.lance=0",
             *([f"-s3.domainName={self.domain}"] if self.domain else []),
         ]
+        if self.nice:  # every thread the server starts inherits it
+            cmd = ["nice", "-n", str(self.nice), *cmd]
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self._wait_ready()
         return self
