@@ -46,13 +46,13 @@ class NodeLink:
     def __init__(self, client: "NodeClient | None" = None, *, settle_s: float = 0.0) -> None:
         self.client = client
         self.fallbacks = 0  # calls that took the loader's own way because the node was away
-        self.handed = 0  # blocks whose copies a prefetch handed to the node
         self._settled = time.monotonic() + settle_s
 
     @classmethod
     def open(cls, node: "NodeClient | Literal['auto'] | None", config: "KvwarmConfig", store_url: str) -> "NodeLink":
-        """``node`` as given; ``"auto"``: the node at ``node.socket`` when one answers now (none is
-        started: a loader alone is a notebook's or a test's); ``None``: none."""
+        """``node`` as given (one still connecting: for up to :data:`SETTLE_S`, 2 s with ``node.autostart``
+        off); ``"auto"``: the node at ``node.socket`` when one answers now (none is started: a loader
+        alone is a notebook's or a test's); ``None``: none."""
         if node != "auto":  # a client still connecting is waited for by the first prefetches
             settle = SETTLE_S if config.node.autostart else 2.0
             return cls(node, settle_s=settle if node is not None and not node.connected else 0.0)
@@ -100,7 +100,6 @@ class NodeLink:
         except _AWAY as exc:
             self._away(exc)
             return False
-        self.handed += len(blocks)
         return True
 
     def pending(self, scope: Scope, blocks: Sequence[Block | BlockKey]) -> int | None:
