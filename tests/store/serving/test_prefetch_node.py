@@ -45,9 +45,9 @@ class QueuedNode:
     then the node is away (as a killed node's client answers)."""
 
     connected = True
-    node = {"pid": 0}
 
     def __init__(self) -> None:
+        self.node = {"pid": 0}
         self.handed: list[tuple[str, list[str]]] = []
         self.asked = threading.Event()
         self.dies = threading.Event()
