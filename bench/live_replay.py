@@ -277,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                                   "load_seconds": load_s, "tokens_loaded": tokens_loaded,
                                   "bytes_loaded": wb.get("bytes_loaded", 0),
                                   "prefetch_copied_blocks": wb.get("prefetch_copied_blocks"),
+                                  "prefetch_handed_to_node": wb.get("prefetch_handed_to_node"),
                                   "agent_rankings": wb.get("agent_rankings"),
                                   "worker_counters": {k: v for k, v in wb.items() if isinstance(v, (int, float))},
                                   "scheduler_counters": {k: v for k, v in sb.items() if isinstance(v, (int, float))}}

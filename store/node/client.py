@@ -138,11 +138,14 @@ class NodeClient:
         return self._sock is not None
 
     def wait_connected(self, timeout_s: float) -> bool:
-        """Wait for a reconnection in progress; ``False`` when none connected in time."""
+        """Wait for a reconnection in progress; ``False`` when none connected in time (at once when the
+        node refused this client, or the client is closed)."""
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             if self._sock is not None:
                 return True
+            if self._refused is not None or self._closed:
+                return False
             time.sleep(0.05)
         return self._sock is not None
 
@@ -215,6 +218,13 @@ class NodeClient:
     def prefetch(self, namespace: str, keys: Sequence[str]) -> int:
         """Ask the node to copy the chain from the shared tier into its own; returns the blocks queued."""
         return decode_count(self._request(Op.PREFETCH, encode_keys(namespace, list(keys))))
+
+    def pending(self, namespace: str, keys: Sequence[str]) -> int:
+        """How many of ``keys`` the node's copies still have queued or in progress (0: the node tier
+        holds all it will of them, for now: ask :meth:`lookup` how many)."""
+        if not keys:
+            return 0
+        return decode_count(self._request(Op.PENDING, encode_keys(namespace, list(keys))))
 
     def record(self, namespace: str, keys: Sequence[str]) -> None:
         """Tell the node a request used these blocks (fleet memory)."""

@@ -1,7 +1,9 @@
 """The node's copies from the shared tiers (S3) into its own (NVMe), by object name, in order.
 
-One thread copies a queue of names, first to last; a new agent order replaces the queue (the
-names it no longer wants are dropped), a client's hint is queued behind it. Each copy reads the
+One thread copies two queues of chains, first to last: the agent's order, which a new order
+replaces (the names it no longer wants are dropped), then the clients' hints (an engine's lookup
+miss, a loader's prefetch handed to the node), which no order drops: a client may be waiting
+for them (:meth:`Copier.pending` says how many of its names are still to come). Each copy reads the
 object from the first remote tier that holds it, opens it with its tenant's key where it is
 sealed, checks it as ``prefill store verify`` does (checksums, header, the name it sits under,
 not expired) and writes it into the node tier atomically; a copy that fails is counted with its
@@ -40,7 +42,9 @@ class Copier:
         self.remotes = list(remotes)
         self.tenants = dict(tenants)
         self.counts: Counter[str] = Counter()
-        self._queue: deque[tuple[str, ...]] = deque()  # chains: a failure skips the rest of one
+        self._plan: deque[tuple[str, ...]] = deque()  # the agent's chains: a failure skips the rest of one
+        self._hints: deque[tuple[str, ...]] = deque()  # the clients' chains, behind the agent's
+        self._pending: Counter[str] = Counter()  # names queued or being copied (a name may be in both queues)
         self._cv = threading.Condition()
         self._busy = False
         self._stop = False
@@ -48,34 +52,56 @@ class Copier:
         self._thread.start()
 
     def replace(self, chains: Sequence[Sequence[str]]) -> None:
-        """Copy ``chains`` (each in prefix order) in place of what is queued."""
+        """Copy ``chains`` (each in prefix order) in place of the agent's last order (hints stay queued)."""
         with self._cv:
-            dropped = sum(len(c) for c in self._queue)
+            dropped = [n for c in self._plan for n in c]
             if dropped:
-                self.counts["superseded"] += dropped
-            self._queue.clear()
-            self._queue.extend(tuple(c) for c in chains if c)
+                self.counts["superseded"] += len(dropped)
+                self._forget(dropped)
+            self._plan.clear()
+            self._plan.extend(tuple(c) for c in chains if c)
+            self._pending.update(n for c in self._plan for n in c)
             self._cv.notify()
 
     def add(self, chain: Sequence[str]) -> int:
-        """Queue one chain behind the rest; returns the names queued (0 without a remote tier)."""
+        """Queue one chain behind the rest, less its names queued already (the agent's order and an
+        engine's prefetch often name the same chain: it is copied once); returns the names queued
+        (0 without a remote tier)."""
         if not self.remotes or not chain:
             return 0
         with self._cv:
-            self._queue.append(tuple(chain))
-            self._cv.notify()
-        return len(chain)
+            fresh = tuple(n for n in chain if n not in self._pending)
+            if fresh:
+                self._hints.append(fresh)
+                self._pending.update(fresh)
+                self._cv.notify()
+        return len(fresh)
+
+    def pending(self, names: Sequence[str]) -> int:
+        """How many of ``names`` are still queued or being copied (0: whatever the node tier holds of
+        them now is all these copies will bring)."""
+        with self._cv:
+            return sum(1 for n in names if self._pending.get(n, 0) > 0)
+
+    def _forget(self, names: Sequence[str]) -> None:
+        """``names`` are no longer queued (copied, failed or dropped once each); under the lock."""
+        for n in names:
+            left = self._pending[n] - 1
+            if left > 0:
+                self._pending[n] = left
+            else:
+                self._pending.pop(n, None)
 
     def queued(self) -> int:
         """Chains waiting to be copied."""
         with self._cv:
-            return len(self._queue)
+            return len(self._plan) + len(self._hints)
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until nothing is queued or copying (tests, shutdown); ``False`` on timeout."""
         end = time.monotonic() + timeout
         with self._cv:
-            while self._queue or self._busy:
+            while self._plan or self._hints or self._busy:
                 left = end - time.monotonic()
                 if left <= 0:
                     return False
@@ -86,14 +112,16 @@ class Copier:
         """Stop after the current copy."""
         with self._cv:
             self._stop = True
-            self._queue.clear()
+            self._plan.clear()
+            self._hints.clear()
+            self._pending.clear()
             self._cv.notify_all()
         self._thread.join(5.0)
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._queue and not self._stop:
+                while not self._plan and not self._hints and not self._stop:
                     self._busy = False
                     self._cv.notify_all()
                     self._cv.wait()
@@ -101,12 +129,15 @@ class Copier:
                     self._busy = False
                     self._cv.notify_all()
                     return
-                chain = self._queue.popleft()
+                chain = (self._plan or self._hints).popleft()
                 self._busy = True
-            for name in chain:
+            for i, name in enumerate(chain):
                 outcome = self.copy(name)
                 self.counts[outcome] += 1
-                if outcome not in ("copied", "present"):
+                failed = outcome not in ("copied", "present")
+                with self._cv:  # this name is done; after a failure, so is the rest of its chain
+                    self._forget(chain[i:] if failed else (name,))
+                if failed:
                     break
 
     def copy(self, name: str) -> str:

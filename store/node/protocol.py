@@ -11,6 +11,8 @@ node will not take). Only the hello and the stats are JSON; the hot path is fixe
   :func:`encode_paths`: how many leading keys the node tier holds, and their files to map.
 - ``PREFETCH``: body :func:`encode_keys`; the node copies the chain from S3 into its tier in the
   background. Reply ``<u32 queued>``.
+- ``PENDING``: body :func:`encode_keys`; reply ``<u32>``: how many of those keys the node's copies
+  still have queued or in progress (0: the node tier holds all it will of them, for now).
 - ``RECORD``: body :func:`encode_keys`; the blocks a request used, for fleet memory. Empty reply.
 - ``STATS``: empty body; reply JSON of the node's counters.
 - ``ATTACH``: body JSON :class:`store.node.block_record.Announcement` (an engine's write-back ring);
@@ -46,6 +48,7 @@ class Op(enum.IntEnum):
     RECORD = 4
     STATS = 5
     ATTACH = 6
+    PENDING = 7
     ERROR = 0xFE
     REFUSED = 0xFF
 

@@ -79,6 +79,8 @@ class _Handler(socketserver.BaseRequestHandler):
                     reply = encode_paths(service.lookup(decode_keys(body)))
                 elif op == Op.PREFETCH:
                     reply = encode_count(service.prefetch(decode_keys(body)))
+                elif op == Op.PENDING:
+                    reply = encode_count(service.pending(decode_keys(body)))
                 elif op == Op.RECORD:
                     service.record(decode_keys(body))
                     reply = b""

@@ -5,7 +5,7 @@ node tier first, the shared S3 tiers after it), the copies between them
 (:class:`store.node.copier.Copier`), fleet memory (:class:`store.serving.fleet.FleetRecorder`),
 the node agent (:class:`store.serving.agent.NodeAgent` over :class:`store.node.hands.StoreHands`),
 the node tier's GC every ``node.gc_interval_s`` and a Prometheus endpoint. Its request methods
-(:meth:`lookup`, :meth:`prefetch`, :meth:`record`, :meth:`stats`) are what a client's frames
+(:meth:`lookup`, :meth:`prefetch`, :meth:`pending`, :meth:`record`, :meth:`stats`) are what a client's frames
 ask; none of them touches the network or holds a lock longer than a counter's.
 """
 from __future__ import annotations
@@ -117,6 +117,10 @@ class NodeService:
         """Queue the chain's copy from the shared tier (behind the agent's); returns the blocks queued."""
         self.counters.incr("prefetch_hints")
         return self.copier.add([object_name(req.namespace, k) for k in req.keys])
+
+    def pending(self, req: Keys) -> int:
+        """How many of the chain's blocks the copies still have queued or in progress."""
+        return self.copier.pending([object_name(req.namespace, k) for k in req.keys])
 
     def record(self, req: Keys) -> None:
         """One request used these blocks: fleet memory (in memory; written every ``fleet_memory.flush_s``)."""

@@ -164,11 +164,11 @@ class KVLoader:
         self.fetcher = RemoteFetcher(self.store, self.tenant, self.metrics, self._executor,
                                      timeout_s=d.sync_fetch_timeout_s, backoff_s=d.s3_backoff_s,
                                      gets=d.chain_gets, get_threads=d.chain_gets * (d.fetch_workers + 1))
+        self.node = NodeLink.open(node, self.config, store_url)  # it copies, a prefetch's chains too, when it answers
         self.prefetcher = Prefetcher(d.prefetch_streams, probe=self._probe_local, fetcher=self.fetcher,
-                                     metrics=self.metrics)
+                                     metrics=self.metrics, node=self.node)
         self.dequantizer = dequant if isinstance(dequant, Dequantizer) else Dequantizer(
             d.dequant, self._executor, staging_bytes=int(d.staging_bytes), scratch_bytes=int(d.device_scratch_bytes))
-        self.node = NodeLink.open(node, self.config, store_url)
         self._closed = False
         if self.fetcher.has_remote and self.fetch_mode == "sync":  # a sync lookup waits for S3: connect first
             public = [PUBLIC] if self._public is not None else []
@@ -304,7 +304,7 @@ class KVLoader:
     # -- prefetch ------------------------------------------------------------
     def prefetch(self, items: Plan | str | os.PathLike[str] | Iterable[Sequence[int]], *, map_ahead: bool = True,
                  tokenizer: Callable[[str], Sequence[int]] | None = None) -> "cf.Future[PrefetchResult]":
-        """In the background: copy prefixes S3 -> NVMe and (``map_ahead``) map them into the pool.
+        """In the background: copy prefixes S3 -> NVMe (the node does, when linked) and (``map_ahead``) map them.
 
         ``prefetch_streams`` chains are copied at once, taken in priority order (the first
         entries start first), each block by block in prefix order; a head that several

@@ -11,7 +11,8 @@
 - the fleet's memory is read for the loader's namespaces only (:func:`store.serving.fleet.read_fleet`);
 - retention priorities go to the loader's pool (its eviction order: lowest first, then LRU);
 - copies go to the loader's prefetch streams, replacing the last prefetch: a plan's chains
-  are copied block by block in prefix order and mapped into the pool ahead of need (those
+  are copied block by block in prefix order (by the machine's node process while the loader is
+  linked to one, :mod:`store.serving.prefetch`) and mapped into the pool ahead of need (those
   NVMe already holds are mapped after the copies; a published chain's tokens are read from
   its snapshot headers in NVMe, checked against its keys); blocks known only from the fleet's
   memory are copied by key into NVMe (their tokens are checked by the lookup that maps them).
@@ -221,8 +222,9 @@ class LoaderNode:
         except Exception:  # noqa: BLE001 - prefetch is best effort
             log.exception("kvwarm agent: a prefetch failed")
             return
-        log.info("kvwarm agent: prefetch done: %d chains, %d blocks copied, %d present, %d mapped, %d superseded, "
-                 "failures %s", r.prefixes, r.fetched, r.present, r.mapped, r.superseded, r.failed or "none")
+        log.info("kvwarm agent: prefetch done: %d chains, %d blocks copied, %d handed to the node, %d present, "
+                 "%d mapped, %d superseded, failures %s", r.prefixes, r.fetched, r.handed, r.present, r.mapped,
+                 r.superseded, r.failed or "none")
         if self.on_result is not None:
             self.on_result(r)
 

@@ -141,8 +141,8 @@ class LoaderMetrics:
         self._mapped_t.inc(nbytes)
 
     def prefetched(self, outcome: str, n: int = 1) -> None:
-        """Count ``n`` blocks prefetch found ``present``, ``fetched`` or ``mapped``, or left
-        ``superseded`` (a newer prefetch replaced its own before it started them)."""
+        """Count ``n`` blocks prefetch found ``present``, ``fetched``, ``handed`` (to the node process,
+        to copy) or ``mapped``, or left ``superseded`` (a newer prefetch replaced its own before it started them)."""
         self._prefetch.labels(self.tenant, outcome).inc(n)
 
     def pool(self, in_use: int, budget: int) -> None:

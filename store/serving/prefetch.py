@@ -7,7 +7,12 @@ fetches, which a long prefetch must not hold up) that take the chains in the pla
 priority order, one chain per stream at a time, each copied block by block in prefix
 order (a chain is usable only up to its first missing block). Chains that share a head
 (a common system prompt) do not copy it twice: a block one stream is copying is waited
-for by the others (:meth:`store.serving.fetch.RemoteFetcher.copy_chain`). The steps that
+for by the others (:meth:`store.serving.fetch.RemoteFetcher.copy_chain`). A loader linked
+to the machine's node process makes no copy itself: a stream hands the chain's missing
+blocks to the node (:meth:`store.serving.node_link.NodeLink.hand`: the node's copier, which
+queues no name twice, so a chain the node's own agent queued costs one round trip), waits on
+its own thread until the node has nothing of them left to copy, then maps what the node tier
+holds; it copies alone only while the node is away. The steps that
 touch the loader's state (probing the local tier, mapping and pinning) are passed in, so
 this module holds only the order of things and the accounting; it never raises for store
 trouble.
@@ -29,6 +34,7 @@ from store.miss import MissReason
 from store.plan import Plan, PlanEntry, read_plan
 from store.serving.fetch import ERRORS, RemoteFetcher, Scope
 from store.serving.metrics import LoaderMetrics
+from store.serving.node_link import NodeLink
 from store.serving.priority import lower_this_thread
 
 log = logging.getLogger("kvwarm.loader")
@@ -43,7 +49,8 @@ class PrefetchResult:
     """What a :meth:`store.serving.loader.KVLoader.prefetch` did: per-block outcomes and per-reason failures."""
 
     prefixes: int = 0
-    fetched: int = 0  # copied S3 -> NVMe
+    fetched: int = 0  # copied S3 -> NVMe by this process
+    handed: int = 0  # handed to the node process to copy S3 -> NVMe
     present: int = 0  # already in NVMe
     mapped: int = 0  # mapped into this process and admitted to the pool
     skipped: int = 0  # plan entries for other tenants, or text without a tokenizer
@@ -56,6 +63,7 @@ class PrefetchResult:
     def add(self, other: "PrefetchResult") -> None:
         """Count ``other``'s blocks and failures in this one (one chain's into the plan's)."""
         self.fetched += other.fetched
+        self.handed += other.handed
         self.present += other.present
         self.mapped += other.mapped
         for reason, n in other.failed.items():
@@ -106,17 +114,22 @@ class Prefetcher:
         probe: leading blocks of a chain in the local tier (raises ``TenantAccessDenied`` for
             another tenant's namespace).
         fetcher: copies S3 -> NVMe (and backs off after S3 fails).
-        metrics: counts present, fetched and mapped blocks.
+        metrics: counts present, fetched, handed and mapped blocks.
+        node: the loader's link to the node process, which then makes the copies (default: none).
+        poll_s: the first pause between a stream's questions to the node while it copies a
+            chain (doubling up to 1 s).
     """
 
     def __init__(self, streams: int, *, probe: Callable[[list[Block], Scope], int], fetcher: RemoteFetcher,
-                 metrics: LoaderMetrics) -> None:
+                 metrics: LoaderMetrics, node: NodeLink | None = None, poll_s: float = 0.02) -> None:
         if streams < 1:
             raise ValueError(f"streams must be at least 1, got {streams}")
         self.streams = streams
         self.probe = probe
         self.fetcher = fetcher
         self.metrics = metrics
+        self.node = node
+        self.poll_s = poll_s
         self._executor = cf.ThreadPoolExecutor(max_workers=streams, thread_name_prefix="kvwarm-prefetch",
                                                initializer=lower_this_thread)  # copies yield to the forward
         self._lock = threading.Lock()
@@ -171,7 +184,10 @@ class Prefetcher:
         res.present += have
         if have:
             self.metrics.prefetched("present", have)
-        if have < len(chain) and self.fetcher.usable():
+        by_node = self._by_node(chain, scope, have, run, res) if have < len(chain) else None
+        if by_node is not None:
+            have = by_node
+        elif have < len(chain) and self.fetcher.usable():
             # one GET at a time per stream: the streams are the prefetch's parallel GETs (bounded by their number)
             done = self.fetcher.copy_chain(chain, scope, start=have, stopped=run.stopped.is_set, gets=1)
             res.fetched += done.fetched
@@ -191,6 +207,31 @@ class Prefetcher:
                 res.mapped += mapped
                 self.metrics.prefetched("mapped", mapped)
         return res
+
+    def _by_node(self, chain: list[Block] | list[BlockKey], scope: Scope, have: int, run: _Run,
+                 res: PrefetchResult) -> int | None:
+        """Hand ``chain[have:]`` to the node and wait (on this stream) until it has nothing of them
+        left to copy; the leading blocks the node tier then holds. ``None``: no node took them, or
+        it went away meanwhile (the stream copies alone)."""
+        if self.node is None or not self.fetcher.has_remote:
+            return None
+        rest = chain[have:]
+        if not self.node.hand(scope, rest):
+            return None
+        res.handed += len(rest)
+        self.metrics.prefetched("handed", len(rest))
+        pause = self.poll_s
+        while (left := self.node.pending(scope, rest)) != 0:
+            if left is None:
+                return None
+            if run.stopped.wait(pause):  # superseded or closed: the node copies on, unwatched
+                break
+            pause = min(2 * pause, 1.0)
+        try:
+            return max(have, self.probe(chain, scope))  # type: ignore[arg-type]
+        except ERRORS as exc:
+            log.warning("prefetch: the node tier could not be probed after the node's copies: %s", exc)
+            return have
 
     def supersede(self) -> int:
         """Stop every prefetch still running (a newer one replaces them); returns how many were stopped.

@@ -11,7 +11,10 @@ The published plan names blocks by key (:mod:`store.published_plan`); a plan tha
 used counts ``agent_plan_errors`` (the agent keeps its last good plan), and entries keyed
 under another root than a loader's count ``agent_plan_entries_skipped``. Each ranking also
 orders the write-back's upload backlog (:meth:`store.engines.vllm.uploads.Uploads.set_ranking`):
-the blocks the plan and the fleet value most go to S3 first.
+the blocks the plan and the fleet value most go to S3 first. While the machine's node process
+answers, the loaders hand their copies from S3 to it (``prefetch_handed_to_node``; the ranking, the
+pool's priorities and the mapping ahead stay here), and copy alone (``prefetch_copied_blocks``)
+only while it is away.
 """
 from __future__ import annotations
 
@@ -95,6 +98,7 @@ def start_agents(worker: "WorkerRole", settings: ConnectorSettings,
 def _prefetched(counters: Any, result: "PrefetchResult") -> None:
     counters.add("prefetched_blocks", result.mapped)
     counters.add("prefetch_copied_blocks", result.fetched)
+    counters.add("prefetch_handed_to_node", result.handed)
     if result.superseded:
         counters.add("prefetch_superseded", result.superseded)
 

@@ -44,7 +44,9 @@ COUNTERS = {
     "upload_backlog_rescanned": "Blocks on NVMe enqueued again after the upload backlog's file was found damaged "
                                 "(those S3 holds are then skipped, counted upload_present).",
     "prefetched_blocks": "Blocks the node agent's prefetches mapped into the node's pool.",
-    "prefetch_copied_blocks": "Blocks the node agent's prefetches copied from S3 into NVMe.",
+    "prefetch_copied_blocks": "Blocks the node agent's prefetches copied from S3 into NVMe in the engine's process "
+                              "(while the node process was away).",
+    "prefetch_handed_to_node": "Blocks the node agent's prefetches handed to the node process to copy from S3.",
     "prefetch_superseded": "Prefixes a prefetch never started because a newer plan replaced it.",
     "agent_rankings": "Rankings the node agents applied (at start, and for each new plan).",
     "agent_copies_queued": "Blocks the node agents queued for copying.",

@@ -26,7 +26,8 @@ worker role:
     backlog's ``written_back_uploads``, ``upload_present``, ``upload_backlog_resumed``,
     ``upload_backlog_rescanned`` and ``upload_dropped:<reason>`` (``evicted``, ``expired``,
     ``corrupt``, ``error``, ``no_space``, ``unrecorded``: :mod:`store.engines.vllm.uploads`),
-    ``prefetched_blocks``.
+    ``prefetched_blocks``, ``prefetch_copied_blocks`` (copied from S3 in the engine's process) and
+    ``prefetch_handed_to_node`` (handed to the node process to copy).
 
 Miss reasons: the loader's (``absent``, ``short_prompt``, ``fetch_scheduled``, ``fetch_timeout``,
 ``store_unavailable``, ``corrupt``, ``mismatch``, ``expired``, ``tenant_refused``, ...) and the

@@ -179,10 +179,11 @@ class WorkerRole:
             identity = self.identities[1] if chat else self.identities[0]
             if identity is None:
                 raise ValueError("this model has no chat template: there is no chat-keyed chain")
-            # every tier (a start-up prefetch copies S3 -> NVMe), but a lookup never waits on S3: the
-            # scheduler planned only what NVMe holds
+            # every tier, but a lookup never waits on S3: the scheduler planned only what NVMe holds; the
+            # machine's node makes the copies S3 -> NVMe (a miss's, the agent's prefetches) while it answers
             got = KVLoader(self.settings.store_url, tenant=self.tenants.credentials(tenant), model=identity,
-                           config=self.settings.config, dequant=self.dequantizer, fetch_mode="background")
+                           config=self.settings.config, dequant=self.dequantizer, fetch_mode="background",
+                           node=node_client(self.settings, autostart=False))
             with self._lock:
                 got = self._loaders.setdefault(key, got)
         return got

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 
 from store.format.encode import snapshot_bytes
 from store.identity.tenant import Tenant
@@ -85,5 +86,49 @@ def test_without_a_shared_tier_a_hint_queues_nothing_and_an_order_finds_nothing(
         copier.replace([[object_name("acme", "cd" * 32)]])
         assert copier.wait_idle(60)
         assert dict(copier.counts) == {"absent": 1}
+    finally:
+        copier.close()
+
+
+
+class HeldDir(LocalTier):
+    """A shared tier whose reads wait until the test lets them through (``entered``: one is waiting)."""
+
+    def __init__(self, root) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(root, cap_bytes=1 << 30)
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def read(self, name, *, readahead=False):  # type: ignore[no-untyped-def]
+        self.entered.set()
+        assert self.gate.wait(60), "the test never let the reads through"
+        return super().read(name, readahead=readahead)
+
+
+def test_pending_counts_what_is_still_to_come_and_a_new_order_keeps_the_hints(tmp_path):
+    node = LocalTier(tmp_path / "node", cap_bytes=1 << 30)
+    shared = HeldDir(tmp_path / "shared")
+    root = make_root(ACME)
+    chains = {"busy": make_chain(root, 1, start=300), "planned": make_chain(root, 2),
+              "hinted": make_chain(root, 2, start=100), "absent": make_chain(root, 2, start=200)}
+    names = {k: [object_name("acme", b.key) for b in c] for k, c in chains.items()}
+    for block in chains["busy"] + chains["planned"] + chains["hinted"]:
+        put(shared, object_name("acme", block.key), snapshot_bytes(make_snapshot(root, block)))
+    copier = Copier(node, [shared], {})
+    try:
+        copier.replace([names["busy"]])
+        assert shared.entered.wait(60)  # the copier is busy with it: what follows stays queued
+        copier.replace([names["planned"]])
+        assert copier.add(names["hinted"]) == 2 and copier.add(names["absent"]) == 2
+        assert copier.add(names["planned"]) == 0  # queued by the order already: not queued twice
+        assert [copier.pending(names[k]) for k in ("busy", "planned", "hinted", "absent")] == [1, 2, 2, 2]
+        copier.replace([])  # a new order drops the agent's chains, never the clients' hints
+        assert [copier.pending(names[k]) for k in ("planned", "hinted", "absent")] == [0, 2, 2]
+        shared.gate.set()
+        assert copier.wait_idle(60)
+        assert [copier.pending(names[k]) for k in ("busy", "hinted", "absent")] == [0, 0, 0]
+        assert [node.exists(n) for n in names["hinted"]] == [True, True]
+        assert not any(node.exists(n) for n in names["planned"])
+        # the absent chain's first block stops it: its second is not asked, and not pending
+        assert dict(copier.counts) == {"copied": 3, "absent": 1, "superseded": 2}
     finally:
         copier.close()

@@ -182,4 +182,5 @@ def test_a_new_engine_with_no_plan_warms_from_the_fleets_memory(fleet, same_as_c
         assert outcome(call).get("loaded_tokens") == 512, (name, outcome(call))  # its first request loads it
         same_as_cold(name, call["tokens"])  # in a batch of three: up to a near tie
     worker = b.stats(None, "worker")
-    assert count(worker, "prefetch_copied_blocks") >= 2 * len(FLEET)
+    # copied by the engine's loaders, or handed to the machine's node to copy when B's config is the node's
+    assert count(worker, "prefetch_copied_blocks") + count(worker, "prefetch_handed_to_node") >= 2 * len(FLEET)
