@@ -13,7 +13,11 @@ A prompt whose chain the NVMe tier holds only in part may have the rest in S3. T
   recomputing goes to the background.
 
 The copies are :class:`store.serving.fetch.RemoteFetcher`'s (read-through, back-off after S3
-fails); they run on this module's threads.
+fails); they run on this module's threads. With the machine's node process connected, a
+``background`` copy is handed to the node's copier instead (one local round trip, made on this
+module's threads, not the scheduler's): the GETs then run in the node process, off vLLM's GIL,
+and a block the node's agent has queued already is not queued twice. A node that is away takes
+nothing: the copy runs here, as without one. A ``sync`` copy, which a request waits for, runs here.
 """
 from __future__ import annotations
 
@@ -21,9 +25,10 @@ import concurrent.futures as cf
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from store.engines.vllm.tenancy import TenantBook
+from store.errors import NodeRefused, NodeUnavailable
 from store.identity.keys import Block
 from store.serving.fetch import RemoteFetcher, Scope
 from store.serving.metrics import LoaderMetrics
@@ -69,11 +74,17 @@ class RemoteFetches:
         workers: copy threads.
         gets: S3 GETs one chain's copy has in flight (``loader.chain_gets``; each tenant's
             fetcher has at most ``gets`` x (``workers`` + 1) GET threads, made as needed).
+        node: the machine's node process (a :class:`store.node.client.NodeClient`), which takes
+            the ``background`` copies while it is connected; ``None``: every copy runs here.
         clock: monotonic time (deadlines).
+
+    Attributes:
+        handed: blocks whose background copy the node took.
     """
 
     def __init__(self, store: Store, tenants: TenantBook, *, mode: str, timeout_s: float, backoff_s: float,
-                 workers: int = 2, gets: int = 8, clock: Callable[[], float] = time.monotonic) -> None:
+                 workers: int = 2, gets: int = 8, node: Any = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.store = store
         self.tenants = tenants
         self.mode = mode
@@ -88,6 +99,8 @@ class RemoteFetches:
         self._lock = threading.Lock()
         self._fetchers: dict[str, RemoteFetcher] = {}
         self._waited: dict[str, Pending] = {}
+        self.node = node
+        self.handed = 0
 
     def _fetcher(self, tenant: str) -> RemoteFetcher:
         with self._lock:
@@ -105,8 +118,20 @@ class RemoteFetches:
         return self.has_remote and self._fetcher(tenant).usable()
 
     def background(self, tenant: str, scope: Scope, blocks: Sequence[Block]) -> None:
-        """Copy ``blocks`` (the part of a chain NVMe lacks) for next time."""
+        """Copy ``blocks`` (the part of a chain NVMe lacks) for next time: by the node where it is connected."""
+        if self.node is not None and self.node.connected:
+            self._executor.submit(self._hand, tenant, scope, list(blocks))
+            return
         self._fetcher(tenant).schedule(scope, blocks)
+
+    def _hand(self, tenant: str, scope: Scope, blocks: list[Block]) -> None:
+        try:
+            self.node.prefetch(scope.ns, [b.key for b in blocks])
+        except (NodeUnavailable, NodeRefused):  # gone since: the copy runs here
+            self._fetcher(tenant).schedule(scope, blocks)
+            return
+        with self._lock:
+            self.handed += len(blocks)
 
     def wait_for(self, tenant: str, scope: Scope, blocks: Sequence[Block]) -> Pending | None:
         """Start (or join) a copy of the chain ``blocks`` that a request will wait for.

@@ -94,7 +94,8 @@ class SchedulerRole:
         self.memory = EngineMemory.open(settings, tiers, self.probe, self.node)
         self.fetches = RemoteFetches(Store(tiers), self.tenants, mode=cfg.loader.fetch_mode,
                                      timeout_s=cfg.loader.sync_fetch_timeout_s, backoff_s=cfg.loader.s3_backoff_s,
-                                     workers=cfg.loader.fetch_workers, gets=cfg.loader.chain_gets, clock=clock)
+                                     workers=cfg.loader.fetch_workers, gets=cfg.loader.chain_gets, node=self.node,
+                                     clock=clock)
         self.costs = CostModel(default_prefill(hf_config, cpu=cpu), tokens_per_s=settings.prefill_tokens_per_s)
         self.block_bytes = stored_block_bytes(precision, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
                                               kv_block=self.kv_block)
@@ -383,7 +384,7 @@ class SchedulerRole:
         merge(out, self._worker_totals)
         out["requests_tracked"] = len(self.tracker)
         out["node"] = {"connected": self.node is not None and self.node.connected,
-                       "fallbacks": self.probe.node_fallbacks,
+                       "fallbacks": self.probe.node_fallbacks, "fetches_handed": self.fetches.handed,
                        "fleet_records": self.memory.node_records if self.memory is not None else 0}
         out["estimates"] = self.costs.as_dict()
         return out

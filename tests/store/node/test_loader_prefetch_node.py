@@ -9,8 +9,11 @@ from typing import Any
 
 import numpy as np
 
+from store.engines.vllm.fetches import RemoteFetches
+from store.engines.vllm.tenancy import TenantBook
 from store.identity.keys import block_chain
 from store.node import NodeClient
+from store.serving.fetch import Scope
 from store.published_plan import PublishedEntry, PublishedPlan, publish_plan, root_id
 from store.serving.loader import KVLoader
 from store.serving.loader_node import start_agent
@@ -140,3 +143,41 @@ def test_the_nodes_agent_and_the_loaders_on_one_published_plan_copy_each_block_o
             copies = client.stats()["copies"]
             assert copies.get("copied") == 12 and not {"refused", "mismatch", "unavailable"} & set(copies)
             assert [served(ld, ids) for ids in PROMPTS] == ["pool"] * 3
+
+
+def test_the_schedulers_background_copies_go_to_the_node_and_run_here_once_it_is_gone(
+        tmp_path, sock_dir, node_pids, moto_endpoint, s3_credentials, monkeypatch):
+    """vLLM's scheduler copies the rest of a chain NVMe lacks for next time (``fetch_mode: background``): with the
+    node connected its copier makes the GETs, not vLLM's process; with the node gone, vLLM's process does."""
+    config = s3_node_config(tmp_path, sock_dir, moto_endpoint, s3_credentials)
+    root = TINY.key_root(config.kv_cache.precision(), BS, ACME.salt)
+    scope = Scope(root, "acme")
+    chains = [block_chain(root, np.asarray(ids)) for ids in PROMPTS]
+    store = Store.open(config.store.url, config)
+    (remote,) = [t for t in store.tiers if t.remote]
+    asked: list[str] = []
+    for method in ("read", "probe", "exists"):
+        call = getattr(remote, method)
+        monkeypatch.setattr(remote, method, lambda arg, *a, _call=call, **kw: asked.append(arg) or _call(arg, *a, **kw))
+    with NodeClient(config) as client:
+        pid = client.connect()["pid"]
+        node_pids.append(pid)
+        link = NodeClient(config, autostart=False)  # the scheduler's own client
+        link.connect()
+        book = TenantBook(config, "acme")
+        monkeypatch.setattr(book, "credentials", lambda name: ACME)  # the stored chains' salt (the test's tenant)
+        fetches = RemoteFetches(store, book, mode="background", timeout_s=10, backoff_s=1, node=link)
+        try:
+            fetches.background("acme", scope, chains[0])
+            assert eventually(lambda: client.stats()["copies"].get("copied") == 4)
+            assert eventually(lambda: fetches.handed == 4) and asked == []  # the node made every GET
+            assert client.lookup("acme", [b.key for b in chains[0]]).count == 4
+
+            stop(pid, signal.SIGKILL)
+            assert gone(pid)
+            fetches.background("acme", scope, chains[1])
+            assert eventually(lambda: all(store.tiers[0].exists(n) for n in scope.names(chains[1])))
+            assert len(asked) >= 4 and fetches.handed == 4  # copied here
+        finally:
+            fetches.close()
+            link.close()
