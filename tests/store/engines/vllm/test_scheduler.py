@@ -263,7 +263,7 @@ class StubFetches:
     """RemoteFetches' surface, recording what the scheduler asks of S3."""
 
     def __init__(self, mode: str) -> None:
-        self.mode, self.has_remote = mode, True
+        self.mode, self.has_remote, self.handed = mode, True, 0
         self.waits, self.backgrounds = [], []
         self.future: cf.Future = cf.Future()
         self.now = 0.0
