@@ -1,0 +1,105 @@
+"""Steady decodes: the requests of a step that only compute their next tokens, told and checked in bulk.
+
+At hundreds of running requests nearly every request of a step is a steady decode: running (not
+new, not resumed), given no new engine block, computing its next token into the block its table
+already ends in. The scheduler sends them column by column (:class:`Decodes`: no object per
+request), and the worker's :class:`store.engines.vllm.validity.BlockLedger` settles most of them
+without a Python step per request. A decode
+
+- whose table holds no invalid block (so its context is valid and the block it writes is too),
+- that writes one block, which no other table holds (nobody else writes it or reads it), and
+- whose table holds no block that another request writes this step (nobody's write is in its context)
+
+cannot change any block's validity: the exact rule would find its context valid and leave the
+valid block it writes valid. :func:`unsettled` finds the others with set and map operations at C
+speed, and they go through the exact rule with the step's other requests. Its Python work is
+bounded by the blocks the step writes and shares, not by the running requests, except in an
+unusual step (a table the ledger lacks or that is too short, a decode of several tokens over a
+block boundary), when each decode is looked at in turn.
+
+Pure: block ids and request ids, no vLLM, no torch.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from itertools import repeat
+from operator import floordiv, getitem, gt
+from typing import NamedTuple
+
+from store.engines.vllm.tables import BlockTables
+
+
+class Decodes(NamedTuple):
+    """The step's steady decodes, column by column (what the scheduler sends; picklable).
+
+    Each is one request's part of a step with no new block and its table kept, as a
+    :class:`store.engines.vllm.validity.Compute` ``(req_id, start, tokens)`` would say it.
+
+    Attributes:
+        req_ids: vLLM's request ids.
+        starts: tokens of each computed before the step (it attends to them).
+        tokens: tokens each computes in the step.
+    """
+
+    req_ids: tuple[str, ...] = ()
+    starts: tuple[int, ...] = ()
+    tokens: tuple[int, ...] = ()
+
+
+def unsettled(index: BlockTables, engine_block: int, decodes: Decodes,
+              others: Iterable[tuple[str, int, int]]) -> tuple[list[int], int]:
+    """The decodes (their positions, ascending) that could change a block's validity, and the block entries
+    the rest write (what the exact rule would have counted as visited for them).
+
+    ``others`` are the step's other requests, ``(req_id, start, tokens, ...)`` each (their tables already
+    as :meth:`BlockLedger.begin` left them). Every decode is unsettled when a request is told twice.
+    """
+    ids, starts, tokens = decodes
+    n = len(ids)
+    if not n:
+        return [], 0
+    B = engine_block
+    tables, multi = index.tables, index.multi
+    others = list(others)
+    names = set(ids)
+    if len(names) != n or any(c[0] in names for c in others):
+        return list(range(n)), 0
+    tabs = list(map(tables.get, ids))
+    firsts = list(map(floordiv, starts, repeat(B)))
+    slow: set[int] = set()
+    written: list[int | None]
+    try:  # the usual step: one token each, every table known and long enough
+        usual = tokens.count(1) == n and all(map(gt, map(len, tabs), firsts))  # type: ignore[arg-type]
+    except TypeError:  # a table the ledger lacks (None has no length)
+        usual = False
+    if usual:
+        written = list(map(getitem, tabs, firsts))  # type: ignore[arg-type]
+    else:
+        written = []
+        for i, (table, start, first) in enumerate(zip(tabs, starts, firsts)):
+            end = -(-(start + tokens[i]) // B)
+            if table is None or len(table) < end or end - first != 1:
+                slow.add(i)  # blind, or a write over several blocks (or none): the exact rule
+                written.append(None)
+            else:
+                written.append(table[first])
+    at: dict[str, int] | None = None
+    bad = index.bad
+    if not bad.keys().isdisjoint(names):
+        at = dict(zip(ids, range(n)))
+        slow.update(map(at.__getitem__, bad.keys() & names))
+    shared = multi.intersection(written) if multi else set()  # blocks written by a decode that others hold too
+    for c in others:  # ... and the shared blocks the step's other requests write
+        table = tables.get(c[0])
+        if table is not None and multi:
+            start = c[1]
+            shared.update(multi.intersection(table[start // B : -(-(start + c[2]) // B)]))
+    if shared:  # whoever holds a block another request writes may read that write (or write it too): the exact rule
+        if at is None:
+            at = dict(zip(ids, range(n)))
+        for b in shared:
+            for req_id, _ in index.holders(b):
+                i = at.get(req_id)
+                if i is not None:
+                    slow.add(i)
+    return sorted(slow), n - len(slow)
