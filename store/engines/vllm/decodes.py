@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from itertools import repeat
-from operator import floordiv, getitem, gt
+from operator import floordiv, getitem
 from typing import NamedTuple
 
 from store.engines.vllm.tables import BlockTables
@@ -44,6 +44,10 @@ class Decodes(NamedTuple):
     req_ids: tuple[str, ...] = ()
     starts: tuple[int, ...] = ()
     tokens: tuple[int, ...] = ()
+
+
+#: A step without steady decodes.
+NO_DECODES = Decodes()
 
 
 def unsettled(index: BlockTables, engine_block: int, decodes: Decodes,
@@ -67,14 +71,13 @@ def unsettled(index: BlockTables, engine_block: int, decodes: Decodes,
     tabs = list(map(tables.get, ids))
     firsts = list(map(floordiv, starts, repeat(B)))
     slow: set[int] = set()
-    written: list[int | None]
-    try:  # the usual step: one token each, every table known and long enough
-        usual = tokens.count(1) == n and all(map(gt, map(len, tabs), firsts))  # type: ignore[arg-type]
-    except TypeError:  # a table the ledger lacks (None has no length)
-        usual = False
-    if usual:
-        written = list(map(getitem, tabs, firsts))  # type: ignore[arg-type]
-    else:
+    written: list[int | None] = []
+    if tokens.count(1) == n:  # the usual step: one token each, every table known and long enough
+        try:
+            written = list(map(getitem, tabs, firsts))  # type: ignore[arg-type]
+        except (TypeError, IndexError):  # a table the ledger lacks (None), or one too short
+            pass
+    if len(written) != n:
         written = []
         for i, (table, start, first) in enumerate(zip(tabs, starts, firsts)):
             end = -(-(start + tokens[i]) // B)
