@@ -119,8 +119,9 @@ def computes_of(scheduler_output: Any) -> tuple[tuple[Compute, ...], Decodes, tu
         return tuple(out), Decodes(ids, starts, tokens), *_copies_and_ends(scheduler_output)
     moving = list(map(not_, steady))
     news = [tuple(map(int, new[0])) if new else () for new in compress(news, moving)]
-    out.extend(map(_compute, zip(compress(ids, moving), map(int, compress(starts, moving)),
-                                 map(int, compress(tokens, moving)), news, map(resumed.__contains__, compress(ids, moving)))))
+    moved = list(compress(ids, moving))
+    out.extend(map(_compute, zip(moved, map(int, compress(starts, moving)), map(int, compress(tokens, moving)), news,
+                                 map(resumed.__contains__, moved))))
     decodes = Decodes(tuple(compress(ids, steady)), tuple(compress(starts, steady)), tuple(compress(tokens, steady)))
     return tuple(out), decodes, *_copies_and_ends(scheduler_output)
 
