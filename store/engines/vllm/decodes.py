@@ -71,6 +71,7 @@ def unsettled(index: BlockTables, engine_block: int, decodes: Decodes,
     tabs = list(map(tables.get, ids))
     firsts = list(map(floordiv, starts, repeat(B)))
     slow: set[int] = set()
+    shared: set[int] = set()  # blocks written this step that more than one table holds
     written: list[int | None] = []
     if tokens.count(1) == n:  # the usual step: one token each, every table known and long enough
         try:
@@ -84,6 +85,8 @@ def unsettled(index: BlockTables, engine_block: int, decodes: Decodes,
             if table is None or len(table) < end or end - first != 1:
                 slow.add(i)  # blind, or a write over several blocks (or none): the exact rule
                 written.append(None)
+                if table is not None and len(table) >= end and multi:
+                    shared.update(multi.intersection(table[first:end]))
             else:
                 written.append(table[first])
     at: dict[str, int] | None = None
@@ -91,8 +94,9 @@ def unsettled(index: BlockTables, engine_block: int, decodes: Decodes,
     if not bad.keys().isdisjoint(names):
         at = dict(zip(ids, range(n)))
         slow.update(map(at.__getitem__, bad.keys() & names))
-    shared = multi.intersection(written) if multi else set()  # blocks written by a decode that others hold too
-    for c in others:  # ... and the shared blocks the step's other requests write
+    if multi:  # the shared blocks the decodes write ...
+        shared.update(multi.intersection(written))
+    for c in others:  # ... and those the step's other requests write
         table = tables.get(c[0])
         if table is not None and multi:
             start = c[1]

@@ -32,9 +32,9 @@ def _step(data: st.DataObject, ref: ReferenceLedger, req: str) -> Compute:
         new = tuple(data.draw(st.lists(BLOCKS, min_size=1, max_size=2)))
         start = data.draw(st.integers(0, len(table) * B))
         return Compute(req, start, data.draw(st.integers(0, (len(table) + len(new)) * B - start)), new)
-    if kind == "decode":  # the next token, in the table's last block (or a spec-decode's few)
-        start = len(table) * B - data.draw(st.integers(1, B))
-        return Compute(req, start, data.draw(st.sampled_from((1, 1, 1, 2))))
+    if kind == "decode":  # the next token, near the table's end (or a spec-decode's few, over a block's end)
+        start = max(0, len(table) * B - data.draw(st.integers(1, 2 * B)))
+        return Compute(req, start, data.draw(st.sampled_from((1, 1, 1, 2, 3))))
     start = data.draw(st.integers(0, len(table) * B))  # a rewind, a chunk, or nothing at all
     return Compute(req, start, data.draw(st.integers(0, len(table) * B - start)))
 
@@ -76,6 +76,27 @@ def test_decodes_in_bulk_answer_as_the_walking_ledger_after_every_step(data: st.
             ref.loaded(ids, ok)
         led.computed()
         ref.computed()
+        _same(led, ref)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_steps_of_decodes_only_over_a_few_shared_blocks_answer_as_the_walking_ledger(data: st.DataObject) -> None:
+    tables = data.draw(st.dictionaries(st.sampled_from(REQS), st.lists(st.integers(0, 5), min_size=1, max_size=4)
+                                       .map(tuple), min_size=1))
+    led, ref = _decoding(tables)
+    for _ in range(data.draw(st.integers(1, 4), label="steps")):
+        for b in data.draw(st.lists(st.integers(0, 5), max_size=1), label="marked bad by hand"):
+            led.invalid.add(b)
+            ref.invalid.add(b)
+        told = []
+        for req, table in tables.items():  # any span of its table: a decode, a spec-decode's few, a rewind
+            start = data.draw(st.integers(0, len(table) * B - 1))
+            told.append(Compute(req, start, data.draw(st.integers(1, min(3, len(table) * B - start)))))
+        led.begin([], decodes=Decodes(*(tuple(col) for col in list(zip(*told))[:3])))
+        ref.begin(told)
+        for x in (led, ref):
+            x.computed()
         _same(led, ref)
 
 
@@ -158,3 +179,18 @@ def test_a_request_told_twice_leaves_every_decode_to_the_exact_rule() -> None:
     led, _ = _decoding({"A": (1, 2), "C": (5, 6)})
     assert unsettled(led._index, B, Decodes(("A", "C"), (7, 7), (1, 1)), [("A", 0, 1)]) == ([0, 1], 0)
     assert unsettled(led._index, B, Decodes(("C", "C"), (7, 7), (1, 1)), []) == ([0, 1], 0)
+
+
+def test_a_decode_reading_what_a_decode_of_several_blocks_writes_follows_it() -> None:
+    led, ref = _decoding({"A": (1, 2, 3), "C": (2, 6)})
+    for x in (led, ref):
+        x.invalid.add(1)  # A's context is bad: what it writes into blocks 2 and 3 is too
+    # A (a rewind, in bulk) writes tokens B-1 .. B+1, over blocks 1 and 2; C, decoding, attends to block 2
+    bulk = Decodes(("A", "C"), (B - 1, 2 * B - 1), (2, 1))
+    assert unsettled(led._index, B, bulk, []) == ([0, 1], 0)
+    led.begin([], decodes=bulk)
+    ref.begin([Compute("A", B - 1, 2), Compute("C", 2 * B - 1, 1)])
+    for x in (led, ref):
+        x.computed()
+    _same(led, ref)
+    assert led.valid_prefix("C", 2) == 0 and 6 in led.invalid
