@@ -13,17 +13,18 @@ without a Python step per request. A decode
 cannot change any block's validity: the exact rule would find its context valid and leave the
 valid block it writes valid. :func:`unsettled` finds the others with set and map operations at C
 speed, and they go through the exact rule with the step's other requests. Its Python work is
-bounded by the blocks the step writes and shares, not by the running requests, except in an
-unusual step (a table the ledger lacks or that is too short, a decode of several tokens over a
-block boundary), when each decode is looked at in turn.
+bounded by the blocks the step writes and shares, not by the running requests (but for one
+comprehension that picks out the decodes of several tokens over a block's end, when there are
+any), except in a step the ledger cannot follow (a table it lacks or that is too short: it goes
+blind), when each decode is looked at in turn.
 
 Pure: block ids and request ids, no vLLM, no torch.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
-from itertools import repeat
-from operator import floordiv, getitem
+from itertools import count, repeat
+from operator import add, floordiv, getitem, sub
 from typing import NamedTuple
 
 from store.engines.vllm.tables import BlockTables
@@ -73,13 +74,24 @@ def unsettled(index: BlockTables, engine_block: int, decodes: Decodes,
     slow: set[int] = set()
     shared: set[int] = set()  # blocks written this step that more than one table holds
     written: list[int | None] = []
-    if tokens.count(1) == n:  # the usual step: one token each, every table known and long enough
-        try:
-            written = list(map(getitem, tabs, firsts))  # type: ignore[arg-type]
-        except (TypeError, IndexError):  # a table the ledger lacks (None), or one too short
-            pass
-    if len(written) != n:
-        written = []
+    odd: list[int] = []  # decodes that write other than one block (several tokens over a block's end)
+    if tokens.count(1) != n:  # the last block each writes: (start + tokens - 1) // B, its end one past that
+        lasts = list(map(floordiv, map(add, starts, map(sub, tokens, repeat(1))), repeat(B)))
+        if lasts != firsts:
+            odd = [i for i, first, last in zip(count(), firsts, lasts) if first != last]
+    try:  # the usual step: every table known and long enough
+        written = list(map(getitem, tabs, firsts))  # type: ignore[arg-type]
+    except (TypeError, IndexError):  # a table the ledger lacks (None), or one too short
+        pass
+    if len(written) == n:
+        for i in odd:  # the exact rule, for the shared blocks they write too (none when blind)
+            first, end, table = firsts[i], lasts[i] + 1, tabs[i]
+            slow.add(i)
+            written[i] = None
+            if len(table) >= end and multi:  # type: ignore[arg-type]
+                shared.update(multi.intersection(table[first:end]))  # type: ignore[index]
+    else:
+        written = []  # a blind step: each decode on its own
         for i, (table, start, first) in enumerate(zip(tabs, starts, firsts)):
             end = -(-(start + tokens[i]) // B)
             if table is None or len(table) < end or end - first != 1:

@@ -57,10 +57,11 @@ def _same(led: BlockLedger, ref: ReferenceLedger) -> None:
 @given(st.data())
 def test_decodes_in_bulk_answer_as_the_walking_ledger_after_every_step(data: st.DataObject) -> None:
     led, ref = BlockLedger(B), ReferenceLedger(B)
+    one = BlockLedger(B)  # the same ledger told every request one by one: it visits as many blocks
     for _ in range(data.draw(st.integers(1, 10), label="steps")):
         for b in data.draw(st.lists(BLOCKS, max_size=1), label="marked bad by hand"):
-            led.invalid.add(b)
-            ref.invalid.add(b)
+            for x in (led, ref, one):
+                x.invalid.add(b)
         ended = data.draw(st.lists(st.sampled_from(REQS), max_size=1, unique=True), label="ended")
         for req in ended:
             ref.tables.pop(req, None)
@@ -69,14 +70,16 @@ def test_decodes_in_bulk_answer_as_the_walking_ledger_after_every_step(data: st.
         told = rest + [Compute(*c) for c in zip(*bulk)]
         led.begin(rest, decodes=bulk, ended=ended)
         ref.begin(told, ended=ended)
+        one.begin(told, ended=ended)
         if data.draw(st.booleans()):  # a load, failing part-way, into some blocks
             ids = data.draw(st.lists(BLOCKS, max_size=3, unique=True))
             ok = data.draw(st.integers(0, len(ids)))
-            led.loaded(ids, ok)
-            ref.loaded(ids, ok)
-        led.computed()
-        ref.computed()
+            for x in (led, ref, one):
+                x.loaded(ids, ok)
+        for x in (led, ref, one):
+            x.computed()
         _same(led, ref)
+        assert led.visited == one.visited
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -85,19 +88,22 @@ def test_steps_of_decodes_only_over_a_few_shared_blocks_answer_as_the_walking_le
     tables = data.draw(st.dictionaries(st.sampled_from(REQS), st.lists(st.integers(0, 5), min_size=1, max_size=4)
                                        .map(tuple), min_size=1))
     led, ref = _decoding(tables)
+    one, _ = _decoding(tables)
     for _ in range(data.draw(st.integers(1, 4), label="steps")):
         for b in data.draw(st.lists(st.integers(0, 5), max_size=1), label="marked bad by hand"):
-            led.invalid.add(b)
-            ref.invalid.add(b)
+            for x in (led, ref, one):
+                x.invalid.add(b)
         told = []
         for req, table in tables.items():  # any span of its table: a decode, a spec-decode's few, a rewind
             start = data.draw(st.integers(0, len(table) * B - 1))
             told.append(Compute(req, start, data.draw(st.integers(1, min(3, len(table) * B - start)))))
         led.begin([], decodes=Decodes(*(tuple(col) for col in list(zip(*told))[:3])))
         ref.begin(told)
-        for x in (led, ref):
+        one.begin(told)
+        for x in (led, ref, one):
             x.computed()
         _same(led, ref)
+        assert led.visited == one.visited
 
 
 def _decoding(tables: dict[str, tuple[int, ...]]) -> tuple[BlockLedger, ReferenceLedger]:
@@ -194,3 +200,16 @@ def test_a_decode_reading_what_a_decode_of_several_blocks_writes_follows_it() ->
         x.computed()
     _same(led, ref)
     assert led.valid_prefix("C", 2) == 0 and 6 in led.invalid
+
+
+def test_spec_decodes_within_their_block_are_settled_in_bulk_and_one_over_a_block_end_is_not() -> None:
+    tables = {f"r{i}": (3 * i, 3 * i + 1, 3 * i + 2) for i in range(4)}
+    led, ref = _decoding(tables)
+    # three tokens each: r0 from inside block 1 to its end; r1 over block 1's end into block 2
+    bulk = Decodes(tuple(tables), (B, 2 * B - 2, B + 1, 2 * B), (3, 3, 3, 3))
+    assert unsettled(led._index, B, bulk, []) == ([1], 3)
+    led.begin([], decodes=bulk)
+    ref.begin([Compute(*c) for c in zip(*bulk)])
+    for x in (led, ref):
+        x.computed()
+    _same(led, ref)
