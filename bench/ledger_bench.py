@@ -8,7 +8,9 @@ steps at each shape: R running requests at a C-token context (engine blocks of 1
 each decoding 1 token per step, beside ``--prefills`` requests prefilling ``--chunk``-token
 chunks (their blocks loaded from kvwarm, then saved); a prefill that reaches C joins the
 decoders and the oldest decoder ends, so the shape holds. The step's metadata is built
-before the clock starts (the scheduler makes it); the figure is the median over the timed
+before the clock starts (the scheduler makes it), as the scheduler sends it: the steady decodes
+(no new block) in bulk (:class:`store.engines.vllm.decodes.Decodes`), the other requests one by
+one; the figure is the median over the timed
 steps, then the median of ``--repeats`` runs. For comparison it times the ledger as it was
 before it became incremental (``tests/store/engines/vllm/ledger_reference.py``, which walks
 every context block every step) on the same steps. Last line: one JSON object.
@@ -30,6 +32,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.lib.results import Run, add_results_option, variant_of
+from store.engines.vllm.decodes import Decodes
 from store.engines.vllm.validity import BlockLedger, Compute
 
 #: vLLM's engine block (tokens).
@@ -97,13 +100,25 @@ class Workload:
         return computes, ended, loads, saves
 
 
+def as_sent(ledger, computes: list[Compute]) -> tuple[list[Compute], dict]:
+    """A step's requests as the scheduler sends them (``planning.computes_of``): the steady decodes apart, in
+    bulk, after the others; the walking ledger, which takes no bulk, gets them one by one in that order."""
+    steady = [c for c in computes if not c.replace and not c.new_blocks]
+    others = [c for c in computes if c.replace or c.new_blocks]
+    if not isinstance(ledger, BlockLedger):
+        return others + steady, {}
+    ids, starts, tokens = (tuple(col) for col in list(zip(*steady))[:3]) if steady else ((), (), ())
+    return others, {"decodes": Decodes(ids, starts, tokens)}
+
+
 def run_steps(ledger, work: Workload, steps: list) -> list[float]:
     """Each step's ledger time in ms, as the worker calls it."""
     times = []
     clock = time.perf_counter
     for computes, ended, loads, saves in steps:
+        computes, bulk = as_sent(ledger, computes)
         t0 = clock()
-        ledger.begin(computes, ended=ended)
+        ledger.begin(computes, ended=ended, **bulk)
         for _, ids, ok in loads:
             ledger.loaded(ids, ok)
         ledger.computed()
@@ -174,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
            "warmup": args.warmup, "repeats": repeats, "prefills": args.prefills, "chunk": args.chunk,
            "measured": "BlockLedger.begin + loaded + computed + vouched per step, as the worker calls them, on "
                        "steady steps: every running request decodes 1 token, --prefills requests prefill a "
-                       "--chunk-token chunk (a new one's first chunk half loaded); median of the timed steps, "
-                       "median of --repeats runs; 'walking' is the ledger before it was incremental (1 run)",
+                       "--chunk-token chunk (a new one's first chunk half loaded), the steady decodes told in bulk; "
+                       "median of the timed steps, median of --repeats runs; 'walking' is the ledger before it was incremental (1 run)",
            "units": "ms per step", "results": results, "targets": targets}
     run.finish(doc, args.results, variant_of(args, partial=(args.steps, repeats, args.prefills, args.chunk)
                                              != (300, 7, 2, 512) and not args.quick))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from store.engines.vllm.decodes import NO_DECODES, Decodes
 from store.engines.vllm.validity import Compute
 
 
@@ -75,7 +76,8 @@ class StepPlan:
         other_tokens: the other tokens it computes (decode).
         computes: every scheduled request's part of the step (what it attends to and writes), for
             the worker's :class:`store.engines.vllm.validity.BlockLedger`; ``None`` when the
-            scheduler could not say (the worker then stores nothing more).
+            scheduler could not say (the worker then stores nothing more) ...
+        decodes: ... but for the steady decodes (no new block), told in bulk, after ``computes``.
         copies: vLLM's ``(src, dst)`` block copies of the step.
         ended: requests whose blocks vLLM took back since the last step (finished, preempted).
     """
@@ -85,6 +87,7 @@ class StepPlan:
     prompt_tokens: int = 0
     other_tokens: int = 0
     computes: tuple[Compute, ...] | None = ()
+    decodes: Decodes = NO_DECODES
     copies: tuple[tuple[int, int], ...] = ()
     ended: tuple[str, ...] = ()
 

@@ -17,9 +17,11 @@ Pure functions over plain values, no vLLM.
 from __future__ import annotations
 
 from functools import partial
-from itertools import repeat
+from itertools import compress, repeat
+from operator import itemgetter, not_
 from typing import Any, Sequence
 
+from store.engines.vllm.decodes import Decodes
 from store.engines.vllm.metadata import LoadSpec, SaveSpec
 from store.engines.vllm.validity import Compute
 from store.format.header import Layout
@@ -86,28 +88,50 @@ def save_spec(req_id: str, tenant: str, prompt: Sequence[int], block_table: Sequ
 _compute = partial(tuple.__new__, Compute)
 
 
-def computes_of(scheduler_output: Any) -> tuple[tuple[Compute, ...], tuple[tuple[int, int], ...], tuple[str, ...]]:
+def computes_of(scheduler_output: Any) -> tuple[tuple[Compute, ...], Decodes, tuple[tuple[int, int], ...],
+                                               tuple[str, ...]]:
     """What a vLLM ``SchedulerOutput`` says the step computes, copies and ends, for the worker's ledger.
 
     Every scheduled request (new, resumed, running), whether kvwarm tracks it or not: its
     context start, its tokens this step, its new engine blocks (all of them for a new or
-    resumed request); vLLM's block copies; the requests finished or preempted since the last step.
+    resumed request); the steady decodes (running, no new block) apart, column by column, after
+    the others in the step's order; vLLM's block copies; the requests finished or preempted since the last step.
     """
     scheduled = scheduler_output.num_scheduled_tokens
     out = [Compute(nr.req_id, int(nr.num_computed_tokens), int(scheduled.get(nr.req_id, 0)),
                    tuple(int(b) for b in nr.block_ids[0]), replace=True)
            for nr in scheduler_output.scheduled_new_reqs]
-    # every running request, every step: made column by column, at C speed where it can be
+    # every running request, every step: column by column, at C speed, and no object per steady decode
+    # (vLLM's counts are ints already: int() of each would cost more than all the rest)
     cached = scheduler_output.scheduled_cached_reqs
-    ids = cached.req_ids
-    news = [tuple(map(int, new[0])) if new else () for new in cached.new_block_ids]
-    out.extend(map(_compute, zip(ids, map(int, cached.num_computed_tokens),
-                                      map(int, map(scheduled.get, ids, repeat(0))), news,
-                                      map(cached.resumed_req_ids.__contains__, ids))))
+    ids = tuple(cached.req_ids)
+    starts = tuple(cached.num_computed_tokens)
+    try:  # every running request is scheduled: its count is there
+        tokens = itemgetter(*ids)(scheduled) if len(ids) > 1 else tuple(map(scheduled.__getitem__, ids))
+    except KeyError:
+        tokens = tuple(map(scheduled.get, ids, repeat(0)))
+    news = cached.new_block_ids
+    resumed = cached.resumed_req_ids
+    steady = list(map(not_, news))  # vLLM gives None for a request without new blocks
+    if resumed:
+        steady = [s and r not in resumed for s, r in zip(steady, ids)]
+    if steady.count(True) == len(ids):
+        return tuple(out), Decodes(ids, starts, tokens), *_copies_and_ends(scheduler_output)
+    moving = list(map(not_, steady))
+    news = [tuple(map(int, new[0])) if new else () for new in compress(news, moving)]
+    moved = list(compress(ids, moving))
+    out.extend(map(_compute, zip(moved, map(int, compress(starts, moving)), map(int, compress(tokens, moving)), news,
+                                 map(resumed.__contains__, moved))))
+    decodes = Decodes(tuple(compress(ids, steady)), tuple(compress(starts, steady)), tuple(compress(tokens, steady)))
+    return tuple(out), decodes, *_copies_and_ends(scheduler_output)
+
+
+def _copies_and_ends(scheduler_output: Any) -> tuple[tuple[tuple[int, int], ...], tuple[str, ...]]:
+    """vLLM's block copies of the step, and the requests it finished or preempted since the last (sorted)."""
     copies = tuple((int(c[0]), int(c[1])) for c in getattr(scheduler_output, "kv_cache_block_copies", None) or ())
     ended = set(getattr(scheduler_output, "finished_req_ids", None) or ())
     ended |= set(getattr(scheduler_output, "preempted_req_ids", None) or ())
-    return tuple(out), copies, tuple(sorted(ended))
+    return copies, tuple(sorted(ended))
 
 
 def stored_block_bytes(precision: Precision, *, layers: int, kv_heads: int, head_dim: int, kv_block: int) -> int:

@@ -9,13 +9,22 @@ A save the worker refused (its KV was computed over a failed load,
 request back to the refused block, and nothing more is planned for it until a step computes
 prompt tokens again (the engine recomputing them, or the next chunk of a long prompt: its save
 then starts at the refused block, so blocks are stored in prefix order).
+
+A request decoding past a prompt that needs no more saves (saved, refused, or not kvwarm's to
+save) needs nothing each step; the planner remembers those (:meth:`SavePlanner.decoding`), so that
+a step of hundreds of steady decodes looks at none of them one by one.
 Pure: request states and numbers, no vLLM.
 """
 from __future__ import annotations
 
+import sys
+from itertools import compress, repeat
+from operator import itemgetter, lt
+
+from store.engines.vllm.decodes import Decodes
 from store.engines.vllm.metadata import SaveSpec
 from store.engines.vllm.planning import prompt_tokens_scheduled, save_spec
-from store.engines.vllm.tracker import RequestState
+from store.engines.vllm.tracker import RequestState, Tracker
 from store.identity.tenant import PUBLIC
 
 
@@ -32,20 +41,49 @@ class SavePlanner:
         self.kv_block = kv_block
         self.engine_block = engine_block
         self.ratio = kv_block // engine_block
+        # request -> its prompt's length, for the requests that plan nothing while they decode past it
+        # (:meth:`_done`); forgotten whenever their saves change other than by :meth:`step`
+        self._quiet: dict[str, int] = {}
 
-    @staticmethod
-    def where(st: RequestState) -> None:
+    def where(self, st: RequestState) -> None:
         """Set where the request's write-back goes, from its hit (``save_from``, ``save_chat``)."""
+        self._quiet.pop(st.req_id, None)
         hit = st.hit
         if hit is not None and hit.blocks and hit.namespace == st.tenant:
             st.save_from, st.save_chat = hit.blocks, hit.chat
         else:
             st.save_from, st.save_chat = 0, False
 
+    def _done(self, st: RequestState) -> bool:
+        """Whether a step decoding past the request's prompt plans nothing (and changes nothing): its prompt
+        is saved, its save was refused (planned again only with prompt tokens), or it is not kvwarm's to save."""
+        public = st.hit.blocks if st.hit is not None and st.hit.namespace == PUBLIC else 0
+        full = len(st.prompt) // self.kv_block
+        return st.save_wait or st.save_from >= full or not self.write_back or st.tenant in (None, PUBLIC) \
+            or bool(public and full <= public)
+
+    def decoding(self, decodes: Decodes, tracker: Tracker, saves: list[SaveSpec]) -> int:
+        """:meth:`step` for each of the step's steady decodes that may plan a save (into ``saves``); returns
+        their prompt tokens. Those known to plan nothing are passed over in bulk."""
+        ids, starts, tokens = decodes
+        quiet = self._quiet
+        try:  # each request's prompt length, when it plans nothing past it
+            past = itemgetter(*ids)(quiet) if len(ids) > 1 else tuple(map(quiet.__getitem__, ids))
+        except KeyError:  # one is not known to be quiet (new from this step on, or its saves changed)
+            past = tuple(map(quiet.get, ids, repeat(sys.maxsize)))
+        prompt = 0
+        if any(map(lt, starts, past)):
+            for i in compress(range(len(ids)), map(lt, starts, past)):
+                st = tracker.get(ids[i])
+                if st is not None:
+                    prompt += self.step(st, starts[i], tokens[i], saves)
+        return prompt
+
     def step(self, st: RequestState, computed: int, scheduled: int, saves: list[SaveSpec]) -> int:
         """Plan the request's save for this step into ``saves``; returns its prompt tokens in the step."""
         n = len(st.prompt)
         if computed >= n and (st.save_wait or st.save_from >= n // self.kv_block):
+            self._quiet[st.req_id] = n
             return 0  # decoding, its prompt saved (or its save refused): the common case, answered at once
         prompt = prompt_tokens_scheduled(len(st.prompt), computed, scheduled)
         full = min(computed + scheduled, len(st.prompt)) // self.kv_block
@@ -61,16 +99,25 @@ class SavePlanner:
                 st.save_from = spec.first + len(spec.block_ids) // self.ratio
                 st.save_wait = False
                 saves.append(spec)
+        if self._done(st):
+            self._quiet[st.req_id] = n
+        else:
+            self._quiet.pop(st.req_id, None)
         return prompt
 
     def load_failed(self, st: RequestState, loaded_tokens: int) -> None:
         """The request's load got ``loaded_tokens`` of its range: the blocks vLLM recomputes may be written back
         (they replace what was corrupt, expired or gone)."""
+        self._quiet.pop(st.req_id, None)
         st.save_from = min(st.save_from, (st.computed + loaded_tokens) // self.kv_block)
 
-    @staticmethod
-    def refused(st: RequestState, first: int) -> None:
+    def refused(self, st: RequestState, first: int) -> None:
         """The worker did not store the request's blocks from ``first`` on (computed over a failed load,
         or not taken by the write-back queue)."""
+        self._quiet.pop(st.req_id, None)
         if first < st.save_from:
             st.save_from, st.save_wait = first, True
+
+    def forget(self, req_id: str) -> None:
+        """The request finished: nothing more of it is planned."""
+        self._quiet.pop(req_id, None)

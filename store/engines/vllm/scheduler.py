@@ -293,15 +293,14 @@ class SchedulerRole:
         """This step's loads (everything allocated since the last step), what it computes, and its saves."""
         loads, self._loads = tuple(self._loads), []
         try:
-            computes, copies, ended = computes_of(scheduler_output)
+            computes, decodes, copies, ended = computes_of(scheduler_output)
         except Exception:  # noqa: BLE001 - the worker then stores nothing more; the loads are always sent
             log.exception("kvwarm could not read what this step computes; write-back stops")
             return StepPlan(loads=loads, computes=None)
         saves: list[SaveSpec] = []
         prompt_tokens = 0
         try:
-            step, kv_block = self.saves.step, self.saves.kv_block
-            # every scheduled request, new and resumed first (their whole tables)
+            # every scheduled request, new and resumed first (their whole tables), then the steady decodes in bulk
             for c, st in zip(computes, self.tracker.get_many(map(itemgetter(0), computes))):
                 if st is None:
                     continue
@@ -309,16 +308,14 @@ class SchedulerRole:
                     st.block_table = list(c.new_blocks)
                 elif c.new_blocks:
                     st.block_table.extend(c.new_blocks)
-                n = len(st.prompt)
-                if c.start >= n and (st.save_wait or st.save_from >= n // kv_block):
-                    continue  # decoding, its prompt saved (or its save refused): saves.step's common case, inline
-                prompt_tokens += step(st, c.start, c.tokens, saves)
+                prompt_tokens += self.saves.step(st, c.start, c.tokens, saves)
+            prompt_tokens += self.saves.decoding(decodes, self.tracker, saves)
             other = max(0, int(scheduler_output.total_num_scheduled_tokens) - prompt_tokens)
         except Exception:  # noqa: BLE001 - saves are best effort; the loads above are always sent
             log.exception("kvwarm could not plan this step's write-back")
-            return StepPlan(loads=loads, computes=computes, copies=copies, ended=ended)
+            return StepPlan(loads=loads, computes=computes, decodes=decodes, copies=copies, ended=ended)
         return StepPlan(loads=loads, saves=tuple(saves), prompt_tokens=prompt_tokens, other_tokens=other,
-                        computes=computes, copies=copies, ended=ended)
+                        computes=computes, decodes=decodes, copies=copies, ended=ended)
 
     def update_output(self, report: WorkerReport | None, worker_stats: Mapping[str, Any] | None) -> None:
         """What the worker reported after a step: each load's outcome, its timings, its counters."""
@@ -352,6 +349,7 @@ class SchedulerRole:
     def request_finished(self, request: Any) -> dict[str, Any]:
         """Forget the request; what kvwarm did for it (its ``kv_transfer_params["kvwarm"]``)."""
         st = self.tracker.drop(request.request_id)
+        self.saves.forget(request.request_id)
         if st is None:
             return {}
         if self.memory is not None:

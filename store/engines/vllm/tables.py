@@ -26,6 +26,8 @@ class BlockTables:
         tables: request id -> its engine blocks in token order (read it; change it only through the methods).
         invalid: the engine blocks whose contents are not their tokens' KV.
         bad: request id -> the positions in its table of invalid blocks, ascending (absent: none).
+        multi: the blocks held in more than one place (:meth:`shared`), as a set: a step's writes are checked
+            against it in bulk (:mod:`store.engines.vllm.decodes`).
         visited: how many block entries the index has touched, cumulative (what its work scales with).
     """
 
@@ -33,6 +35,7 @@ class BlockTables:
         self.tables: dict[str, list[int]] = {}
         self.invalid: set[int] = set()
         self.bad: dict[str, list[int]] = {}
+        self.multi: set[int] = set()
         self.visited = 0
         # block -> its one holder (the usual case, kept as a bare tuple) or a set of several
         self._holders: dict[int, Holder | set[Holder]] = {}
@@ -46,7 +49,7 @@ class BlockTables:
 
     def shared(self, block: int) -> bool:
         """Whether ``block`` is held in more than one place."""
-        return self._holders.get(block).__class__ is set
+        return block in self.multi
 
     def replace(self, req_id: str, blocks: Sequence[int]) -> None:
         """``req_id``'s whole table is now ``blocks`` (a new or resumed request)."""
@@ -70,6 +73,7 @@ class BlockTables:
                 holders[b] = held
             elif got.__class__ is tuple:
                 holders[b] = {got, held}  # type: ignore[arg-type]
+                self.multi.add(b)
             else:
                 got.add(held)  # type: ignore[union-attr]
             if b in invalid:
@@ -93,6 +97,7 @@ class BlockTables:
                 got.discard(held)  # type: ignore[union-attr]
                 if len(got) == 1:  # type: ignore[arg-type]
                     holders[b] = next(iter(got))  # type: ignore[call-overload]
+                    self.multi.discard(b)
         self.bad.pop(req_id, None)
         self.visited += len(table)
 

@@ -29,7 +29,10 @@ The ledger runs on vLLM's worker thread every step, so its work is bounded by wh
 schedules, not by context length or the number of running requests: a request's context is
 checked from the first invalid position of its table (:class:`store.engines.vllm.tables.BlockTables`,
 kept up to date only when a block's validity changes), and the in-step rule above is worked out
-only for the blocks the step writes that another scheduled request holds.
+only for the blocks the step writes that another scheduled request holds. Steady decodes, the
+most of a step at many running requests, come in bulk (:class:`store.engines.vllm.decodes.Decodes`)
+and the rule runs only for those that could change a block's validity
+(:func:`store.engines.vllm.decodes.unsettled`).
 
 Pure: block ids and token counts, no vLLM, no torch.
 """
@@ -38,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
+from store.engines.vllm.decodes import Decodes, unsettled
 from store.engines.vllm.tables import BlockTables, InvalidBlocks
 
 
@@ -94,6 +98,7 @@ class BlockLedger:
         self._view = InvalidBlocks(self._index)
         self.blind = False
         self._computes: tuple[Compute, ...] = ()
+        self._decodes: Decodes | None = None
 
     @property
     def invalid(self) -> InvalidBlocks:
@@ -117,17 +122,19 @@ class BlockLedger:
     def visited(self) -> int:
         return self._index.visited
 
-    def begin(self, computes: Sequence[Compute] | None, *, copies: Iterable[tuple[int, int]] = (),
-              ended: Iterable[str] = ()) -> None:
+    def begin(self, computes: Sequence[Compute] | None, *, decodes: Decodes | None = None,
+              copies: Iterable[tuple[int, int]] = (), ended: Iterable[str] = ()) -> None:
         """A new step: requests that ``ended`` (finished or preempted) leave, tables grow, blocks are copied.
 
+        ``decodes`` are the step's steady decodes, after ``computes`` in the step's order (each as
+        ``Compute(req_id, start, tokens)`` would be, at a fraction of the cost).
         ``copies`` are vLLM's ``(src, dst)`` block copies, made before the step's loads and forward.
         ``computes`` is ``None`` when the scheduler could not say what the step computes: from then on
         the ledger cannot vouch for any block (:attr:`blind`), and :meth:`valid_prefix` answers 0.
         """
         if computes is None:
             self.blind = True
-            computes = ()
+            computes, decodes = (), None
         index = self._index
         for req_id in ended:
             index.drop(req_id)
@@ -143,6 +150,7 @@ class BlockLedger:
             elif c.new_blocks:
                 index.extend(c.req_id, c.new_blocks)
         self._computes = tuple(computes)
+        self._decodes = decodes
 
     def loaded(self, block_ids: Sequence[int], ok: int) -> None:
         """A load into ``block_ids`` wrote the first ``ok`` of them; the rest hold whatever was there."""
@@ -163,8 +171,14 @@ class BlockLedger:
         each other's writes in a cycle are not trusted.
         """
         computes, self._computes = self._computes, ()
+        decodes, self._decodes = self._decodes, None
         index = self._index
         B = self.engine_block
+        visited = 0
+        if decodes is not None:
+            slow, visited = unsettled(index, B, decodes, computes)
+            ids, starts, tokens = decodes
+            computes += tuple(Compute(ids[i], starts[i], tokens[i]) for i in slow)
         tables, bad, invalid = index.tables, index.bad, index.invalid
         spans: list[_Span | None] = []
         ok: list[bool] = []
@@ -172,7 +186,6 @@ class BlockLedger:
         shared: list[int] = []  # ... those another request holds, or several write
         redo: set[int] = set()  # computes whose writes may change a block's validity
         check: list[int] = []  # computes with an invalid block in their context
-        visited = 0
         for i, c in enumerate(computes):
             table = tables.get(c.req_id)
             start = c.start

@@ -195,7 +195,7 @@ class WorkerRole:
         self._load_seconds = 0.0
         try:
             blind = self.ledger.blind
-            self.ledger.begin(plan.computes, copies=plan.copies, ended=plan.ended)
+            self.ledger.begin(plan.computes, decodes=plan.decodes, copies=plan.copies, ended=plan.ended)
         except Exception:  # noqa: BLE001 - the ledger cannot follow this step: nothing more is stored
             log.exception("kvwarm: could not follow this step's blocks")
             self.ledger.blind = True

@@ -7,6 +7,7 @@ from dataclasses import replace
 import torch
 
 from store.engines.vllm.agents import start_agents
+from store.engines.vllm.decodes import Decodes
 from store.engines.vllm.layout import EngineLayout
 from store.engines.vllm.metadata import LoadSpec, SaveSpec, StepPlan
 from store.engines.vllm.paging import read_layer, write_layer
@@ -237,3 +238,15 @@ def test_a_deferred_load_is_reported_finished_whether_it_worked_or_not(tmp_path,
     step(worker, StepPlan(loads=(good, bad, plain)))
     assert worker.take_finished_loads() == {"good", "bad"} and worker.take_finished_loads() == set()
     assert worker.take_failed() == {5, 6}
+
+
+def test_steady_decodes_told_in_bulk_reach_the_ledger(worker) -> None:
+    ids = tokens(KB, seed=8)
+    step(worker, StepPlan(computes=(new("B", (1, 2, 3), 0, 2 * EB + 1), new("C", (7, 8), 0, EB + 1))))
+    # A loads blocks 1 and 2, which B holds (vLLM's prefix cache): the load fails (nothing stored), and B,
+    # decoding in bulk over them in the same step, computes over garbage; C decodes over its own good blocks
+    step(worker, StepPlan(loads=(LoadSpec("A", "acme", False, tuple(ids), 0, KB, (1, 2)),),
+                          computes=(new("A", (1, 2, 6), KB, 1),), decodes=Decodes(("B", "C"), (2 * EB + 1, EB + 1),
+                                                                                  (1, 1))))
+    assert {1, 2, 3, 6} <= worker.ledger.invalid and worker.ledger.valid_prefix("B", 3) == 0
+    assert worker.ledger.valid_prefix("C", 2) == 2 and 8 not in worker.ledger.invalid
