@@ -19,7 +19,8 @@ server's engine loop steps it), each runs ``--warmup`` requests at concurrency 4
 then they take turns: a round is ``--round`` (4) requests one at a time (**sequential**) or as many
 with 4 in flight, each finished one replaced by the next at once (**concurrency 4**); each engine runs
 round ``j`` while the other is stopped (SIGSTOP to its process group; during vLLM's turn kvwarm's node
-process too: no thread of one arm runs in the other's turn), vllm first in even rounds and kvwarm first in odd
+process and the S3 server too: no thread of one arm runs in the other's turn), vllm first in even rounds and
+kvwarm first in odd
 ones, and the modes alternate round by round, until each mode has ``--requests`` (24) per engine. The
 machine is shared and its load drifts by the minute: turns of a few seconds put both engines under
 the same drift. kvwarm's round ends once its write-back has written and uploaded what the round
@@ -157,18 +158,22 @@ def pause(pids: list[int | None], sig: int) -> None:
                 pass
 
 
-def interleave(procs: dict[str, EngineProcess], n_rounds: int, timeout_s: float, sock: Path) -> list[list[str]]:
+def interleave(procs: dict[str, EngineProcess], n_rounds: int, timeout_s: float, sock: Path,
+               kvwarm_side: list[int]) -> list[list[str]]:
     """Let each engine run round ``j`` in turn, the order swapped each round (vllm first in even ones);
     returns the orders. The side not running is stopped (SIGSTOP): the other engine, and during vLLM's
-    turn kvwarm's node process, so that no thread of one arm runs in the other's turn."""
+    turn kvwarm's node process and ``kvwarm_side`` (process groups: the stand-in S3 server, whose work
+    for kvwarm's uploads would otherwise run, niced, into vLLM's turn), so that no thread of one arm runs
+    in the other's turn."""
     orders = []
     for j in range(n_rounds):
         order = list(procs) if j % 2 == 0 else list(procs)[::-1]
         for arm in order:
             procs[arm].at_barrier(f"round{j}", timeout_s)
         for arm in order:
-            others = [-procs[a].proc.pid for a in procs if a != arm] + ([node_pid(sock)] if arm != "kvwarm" else [])
-            mine = [-procs[arm].proc.pid] + ([node_pid(sock)] if arm == "kvwarm" else [])
+            side = [node_pid(sock)] + [-pid for pid in kvwarm_side]
+            others = [-procs[a].proc.pid for a in procs if a != arm] + (side if arm != "kvwarm" else [])
+            mine = [-procs[arm].proc.pid] + (side if arm == "kvwarm" else [])
             pause(others, signal.SIGSTOP)
             pause(mine, signal.SIGCONT)
             procs[arm].go(f"round{j}")
@@ -275,15 +280,15 @@ def main(argv: list[str] | None = None) -> int:
                                        env=ENGINE_ENV, name=arm, module="bench.lib.miss_driver")
         print(f"{len(plan)} rounds of up to {args.round} requests per engine, the engines taking turns", flush=True)
         weed_cpu = cpu_seconds(weed.proc.pid)
-        orders = interleave(procs, len(plan), args.timeout, sock)
+        orders = interleave(procs, len(plan), args.timeout, sock, [weed.proc.pid])
         weed_cpu = None if weed_cpu is None else (cpu_seconds(weed.proc.pid) or weed_cpu) - weed_cpu
-        pause([-p.proc.pid for p in procs.values()] + [node_pid(sock)], signal.SIGCONT)
+        pause([-p.proc.pid for p in procs.values()] + [node_pid(sock), -weed.proc.pid], signal.SIGCONT)
         for arm, proc in procs.items():
             proc.go("end")
             runs[arm] = proc.wait(args.timeout).result
         node = node_pid(sock)
     finally:
-        pause([-p.proc.pid for p in procs.values()] + [node_pid(sock)], signal.SIGCONT)
+        pause([-p.proc.pid for p in procs.values()] + [node_pid(sock), -weed.proc.pid], signal.SIGCONT)
         for proc in procs.values():
             proc.stop()
         stopped = stop_node(sock)
