@@ -1,6 +1,7 @@
 """The node's copies from the shared tiers (S3) into its own (NVMe), by object name, in order.
 
-One thread copies two queues of chains, first to last: the agent's order, which a new order
+``streams`` threads (``loader.prefetch_streams``: S3 gives parallel GETs far more bandwidth than one
+stream) copy two queues of chains, a chain each at a time, first to last: the agent's order, which a new order
 replaces (the names it no longer wants are dropped), then the clients' hints (an engine's lookup
 miss, a loader's prefetch handed to the node), which no order drops: a client may be waiting
 for them (:meth:`Copier.pending` says how many of its names are still to come). Each copy reads the
@@ -35,9 +36,11 @@ class Copier:
         local: the node tier.
         remotes: the shared tiers, first asked first.
         tenants: credentials by namespace, for objects sealed with a tenant's key.
+        streams: chains copied at once, each on a thread of its own (block by block, in prefix order).
     """
 
-    def __init__(self, local: Tier, remotes: Sequence[Tier], tenants: Mapping[str, Tenant]) -> None:
+    def __init__(self, local: Tier, remotes: Sequence[Tier], tenants: Mapping[str, Tenant], *,
+                 streams: int = 1) -> None:
         self.local = local
         self.remotes = list(remotes)
         self.tenants = dict(tenants)
@@ -46,10 +49,12 @@ class Copier:
         self._hints: deque[tuple[str, ...]] = deque()  # the clients' chains, behind the agent's
         self._pending: Counter[str] = Counter()  # names queued or being copied (a name may be in both queues)
         self._cv = threading.Condition()
-        self._busy = False
+        self._busy = 0  # chains being copied
         self._stop = False
-        self._thread = threading.Thread(target=self._run, name="kvwarm-node-copy", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"kvwarm-node-copy-{i}", daemon=True)
+                         for i in range(max(1, streams))]
+        for t in self._threads:
+            t.start()
 
     def replace(self, chains: Sequence[Sequence[str]]) -> None:
         """Copy ``chains`` (each in prefix order) in place of the agent's last order (hints stay queued)."""
@@ -61,7 +66,7 @@ class Copier:
             self._plan.clear()
             self._plan.extend(tuple(c) for c in chains if c)
             self._pending.update(n for c in self._plan for n in c)
-            self._cv.notify()
+            self._cv.notify_all()
 
     def add(self, chain: Sequence[str]) -> int:
         """Queue one chain behind the rest, less its names queued already (the agent's order and an
@@ -116,29 +121,32 @@ class Copier:
             self._hints.clear()
             self._pending.clear()
             self._cv.notify_all()
-        self._thread.join(5.0)
+        end = time.monotonic() + 5.0
+        for t in self._threads:
+            t.join(max(0.0, end - time.monotonic()))
 
     def _run(self) -> None:
         while True:
             with self._cv:
                 while not self._plan and not self._hints and not self._stop:
-                    self._busy = False
-                    self._cv.notify_all()
                     self._cv.wait()
                 if self._stop:
-                    self._busy = False
-                    self._cv.notify_all()
                     return
                 chain = (self._plan or self._hints).popleft()
-                self._busy = True
-            for i, name in enumerate(chain):
-                outcome = self.copy(name)
-                self.counts[outcome] += 1
-                failed = outcome not in ("copied", "present")
-                with self._cv:  # this name is done; after a failure, so is the rest of its chain
-                    self._forget(chain[i:] if failed else (name,))
-                if failed:
-                    break
+                self._busy += 1
+            try:
+                for i, name in enumerate(chain):
+                    outcome = self.copy(name)
+                    failed = outcome not in ("copied", "present")
+                    with self._cv:  # this name is done; after a failure, so is the rest of its chain
+                        self.counts[outcome] += 1
+                        self._forget(chain[i:] if failed else (name,))
+                    if failed:
+                        break
+            finally:
+                with self._cv:
+                    self._busy -= 1
+                    self._cv.notify_all()
 
     def copy(self, name: str) -> str:
         """Copy one object into the node tier; returns ``copied``, ``present`` or why not."""

@@ -74,7 +74,8 @@ class NodeService:
         self.local = tiers[0]
         self._objects = str(self.local.path("x"))[:-2]  # the directory object names are relative to
         self.counters = NodeCounters()
-        self.copier = Copier(self.local, [t for t in tiers if t.remote], _tenants(config))
+        self.copier = Copier(self.local, [t for t in tiers if t.remote], _tenants(config),
+                             streams=config.loader.prefetch_streams)
         fm = config.fleet_memory
         self.node_id = resolve_node_id(None, fm.node_id)
         self.fleet = FleetRecorder.from_config(tiers, fm, node_id=self.node_id) if fm.enabled else None

@@ -12,6 +12,7 @@ from store.node.copier import Copier
 from store.tiers.base import object_name
 from store.tiers.crypto import seal
 from store.tiers.local import LocalTier
+from tests.hang_guard import HANG_S
 from tests.store.factories import ACME, make_chain, make_root, make_snapshot
 
 KEY = os.urandom(32)
@@ -130,5 +131,43 @@ def test_pending_counts_what_is_still_to_come_and_a_new_order_keeps_the_hints(tm
         assert not any(node.exists(n) for n in names["planned"])
         # the absent chain's first block stops it: its second is not asked, and not pending
         assert dict(copier.counts) == {"copied": 3, "absent": 1, "superseded": 2}
+    finally:
+        copier.close()
+
+
+class _Together(LocalTier):
+    """A shared tier whose reads wait (a hang guard's while) until ``want`` of them are in flight at once."""
+
+    def __init__(self, path, want: int) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(path, cap_bytes=1 << 30)
+        self.want, self.inflight, self.most = want, 0, 0
+        self._cv = threading.Condition()
+
+    def read(self, name, *a, **kw):  # type: ignore[no-untyped-def]
+        with self._cv:
+            self.inflight += 1
+            self.most = max(self.most, self.inflight)
+            self._cv.notify_all()
+            self._cv.wait_for(lambda: self.most >= self.want, timeout=HANG_S)
+            self.inflight -= 1
+        return super().read(name, *a, **kw)
+
+
+def test_streams_copy_several_chains_at_once_each_in_prefix_order(tmp_path):
+    node = LocalTier(tmp_path / "node", cap_bytes=1 << 30)
+    shared = _Together(tmp_path / "shared", want=3)
+    root = make_root(ACME)
+    chains = [make_chain(root, 3, start=1000 * s) for s in range(4)]
+    names = [[object_name("acme", b.key) for b in chain] for chain in chains]
+    for chain, ns in zip(chains, names):
+        for block, name in zip(chain, ns):
+            put(shared, name, snapshot_bytes(make_snapshot(root, block)))
+    copier = Copier(node, [shared], {}, streams=4)
+    try:
+        copier.replace(names)
+        assert copier.wait_idle(HANG_S)
+        assert shared.most >= 3  # one thread would have read them one at a time
+        assert all(node.exists(n) for ns in names for n in ns)
+        assert dict(copier.counts) == {"copied": 12}
     finally:
         copier.close()
