@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 from store.engines.vllm.tenancy import TenantBook
-from store.errors import NodeRefused, NodeUnavailable
 from store.identity.keys import Block
 from store.serving.fetch import RemoteFetcher, Scope
 from store.serving.metrics import LoaderMetrics
+from store.serving.node_link import NodeLink
 from store.tiers.store import Store
 
 #: Most chains copied at once for waiting requests (others go to the background).
@@ -99,7 +99,7 @@ class RemoteFetches:
         self._lock = threading.Lock()
         self._fetchers: dict[str, RemoteFetcher] = {}
         self._waited: dict[str, Pending] = {}
-        self.node = node
+        self._node = NodeLink(node)
         self.handed = 0
 
     def _fetcher(self, tenant: str) -> RemoteFetcher:
@@ -119,15 +119,14 @@ class RemoteFetches:
 
     def background(self, tenant: str, scope: Scope, blocks: Sequence[Block]) -> None:
         """Copy ``blocks`` (the part of a chain NVMe lacks) for next time: by the node where it is connected."""
-        if self.node is not None and self.node.connected:
+        client = self._node.client
+        if client is not None and client.connected:
             self._executor.submit(self._hand, tenant, scope, list(blocks))
             return
         self._fetcher(tenant).schedule(scope, blocks)
 
     def _hand(self, tenant: str, scope: Scope, blocks: list[Block]) -> None:
-        try:
-            self.node.prefetch(scope.ns, [b.key for b in blocks])
-        except (NodeUnavailable, NodeRefused):  # gone since: the copy runs here
+        if not self._node.hand(scope, blocks):  # gone since: the copy runs here
             self._fetcher(tenant).schedule(scope, blocks)
             return
         with self._lock:
