@@ -30,7 +30,8 @@
 #include <immintrin.h>
 #endif
 
-static void gather16_scalar(const uint8_t *src, const uint16_t *lut, uint16_t *dst, size_t n) {
+static void gather16_scalar(const uint8_t *src, const uint16_t *lut, uint16_t *dst, size_t n, int may_stream) {
+    (void)may_stream;
     for (size_t i = 0; i < n; i++) dst[i] = lut[src[i]];
 }
 
@@ -40,11 +41,11 @@ static void gather32_scalar(const uint8_t *src, const uint32_t *lut, uint32_t *d
 
 #ifdef KVW_X86
 __attribute__((target("avx512f,avx512bw")))
-static void gather16_avx512(const uint8_t *src, const uint16_t *lut, uint16_t *dst, size_t n) {
+static void gather16_avx512(const uint8_t *src, const uint16_t *lut, uint16_t *dst, size_t n, int may_stream) {
     /* Streaming stores when the output is large and aligned: the output is new memory the
      * caller reads later, and plain stores would first read every line of it (22 MiB out,
      * the loader bench's geometry: 5.3 ms with plain stores, 3.2 ms streaming). */
-    const int stream = n >= 2048 && ((uintptr_t)dst & 63) == 0;
+    const int stream = may_stream && n >= 2048 && ((uintptr_t)dst & 63) == 0;
     const __m512i t0 = _mm512_loadu_si512((const void *)(lut + 0));
     const __m512i t1 = _mm512_loadu_si512((const void *)(lut + 32));
     const __m512i t2 = _mm512_loadu_si512((const void *)(lut + 64));
@@ -69,7 +70,7 @@ static void gather16_avx512(const uint8_t *src, const uint16_t *lut, uint16_t *d
         else _mm512_storeu_si512((void *)(dst + i), r);
     }
     if (stream) _mm_sfence();
-    gather16_scalar(src + i, lut, dst + i, n - i);
+    gather16_scalar(src + i, lut, dst + i, n - i, 0);
 }
 #endif
 
@@ -104,13 +105,13 @@ static int lut_structure(const uint16_t *lut, lut_form *f) {
 }
 
 __attribute__((target("avx2")))
-static void gather16_avx2(const uint8_t *src, const uint16_t *lut, uint16_t *dst, size_t n) {
+static void gather16_avx2(const uint8_t *src, const uint16_t *lut, uint16_t *dst, size_t n, int may_stream) {
     lut_form f;
     if (n < 256 || !lut_structure(lut, &f)) {  /* short runs: not worth checking the table */
-        gather16_scalar(src, lut, dst, n);
+        gather16_scalar(src, lut, dst, n, 0);
         return;
     }
-    const int stream = n >= 2048 && ((uintptr_t)dst & 31) == 0;  /* as gather16_avx512, 32 bytes a store */
+    const int stream = may_stream && n >= 2048 && ((uintptr_t)dst & 31) == 0;  /* as gather16_avx512, 32 bytes a store */
     const __m256i norm = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)f.norm));
     const __m256i sub = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)f.sub));
     const __m256i step = _mm256_set1_epi16((short)f.step);
@@ -134,7 +135,7 @@ static void gather16_avx2(const uint8_t *src, const uint16_t *lut, uint16_t *dst
         else _mm256_storeu_si256((__m256i *)(dst + i), r);
     }
     if (stream) _mm_sfence();
-    gather16_scalar(src + i, lut, dst + i, n - i);
+    gather16_scalar(src + i, lut, dst + i, n - i, 0);
 }
 #endif
 
@@ -176,7 +177,7 @@ static void copy_avx2(const uint8_t *src, uint8_t *dst, size_t n) {
 typedef void (*copy_fn)(const uint8_t *, uint8_t *, size_t);
 static copy_fn copy_bytes = copy_plain;
 
-typedef void (*gather16_fn)(const uint8_t *, const uint16_t *, uint16_t *, size_t);
+typedef void (*gather16_fn)(const uint8_t *, const uint16_t *, uint16_t *, size_t, int);
 
 static gather16_fn pick_gather16(void) {
 #ifdef KVW_X86
@@ -239,7 +240,7 @@ static PyObject *gather(PyObject *self, PyObject *args) {
         if (esize == 2) {
             uint16_t lut[256];  /* aligned copy: the tables buffer may be anywhere */
             memcpy(lut, t + (size_t)j * 512, 512);
-            gather16((const uint8_t *)(uintptr_t)s[j], lut, (uint16_t *)(uintptr_t)d[j], (size_t)c[j]);
+            gather16((const uint8_t *)(uintptr_t)s[j], lut, (uint16_t *)(uintptr_t)d[j], (size_t)c[j], 1);
         } else {
             uint32_t lut[256];
             memcpy(lut, t + (size_t)j * 1024, 1024);
@@ -323,7 +324,7 @@ static PyObject *gather_blocks(PyObject *self, PyObject *args) {
             if (esize == 2) {
                 uint16_t lut[256];
                 for (int k = 0; k < 256; k++) lut[k] = bf16_bits(val[k] * s);
-                gather16(from, lut, (uint16_t *)to, count);
+                gather16(from, lut, (uint16_t *)to, count, 1);
             } else {
                 uint32_t lut[256];
                 for (int k = 0; k < 256; k++) {
@@ -457,6 +458,155 @@ static PyObject *transpose_tiles(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&src); PyBuffer_Release(&dst); PyBuffer_Release(&so); PyBuffer_Release(&dof);
     Py_RETURN_NONE;
+}
+
+/* A strided 2-byte transpose: d[c * ds + r] = s[r * ss + c] for r < rows, c < cols. */
+static void transpose_strided16(const uint16_t *s, size_t ss, uint16_t *d, size_t ds, size_t rows, size_t cols) {
+    size_t r8 = 0, c8 = 0;
+#ifdef KVW_X86
+    r8 = rows - rows % 8;
+    c8 = cols - cols % 8;
+    for (size_t r = 0; r < r8; r += 8)
+        for (size_t c = 0; c < c8; c += 8) transpose8x8(s + r * ss + c, ss, d + c * ds + r, ds);
+#endif
+    for (size_t r = 0; r < rows; r++)
+        for (size_t c = (r < r8 ? c8 : 0); c < cols; c++) d[c * ds + r] = s[r * ss + c];
+}
+
+PyDoc_STRVAR(gather_vec_doc,
+"gather_vec(bases, src, scale, rows, csrc, crows, values, caches, ids, tokens, block, dim, heads, ebs, skip,\n"
+"           num_blocks) -> None\n\n"
+"gather_blocks() for bf16 with vLLM's CPU cache blocks (cpu_vec) as the output: job j of snapshot\n"
+"block i dequantises one head (its table from its fp32 scale at bases[i] + scale[j]) and writes\n"
+"token t (skip <= t < tokens) of it into engine block ids[(t - skip) / ebs] of the layer cache at\n"
+"address caches[rows[j] / (2 * heads)], a [num_blocks, heads, 2, ebs * dim] array of 2-byte elements\n"
+"whose (block, head) holds K transposed ([dim, ebs]) then V ([ebs, dim]); rows[j] is\n"
+"(2 * layer + (0: K, 1: V)) * heads + head. K goes through a reused tile, V straight into its block.\n"
+"Copy job c (a head stored in bf16) reads bases[i] + csrc[c] and writes row crows[c] the same way.\n"
+"Block ids, rows and the token range are checked here; the addresses by store.kernels.table.");
+
+static PyObject *gather_vec(PyObject *self, PyObject *args) {
+    PyObject *obases, *osrc, *oscale, *orows, *ocsrc, *ocrows, *ovalues, *ocaches, *oids;
+    Py_ssize_t tokens, block, dim, heads, ebs, skip, num_blocks;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOnnnnnnn", &obases, &osrc, &oscale, &orows, &ocsrc, &ocrows, &ovalues,
+                          &ocaches, &oids,
+                          &tokens, &block, &dim, &heads, &ebs, &skip, &num_blocks)) return NULL;
+    if (block < 1 || dim < 1 || heads < 1 || ebs < 1 || skip < 0 || skip >= tokens || (tokens - skip) % ebs) {
+        PyErr_Format(PyExc_ValueError, "tokens %zd from %zd are not whole engine blocks of %zd (block %zd, dim %zd, "
+                     "heads %zd)", tokens, skip, ebs, block, dim, heads);
+        return NULL;
+    }
+    Py_buffer bases, src, scale, rows, csrc, crows, values, caches, ids;
+    if (PyObject_GetBuffer(obases, &bases, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    Py_ssize_t n = bases.len / 8;
+    if (PyObject_GetBuffer(osrc, &src, PyBUF_C_CONTIGUOUS) < 0) { PyBuffer_Release(&bases); return NULL; }
+    Py_ssize_t jobs = src.len / 8;
+    int got = 2;
+    if (get_u64(oscale, &scale, jobs, "scale") < 0) goto fail;
+    got = 3;
+    if (get_u64(orows, &rows, jobs, "rows") < 0) goto fail;
+    got = 4;
+    if (PyObject_GetBuffer(ocsrc, &csrc, PyBUF_C_CONTIGUOUS) < 0) goto fail;
+    got = 4;
+    Py_ssize_t copies = csrc.len / 8;
+    if (get_u64(ocrows, &crows, copies, "crows") < 0) goto fail;
+    got = 5;
+    if (get_buffer(ovalues, &values, 256 * 4, 0, "values") < 0) goto fail;
+    got = 6;
+    if (PyObject_GetBuffer(ocaches, &caches, PyBUF_C_CONTIGUOUS) < 0) goto fail;
+    got = 7;
+    if (get_u64(oids, &ids, (tokens - skip) / ebs, "ids") < 0) goto fail;
+    got = 8;
+    if (n * block < tokens) {
+        PyErr_Format(PyExc_ValueError, "%zd blocks of %zd tokens do not hold %zd tokens", n, block, tokens);
+        goto fail;
+    }
+    const Py_ssize_t layers = caches.len / 8, count_ids = (tokens - skip) / ebs;
+    const uint64_t *rw = (const uint64_t *)rows.buf, *crw = (const uint64_t *)crows.buf;
+    const int64_t *id = (const int64_t *)ids.buf;
+    for (Py_ssize_t j = 0; j < jobs + copies; j++) {
+        const uint64_t r = j < jobs ? rw[j] : crw[j - jobs];
+        if (r >= (uint64_t)(2 * heads * layers)) {
+            PyErr_Format(PyExc_ValueError, "job %zd writes row %llu of %zd", j, (unsigned long long)r,
+                         2 * heads * layers);
+            goto fail;
+        }
+    }
+    for (Py_ssize_t e = 0; e < count_ids; e++)
+        if (id[e] < 0 || id[e] >= num_blocks) {
+            PyErr_Format(PyExc_ValueError, "block id %lld is outside the cache's %zd blocks", (long long)id[e],
+                         num_blocks);
+            goto fail;
+        }
+    uint16_t *tile = (uint16_t *)PyMem_RawMalloc((size_t)block * (size_t)dim * 2);
+    if (tile == NULL) { PyErr_NoMemory(); goto fail; }
+    const uint64_t *b = (const uint64_t *)bases.buf, *so = (const uint64_t *)src.buf, *cso = (const uint64_t *)csrc.buf;
+    const uint64_t *sc = (const uint64_t *)scale.buf, *cb = (const uint64_t *)caches.buf;
+    float val[256];
+    memcpy(val, values.buf, sizeof val);
+    const size_t D = (size_t)dim, E = (size_t)ebs, half = E * D;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++) {
+        const Py_ssize_t t0 = i * block;
+        if (t0 >= tokens) break;
+        const Py_ssize_t t1 = (tokens - t0 < block) ? tokens : t0 + block;
+        if (t1 <= skip) continue;
+        const Py_ssize_t from_t = t0 > skip ? t0 : skip;
+        for (Py_ssize_t j = 0; j < jobs; j++) {
+            float s;
+            memcpy(&s, (const uint8_t *)(uintptr_t)b[i] + sc[j], 4);
+            uint16_t lut[256];
+            for (int k = 0; k < 256; k++) lut[k] = bf16_bits(val[k] * s);
+            const uint8_t *head = (const uint8_t *)(uintptr_t)b[i] + so[j];
+            const size_t layer = (size_t)(rw[j] / (uint64_t)(2 * heads)), kv = (size_t)((rw[j] / (uint64_t)heads) % 2);
+            const size_t h = (size_t)(rw[j] % (uint64_t)heads);
+            uint16_t *cache = (uint16_t *)(uintptr_t)cb[layer];
+            if (kv == 0)  /* K: the head's tokens into the tile (kept in cache), then transposed per engine block */
+                gather16(head + (size_t)(from_t - t0) * D, lut, tile, (size_t)(t1 - from_t) * D, 0);
+            for (Py_ssize_t t = from_t; t < t1;) {
+                const Py_ssize_t e = (t - skip) / ebs, slot = (t - skip) % ebs;
+                const Py_ssize_t len = (ebs - slot < t1 - t) ? ebs - slot : t1 - t;
+                uint16_t *dst = cache + (((size_t)id[e] * (size_t)heads + h) * 2 + kv) * half;
+                if (kv == 0)
+                    transpose_strided16(tile + (size_t)(t - from_t) * D, D, dst + slot, E, (size_t)len, D);
+                else
+                    gather16(head + (size_t)(t - t0) * D, lut, dst + (size_t)slot * D, (size_t)len * D, 1);
+                t += len;
+            }
+        }
+        for (Py_ssize_t c = 0; c < copies; c++) {  /* heads stored in bf16: K transposed, V copied */
+            const uint16_t *head = (const uint16_t *)((const uint8_t *)(uintptr_t)b[i] + cso[c]);
+            const size_t layer = (size_t)(crw[c] / (uint64_t)(2 * heads)), kv = (size_t)((crw[c] / (uint64_t)heads) % 2);
+            const size_t h = (size_t)(crw[c] % (uint64_t)heads);
+            uint16_t *cache = (uint16_t *)(uintptr_t)cb[layer];
+            for (Py_ssize_t t = from_t; t < t1;) {
+                const Py_ssize_t e = (t - skip) / ebs, slot = (t - skip) % ebs;
+                const Py_ssize_t len = (ebs - slot < t1 - t) ? ebs - slot : t1 - t;
+                uint16_t *dst = cache + (((size_t)id[e] * (size_t)heads + h) * 2 + kv) * half;
+                if (kv == 0)
+                    transpose_strided16(head + (size_t)(t - t0) * D, D, dst + slot, E, (size_t)len, D);
+                else
+                    memcpy(dst + (size_t)slot * D, head + (size_t)(t - t0) * D, (size_t)len * D * 2);
+                t += len;
+            }
+        }
+    }
+    Py_END_ALLOW_THREADS
+    PyMem_RawFree(tile);
+    PyBuffer_Release(&bases); PyBuffer_Release(&src); PyBuffer_Release(&scale); PyBuffer_Release(&rows);
+    PyBuffer_Release(&csrc); PyBuffer_Release(&crows); PyBuffer_Release(&values); PyBuffer_Release(&caches);
+    PyBuffer_Release(&ids);
+    Py_RETURN_NONE;
+fail:
+    PyBuffer_Release(&bases); PyBuffer_Release(&src);
+    if (got > 2) PyBuffer_Release(&scale);
+    if (got > 3) PyBuffer_Release(&rows);
+    if (got > 4) PyBuffer_Release(&csrc);
+    if (got > 5) PyBuffer_Release(&crows);
+    if (got > 6) PyBuffer_Release(&values);
+    if (got > 7) PyBuffer_Release(&caches);
+    if (got > 8) PyBuffer_Release(&ids);
+    return NULL;
 }
 
 /* FP8 (e4m3) quantisation of bf16 KV, per head, with the codec's bits (store.format.precision.quantize,
@@ -656,6 +806,7 @@ static PyMethodDef methods[] = {
     {"gather_blocks", gather_blocks, METH_VARARGS, gather_blocks_doc},
     {"copy_blocks", copy_blocks, METH_VARARGS, copy_blocks_doc},
     {"transpose_tiles", transpose_tiles, METH_VARARGS, transpose_tiles_doc},
+    {"gather_vec", gather_vec, METH_VARARGS, gather_vec_doc},
     {"quantise_heads", quantise_heads, METH_VARARGS, quantise_heads_doc},
     {"isa", isa, METH_NOARGS, "The instruction set the 2-byte gather uses on this CPU: avx512bw, avx2 or scalar."},
     {"use_isa", use_isa, METH_VARARGS,

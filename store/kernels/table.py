@@ -246,3 +246,52 @@ def gather_payloads(payloads: Sequence[np.ndarray], plan: "PayloadPlan", tokens:
     if copies and len(jobs.copy_src):
         _native.copy_blocks(base, jobs.copy_src, jobs.copy_rows, out.data_ptr(), tokens, bs, dim, esize)
     return out
+
+
+def gather_payloads_vec(payloads: Sequence[np.ndarray], plan: "PayloadPlan", tokens: int,
+                        caches: Sequence[torch.Tensor], block_ids: Sequence[int], *, engine_block: int, skip: int = 0,
+                        layers: Sequence[int] | None = None, heads: tuple[int, int] | None = None) -> bool:
+    """:func:`gather_payloads` in bf16 written straight into vLLM's CPU cache blocks (``cpu_vec``), with
+    no ``[parts, heads, tokens, dim]`` tensor between: token ``skip + i`` of every selected layer's K and V
+    goes into engine block ``block_ids[i // engine_block]`` of ``caches[position of its layer]``, K transposed
+    (``[dim, engine_block]`` per block and head) and V as is. The bits are :func:`gather_payloads`'s followed
+    by :func:`store.engines.vllm.paging.write_layer`'s.
+
+    Each cache is one layer's, ``num_blocks`` blocks of ``heads`` (the selection's) x 2 x
+    ``engine_block * dim`` bf16 elements, contiguous on the CPU. Returns ``False``, writing nothing,
+    where this does not apply: no native module, caches of another dtype, device or layout, or
+    layers kept unquantised in a dtype other than bf16 (the caller dequantises, then writes). Layers
+    kept in bf16 are copied the same way.
+
+    Raises:
+        ValueError: the payloads are not of the plan's layout, or the tokens from ``skip`` are not
+            ``len(block_ids)`` whole engine blocks, or a block id is outside the caches.
+    """
+    if _native is None or not hasattr(_native, "gather_vec") or plan.fp8 is None or not payloads:
+        return False
+    heads_all, bs, dim = plan.shape
+    h0, h1 = heads if heads is not None else (0, heads_all)
+    sel = tuple(int(i) for i in layers) if layers is not None else tuple(range(plan.m // 2))
+    if len(caches) != len(sel) or any(c.dtype != torch.bfloat16 or c.device.type != "cpu" or not c.is_contiguous()
+                                      for c in caches):
+        return False
+    per_block = (h1 - h0) * 2 * engine_block * dim
+    num_blocks = caches[0].shape[0]
+    if any(c.shape[0] != num_blocks or c.numel() != num_blocks * per_block for c in caches):
+        return False
+    jobs = _selected(plan, None if layers is None else sel, None if (h0, h1) == (0, heads_all) else (h0, h1))
+    if len(jobs.copy_src) and plan.plain_dtype != torch.bfloat16:
+        return False  # kept layers stored in another dtype: converted by the caller's path
+    n = len(payloads)
+    nbytes = payloads[0].shape[0]
+    if (tokens < 1 or tokens > n * bs or jobs.end > nbytes
+            or any(a.dtype != np.uint8 or a.shape != (nbytes,) or not a.flags.c_contiguous for a in payloads)):
+        raise ValueError(f"payloads do not match the plan: {n} payloads of {nbytes} bytes for {tokens} tokens")
+    if (tokens - skip) != len(block_ids) * engine_block or skip < 0:
+        raise ValueError(f"{tokens - skip} tokens from {skip} do not fill {len(block_ids)} engine blocks of "
+                         f"{engine_block}")
+    base = np.fromiter((_address(a) for a in payloads), dtype=np.uint64, count=n)
+    dsts = np.fromiter((c.data_ptr() for c in caches), dtype=np.uint64, count=len(caches))
+    _native.gather_vec(base, jobs.src, jobs.scale, jobs.rows, jobs.copy_src, jobs.copy_rows, _FP8_NP, dsts, np.asarray(block_ids, dtype=np.int64),
+                       tokens, bs, dim, h1 - h0, engine_block, skip, num_blocks)
+    return True

@@ -16,10 +16,12 @@ import torch
 
 from store.engines.paged import check_paged, fill_paged, new_dynamic_cache, put_layer
 from store.format.precision import STORAGE_DTYPES
+from store.format.runs import payload_plan
 from store.format.snapshot import Snapshot
 from store.identity.keys import Block
 from store.kernels.chunks import scatter_stored
 from store.kernels.staging import stage_runs
+from store.kernels.table import gather_payloads_vec
 from store.serving.pool import SnapshotPool
 
 if TYPE_CHECKING:
@@ -207,6 +209,39 @@ class LoaderHit:
                     return kv
         runs = [self._parts(i, name, blocks, share) for i in chosen for name in ("k", "v")]
         return dq.layers(runs, tokens, dtype, device, g)
+
+    def into_cpu_blocks(self, caches: Sequence[torch.Tensor], layout: "EngineLayout", ids: Sequence[int], *,
+                        first_block: int, tokens: int, layers: Sequence[int] | None = None,
+                        heads: slice | None = None, skip: int = 0) -> bool:
+        """K and V of ``tokens`` tokens from block ``first_block`` dequantised straight into vLLM's CPU cache
+        blocks: token ``skip + i`` into engine block ``ids[i // layout.block_size]`` of ``caches`` (one per
+        layer of ``layers``, in that order). The bits of :meth:`dequantized` then
+        :func:`store.engines.vllm.paging.write_layer`, with no tensor of every layer between (one native
+        pass per snapshot). ``False``, nothing written, where it does not apply (another cache layout or
+        dtype, no native module, the ``compiled`` mode, unquantised layers): the caller does those two steps.
+
+        Raises:
+            ValueError: the range is outside the hit, ``layers``/``heads`` are not the snapshots', or the
+                tokens from ``skip`` are not ``len(ids)`` whole engine blocks.
+            RuntimeError: the hit was released.
+        """
+        self._check_live()
+        if layout.kind != "cpu_vec" or self._loader.dequantizer.mode == "compiled":
+            return False
+        chosen, share = self._share(layers, heads)
+        snaps = self.snapshots[first_block: first_block + -(-tokens // self.block_size)]
+        if first_block < 0 or tokens <= 0 or len(snaps) * self.block_size < tokens:
+            raise ValueError(f"{tokens} tokens from block {first_block} are outside this hit of "
+                             f"{len(self.snapshots)} blocks")
+        payloads = [s.payload for s in snaps]
+        if any(p is None or p[1] is not payloads[0][1] for p in payloads):  # type: ignore[index]
+            return False
+        plan = payload_plan(payloads[0][1])  # type: ignore[index]
+        if plan is None:
+            return False
+        return gather_payloads_vec([p[0] for p in payloads], plan, tokens, caches, ids,  # type: ignore[index]
+                                   engine_block=layout.block_size, skip=skip, layers=chosen,
+                                   heads=(share.start, share.stop))
 
     def stored(self, *, first_block: int, blocks: int, device: str | torch.device, layer: int,
                heads: slice | None = None) -> tuple[torch.Tensor, torch.Tensor | None] | None:

@@ -171,7 +171,8 @@ class OpenLoad:
         ids: the engine blocks written, in token order.
         reason: why the hit is shorter than planned (``None`` when it is not).
         started: when the lookup began (the worker's clock).
-        kv: every layer's K and V, dequantised at once (the CPU); ``None``: layer by layer (a GPU).
+        kv: every layer's K and V, dequantised at once (the CPU); ``[]``: every layer already written
+            into its blocks (vLLM's CPU layout, natively); ``None``: layer by layer (a GPU).
         fail_from: the first of ``ids`` reported failed whatever was written (a write that raised:
             0), else ``None``.
         device_ids: ``ids`` as a tensor on the caches' device (made by the first layer that needs it).

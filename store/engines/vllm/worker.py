@@ -293,9 +293,16 @@ class WorkerRole:
         assert self.layout is not None
         tokens = op.end - op.first * self.kv_block
         # this worker's share only: its layers (a pipeline stage's), its heads (a tensor-parallel rank's)
-        if op.kv is None and self.caches[index].device.type == "cpu":  # one gather for all its layers: the CPU's fastest
-            op.kv = op.hit.dequantized(self.layout.dtype, first_block=op.first, tokens=tokens, layers=self._layers,
-                                       heads=self._heads)
+        if op.kv is None and self.caches[index].device.type == "cpu":  # all its layers at once: the CPU's fastest
+            if self._scatter and op.hit.into_cpu_blocks(self.caches, self.layout, op.ids, first_block=op.first,
+                                                        tokens=tokens, layers=self._layers, heads=self._heads,
+                                                        skip=op.offset):
+                op.kv = []  # every layer written, straight into its blocks
+            else:
+                op.kv = op.hit.dequantized(self.layout.dtype, first_block=op.first, tokens=tokens,
+                                           layers=self._layers, heads=self._heads)
+        if op.kv is not None and not op.kv:
+            return
         if op.kv is not None:
             k, v = op.kv[2 * index], op.kv[2 * index + 1]
         else:
