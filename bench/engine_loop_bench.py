@@ -43,7 +43,12 @@ The last line printed is one JSON object; it is also written to ``bench/results/
     .venv/bin/python bench/engine_loop_bench.py --reps 2   # two engines per arm, alternating, windows pooled
 
 The machine is shared: a busy one moves every figure (the probe's p99 most, as a thread that wakes
-needs a free core as well as the GIL). The arms run back to back on the same prompts; ``--reps``
+needs a free core as well as the GIL). kvwarm's node, a process of its own, checks and writes the
+prefill's write-back burst (every prompt block) after vLLM has prefilled it; on a serving machine it
+has cores of its own, on this one it takes the engine's. So before each window, both arms alike, the
+driver stops stepping the engine until the machine's other processes use under a tenth of a core
+(``--quiet-s``, at most 120 s; 0: no wait), and reports the seconds waited and the other processes'
+CPU seconds during the window (``others_cpu_s``: the node's steady write-back among them). The arms run back to back on the same prompts; ``--reps``
 alternates them and pools their windows.
 """
 from __future__ import annotations
@@ -70,6 +75,8 @@ SIZES = "64x2048,64x8192,256x2048,256x8192"
 WINDOW = 128
 TENANT = "bench"
 TARGET_STEP_MS, TARGET_PROBE_DELTA_MS = 0.3, 1.0
+#: the most seconds a window waits for the machine's other processes (kvwarm's node) to go quiet
+QUIET_S = 120.0
 #: tokens one engine step schedules at most (chunked prefill; decode needs one per request)
 BATCHED_TOKENS = 16384
 #: bytes of K and V per token in kvwarm-tiny's bf16 cache: 4 layers x (K, V) x 2 heads x 32 x 2 bytes
@@ -110,9 +117,9 @@ def engine_spec(model_dir: Path, n: int, ctx: int, window: int) -> tuple[dict, i
 
 
 def run_arm(name: str, engine: dict, kv_gib: int, n: int, ctx: int, window: int, seed: int, vocab: int,
-            work: Path, connector: dict | None, timeout_s: float) -> dict:
+            work: Path, connector: dict | None, timeout_s: float, quiet_s: float = QUIET_S) -> dict:
     spec = {"engine": engine, "connector": connector, "requests": n, "context": ctx, "window": window,
-            "seed": seed, "vocab": vocab, "timeout_s": timeout_s}
+            "seed": seed, "vocab": vocab, "timeout_s": timeout_s, "quiet_s": quiet_s}
     work.mkdir(parents=True, exist_ok=True)
     proc = EngineProcess(spec, work, kv_cache_gib=kv_gib, name=name, module="bench.lib.loop_driver")
     return proc.wait(timeout_s + 300).result
@@ -125,7 +132,8 @@ def pool(results: list[dict]) -> dict:
         return results[0]
     out = {"steps": [s for r in results for s in r["steps"]], "probe": [x for r in results for x in r["probe"]],
            "stats": results[-1].get("stats")}
-    for key in ("prefill_s", "window_s", "startup_s", "shutdown_s", "timer_overhead_s"):
+    for key in ("prefill_s", "window_s", "startup_s", "shutdown_s", "timer_overhead_s", "quiet_wait_s",
+                "others_cpu_s"):
         vals = [r[key] for r in results if r.get(key) is not None]
         out[key] = statistics.fmean(vals) if vals else None
     threads: dict[str, float] = {}
@@ -157,7 +165,8 @@ def summarize(res: dict) -> dict:
            "probe_samples": len(probe), "probe_late_ms_p50": statistics.median(probe) if probe else None,
            "probe_late_ms_p99": pct(probe, 0.99) if probe else None, "probe_late_ms_max": max(probe, default=None),
            "prefill_s": res.get("prefill_s"), "window_s": res.get("window_s"), "startup_s": res.get("startup_s"),
-           "shutdown_s": res.get("shutdown_s"), "threads_cpu_s": res.get("threads_cpu_s")}
+           "shutdown_s": res.get("shutdown_s"), "threads_cpu_s": res.get("threads_cpu_s"),
+           "quiet_wait_s": res.get("quiet_wait_s"), "others_cpu_s": res.get("others_cpu_s")}
     if "hooks" in res:
         per = max(1, len(steps))
         calls = sum(v["calls"] for v in res["hooks"].values())
@@ -174,7 +183,7 @@ def summarize(res: dict) -> dict:
 def record_variant(args: argparse.Namespace, sizes: list[tuple[int, int]]) -> str | None:
     """None for the full run, ``quick``, or ``partial`` for other sizes, windows or models."""
     return variant_of(args, partial=sizes != parse_sizes(SIZES) or args.window != WINDOW
-                      or args.model != "kvwarm-tiny")
+                      or args.model != "kvwarm-tiny" or args.quiet_s != QUIET_S)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -186,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=1, help="engines per arm and size, the arms alternating (their "
                                                          "windows pooled: less of a busy machine's drift)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per engine, prefill and window")
+    p.add_argument("--quiet-s", type=float, default=QUIET_S, help="before each window, wait at most this long "
+                   f"for the other processes to go quiet (default {QUIET_S:g}; 0: start at once)")
     add_results_option(p)
     args = p.parse_args(argv)
     record = Run("engine_loop", __file__, sys.argv[1:] if argv is None else argv)
@@ -216,13 +227,15 @@ def main(argv: list[str] | None = None) -> int:
                 for arm, c in order if r % 2 == 0 else order[::-1]:
                     t0 = time.perf_counter()
                     runs[arm].append(run_arm(arm, engine, kv_gib, n, ctx, args.window, 1000 * i + r, vocab, d, c,
-                                             args.timeout))
+                                             args.timeout, args.quiet_s))
                     took[arm] += time.perf_counter() - t0
                     one = summarize(runs[arm][-1])
                     print(f"{label} {arm}{f' (repeat {r + 1})' if args.reps > 1 else ''}: step "
                           f"{one['step_ms_median']:.1f} ms, hooks {one['hook_ms_median']:.3f} ms (p99 "
                           f"{one['hook_ms_p99']:.3f}), probe p99 {one['probe_late_ms_p99']:.2f} ms; prefill "
-                          f"{one['prefill_s']:.0f} s, {time.perf_counter() - t0:.0f} s in all", flush=True)
+                          f"{one['prefill_s']:.0f} s, quiet after {one['quiet_wait_s'] or 0:.0f} s, others "
+                          f"{one['others_cpu_s'] or 0:.1f} CPU s in the window, {time.perf_counter() - t0:.0f} s in all",
+                          flush=True)
             arms = {arm: {**summarize(pool(rs)), "seconds": round(took[arm], 1)} for arm, rs in runs.items()}
             kv, base = arms["kvwarm"], arms["vllm"]
             delta = kv["probe_late_ms_p99"] - base["probe_late_ms_p99"]

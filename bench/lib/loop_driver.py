@@ -19,10 +19,11 @@ process the figures are about. Per run:
 5. the requests are aborted, the engine shut down (write-back drains), the result written.
 
 SPEC (JSON): ``{"engine": {...}, "connector": {"extra": {...}} | null, "requests": N, "context": L,
-"window": W, "seed": S, "vocab": V, "timeout_s": T}``.
+"window": W, "seed": S, "vocab": V, "timeout_s": T, "quiet_s": Q}``. With ``quiet_s``, between 3 and 4 the
+engine is not stepped until the machine's other processes are quiet (:func:`wait_quiet`, at most Q seconds).
 RESULT (JSON): ``steps`` (per steady step: ``wall_s``, ``hook_s``), ``probe`` (delays of the window's
 samples, seconds), ``hooks`` (per-hook totals over the window), ``threads_cpu_s`` (CPU seconds per
-thread name over the window), ``prefill_s``, ``startup_s``, ``stats`` (the connector's, after
+thread name over the window), ``others_cpu_s`` (the other processes' over the window), ``quiet_wait_s``, ``prefill_s``, ``startup_s``, ``stats`` (the connector's, after
 shutdown), ``timer_overhead_s`` (one timed call of an empty hook), ``error``.
 """
 from __future__ import annotations
@@ -82,6 +83,35 @@ def threads_cpu() -> dict[str, float]:
         name = "main" if t is threading.main_thread() else t.name
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
+
+
+def machine_cpu() -> tuple[float, float]:
+    """CPU seconds so far of the whole machine (every core's busy time, /proc/stat) and of this process."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    tick = os.sysconf("SC_CLK_TCK")
+    mine = os.times()
+    return (sum(fields[:8]) - idle) / tick, mine.user + mine.system
+
+
+def others_cpu_s(start: tuple[float, float], end: tuple[float, float]) -> float:
+    """CPU seconds the machine's other processes (kvwarm's node among them) spent between two
+    :func:`machine_cpu` readings."""
+    return max(0.0, (end[0] - start[0]) - (end[1] - start[1]))
+
+
+def wait_quiet(timeout_s: float, *, every_s: float = 0.5, below: float = 0.1) -> float:
+    """Wait, without stepping the engine, until the machine's other processes use less than ``below`` of a
+    core over ``every_s`` (a write-back burst drained by kvwarm's node, which on a serving machine has cores
+    of its own), at most ``timeout_s``; returns the seconds waited."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout_s:
+        a = machine_cpu()
+        time.sleep(every_s)
+        if others_cpu_s(a, machine_cpu()) < below * every_s:
+            break
+    return time.perf_counter() - t0
 
 
 def timer_overhead_s(reps: int = 20000) -> float:
@@ -161,15 +191,19 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
         if not engine.has_unfinished_requests():
             raise RuntimeError("every request finished before the window: raise max_model_len")
         if hooks0 is None and len(steady) == 0 and _all_decoding(sched, n):
+            result["prefill_s"] = time.perf_counter() - t_add
+            result["quiet_wait_s"] = wait_quiet(float(spec.get("quiet_s", 0.0))) if spec.get("quiet_s") else 0.0
             hooks0 = clock.snapshot() if clock is not None else None
             if clock is not None:
                 clock.reset_peaks()
             cpu0 = threads_cpu()
+            machine0 = machine_cpu()
             t_window = time.perf_counter()
-            result["prefill_s"] = t_window - t_add
         engine.step()
     t_end = time.perf_counter()
     cpu1 = threads_cpu()
+    if t_window is not None:
+        result["others_cpu_s"] = round(others_cpu_s(machine0, machine_cpu()), 3)
     hooks1 = clock.snapshot() if clock is not None else None
     result["window_s"] = t_end - (t_window or t_end)
     result["probe"] = probe.between(t_window or t_end, t_end)

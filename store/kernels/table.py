@@ -260,15 +260,17 @@ def gather_payloads_vec(payloads: Sequence[np.ndarray], plan: "PayloadPlan", tok
     Each cache is one layer's, ``num_blocks`` blocks of ``heads`` (the selection's) x 2 x
     ``engine_block * dim`` bf16 elements, contiguous on the CPU. Returns ``False``, writing nothing,
     where this does not apply: no native module, caches of another dtype, device or layout, or
-    layers kept unquantised in a dtype other than bf16 (the caller dequantises, then writes). Layers
-    kept in bf16 are copied the same way.
+    layers stored unquantised in a dtype other than bf16 (the caller dequantises, then writes). Layers
+    stored in bf16 (kept layers, or a bf16 store) are copied the same way.
 
     Raises:
         ValueError: the payloads are not of the plan's layout, or the tokens from ``skip`` are not
             ``len(block_ids)`` whole engine blocks, or a block id is outside the caches.
     """
-    if _native is None or not hasattr(_native, "gather_vec") or plan.fp8 is None or not payloads:
+    if _native is None or not hasattr(_native, "gather_vec") or not payloads:
         return False
+    if plan.plain_dtype not in (None, torch.bfloat16):
+        return False  # layers kept in another dtype: converted by the caller's path
     heads_all, bs, dim = plan.shape
     h0, h1 = heads if heads is not None else (0, heads_all)
     sel = tuple(int(i) for i in layers) if layers is not None else tuple(range(plan.m // 2))
@@ -280,8 +282,6 @@ def gather_payloads_vec(payloads: Sequence[np.ndarray], plan: "PayloadPlan", tok
     if any(c.shape[0] != num_blocks or c.numel() != num_blocks * per_block for c in caches):
         return False
     jobs = _selected(plan, None if layers is None else sel, None if (h0, h1) == (0, heads_all) else (h0, h1))
-    if len(jobs.copy_src) and plan.plain_dtype != torch.bfloat16:
-        return False  # kept layers stored in another dtype: converted by the caller's path
     n = len(payloads)
     nbytes = payloads[0].shape[0]
     if (tokens < 1 or tokens > n * bs or jobs.end > nbytes

@@ -218,7 +218,7 @@ class LoaderHit:
         layer of ``layers``, in that order). The bits of :meth:`dequantized` then
         :func:`store.engines.vllm.paging.write_layer`, with no tensor of every layer between (one native
         pass per snapshot). ``False``, nothing written, where it does not apply (another cache layout or
-        dtype, no native module, the ``compiled`` mode, unquantised layers): the caller does those two steps.
+        dtype, no native module, the ``compiled`` mode, layers stored in fp16): the caller does those two steps.
 
         Raises:
             ValueError: the range is outside the hit, ``layers``/``heads`` are not the snapshots', or the

@@ -19,7 +19,8 @@ def test_sizes_parse_and_refuse_what_is_not_requests_x_tokens() -> None:
 
 def test_a_short_run_never_takes_the_full_runs_record() -> None:
     def variant(**changed) -> str | None:
-        full = {"quick": False, "variant": None, "window": bench.WINDOW, "model": "kvwarm-tiny"}
+        full = {"quick": False, "variant": None, "window": bench.WINDOW, "model": "kvwarm-tiny",
+                "quiet_s": bench.QUIET_S}
         args = argparse.Namespace(**{**full, **changed})
         return bench.record_variant(args, changed.pop("sizes", bench.parse_sizes(bench.SIZES)))
 
@@ -27,6 +28,7 @@ def test_a_short_run_never_takes_the_full_runs_record() -> None:
     assert variant(sizes=[(64, 2048)]) == "partial"
     assert variant(window=8) == "partial"
     assert variant(model="kvwarm-ref") == "partial"
+    assert variant(quiet_s=0.0) == "partial"
     assert variant(quick=True, sizes=[(64, 2048)]) == "quick"
     assert variant(variant="mine") == "mine"
 

@@ -241,6 +241,8 @@ class KvwarmConnector(KVConnectorBase_V1):
             isa, index = cpu_block_order(isa, heads, block, dim, tensors[0].dtype)
         layout = detect_layout(tensors, backend=backend, isa=isa, num_kv_heads=heads, head_dim=dim,
                                block_size=block, index=index)
+        if layout.kind == "cpu_vec":  # the known order, probed: kvwarm writes it itself, straight from the snapshots
+            writer = None
         worker.register(tensors, layout, total_kv_heads=self._total_kv_heads, writer=writer, layers=layers,
                         total_layers=model.get_total_num_hidden_layers())
         log.info("kvwarm: %d layers of KV (model layers %d-%d), %s layout (backend %s, %s), %d blocks of %d tokens; "

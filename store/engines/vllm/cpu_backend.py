@@ -4,7 +4,8 @@ The CPU attention backend keeps each layer's KV as ``[num_blocks, kv_heads, bloc
 head_dim]`` in an order that depends on the ISA (``vec``, ``vec16``, ``amx``...). Rather than
 know every order, kvwarm asks the kernel vLLM writes with (``cpu_attn_reshape_and_cache``):
 :func:`cpu_block_order` writes probe values through it and reads the order back (write-back
-reorders blocks by it), and :func:`cpu_block_writer` writes loads with it. Imports vLLM (inside
+reorders blocks by it), and :func:`cpu_block_writer` writes loads with it where the order is not the known
+``vec`` one (which kvwarm writes itself, straight from the snapshots). Imports vLLM (inside
 the functions): used by :mod:`store.engines.vllm.connector` only.
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """A hit dequantised straight into vLLM's CPU cache blocks (``cpu_vec``): the bits of ``dequantized`` then
 ``write_layer``, which is the path it replaces on a CPU worker (:meth:`store.serving.hit.LoaderHit.into_cpu_blocks`,
-the native ``gather_vec``), for every layer stored FP8, layers kept in bf16 or fp16, tensor-parallel shares,
+the native ``gather_vec``), for every layer stored FP8, layers kept in bf16, a bf16 store, tensor-parallel shares,
 pipeline stages' layers, a first engine block already cached, engine blocks smaller and larger than kvwarm's, and
-the plain loops that CPUs without AVX2 run.
+the plain loops that CPUs without AVX2 run; stores in fp16 are left to the caller.
 """
 from __future__ import annotations
 
@@ -54,8 +54,8 @@ def _check(hit, *, eb: int, first: int, tokens: int, skip: int, layers, heads) -
 
 
 @pytest.mark.parametrize("isa", ["best", "scalar"])
-@pytest.mark.parametrize("kv_cache", [{"compression": "fp8"}, {"compression": "fp8", "keep_layers": []}],
-                         ids=["fp8-keeps-a-layer", "fp8-every-layer"])
+@pytest.mark.parametrize("kv_cache", [{"compression": "fp8"}, {"compression": "fp8", "keep_layers": []},
+                                      {"compression": "bf16"}], ids=["fp8-keeps-a-layer", "fp8-every-layer", "bf16"])
 def test_blocks_written_natively_are_what_dequantized_and_write_layer_wrote(tmp_path, model, kv_cache, isa) -> None:
     loader, ids = _loader(tmp_path, model, kv_cache)
     hit = loader.lookup(ids)
@@ -72,7 +72,7 @@ def test_blocks_written_natively_are_what_dequantized_and_write_layer_wrote(tmp_
         loader.close()
 
 
-@pytest.mark.parametrize("kv_cache", [{"compression": "bf16"}, {"compression": "fp8", "keep_dtype": "fp16"}])
+@pytest.mark.parametrize("kv_cache", [{"compression": "fp16"}, {"compression": "fp8", "keep_dtype": "fp16"}])
 def test_stores_the_native_pass_does_not_cover_are_left_to_the_caller(tmp_path, model, kv_cache) -> None:
     loader, ids = _loader(tmp_path, model, kv_cache)
     hit = loader.lookup(ids)
