@@ -59,6 +59,7 @@ from store.kernels.chunks import chunk_blocks, quantise_to_host, save_block_byte
 from store.kernels.gather import StoredBlocks, block_ids, quantise_taken, stored_block_bytes
 from store.kernels.reservation import SCRATCH_BYTES, Reservation
 from store.serving.priority import lower_this_thread
+from store.serving.remote import open_clients
 from store.serving.snapshot_writer import SnapshotWriter
 from store.tiers.store import Store
 
@@ -143,6 +144,9 @@ class WriteBack:
         def uploads() -> Uploads:
             return Uploads(Store(store.tiers[1:]), local, streams=streams, max_bytes=max_bytes, backoff_s=s3_backoff_s,
                            counters=counters, credentials=tenants.credentials, tenants=tenants.known, clock=clock)
+
+        if upload:  # the S3 client built now, before the engine serves: not beside its first requests
+            open_clients(store.tiers[1:])
 
         # through the node, this process uploads only once it writes a block itself
         self.uploads: Uploads | LazyUploads | None = (

@@ -186,3 +186,21 @@ def test_close_writes_and_uploads_what_is_queued_then_stops_every_thread(tmp_pat
     assert all(far.exists(n) for n in _names(ids, 3)) and writer.counters.totals()["written_back_uploads"] == 3
     assert writer.uploads is not None and not any(t.is_alive() for t in writer.uploads._threads)
     assert not writer._thread.is_alive()
+
+
+def test_the_uploads_s3_client_is_built_with_the_writer_not_beside_the_first_requests(tmp_path, s3_url,
+                                                                                      s3_config) -> None:
+    # built on first use, botocore's models and the TLS contexts (tens of ms of Python) ran beside an engine's
+    # first requests after a restart, on the upload threads, holding the interpreter meanwhile
+    from store.tiers.s3 import S3Tier
+
+    S3Tier(s3_url, s3_config, create_bucket=True)
+    remote = S3Tier(s3_url, s3_config)
+    assert remote.fs._s3 is None  # s3fs builds its client on first use
+    c = cfg()
+    w = WriteBack(Store([LocalTier(tmp_path / "nvme", cap_bytes=1 << 30), remote]), TenantBook(c, "acme"),
+                  (IDENT, None), c.kv_cache.precision(), kv_block=KB, ttl_s=3600.0, layout=LAYOUT, counters=Counters())
+    try:
+        assert remote.fs._s3 is not None
+    finally:
+        w.close()
