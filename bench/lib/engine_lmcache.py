@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 from bench.lib.bench_node import node_section
-from bench.lib.engine_parts import BLOCK, S3_ENV, engine_bytes_per_token, prefill_prefixes, prompts, rounded, ttft_step
+from bench.lib.engine_parts import (BLOCK, S3_ENV, SETTLE, engine_bytes_per_token, prefill_prefixes, prompts, rounded,
+                                    ttft_step)
 from bench.lib.vllm_engine import run_engine
 
 #: The LMCache comparison's kvwarm side: a named tenant (``public`` requests are not written
@@ -109,7 +110,7 @@ def vs_lmcache(model_dir: Path, engine: dict, reps: int, prefix: int, new: int, 
     engines = iter(range(100))
 
     def steps(**named: list[list[int]]) -> list[dict]:
-        out = [ttft_step(prompts(1, 256, 8, vocab, seed=20 + next(engines)), "warmup")]  # its own: never a hit
+        out = [ttft_step(prompts(1, 256, 8, vocab, seed=20 + next(engines)), "warmup"), SETTLE]  # its own: never a hit
         for i in range(reps):
             out += [ttft_step([ids[i]], f"{name}{i}") for name, ids in named.items()]
         return out

@@ -124,6 +124,11 @@ def ttft_step(ids: list[list[int]], name: str) -> dict:
     return {"name": name, "requests": [{"ids": p, "max_tokens": 1} for p in ids]}
 
 
+#: after an engine's warm-up request: at most 30 s until the machine idles, so that the warm-up's own background
+#: work (its write-back and upload, a peer server's store, the stand-in S3's PUT) is not in the first measured one
+SETTLE = {"name": "settle", "quiet_s": 30.0}
+
+
 def rounded(seconds: list[float]) -> list[float]:
     return [round(x, 4) for x in seconds]
 

@@ -37,6 +37,8 @@ from typing import Any
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vllm: the engine core runs in this process
 
+from bench.lib.machine_idle import machine_cpu, others_cpu_s, wait_quiet
+
 TIMED_CLASS, TIMED_MODULE = "TimedKvwarmConnector", "bench.lib.timed_connector"
 PROBE_SLEEP_S = 0.001
 
@@ -83,35 +85,6 @@ def threads_cpu() -> dict[str, float]:
         name = "main" if t is threading.main_thread() else t.name
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
-
-
-def machine_cpu() -> tuple[float, float]:
-    """CPU seconds so far of the whole machine (every core's busy time, /proc/stat) and of this process."""
-    with open("/proc/stat") as f:
-        fields = [int(x) for x in f.readline().split()[1:]]
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    tick = os.sysconf("SC_CLK_TCK")
-    mine = os.times()
-    return (sum(fields[:8]) - idle) / tick, mine.user + mine.system
-
-
-def others_cpu_s(start: tuple[float, float], end: tuple[float, float]) -> float:
-    """CPU seconds the machine's other processes (kvwarm's node among them) spent between two
-    :func:`machine_cpu` readings."""
-    return max(0.0, (end[0] - start[0]) - (end[1] - start[1]))
-
-
-def wait_quiet(timeout_s: float, *, every_s: float = 0.5, below: float = 0.1) -> float:
-    """Wait, without stepping the engine, until the machine's other processes use less than ``below`` of a
-    core over ``every_s`` (a write-back burst drained by kvwarm's node, which on a serving machine has cores
-    of its own), at most ``timeout_s``; returns the seconds waited."""
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < timeout_s:
-        a = machine_cpu()
-        time.sleep(every_s)
-        if others_cpu_s(a, machine_cpu()) < below * every_s:
-            break
-    return time.perf_counter() - t0
 
 
 def timer_overhead_s(reps: int = 20000) -> float:

