@@ -405,16 +405,22 @@ static inline void transpose8x8(const uint16_t *s, size_t ss, uint16_t *d, size_
 }
 #endif
 
-static void transpose_tile16(const uint16_t *s, uint16_t *d, size_t rows, size_t cols) {
+/* A strided 2-byte transpose: d[c * ds + r] = s[r * ss + c] for r < rows, c < cols. */
+static void transpose_strided16(const uint16_t *s, size_t ss, uint16_t *d, size_t ds, size_t rows, size_t cols) {
     size_t r8 = 0, c8 = 0;
 #ifdef KVW_X86
     r8 = rows - rows % 8;
     c8 = cols - cols % 8;
     for (size_t r = 0; r < r8; r += 8)
-        for (size_t c = 0; c < c8; c += 8) transpose8x8(s + r * cols + c, cols, d + c * rows + r, rows);
+        for (size_t c = 0; c < c8; c += 8) transpose8x8(s + r * ss + c, ss, d + c * ds + r, ds);
 #endif
-    for (size_t r = 0; r < rows; r++)  /* what the 8x8 sub-tiles left: the last rows and columns */
-        for (size_t c = (r < r8 ? c8 : 0); c < cols; c++) d[c * rows + r] = s[r * cols + c];
+    for (size_t r = 0; r < rows; r++)
+        for (size_t c = (r < r8 ? c8 : 0); c < cols; c++) d[c * ds + r] = s[r * ss + c];
+}
+
+/* A [rows, cols] tile written [cols, rows], both contiguous. */
+static void transpose_tile16(const uint16_t *s, uint16_t *d, size_t rows, size_t cols) {
+    transpose_strided16(s, cols, d, rows, rows, cols);
 }
 
 PyDoc_STRVAR(transpose_tiles_doc,
@@ -458,19 +464,6 @@ static PyObject *transpose_tiles(PyObject *self, PyObject *args) {
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&src); PyBuffer_Release(&dst); PyBuffer_Release(&so); PyBuffer_Release(&dof);
     Py_RETURN_NONE;
-}
-
-/* A strided 2-byte transpose: d[c * ds + r] = s[r * ss + c] for r < rows, c < cols. */
-static void transpose_strided16(const uint16_t *s, size_t ss, uint16_t *d, size_t ds, size_t rows, size_t cols) {
-    size_t r8 = 0, c8 = 0;
-#ifdef KVW_X86
-    r8 = rows - rows % 8;
-    c8 = cols - cols % 8;
-    for (size_t r = 0; r < r8; r += 8)
-        for (size_t c = 0; c < c8; c += 8) transpose8x8(s + r * ss + c, ss, d + c * ds + r, ds);
-#endif
-    for (size_t r = 0; r < rows; r++)
-        for (size_t c = (r < r8 ? c8 : 0); c < cols; c++) d[c * ds + r] = s[r * ss + c];
 }
 
 PyDoc_STRVAR(gather_vec_doc,

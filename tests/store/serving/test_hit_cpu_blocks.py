@@ -6,12 +6,16 @@ the plain loops that CPUs without AVX2 run; stores in fp16 are left to the calle
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import Iterator
+
 import pytest
 import torch
 
 from store.config import parse_config
 from store.engines.vllm.paging import write_layer
 from store.kernels.table import native_isa, pin_native_isa
+from store.serving.hit import LoaderHit
 from store.serving.loader import KVLoader
 from store.tiers.store import Store
 from tests.store.kernels.engine_caches import layout, random_cache
@@ -27,14 +31,24 @@ def model():
     return tiny_model(torch.bfloat16)[0]
 
 
-def _loader(tmp_path, model, kv_cache: dict) -> tuple[KVLoader, list[int]]:
+@contextmanager
+def _hit(tmp_path, model, kv_cache: dict) -> Iterator[LoaderHit]:
+    """The hit of a 4-block prefix stored with ``kv_cache``'s settings (released, its loader closed, after)."""
     cfg = parse_config({"kv_cache": {"block_size": BS, **kv_cache}})
     ids = prompt(4 * BS + 2, seed=3)
     store = Store.open(f"file://{tmp_path}/nvme", cfg)
     write_prefix(store, cfg, model, ids[: 4 * BS])
     store.close()
-    return KVLoader(f"file://{tmp_path}/nvme", tenant=ACME, model=TINY, pool_bytes=1 << 30, config=cfg,
-                    pool_dir=tmp_path / "pool"), ids
+    loader = KVLoader(f"file://{tmp_path}/nvme", tenant=ACME, model=TINY, pool_bytes=1 << 30, config=cfg,
+                      pool_dir=tmp_path / "pool")
+    hit = loader.lookup(ids)
+    try:
+        assert hit is not None and hit.tokens == 4 * BS
+        yield hit
+    finally:
+        if hit is not None:
+            hit.release()
+        loader.close()
 
 
 def _check(hit, *, eb: int, first: int, tokens: int, skip: int, layers, heads) -> None:
@@ -57,27 +71,20 @@ def _check(hit, *, eb: int, first: int, tokens: int, skip: int, layers, heads) -
 @pytest.mark.parametrize("kv_cache", [{"compression": "fp8"}, {"compression": "fp8", "keep_layers": []},
                                       {"compression": "bf16"}], ids=["fp8-keeps-a-layer", "fp8-every-layer", "bf16"])
 def test_blocks_written_natively_are_what_dequantized_and_write_layer_wrote(tmp_path, model, kv_cache, isa) -> None:
-    loader, ids = _loader(tmp_path, model, kv_cache)
-    hit = loader.lookup(ids)
-    pin_native_isa(isa)
-    try:
-        assert hit is not None and hit.tokens == 4 * BS
-        for eb, first, tokens, skip in ((8, 0, 4 * BS, 0), (8, 1, 3 * BS - 8, 8), (32, 0, 4 * BS, 32), (16, 2, 2 * BS, 0)):
-            for layers, heads in ((None, None), ([1], slice(1, 2)), ([1, 0], slice(0, 1))):
-                _check(hit, eb=eb, first=first, tokens=tokens, skip=skip, layers=layers, heads=heads)
-    finally:
-        pin_native_isa("best")
-        if hit is not None:
-            hit.release()
-        loader.close()
+    with _hit(tmp_path, model, kv_cache) as hit:
+        pin_native_isa(isa)
+        try:
+            for eb, first, tokens, skip in ((8, 0, 4 * BS, 0), (8, 1, 3 * BS - 8, 8), (32, 0, 4 * BS, 32),
+                                            (16, 2, 2 * BS, 0)):
+                for layers, heads in ((None, None), ([1], slice(1, 2)), ([1, 0], slice(0, 1))):
+                    _check(hit, eb=eb, first=first, tokens=tokens, skip=skip, layers=layers, heads=heads)
+        finally:
+            pin_native_isa("best")
 
 
 @pytest.mark.parametrize("kv_cache", [{"compression": "fp16"}, {"compression": "fp8", "keep_dtype": "fp16"}])
 def test_stores_the_native_pass_does_not_cover_are_left_to_the_caller(tmp_path, model, kv_cache) -> None:
-    loader, ids = _loader(tmp_path, model, kv_cache)
-    hit = loader.lookup(ids)
-    try:
-        assert hit is not None
+    with _hit(tmp_path, model, kv_cache) as hit:
         lay = layout("cpu_vec", blocks=24, heads=2, block=8, dim=16, dtype=torch.bfloat16)
         caches = [random_cache(lay, seed=i) for i in range(2)]
         before = [c.clone() for c in caches]
@@ -85,16 +92,10 @@ def test_stores_the_native_pass_does_not_cover_are_left_to_the_caller(tmp_path, 
         assert all(torch.equal(a, b) for a, b in zip(caches, before))
         split = layout("split", blocks=24, heads=2, block=8, dim=16, dtype=torch.bfloat16)
         assert not hit.into_cpu_blocks(caches, split, list(range(8)), first_block=0, tokens=4 * BS)
-    finally:
-        hit.release()
-        loader.close()
 
 
 def test_engine_blocks_outside_the_cache_or_a_range_that_does_not_fill_them_are_refused(tmp_path, model) -> None:
-    loader, ids = _loader(tmp_path, model, {"compression": "fp8"})
-    hit = loader.lookup(ids)
-    try:
-        assert hit is not None
+    with _hit(tmp_path, model, {"compression": "fp8"}) as hit:
         lay = layout("cpu_vec", blocks=6, heads=2, block=8, dim=16, dtype=torch.bfloat16)
         caches = [random_cache(lay, seed=i) for i in range(2)]
         before = [c.clone() for c in caches]
@@ -105,6 +106,3 @@ def test_engine_blocks_outside_the_cache_or_a_range_that_does_not_fill_them_are_
         with pytest.raises(ValueError, match="outside this hit"):
             hit.into_cpu_blocks(caches, lay, [0, 1], first_block=3, tokens=2 * BS)
         assert all(torch.equal(a, b) for a, b in zip(caches, before))
-    finally:
-        hit.release()
-        loader.close()
