@@ -42,14 +42,14 @@ The last line printed is one JSON object; it is also written to ``bench/results/
     .venv/bin/python bench/engine_loop_bench.py --sizes 64x2048,64x8192
     .venv/bin/python bench/engine_loop_bench.py --reps 2   # two engines per arm, alternating, windows pooled
 
-The machine is shared: a busy one moves every figure (the probe's p99 most, as a thread that wakes
-needs a free core as well as the GIL). kvwarm's node, a process of its own, checks and writes the
-prefill's write-back burst (every prompt block) after vLLM has prefilled it; on a serving machine it
-has cores of its own, on this one it takes the engine's. So before each window, both arms alike, the
-driver stops stepping the engine until the machine's other processes use under a tenth of a core
-(``--quiet-s``, at most 120 s; 0: no wait), and reports the seconds waited and the other processes'
-CPU seconds during the window (``others_cpu_s``: the node's steady write-back among them). The arms run back to back on the same prompts; ``--reps``
-alternates them and pools their windows.
+The machine is shared: a busy one moves every figure (the probe's p99 most, as a thread that wakes needs
+a free core as well as the GIL). Work another process leaves running when the window starts (kvwarm's
+node checking and writing the prefill's write-back, or anything else on a shared machine) would land in
+it, while on a serving machine the node has cores of its own. So before each window, both arms alike,
+the driver stops stepping the engine until the machine's other processes use under a tenth of a core
+(``--quiet-s``, at most 120 s; 0: no wait), and reports the seconds waited and the other processes' CPU
+seconds during the window (``others_cpu_s``: the node's steady write-back among them). The arms run back
+to back on the same prompts; ``--reps`` alternates them and pools their windows.
 """
 from __future__ import annotations
 

@@ -22,9 +22,10 @@ SPEC (JSON): ``{"engine": {...}, "connector": {"extra": {...}} | null, "requests
 "window": W, "seed": S, "vocab": V, "timeout_s": T, "quiet_s": Q}``. With ``quiet_s``, between 3 and 4 the
 engine is not stepped until the machine's other processes are quiet (:func:`wait_quiet`, at most Q seconds).
 RESULT (JSON): ``steps`` (per steady step: ``wall_s``, ``hook_s``), ``probe`` (delays of the window's
-samples, seconds), ``hooks`` (per-hook totals over the window), ``threads_cpu_s`` (CPU seconds per
-thread name over the window), ``others_cpu_s`` (the other processes' over the window), ``quiet_wait_s``, ``prefill_s``, ``startup_s``, ``stats`` (the connector's, after
-shutdown), ``timer_overhead_s`` (one timed call of an empty hook), ``error``.
+samples, seconds), ``hooks`` (per-hook totals over the window), ``threads_cpu_s`` (CPU seconds per thread
+name over the window), ``others_cpu_s`` (the other processes' over the window), ``quiet_wait_s``,
+``prefill_s``, ``startup_s``, ``stats`` (the connector's, after shutdown), ``timer_overhead_s`` (one
+timed call of an empty hook), ``error``.
 """
 from __future__ import annotations
 

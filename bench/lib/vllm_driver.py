@@ -363,7 +363,7 @@ def main(spec_path: str, result_path: str) -> int:
                 barrier(result_path, step["name"])
                 continue
             if step.get("quiet_s") is not None:
-                result["steps"].append({"name": step.get("name"), "waited_s": wait_quiet(float(step["quiet_s"]), include_self=True)})
+                result["steps"].append({"name": step["name"], "waited_s": wait_quiet(step["quiet_s"], include_self=True)})
                 continue
             if step.get("reset_prefix_cache"):  # vLLM's own cache forgets everything: the next step asks kvwarm
                 result["steps"].append({"name": step.get("name"), "reset": llm.reset_prefix_cache(),

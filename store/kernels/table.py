@@ -292,6 +292,6 @@ def gather_payloads_vec(payloads: Sequence[np.ndarray], plan: "PayloadPlan", tok
                          f"{engine_block}")
     base = np.fromiter((_address(a) for a in payloads), dtype=np.uint64, count=n)
     dsts = np.fromiter((c.data_ptr() for c in caches), dtype=np.uint64, count=len(caches))
-    _native.gather_vec(base, jobs.src, jobs.scale, jobs.rows, jobs.copy_src, jobs.copy_rows, _FP8_NP, dsts, np.asarray(block_ids, dtype=np.int64),
-                       tokens, bs, dim, h1 - h0, engine_block, skip, num_blocks)
+    _native.gather_vec(base, jobs.src, jobs.scale, jobs.rows, jobs.copy_src, jobs.copy_rows, _FP8_NP, dsts,
+                       np.asarray(block_ids, dtype=np.int64), tokens, bs, dim, h1 - h0, engine_block, skip, num_blocks)
     return True
