@@ -171,7 +171,7 @@ def summarize(res: dict) -> dict:
            "probe_late_ms_p99": pct(probe, 0.99) if probe else None, "probe_late_ms_max": max(probe, default=None),
            "prefill_s": res.get("prefill_s"), "window_s": res.get("window_s"), "startup_s": res.get("startup_s"),
            "shutdown_s": res.get("shutdown_s"), "threads_cpu_s": res.get("threads_cpu_s"),
-           "quiet_wait_s": res.get("quiet_wait_s"), "others_cpu_s": res.get("others_cpu_s")}
+           "quiet_wait_s": res.get("quiet_wait_s"), "others_cpu_s": res.get("others_cpu_s"), "gc": res.get("gc")}
     if "hooks" in res:
         per = max(1, len(steps))
         calls = sum(v["calls"] for v in res["hooks"].values())

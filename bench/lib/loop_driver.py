@@ -26,7 +26,9 @@ RESULT (JSON): ``steps`` (per steady step: ``wall_s``, ``hook_s``), ``probe`` (d
 samples, seconds), ``hooks`` (per-hook totals over the window), ``threads_cpu_s`` (CPU seconds per thread
 name over the window), ``others_cpu_s`` (the other processes' over the window), ``quiet_wait_s``,
 ``prefill_s``, ``startup_s``, ``stats`` (the connector's, after shutdown), ``timer_overhead_s`` (one
-timed call of an empty hook), ``error``.
+timed call of an empty hook), ``gc`` (Python's collections in the window: count and seconds per
+generation), ``error``. With ``$KVWARM_LOOP_PROFILE`` set to a path, the window's main thread is profiled
+(cProfile) into ``PATH.<connector class>`` (``PATH.none`` without one).
 """
 from __future__ import annotations
 
@@ -43,6 +45,8 @@ from bench.lib.machine_idle import machine_cpu, others_cpu_s, wait_quiet
 
 TIMED_CLASS, TIMED_MODULE = "TimedKvwarmConnector", "bench.lib.timed_connector"
 PROBE_SLEEP_S = 0.001
+#: a path: the window's main thread profiled (cProfile) into PATH.<connector class, or none>
+PROFILE_ENV = "KVWARM_LOOP_PROFILE"
 
 
 class GilProbe:
@@ -87,6 +91,27 @@ def threads_cpu() -> dict[str, float]:
         name = "main" if t is threading.main_thread() else t.name
         out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
+
+
+class GcClock:
+    """Python's cyclic collections while on: their count and seconds, per generation (``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.count = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._t0 = 0.0
+        import gc
+
+        gc.callbacks.append(self._note)
+
+    def _note(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self.on:
+            gen = int(info.get("generation", 0))
+            self.count[gen] += 1
+            self.seconds[gen] += time.perf_counter() - self._t0
 
 
 def timer_overhead_s(reps: int = 20000) -> float:
@@ -155,6 +180,7 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
 
     core.step_fn = step_fn
     probe = GilProbe().start()
+    collections = GcClock()
     t_add = time.perf_counter()
     for i, p in enumerate(ids):
         engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=p), params)
@@ -174,12 +200,22 @@ def run(spec: dict[str, Any], result: dict[str, Any]) -> None:
                 clock.reset_peaks()
             cpu0 = threads_cpu()
             machine0 = machine_cpu()
+            collections.on = True
+            if os.environ.get(PROFILE_ENV):
+                import cProfile
+                prof = cProfile.Profile()
+                prof.enable()
             t_window = time.perf_counter()
         engine.step()
     t_end = time.perf_counter()
     cpu1 = threads_cpu()
+    collections.on = False
+    if os.environ.get(PROFILE_ENV) and t_window is not None:
+        prof.disable()
+        prof.dump_stats(f"{os.environ[PROFILE_ENV]}.{'none' if conn is None else conn['class']}")
     if t_window is not None:
         result["others_cpu_s"] = round(others_cpu_s(machine0, machine_cpu()), 3)
+        result["gc"] = {"collections": collections.count, "seconds": [round(x, 4) for x in collections.seconds]}
     hooks1 = clock.snapshot() if clock is not None else None
     result["window_s"] = t_end - (t_window or t_end)
     result["probe"] = probe.between(t_window or t_end, t_end)
