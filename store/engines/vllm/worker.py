@@ -294,9 +294,10 @@ class WorkerRole:
         tokens = op.end - op.first * self.kv_block
         # this worker's share only: its layers (a pipeline stage's), its heads (a tensor-parallel rank's)
         if op.kv is None and self.caches[index].device.type == "cpu":  # all its layers at once: the CPU's fastest
-            if self._scatter and op.hit.into_cpu_blocks(self.caches, self.layout, op.ids, first_block=op.first,
-                                                        tokens=tokens, layers=self._layers, heads=self._heads,
-                                                        skip=op.offset):
+            # (straight into the blocks where the load runs in the step; on a thread, a deadline stops it between layers)
+            if self._scatter and self.fences.thread is None and op.hit.into_cpu_blocks(
+                    self.caches, self.layout, op.ids, first_block=op.first, tokens=tokens, layers=self._layers,
+                    heads=self._heads, skip=op.offset):
                 op.kv = []  # every layer written, straight into its blocks
             else:
                 op.kv = op.hit.dequantized(self.layout.dtype, first_block=op.first, tokens=tokens,
