@@ -190,6 +190,29 @@ def _selected(plan: "PayloadPlan", layers: tuple[int, ...] | None, heads: tuple[
     return got
 
 
+def _checked_jobs(payloads: Sequence[np.ndarray], plan: "PayloadPlan", tokens: int, layers: tuple[int, ...] | None,
+                  heads: tuple[int, int] | None) -> _Jobs:
+    """:func:`_selected`'s jobs for ``layers`` and ``heads``, once the selection and the payloads are checked
+    against the plan (every address a native call reads then lies inside its payload).
+
+    Raises:
+        ValueError: the selection is not layers and heads of the plan, or the payloads are not of its layout.
+    """
+    heads_all, bs, _ = plan.shape
+    n = len(payloads)
+    nbytes = payloads[0].shape[0]
+    if layers is not None and (len(set(layers)) != len(layers) or any(not 0 <= i < plan.m // 2 for i in layers)
+                               or not layers):
+        raise ValueError(f"layers {list(layers)} are not distinct layers of the payload's {plan.m // 2}")
+    if heads is not None and not 0 <= heads[0] < heads[1] <= heads_all:
+        raise ValueError(f"heads {heads} are not a range of the payload's {heads_all}")
+    jobs = _selected(plan, layers, None if heads == (0, heads_all) else heads)
+    if (tokens < 1 or tokens > n * bs or jobs.end > nbytes
+            or any(a.dtype != np.uint8 or a.shape != (nbytes,) or not a.flags.c_contiguous for a in payloads)):
+        raise ValueError(f"payloads do not match the plan: {n} payloads of {nbytes} bytes for {tokens} tokens")
+    return jobs
+
+
 def gather_payloads(payloads: Sequence[np.ndarray], plan: "PayloadPlan", tokens: int, dtype: torch.dtype, *,
                     layers: Sequence[int] | None = None, heads: tuple[int, int] | None = None) -> torch.Tensor | None:
     """Every K/V part of consecutive snapshot payloads, as ``[parts, heads, tokens, dim]`` in ``dtype``.
@@ -217,16 +240,8 @@ def gather_payloads(payloads: Sequence[np.ndarray], plan: "PayloadPlan", tokens:
         return None
     heads_all, bs, dim = plan.shape
     n = len(payloads)
-    nbytes = payloads[0].shape[0]
     sel = tuple(int(i) for i in layers) if layers is not None else None
-    if sel is not None and (len(set(sel)) != len(sel) or any(not 0 <= i < plan.m // 2 for i in sel) or not sel):
-        raise ValueError(f"layers {list(sel)} are not distinct layers of the payload's {plan.m // 2}")
-    if heads is not None and not 0 <= heads[0] < heads[1] <= heads_all:
-        raise ValueError(f"heads {heads} are not a range of the payload's {heads_all}")
-    jobs = _selected(plan, sel, None if heads == (0, heads_all) else heads)
-    if (tokens < 1 or tokens > n * bs or jobs.end > nbytes
-            or any(a.dtype != np.uint8 or a.shape != (nbytes,) or not a.flags.c_contiguous for a in payloads)):
-        raise ValueError(f"payloads do not match the plan: {n} payloads of {nbytes} bytes for {tokens} tokens")
+    jobs = _checked_jobs(payloads, plan, tokens, sel, heads)
     parts = 2 * len(sel) if sel is not None else plan.m
     out = memory.empty((parts, heads[1] - heads[0] if heads is not None else heads_all, tokens, dim), dtype)
     base = np.fromiter((_address(a) for a in payloads), dtype=np.uint64, count=n)
@@ -281,12 +296,8 @@ def gather_payloads_vec(payloads: Sequence[np.ndarray], plan: "PayloadPlan", tok
     num_blocks = caches[0].shape[0]
     if any(c.shape[0] != num_blocks or c.numel() != num_blocks * per_block for c in caches):
         return False
-    jobs = _selected(plan, None if layers is None else sel, None if (h0, h1) == (0, heads_all) else (h0, h1))
+    jobs = _checked_jobs(payloads, plan, tokens, None if layers is None else sel, (h0, h1))
     n = len(payloads)
-    nbytes = payloads[0].shape[0]
-    if (tokens < 1 or tokens > n * bs or jobs.end > nbytes
-            or any(a.dtype != np.uint8 or a.shape != (nbytes,) or not a.flags.c_contiguous for a in payloads)):
-        raise ValueError(f"payloads do not match the plan: {n} payloads of {nbytes} bytes for {tokens} tokens")
     if (tokens - skip) != len(block_ids) * engine_block or skip < 0:
         raise ValueError(f"{tokens - skip} tokens from {skip} do not fill {len(block_ids)} engine blocks of "
                          f"{engine_block}")

@@ -135,6 +135,14 @@ class LoaderHit:
             raise ValueError(f"heads {heads} are not a range of these snapshots' {lay.num_kv_heads} KV heads")
         return chosen, slice(start, stop)
 
+    def _blocks(self, first_block: int, tokens: int) -> slice:
+        """The snapshots holding ``tokens`` tokens from block ``first_block``; ValueError outside this hit."""
+        blocks = slice(first_block, first_block + -(-tokens // self.block_size))
+        if first_block < 0 or tokens <= 0 or len(self.snapshots[blocks]) * self.block_size < tokens:
+            raise ValueError(f"{tokens} tokens from block {first_block} are outside this hit of "
+                             f"{len(self.snapshots)} blocks")
+        return blocks
+
     # -- handing KV to engines -----------------------------------------------
     def to_dynamic_cache(self, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16, *,
                          model_config: Any = None) -> Any:
@@ -193,11 +201,8 @@ class LoaderHit:
         chosen, share = self._share(layers, heads)
         if tokens is None:
             tokens = self.usable_tokens - first_block * self.block_size
-        blocks = slice(first_block, first_block + -(-tokens // self.block_size))
+        blocks = self._blocks(first_block, tokens)
         snaps = self.snapshots[blocks]
-        if first_block < 0 or tokens <= 0 or len(snaps) * self.block_size < tokens:
-            raise ValueError(f"{tokens} tokens from block {first_block} are outside this hit of "
-                             f"{len(self.snapshots)} blocks")
         g = snaps[0].header.precision.group_tokens
         dq = self._loader.dequantizer
         if torch.device(device).type == "cpu":  # whole payloads at once where the layout allows
@@ -229,11 +234,7 @@ class LoaderHit:
         if layout.kind != "cpu_vec" or self._loader.dequantizer.mode == "compiled":
             return False
         chosen, share = self._share(layers, heads)
-        snaps = self.snapshots[first_block: first_block + -(-tokens // self.block_size)]
-        if first_block < 0 or tokens <= 0 or len(snaps) * self.block_size < tokens:
-            raise ValueError(f"{tokens} tokens from block {first_block} are outside this hit of "
-                             f"{len(self.snapshots)} blocks")
-        payloads = [s.payload for s in snaps]
+        payloads = [s.payload for s in self.snapshots[self._blocks(first_block, tokens)]]
         if any(p is None or p[1] is not payloads[0][1] for p in payloads):  # type: ignore[index]
             return False
         plan = payload_plan(payloads[0][1])  # type: ignore[index]
