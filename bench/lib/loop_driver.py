@@ -246,7 +246,7 @@ def _all_decoding(sched: Any, n: int) -> bool:
 
 
 def main(spec_path: str, result_path: str) -> int:
-    from bench.lib.vllm_driver import drive
+    from bench.lib.driver_io import drive
 
     return drive(run, spec_path, result_path, {"error": None, "timer_overhead_s": timer_overhead_s()})
 

@@ -13,7 +13,7 @@ the engine stepped here as a server's engine loop steps it. Per run:
    node client is given up to ``node_wait_s`` to connect to the node process (which it starts
    itself when none answers: ``node.autostart``), so that the measured requests meet a running node;
 2. the ``warmup`` requests run (not measured);
-3. each of ``rounds`` waits for its turn (barrier ``round<j>``, :func:`bench.lib.vllm_driver.barrier`: the
+3. each of ``rounds`` waits for its turn (barrier ``round<j>``, :func:`bench.lib.driver_io.barrier`: the
    bench runs another engine's round meanwhile), then runs closed loop: ``concurrency`` requests are in
    the engine at once, and each one that finishes is replaced by the next prompt at once. A request's
    time to first token runs from its ``add_request`` to the return of the engine step that produced
@@ -94,7 +94,8 @@ def wait_node(conns: dict[str, Any], timeout_s: float) -> float | None:
 
 
 def run(spec: dict[str, Any], result: dict[str, Any], result_path: str) -> None:
-    from bench.lib.vllm_driver import barrier, build_llm, connectors, read_stats
+    from bench.lib.driver_io import barrier
+    from bench.lib.vllm_driver import build_llm, connectors, read_stats
 
     t0 = time.perf_counter()
     llm = build_llm({"engine": spec["engine"], "connector": spec.get("connector")})
@@ -161,7 +162,7 @@ def drain(writer: Any) -> float | None:
 
 
 def main(spec_path: str, result_path: str) -> int:
-    from bench.lib.vllm_driver import drive
+    from bench.lib.driver_io import drive
 
     return drive(lambda spec, result: run(spec, result, result_path), spec_path, result_path, {"error": None})
 

@@ -23,6 +23,7 @@ SPEC (JSON)::
                 "repeat": 1},
                {"name": "pause", "barrier": true},   # wait here until the caller says go
                {"name": "settle", "quiet_s": 30},   # at most 30 s until the machine idles (the last step's write-back)
+               {"name": "linked", "until": ["scheduler", "node", "connected"], "timeout_s": 60},  # a stat is true
                {"name": "forget", "reset_prefix_cache": true},   # empty vLLM's own prefix cache
                {"name": "keys", "keys": [{"ids": [..], "tenant": "acme", "chat": false}]},
                {"name": "live", "replay": [{"id": "r0", "at_s": 0.0, "ids": [..], "max_tokens": 1,
@@ -38,8 +39,9 @@ prefill stats) and ``kv_transfer_params``.
 RESULT (JSON): ``import_s`` (of vllm), ``startup_s`` (the ``LLM`` constructor), ``scheduler`` (its class name),
 ``kv_capacity_tokens`` (the engine's KV cache, in tokens); per step the outputs of every call (tokens,
 num_cached_tokens, kv_transfer_params, seconds), or for a ``keys`` step the block keys the scheduler-role
-connector computes for each prompt (``block_keys``), or a ``settle`` step's ``waited_s``, and the connectors'
-stats after it; the stats after the engine's shutdown (``final_stats``); ``error`` (a traceback).
+connector computes for each prompt (``block_keys``), or a ``settle`` or ``until`` step's ``waited_s``, and the
+connectors' stats after it (an ``until`` step whose stat is still false at ``timeout_s`` fails the run); the
+stats after the engine's shutdown (``final_stats``); ``error`` (a traceback).
 """
 from __future__ import annotations
 
@@ -49,11 +51,12 @@ import statistics
 import sys
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any
 
 # before vllm is imported: one process, no engine-core or worker processes to start and stop
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 
+from bench.lib.driver_io import barrier, write_result
 from bench.lib.machine_idle import wait_quiet
 CONNECTOR_CLASS = "KvwarmConnector"
 CONNECTOR_MODULE = "store.engines.vllm"
@@ -162,6 +165,26 @@ def read_stats(conns: dict[str, Any]) -> dict[str, Any]:
         except Exception as exc:  # the report must still be written
             out[role] = {"stats_error": f"{type(exc).__name__}: {exc}"}
     return out
+
+
+def wait_stat(conns: dict[str, Any], step: dict[str, Any]) -> dict[str, Any]:
+    """Wait until the connectors' stat at the path ``step["until"]`` is true (a node connected, say).
+
+    Raises:
+        TimeoutError: it is not true after ``step["timeout_s"]`` (default 60 s).
+    """
+    t0 = time.monotonic()
+    while True:
+        stats = value = read_stats(conns)
+        for part in step["until"]:
+            value = value.get(part) if isinstance(value, dict) else None
+        if value or time.monotonic() - t0 > float(step.get("timeout_s", 60)):
+            break
+        time.sleep(0.05)
+    if not value:
+        raise TimeoutError(f"step {step.get('name')!r}: {'.'.join(step['until'])} not true within "
+                           f"{step.get('timeout_s', 60)} s; stats: {stats}")
+    return {"name": step.get("name"), "waited_s": time.monotonic() - t0, "stats": stats}
 
 
 def run_step(llm: Any, step: dict[str, Any]) -> list[dict[str, Any]]:
@@ -304,42 +327,6 @@ def memcpy_seconds(nbytes: int, reps: int = 7) -> float:
     return statistics.median(times)
 
 
-def barrier(result_path: str, name: str, timeout_s: float = 600) -> None:
-    """Say this step is reached (``RESULT.NAME.reached``) and wait for ``RESULT.NAME.go``.
-
-    The caller does something to the world between two steps (stops the S3 server, say).
-    """
-    open(f"{result_path}.{name}.reached", "w").close()
-    deadline = time.monotonic() + timeout_s
-    while not os.path.exists(f"{result_path}.{name}.go"):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"barrier {name!r}: no go within {timeout_s} s")
-        time.sleep(0.05)
-
-
-def write_result(result: dict[str, Any], result_path: str) -> None:
-    """The result file, replaced whole (its reader sees the old one or the new one, never half)."""
-    with open(result_path + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(result_path + ".tmp", result_path)
-
-
-def drive(run: Callable[[dict[str, Any], dict[str, Any]], None], spec_path: str, result_path: str,
-          result: dict[str, Any]) -> int:
-    """A driver's main: ``run(spec, result)``, then the result written whatever happened (with the
-    traceback under ``error`` when it raised); the exit status."""
-    with open(spec_path) as f:
-        spec = json.load(f)
-    try:
-        run(spec, result)
-    except BaseException:  # noqa: BLE001 - the result, with the traceback, must still be written
-        result["error"] = traceback.format_exc()
-        traceback.print_exc()
-    finally:
-        write_result(result, result_path)
-    return 1 if result["error"] else 0
-
-
 def main(spec_path: str, result_path: str) -> int:
     spec = json.loads(open(spec_path).read())
     result: dict[str, Any] = {"steps": [], "error": None}
@@ -364,6 +351,9 @@ def main(spec_path: str, result_path: str) -> int:
                 continue
             if step.get("quiet_s") is not None:
                 result["steps"].append({"name": step["name"], "waited_s": wait_quiet(step["quiet_s"], include_self=True)})
+                continue
+            if step.get("until"):
+                result["steps"].append(wait_stat(conns, step))
                 continue
             if step.get("reset_prefix_cache"):  # vLLM's own cache forgets everything: the next step asks kvwarm
                 result["steps"].append({"name": step.get("name"), "reset": llm.reset_prefix_cache(),

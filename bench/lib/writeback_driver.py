@@ -105,7 +105,7 @@ def run(spec: dict[str, Any], result: dict[str, Any], result_path: str) -> None:
 
 
 def main(spec_path: str, result_path: str) -> int:
-    from bench.lib.vllm_driver import drive
+    from bench.lib.driver_io import drive
 
     return drive(lambda spec, result: run(spec, result, result_path), spec_path, result_path, {"error": None})
 

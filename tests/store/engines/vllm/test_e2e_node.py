@@ -5,6 +5,8 @@ The engine's scheduler role starts a node at the config's ``node.socket`` on its
 The test waits for it, lets the engine serve stored prefixes, kills the node with SIGKILL, lets the
 engine serve the same prompts again (the probe asks the NVMe tier itself: counted ``fallbacks``), then
 waits for the client to have started a new node and lets the engine serve them a third time through it.
+Before the first and the third round the engine waits until its scheduler's client has said hello (a driver
+``until`` step): the node answering is not yet the client connected, and a probe before that asks the tier.
 Every call must give vLLM's cold tokens, and every stored prefix must load in all three rounds.
 """
 from __future__ import annotations
@@ -77,10 +79,13 @@ def node_run(engine, tmp_path_factory):
     ids = all_ids()
     round_ = [request(ids[n]) for n in NAMES]
     steps = [{"name": "started", "barrier": True},
+             # the node answers; the scheduler's client says hello on its own thread: its first probes wait for that
+             {"name": "linked", "until": ["scheduler", "node", "connected"], "timeout_s": HANG_S},
              {"name": "through_node", "requests": round_, "together": True},
              {"name": "kill", "barrier": True},
              {"name": "node_killed", "requests": round_, "together": True},
              {"name": "restarted", "barrier": True},
+             {"name": "relinked", "until": ["scheduler", "node", "connected"], "timeout_s": HANG_S},
              {"name": "new_node", "requests": round_, "together": True}]
     pids: list[int] = []
     proc = start_engine(engine_spec(steps, extra=connector(cfg, write_back=False)), d / "engine")
