@@ -66,9 +66,10 @@ class KeyRoot:
         if not self.model_fingerprint:
             raise ValueError("model_fingerprint must not be empty")
 
-    @property
+    @functools.cached_property
     def salt_id(self) -> str:
-        """A public fingerprint of the salt (safe to store in headers; reveals nothing)."""
+        """A public fingerprint of the salt (safe to store in headers; reveals nothing). Computed once per root:
+        every read checks it."""
         return salt_id(self.tenant_salt)
 
 

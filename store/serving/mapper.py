@@ -126,10 +126,12 @@ class PoolMapper:
                 snap, size = cached[1], cached[2]
             else:
                 all_pooled &= name in in_pool
-                # The payload is checked once per node, when it enters the pool; the kernel
-                # reads a snapshot about to be used ahead.
+                # The payload is checked once per node, when it enters the pool; the kernel reads
+                # ahead a snapshot about to be used that no process has mapped (a pooled one is in
+                # the page cache: the advice would only walk its pages, ~25 us a snapshot).
+                pooled = name in in_pool
                 found = self.store.read(self.tenant, block, scope.root, now=now, local_only=True,
-                                        verify=self.verify_payload and name not in in_pool, readahead=True)
+                                        verify=self.verify_payload and not pooled, readahead=not pooled)
                 if found.snapshot is None:
                     stop = found.miss  # absent: evicted from NVMe since the probe
                     break

@@ -59,6 +59,9 @@ def test_an_unknown_source_is_refused_when_building_and_a_non_string_one_is_corr
 @pytest.mark.parametrize("field, value", [
     ("expires_at", float("nan")), ("created_at", float("inf")), ("created_at", "yesterday"), ("expires_at", True),
     ("token_ids", ["1"] * 16), ("token_ids", [-1] * 16), ("token_ids", [1 << 40] * 16), ("tenant", 7),
+    # one bad id among good ones: a bool, a float, below 0, above 2**32 - 1
+    ("token_ids", [1] * 15 + [True]), ("token_ids", [1] * 15 + [2.0]), ("token_ids", [1] * 15 + [-1]),
+    ("token_ids", [1] * 15 + [1 << 32]),
     ("quant_error", {"k_rel_l2": ["small"]}), ("quant_error", []),
 ])
 def test_a_header_field_of_the_wrong_type_or_out_of_bounds_is_corrupt(field, value) -> None:
