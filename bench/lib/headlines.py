@@ -201,9 +201,9 @@ def engine(r: dict) -> list[Table]:
                ("warm ≤ 0.1 × cold", verdict(t["warm_over_cold_met"]))]
     if rs := r.get("restart"):  # a second engine beside the node the first one started (÷ its own hit)
         rows += [(f"kvwarm after an engine restart, {what}, {rs['precision']}", f"{rs[s]:.3f} s", f"{rs[o]:.2f}", "")
-                 for what, s, o in (("first warm", "first_s", "first_over_hit"), ("median", "median_s", "warm_over_hit"))]
-        targets.append(("first warm request after an engine restart (node kept) ≤ 1.25 × own hit",
-                        verdict(t["restart_first_over_hit_met"])))
+                 for what, s, o in ((f"first warm (median of {rs.get('restarts', 1)} engines)", "first_s",
+                                     "first_over_hit"), ("every warm request", "median_s", "warm_over_hit"))]
+        targets.append(("first warm after an engine restart ≤ 1.25 × own hit", verdict(t["restart_first_over_hit_met"])))
     tables = [Table(("time to first token", "median", "÷ own hit", "÷ cold"), rows,
                     note=f"{r['model']}, {r['prefix_tokens']:,} stored tokens + {r['new_tokens']} new, "
                          f"{r['reps']} repeats, on {r['device']}.")]
