@@ -52,6 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.lib.bench_node import stop_nodes  # noqa: E402
 from bench.lib.cuda_engine import add_cuda_options, cuda_engine_args  # noqa: E402
 from bench.lib.engine_parts import BLOCK, S3_ENV, shaped_model_dir  # noqa: E402
 from bench.lib.results import Run, add_results_option, variant_of  # noqa: E402
@@ -136,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if proc is not None:
             proc.stop()  # by its process group; a no-op once it has exited
+        stop_nodes(work)  # the node process the engine started (it would outlive the run)
         weed.stop()
         shutil.rmtree(work, ignore_errors=True)
     out = summarize(burst=burst, result=result, expected=expected, nvme=nvme, s3=s3, s3_done_at=s3_done_at,

@@ -36,6 +36,8 @@ def write_config(path: Path, *, nvme: Path, bucket: str, endpoint: str, tenant: 
     """kvwarm's config: the defaults (write-back, FP8) over a local tier and the bucket, and a tenant."""
     import yaml
 
+    from bench.lib.bench_node import node_section
+
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump({
         "kv_cache": {"block_size": 256},
@@ -44,6 +46,7 @@ def write_config(path: Path, *, nvme: Path, bucket: str, endpoint: str, tenant: 
                          "secret_key_env": "KVWARM_BENCH_S3_SECRET"}},
         "loader": {"pool_dir": str(path.parent / "pool"), "pool_bytes": "2GiB"},
         "tenants": {tenant: {}},  # kvwarm writes back no request of tenant 'public'
+        "node": node_section(path.parent),  # the engine's own node, stopped with the run (not the default socket's)
     }))
     return path
 
