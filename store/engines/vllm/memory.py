@@ -3,8 +3,9 @@
 The scheduler role tells :class:`EngineMemory` about each request it finishes; the names of
 the request's full kvwarm blocks (its tenant's chain, plain or chat-keyed as write-back keys
 it, and the ``public`` blocks it loaded) go to a :class:`store.serving.fleet.FleetRecorder`,
-in memory. The recorder's files are written off the engine's loop, on one thread of this
-module's, every ``fleet_memory.flush_s``, and once more at shutdown. A new or replaced node's
+in memory. Both happen off the engine's loop, on one thread of this module's: a request's names
+are hashed and handed there, and the recorder's files written every ``fleet_memory.flush_s``, and
+once more at shutdown. A new or replaced node's
 agent reads them (:mod:`store.engines.vllm.agents`). Nothing here raises into the engine.
 
 While the machine's node process is connected (:mod:`store.engines.vllm.nodes`), the names go to
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import threading
 from typing import Any, Sequence
 
 from store.engines.vllm.probe import StoreProbe
@@ -26,6 +28,8 @@ from store.serving.priority import lower_this_thread
 from store.tiers.base import parse_object_name
 
 log = logging.getLogger("kvwarm.connector")
+#: finished requests waiting for the fleet thread at most; past it a request is recorded on the caller's thread
+MAX_QUEUED = 256
 
 
 class EngineMemory:
@@ -44,6 +48,9 @@ class EngineMemory:
         self.node_records = 0  # requests recorded through the node
         self._writer = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvwarm-fleet",
                                             initializer=lower_this_thread)
+        self._last: cf.Future[None] | None = None  # the last request handed to the writer (it runs them in turn)
+        self._queued = 0  # requests handed to the writer and not yet recorded
+        self._count = threading.Lock()
 
     @classmethod
     def open(cls, settings: Any, tiers: Sequence[Any], probe: StoreProbe, node: Any = None) -> "EngineMemory | None":
@@ -84,14 +91,40 @@ class EngineMemory:
         return out
 
     def served(self, st: RequestState) -> None:
-        """A request finished: record its blocks; start a flush in the background when one is due."""
+        """A request finished: its blocks are recorded on this module's thread, not vLLM's (their names
+        hashed, then handed to the node in a round trip, or to the recorder), and a flush started when due."""
+        with self._count:
+            inline = self._queued >= MAX_QUEUED  # the thread lags a burst: this one here, the queue bounded
+            self._queued += not inline
+        if inline:
+            self._served(st, queued=False)
+            return
+        try:
+            self._last = self._writer.submit(self._served, st)
+        except RuntimeError:  # shut down: the engine is stopping
+            with self._count:
+                self._queued -= 1
+            log.debug("kvwarm: request %s finished after the fleet's memory closed", st.req_id)
+
+    def _served(self, st: RequestState, queued: bool = True) -> None:
+        if queued:
+            with self._count:
+                self._queued -= 1
         try:
             names = self.names(st)
             if names and not self._to_node(names):
                 self.recorder.record(names)
-            self.recorder.flush_when_due(self._writer)
+            if queued:
+                self.recorder.maybe_flush()  # on the writer's thread already
+            else:
+                self.recorder.flush_when_due(self._writer)  # never a write on vLLM's thread
         except Exception:  # noqa: BLE001 - the fleet's memory is best effort
             log.exception("kvwarm: could not record request %s in the fleet's memory", st.req_id)
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the requests handed so far to be recorded; whether they were."""
+        last = self._last
+        return last is None or not cf.wait([last], timeout=timeout_s).not_done
 
     def close(self) -> None:
         """Write what is recorded, then stop the writer."""

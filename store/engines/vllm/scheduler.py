@@ -374,10 +374,12 @@ class SchedulerRole:
     def stats(self) -> dict[str, Any]:
         """Every figure since start: this role's counters, the worker's as reported, the estimates.
 
-        Waits up to a second for the cross-tenant checks still queued (their requests' lookups
-        are counted with them); vLLM's per-step figures (``counters.take``) never wait.
+        Waits up to a second each for the cross-tenant checks still queued (their lookups are counted
+        with them) and the finished requests' fleet records; vLLM's per-step figures never wait.
         """
         self.audit.flush(1.0)
+        if self.memory is not None:
+            self.memory.flush(1.0)
         out = dict(self.counters.totals())
         merge(out, self._worker_totals)
         out["requests_tracked"] = len(self.tracker)

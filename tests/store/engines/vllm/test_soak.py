@@ -170,9 +170,9 @@ def test_ten_thousand_requests_through_the_connectors_scheduler_role_keep_memory
                                                     seconds=1e-4) for s in plan.loads]), None)
         assert role.request_finished(req)["kvwarm"]["loaded_tokens"] == (n or 0)
 
-    # the cross-tenant checks of bolt's misses queue to a background thread (at most audit.CAPACITY):
-    # on a busy machine it lags, and its queue is not what this test bounds
-    grown = growth(request, 10_000, 2_000, settle=lambda: role.audit.flush(60))
+    # the cross-tenant checks of bolt's misses, and the fleet records, queue to background threads (bounded):
+    # on a busy machine they lag, and their queues are not what this test bounds
+    grown = growth(request, 10_000, 2_000, settle=lambda: (role.audit.flush(60), role.memory.flush(60)))
     stats = role.stats()
     kept = max(len(d) for d in role.memory.recorder._names.values())  # max_names bounds each namespace
     role.close()
